@@ -1,0 +1,36 @@
+# normfold: two commands for a fresh machine.
+#   make demo   fold the bundled default model and print the report
+#   make test   the whole test suite (Triton kernels run on the CPU through TRITON_INTERPRET=1)
+# Both create or reuse .venv/ idempotently. torch is installed first with an overridable spec,
+# because a bare torch requirement would pull a multi-GB CUDA build on CPU machines.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.normfold-installed
+PYTEST_ARGS ?=
+N ?= 2000
+
+.PHONY: venv demo test fuzz bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	$(VENV)/bin/normfold demo
+
+test: venv
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS) tests
+
+bench: venv
+	$(PY) benchmarks/bench_norm.py
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

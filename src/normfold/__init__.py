@@ -1,0 +1,55 @@
+"""normfold: LayerNorm's behaviour at RMSNorm's cost.
+
+Fused RMSNorm / LayerNorm ops (``normfold.ops``, ``normfold.nn``), an engine that converts the
+LayerNorms of any ``torch.export``-able model exactly into RMSNorms (``analyze`` / ``fold`` /
+``verify``), Hugging Face checkpoint I/O, CBWC training and diagnostics.
+
+``import normfold`` needs only torch; the fold engine, checkpoint I/O, training and lab parts
+are imported on first use.
+"""
+from __future__ import annotations
+
+import importlib
+
+from . import nn, ops
+from .nn import FusedAddRMSNorm, RMSNorm
+from .ops import layer_norm, rms_norm
+
+# Imported eagerly (torch only): the function ``fold`` must shadow the subpackage ``normfold.fold``.
+from .fold import (FoldError, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze, fold,
+                   verify)
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (imported lazily on first attribute access)
+_LAZY = {
+    # Hugging Face folders
+    "from_pretrained": "normfold.hf",
+    # training
+    "cbwc_": "normfold.train.cbwc",
+    # lab
+    "inspect": "normfold.lab",
+}
+# public submodules reachable as attributes (``normfold.cbwc.bake_``)
+_LAZY_MODULES = {"cbwc": "normfold.train.cbwc", "hf": "normfold.hf", "train": "normfold.train", "lab": "normfold.lab"}
+
+__all__ = [
+    "ops", "nn", "rms_norm", "layer_norm", "RMSNorm", "FusedAddRMSNorm",
+    "analyze", "fold", "verify", "FoldReport", "NormEntry", "VerifyResult", "FoldError", "FoldVerificationError",
+    *_LAZY, *_LAZY_MODULES,
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    elif name in _LAZY_MODULES:
+        value = importlib.import_module(_LAZY_MODULES[name])
+    else:
+        raise AttributeError(f"module 'normfold' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

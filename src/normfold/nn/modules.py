@@ -1,0 +1,65 @@
+"""RMSNorm modules with the state-dict keys of ``torch.nn.RMSNorm`` / ``LayerNorm``."""
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import Tensor, nn
+
+from ..ops import rms_norm
+
+
+def _as_shape(normalized_shape) -> tuple[int, ...]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return (int(normalized_shape),)
+    shape = tuple(int(d) for d in normalized_shape)
+    if len(shape) != 1:
+        raise ValueError(f"normfold norms normalize the last dimension only: normalized_shape must be an int or a 1-tuple, got {shape}")
+    return shape
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x², -1) + eps) · (offset + weight) + bias.
+
+    ``bias=True`` holds a LayerNorm's β after folding; ``offset=1.0`` is Gemma's (1 + w).
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-6, elementwise_affine: bool = True,
+                 bias: bool = False, offset: float = 0.0, device=None, dtype=None) -> None:
+        super().__init__()
+        self.normalized_shape = _as_shape(normalized_shape)
+        self.eps = float(eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        self.offset = float(offset)
+        factory = {"device": device, "dtype": dtype}
+        if self.elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory)) if bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.constant_(self.weight, 1.0 - self.offset)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.bias, self.eps, offset=self.offset)
+
+    def extra_repr(self) -> str:
+        s = f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+        if self.bias is not None:
+            s += ", bias=True"
+        if self.offset:
+            s += f", offset={self.offset}"
+        return s
+
+
+class FusedAddRMSNorm(RMSNorm):
+    """``(rms_norm(x + residual), x + residual)``: the add and the norm in one pass."""
+
+    def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        return rms_norm(x, self.weight, self.bias, self.eps, residual=residual, offset=self.offset)

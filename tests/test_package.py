@@ -1,0 +1,24 @@
+"""The package imports with torch alone and exposes its public API."""
+import subprocess
+import sys
+
+import normfold
+
+
+def test_public_api_is_exported():
+    for name in normfold.__all__:
+        assert hasattr(normfold, name), name
+
+
+def test_fold_function_shadows_fold_subpackage():
+    assert callable(normfold.fold)
+    assert not isinstance(normfold.fold, type(normfold))
+
+
+def test_import_needs_only_torch():
+    code = (
+        "import sys, normfold\n"
+        "heavy = [m for m in ('transformers', 'triton', 'matplotlib', 'rich') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
