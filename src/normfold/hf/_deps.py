@@ -1,0 +1,18 @@
+"""Optional dependencies of the Hugging Face layer, imported on first use."""
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+_EXTRA = {"transformers": "hf", "safetensors": "hf", "matplotlib": "plot", "rich": "cli"}
+
+
+def require(module: str) -> ModuleType:
+    """Import ``module`` or raise an ImportError that says which extra installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        top = module.split(".")[0]
+        raise ImportError(
+            f"{top} is needed for this normfold feature: pip install 'normfold[{_EXTRA.get(top, 'hf')}]'"
+        ) from err
