@@ -1,4 +1,4 @@
 """Norm modules backed by normfold's fused ops."""
-from .modules import FusedAddRMSNorm, RMSNorm
+from .modules import FusedAddRMSNorm, LayerNorm, RMSNorm
 
-__all__ = ["RMSNorm", "FusedAddRMSNorm"]
+__all__ = ["RMSNorm", "FusedAddRMSNorm", "LayerNorm"]

@@ -1,4 +1,4 @@
-"""RMSNorm modules with the state-dict keys of ``torch.nn.RMSNorm`` / ``LayerNorm``."""
+"""Norm modules on normfold's fused ops, with the state-dict keys of ``torch.nn.RMSNorm`` / ``LayerNorm``."""
 from __future__ import annotations
 
 import numbers
@@ -6,7 +6,7 @@ import numbers
 import torch
 from torch import Tensor, nn
 
-from ..ops import rms_norm
+from ..ops import layer_norm, rms_norm
 
 
 def _as_shape(normalized_shape) -> tuple[int, ...]:
@@ -63,3 +63,38 @@ class FusedAddRMSNorm(RMSNorm):
 
     def forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
         return rms_norm(x, self.weight, self.bias, self.eps, residual=residual, offset=self.offset)
+
+
+class LayerNorm(nn.Module):
+    """Drop-in ``torch.nn.LayerNorm`` over the last dimension, on the fused kernel.
+
+    Same constructor, attributes and state-dict keys as torch's; only a 1-D
+    ``normalized_shape`` is supported.
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None) -> None:
+        super().__init__()
+        self.normalized_shape = _as_shape(normalized_shape)
+        self.eps = float(eps)
+        self.elementwise_affine = bool(elementwise_affine)
+        factory = {"device": device, "dtype": dtype}
+        if self.elementwise_affine:
+            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
+            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory)) if bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

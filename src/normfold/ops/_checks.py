@@ -7,12 +7,20 @@ import torch
 from torch import Tensor
 
 
+def _check_finite_number(name: str, value, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or (positive and value <= 0):
+        expected = "a finite number > 0" if positive else "a finite number"
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+
+
 def check_norm_args(
     x: Tensor,
     weight: Tensor | None,
     bias: Tensor | None,
     eps: float,
     residual: Tensor | None,
+    offset: float = 0.0,
 ) -> None:
     """Raise TypeError/ValueError naming the expected and the received value."""
     if not isinstance(x, Tensor):
@@ -24,8 +32,8 @@ def check_norm_args(
     n = x.shape[-1]
     if n == 0:
         raise ValueError(f"the normalized (last) dimension must be non-empty, got x.shape={tuple(x.shape)}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    _check_finite_number("eps", eps, positive=True)
+    _check_finite_number("offset", offset, positive=False)
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
@@ -35,6 +43,7 @@ def check_norm_args(
             raise ValueError(f"{name} must have shape ({n},) to match x's last dimension, got {tuple(p.shape)}")
         if not p.is_floating_point():
             raise TypeError(f"{name} must be floating-point, got {p.dtype}")
+        _check_same_device(name, p, x)
     if residual is not None:
         if not isinstance(residual, Tensor):
             raise TypeError(f"residual must be a torch.Tensor or None, got {type(residual).__name__}")
@@ -42,3 +51,22 @@ def check_norm_args(
             raise ValueError(f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}")
         if not residual.is_floating_point():
             raise TypeError(f"residual must be floating-point, got {residual.dtype}")
+        _check_same_device("residual", residual, x)
+
+
+def check_out(out: Tensor, x: Tensor, inputs: tuple[Tensor | None, ...]) -> None:
+    """``out`` must match x in shape, dtype and device, and cannot be used under autograd."""
+    if not isinstance(out, Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out must have shape {tuple(x.shape)} and dtype {x.dtype}, "
+                         f"got shape {tuple(out.shape)} and dtype {out.dtype}")
+    _check_same_device("out", out, x)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
+        raise ValueError("out= does not support autograd: expected inputs that do not require grad "
+                         "(or torch.no_grad()), got an input with requires_grad=True")
+
+
+def _check_same_device(name: str, t: Tensor, x: Tensor) -> None:
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on x's device {x.device}, got {t.device}")

@@ -1,35 +1,48 @@
-"""Public functional norms. (Backends: see ``normfold.ops`` dispatch; this first version runs
-the reference and will be routed through the fused custom ops.)"""
+"""Public functional norms, routed through the ``normfold::norm_fwd`` custom ops.
+
+The ops see 2-D (M, N) row-major tensors; here the leading dimensions are flattened and
+non-contiguous inputs made contiguous, after every argument has been checked.
+"""
 from __future__ import annotations
 
 from torch import Tensor
 
-from ._checks import check_norm_args
-from .reference import layer_norm_ref, rms_norm_ref
+from . import _library
+from ._checks import check_norm_args, check_out
 
 
-def _write_out(y: Tensor, out: Tensor | None) -> Tensor:
-    if out is None:
-        return y
-    if out.shape != y.shape or out.dtype != y.dtype:
-        raise ValueError(f"out must have shape {tuple(y.shape)} and dtype {y.dtype}, got {tuple(out.shape)} {out.dtype}")
-    out.copy_(y)
-    return out
+def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, residual: Tensor | None,
+          offset: float, out: Tensor | None, is_rms: bool) -> Tensor | tuple[Tensor, Tensor]:
+    check_norm_args(x, weight, bias, eps, residual, offset)
+    if out is not None:
+        check_out(out, x, (x, weight, bias, residual))
+    shape, n = x.shape, x.shape[-1]
+    x2d = x.reshape(-1, n)  # (M, N)
+    r2d = None if residual is None else residual.reshape(-1, n)
+    eps, offset = float(eps), float(offset)
+    if out is not None:
+        s = None if residual is None else x.new_empty(shape)
+        _library.norm_fwd_out(x2d, weight, bias, r2d, eps, offset, is_rms, out, s)
+        return out if residual is None else (out, s)
+    y, s, _, _ = _library.norm_fwd(x2d, weight, bias, r2d, eps, offset, is_rms)
+    return y.view(shape) if residual is None else (y.view(shape), s.view(shape))
 
 
-def rms_norm(x, weight=None, bias=None, eps=1e-6, *, residual=None, offset=0.0, out=None):
-    """RMSNorm over the last dimension; with ``residual`` returns ``(y, x + residual)``."""
-    check_norm_args(x, weight, bias, eps, residual)
-    r = rms_norm_ref(x, weight, bias, eps, residual=residual, offset=offset)
-    if residual is None:
-        return _write_out(r, out)
-    return _write_out(r[0], out), r[1]
+def rms_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-6, *,
+             residual: Tensor | None = None, offset: float = 0.0,
+             out: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """RMSNorm over the last dimension: y = s / sqrt(mean(s²) + eps) · (offset + weight) + bias.
+
+    s = x, or x + residual; with ``residual`` returns ``(y, s)``, the pre-norm residual stream.
+    ``out`` (x's shape and dtype) receives y without an extra copy; it does not support autograd.
+    """
+    return _norm(x, weight, bias, eps, residual, offset, out, is_rms=True)
 
 
-def layer_norm(x, weight=None, bias=None, eps=1e-5, *, residual=None, out=None):
-    """LayerNorm over the last dimension; with ``residual`` returns ``(y, x + residual)``."""
-    check_norm_args(x, weight, bias, eps, residual)
-    r = layer_norm_ref(x, weight, bias, eps, residual=residual)
-    if residual is None:
-        return _write_out(r, out)
-    return _write_out(r[0], out), r[1]
+def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
+               residual: Tensor | None = None, out: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """LayerNorm over the last dimension: y = (s − mean(s)) / sqrt(var(s) + eps) · weight + bias.
+
+    Same options as ``rms_norm`` (biased variance, as ``torch.nn.LayerNorm``).
+    """
+    return _norm(x, weight, bias, eps, residual, 0.0, out, is_rms=False)

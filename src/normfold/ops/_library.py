@@ -1,0 +1,174 @@
+"""The norm ops registered with ``torch.library``, and the backend each call runs on.
+
+Three custom ops in the ``normfold`` namespace, each with a fake (meta) implementation so
+``torch.compile(fullgraph=True)`` and ``torch.export`` see one opaque op and never graph-break:
+
+- ``normfold::norm_fwd``     (x, weight?, bias?, residual?, eps, offset, is_rms) -> (y, s, mean, rstd)
+- ``normfold::norm_bwd``     (dy, ds?, s, weight?, mean?, rstd, offset, is_rms, has_bias) -> (dx, dweight, dbias)
+- ``normfold::norm_fwd_out`` like norm_fwd but writes y into ``out`` (and s into ``residual_out``); no autograd.
+
+``norm_fwd`` carries autograd through ``norm_bwd``. Inputs are 2-D (M, N) row-major; the
+functional API in ``functional.py`` reshapes. Absent outputs (s without residual, mean for
+RMSNorm, dweight without weight, ...) are empty tensors, because an op must return tensors.
+
+Backend contract (each of ``_cpu``, ``_triton``, ``_reference_backend`` exposes it)::
+
+    norm_fwd(x, weight, bias, residual, eps, offset, is_rms, out=None, residual_out=None)
+        -> (y, s | None, mean | None, rstd)
+    norm_bwd(dy, ds, s, weight, mean, rstd, offset, is_rms, has_bias)
+        -> (dx, dweight | None, dbias | None)
+
+s = x + residual (fp32 add, stored in x.dtype); y = (s − mean)·rstd·(offset + weight) + bias in
+x.dtype; mean, rstd per row in fp32 (fp64 for fp64 inputs). dx includes ds; d(residual) = dx.
+"""
+from __future__ import annotations
+
+import warnings
+from types import ModuleType
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _reference_backend
+
+_FUSED_CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _cpu_backend() -> ModuleType | None:
+    from . import _cpu
+
+    if _cpu.kernel_available():
+        return _cpu
+    _warn_once("cpu", f"normfold: the fused C++ CPU kernel is unavailable ({_cpu.build_error()}); "
+                      "using the slower pure-PyTorch reference. Install a C++ compiler and ninja "
+                      "(`pip install ninja`) to enable it.")
+    return None
+
+
+def _triton_backend() -> ModuleType | None:
+    try:
+        from . import _triton
+    except ImportError as exc:
+        _warn_once("triton", f"normfold: Triton is unavailable ({exc}); CUDA norms use the slower "
+                             "pure-PyTorch reference. Install it with `pip install 'normfold[triton]'`.")
+        return None
+    return _triton
+
+
+def select_backend(x: Tensor, residual: Tensor | None = None) -> ModuleType:
+    """The backend module for an input: fused kernels where they exist, else the reference.
+
+    float64 always takes the reference (exact fp64, backward included); so does a residual
+    whose dtype differs from x's, since the kernels add in x's element type.
+    """
+    if x.dtype not in _FUSED_CPU_DTYPES or (residual is not None and residual.dtype != x.dtype):
+        return _reference_backend
+    backend = None
+    if x.device.type == "cpu":
+        backend = _cpu_backend()
+    elif x.device.type == "cuda":
+        backend = _triton_backend()
+    return backend if backend is not None else _reference_backend
+
+
+def _stat_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    return like.new_empty(0) if t is None else t
+
+
+def _none_if_empty(t: Tensor) -> Tensor | None:
+    return None if t.numel() == 0 else t
+
+
+# ---------------------------------------------------------------- forward
+@torch.library.custom_op("normfold::norm_fwd", mutates_args=())
+def norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+             eps: float, offset: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    x, residual = x.contiguous(), None if residual is None else residual.contiguous()
+    y, s, mean, rstd = select_backend(x, residual).norm_fwd(x, weight, bias, residual, eps, offset, is_rms)
+    return y, _or_empty(s, x), _or_empty(mean, rstd), rstd
+
+
+@norm_fwd.register_fake
+def _(x, weight, bias, residual, eps, offset, is_rms):
+    m = x.shape[0]
+    stat = _stat_dtype(x)
+    s = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    mean = x.new_empty(0 if is_rms else m, dtype=stat)
+    return x.new_empty(x.shape), s, mean, x.new_empty(m, dtype=stat)
+
+
+# ---------------------------------------------------------------- backward
+@torch.library.custom_op("normfold::norm_bwd", mutates_args=())
+def norm_bwd(dy: Tensor, ds: Optional[Tensor], s: Tensor, weight: Optional[Tensor], mean: Optional[Tensor],
+             rstd: Tensor, offset: float, is_rms: bool, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+    dy, ds = dy.contiguous(), None if ds is None else ds.contiguous()
+    dx, dweight, dbias = select_backend(s).norm_bwd(dy, ds, s.contiguous(), weight, mean, rstd, offset,
+                                                   is_rms, has_bias)
+    return dx, _or_empty(dweight, rstd), _or_empty(dbias, rstd)
+
+
+@norm_bwd.register_fake
+def _(dy, ds, s, weight, mean, rstd, offset, is_rms, has_bias):
+    n = s.shape[1]
+    param_dtype = weight.dtype if weight is not None else s.dtype
+    dweight = s.new_empty(n if weight is not None else 0, dtype=param_dtype)
+    dbias = s.new_empty(n if has_bias else 0, dtype=param_dtype)
+    return s.new_empty(s.shape), dweight, dbias
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, residual, eps, offset, is_rms = inputs
+    _, s, mean, rstd = output
+    ctx.save_for_backward(s if residual is not None else x, weight, mean, rstd)
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.offset, ctx.is_rms = offset, is_rms
+    ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.residual_dtype = None if residual is None else residual.dtype
+
+
+def _backward(ctx, dy, ds, _dmean, _drstd):
+    s, weight, mean, rstd = ctx.saved_tensors
+    has_residual = ctx.residual_dtype is not None
+    dx, dweight, dbias = norm_bwd(dy, ds if has_residual else None, s, weight, _none_if_empty(mean), rstd,
+                                  ctx.offset, ctx.is_rms, ctx.bias_dtype is not None)
+    dresidual = dx.to(ctx.residual_dtype) if has_residual else None
+    return (dx, dweight if weight is not None else None,
+            dbias.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None,
+            dresidual, None, None, None)
+
+
+norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ---------------------------------------------------------------- forward into given buffers
+@torch.library.custom_op("normfold::norm_fwd_out", mutates_args=("out", "residual_out"))
+def norm_fwd_out(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
+                 eps: float, offset: float, is_rms: bool, out: Tensor, residual_out: Optional[Tensor]) -> None:
+    x, residual = x.contiguous(), None if residual is None else residual.contiguous()
+    # Write straight into contiguous buffers; others get a temporary and one copy.
+    # ``out``/``residual_out`` have x's element count in any shape.
+    y_buf = out.view(x.shape) if out.is_contiguous() else None
+    s_buf = residual_out.view(x.shape) if residual_out is not None and residual_out.is_contiguous() else None
+    y, s, _, _ = select_backend(x, residual).norm_fwd(x, weight, bias, residual, eps, offset, is_rms,
+                                                     out=y_buf, residual_out=s_buf)
+    if y_buf is None:
+        out.copy_(y.view(out.shape))
+    if residual_out is not None and s_buf is None:
+        residual_out.copy_(s.view(residual_out.shape))
+
+
+@norm_fwd_out.register_fake
+def _(x, weight, bias, residual, eps, offset, is_rms, out, residual_out):
+    return None

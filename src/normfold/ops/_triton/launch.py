@@ -1,0 +1,213 @@
+"""Host side of the Triton norm kernels: launch plans and the backend contract (norm_fwd, norm_bwd).
+
+The dispatch in ``normfold.ops`` calls these for CUDA tensors, already flattened to 2-D
+(M, N) row-major; under ``TRITON_INTERPRET=1`` they also run on CPU tensors (tests).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import triton
+from torch import Tensor
+
+from .kernels import _norm_bwd_kernel, _norm_bwd_row_sums_kernel, _norm_fwd_kernel
+
+# Largest row (elements) a forward program holds whole. fp32 x plus its weight at 32 warps is
+# 2 × 16 registers a thread for 16384; beyond it registers spill, so longer rows are walked.
+FWD_MAX_BLOCK = 16384
+# The backward holds dy, s, w and the dw/db accumulators: half the forward's block.
+BWD_MAX_BLOCK = 8192
+# Elements a one-block program covers when rows are short (N=256 -> 16 rows a program): enough
+# bytes in flight a program to keep HBM busy, few enough registers for several programs an SM.
+TILE_ELEMENTS = 4096
+# Backward programs per SM: each owns a group of rows and writes one fp32 partial row of
+# dw/db, so more programs mean more parallelism but a larger (programs, N) partial buffer.
+BWD_PROGRAMS_PER_SM = 4
+# Program count for the backward when there is no GPU to ask (the interpreter on CPU).
+BWD_PROGRAMS_WITHOUT_GPU = 4
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How a kernel covers an (M, N) input: tiles of ``block_m`` rows × ``block_n`` columns."""
+
+    block_m: int  # rows a program holds at once (1 when looped)
+    block_n: int  # power of two; >= N unless looped
+    looped: bool  # True when a row is walked in block_n chunks
+    num_warps: int
+
+
+def plan_launch(n: int, max_block: int) -> LaunchPlan:
+    """One block per row when N fits ``max_block``, else chunks of ``max_block``; warps by size."""
+    if max_block < 1 or max_block & (max_block - 1):
+        raise ValueError(f"max_block must be a power of two >= 1, got {max_block}")
+    if n <= max_block:
+        block_n = triton.next_power_of_2(n)
+        block_m = max(1, TILE_ELEMENTS // block_n)
+        looped = False
+    else:
+        block_n, block_m, looped = max_block, 1, True
+    # ~16 fp32 values a thread: 8 warps for 4096 elements, 32 for 16384; never fewer than 1.
+    num_warps = min(32, max(1, block_m * block_n // 512))
+    return LaunchPlan(block_m, block_n, looped, num_warps)
+
+
+def _scale_without_weight(offset: float) -> float:
+    """The factor that replaces (offset + w) when there is no weight, as in the reference."""
+    return offset if offset != 0.0 else 1.0
+
+
+def _device_guard(t: Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def _check_matrix(name: str, t: Tensor | None, shape: tuple[int, int], dtype: torch.dtype | None = None) -> None:
+    if t is None:
+        return
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if dtype is not None and t.dtype != dtype:
+        raise ValueError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (row-major), got strides {t.stride()}")
+
+
+def _check_vector(name: str, t: Tensor | None, n: int) -> None:
+    if t is not None and tuple(t.shape) != (n,):
+        raise ValueError(f"{name} must have shape ({n},), got {tuple(t.shape)}")
+
+
+def norm_fwd(
+    x: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    residual: Tensor | None,
+    eps: float,
+    offset: float,
+    is_rms: bool,
+    out: Tensor | None = None,
+    residual_out: Tensor | None = None,
+    *,
+    max_block: int = FWD_MAX_BLOCK,
+) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+    """RMSNorm / LayerNorm of the rows of x (+ residual); returns (y, s, mean, rstd).
+
+    y in x's dtype (into ``out`` when given); s = x + residual summed in fp32, stored in x's
+    dtype (into ``residual_out`` when given; None without residual); mean (M,) fp32 (None for
+    RMS); rstd (M,) fp32. ``max_block`` caps the one-block path (tests force the looped one).
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (rows, hidden), got shape {tuple(x.shape)}")
+    m, n = x.shape
+    x = x.contiguous()
+    _check_vector("weight", weight, n)
+    _check_vector("bias", bias, n)
+    _check_matrix("residual", residual, (m, n))
+    _check_matrix("out", out, (m, n), x.dtype)
+    _check_matrix("residual_out", residual_out, (m, n), x.dtype)
+    plan = plan_launch(n, max_block)
+
+    y = torch.empty_like(x) if out is None else out
+    s = None
+    if residual is not None:
+        s = torch.empty_like(x) if residual_out is None else residual_out
+    mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return y, s, mean, rstd
+
+    grid = (m if plan.looped else triton.cdiv(m, plan.block_m),)
+    with _device_guard(x):
+        _norm_fwd_kernel[grid](
+            x, residual if residual is not None else x,
+            weight.contiguous() if weight is not None else x,
+            bias.contiguous() if bias is not None else x,
+            y, s if s is not None else y,
+            mean if mean is not None else rstd, rstd,
+            m, n, float(eps), float(offset), _scale_without_weight(offset),
+            IS_RMS=is_rms, HAS_RESIDUAL=residual is not None,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            LOOPED=plan.looped, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            num_warps=plan.num_warps,
+        )
+    return y, s, mean, rstd
+
+
+def _target_programs(t: Tensor) -> int:
+    if t.is_cuda:
+        return torch.cuda.get_device_properties(t.device).multi_processor_count * BWD_PROGRAMS_PER_SM
+    return BWD_PROGRAMS_WITHOUT_GPU
+
+
+def norm_bwd(
+    dy: Tensor,
+    ds: Tensor | None,
+    s: Tensor,
+    weight: Tensor | None,
+    mean: Tensor | None,
+    rstd: Tensor,
+    offset: float,
+    is_rms: bool,
+    has_bias: bool,
+    *,
+    max_block: int = BWD_MAX_BLOCK,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Gradients of norm_fwd: (dx, dweight, dbias). dx includes ds and equals d(residual).
+
+    dweight/dbias are summed in fp32 and cast to the weight's dtype (dbias without a weight:
+    to s's dtype); None when there is no weight / no bias.
+    """
+    if s.dim() != 2:
+        raise ValueError(f"s must be 2-D (rows, hidden), got shape {tuple(s.shape)}")
+    m, n = s.shape
+    if tuple(dy.shape) != (m, n) or (ds is not None and tuple(ds.shape) != (m, n)):
+        raise ValueError(f"dy and ds must have s's shape {(m, n)}, got {tuple(dy.shape)} and "
+                         f"{None if ds is None else tuple(ds.shape)}")
+    if not is_rms and mean is None:
+        raise ValueError("LayerNorm backward needs the saved mean, got None")
+    _check_vector("weight", weight, n)
+    _check_vector("rstd", rstd, m)
+    dy, s = dy.contiguous(), s.contiguous()
+    ds = ds.contiguous() if ds is not None else None
+    plan = plan_launch(n, max_block)
+    grad_dtype = weight.dtype if weight is not None else s.dtype
+
+    dx = torch.empty_like(s)
+    col_blocks = triton.cdiv(n, plan.block_n)
+    row_tiles = triton.cdiv(m, plan.block_m)
+    programs_m = max(1, min(row_tiles, _target_programs(s) // col_blocks))
+    rows_per_program = triton.cdiv(row_tiles, programs_m) * plan.block_m
+    programs_m = max(1, triton.cdiv(m, rows_per_program))
+    dw_partial = torch.empty((programs_m, n), dtype=torch.float32, device=s.device) if weight is not None else None
+    db_partial = torch.empty((programs_m, n), dtype=torch.float32, device=s.device) if has_bias else None
+    if m == 0:
+        zeros = torch.zeros(n, dtype=grad_dtype, device=s.device)
+        return dx, (zeros if weight is not None else None), (zeros.clone() if has_bias else None)
+
+    w = weight.contiguous() if weight is not None else s
+    mean_arg = mean if mean is not None else rstd
+    scale = _scale_without_weight(offset)
+    sum_g_xhat = sum_g = rstd  # placeholders, unread when the kernel computes the row sums
+    with _device_guard(s):
+        if plan.looped:
+            sum_g_xhat = torch.empty(m, dtype=torch.float32, device=s.device)
+            sum_g = torch.empty(m, dtype=torch.float32, device=s.device) if not is_rms else sum_g_xhat
+            _norm_bwd_row_sums_kernel[(m,)](
+                dy, s, w, mean_arg, rstd, sum_g_xhat, sum_g,
+                n, float(offset), scale,
+                IS_RMS=is_rms, HAS_WEIGHT=weight is not None, BLOCK_N=plan.block_n,
+                num_warps=plan.num_warps,
+            )
+        _norm_bwd_kernel[(programs_m, col_blocks)](
+            dy, ds if ds is not None else dy, s, w, mean_arg, rstd, sum_g_xhat, sum_g,
+            dx, dw_partial if dw_partial is not None else dx, db_partial if db_partial is not None else dx,
+            m, n, rows_per_program, float(offset), scale,
+            IS_RMS=is_rms, HAS_DS=ds is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
+            ROW_SUMS_GIVEN=plan.looped, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            num_warps=plan.num_warps,
+        )
+    dweight = dw_partial.sum(0).to(grad_dtype) if dw_partial is not None else None
+    dbias = db_partial.sum(0).to(grad_dtype) if db_partial is not None else None
+    return dx, dweight, dbias

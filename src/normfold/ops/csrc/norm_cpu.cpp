@@ -1,0 +1,325 @@
+// Fused RMSNorm / LayerNorm for CPU: forward and backward, optional weight, bias, residual add.
+//
+// Layout: x is (M, N) row-major. Rows are split across threads (at::parallel_for); within a row
+// the work is vectorized with ATen's Vectorized<acc_t>, where acc_t is float (double for double
+// inputs) and float16/bfloat16 elements are widened to float in registers.
+//
+// Forward, per row (two sweeps over the row, the second one from cache):
+//   sweep 1  s = x (+ residual) in acc_t; store s (rounded to T) when there is a residual;
+//            accumulate Σd and Σd² with d = s − c.
+//   sweep 2  recompute s from x (+ residual), write y = (s − mean)·rstd·scale + bias once.
+// Statistics: one-pass shifted sums. RMSNorm uses c = 0: rstd = 1/sqrt(Σs²/N + eps).
+// LayerNorm uses c = s[0], the row's first element: mean = c + Σd/N,
+// var = Σd²/N − (Σd/N)². Shifting by a sample of the row keeps Σd/N on the scale of the
+// standard deviation, so the subtraction does not cancel catastrophically when |mean| ≫ std
+// (the failure of the naive E[s²] − E[s]²); it costs nothing extra, unlike Welford's divisions.
+// sweep 2 recomputes s from x and residual rather than reading back the rounded s, so y
+// normalizes exactly the fp32 sum, as the reference does.
+//
+// Backward, per row, with x̂ = (s − mean)·rstd and g = dy·scale:
+//   sweep 1  Σg and Σg·x̂
+//   sweep 2  dx = rstd·(g − Σg/N − x̂·Σg·x̂/N) (+ ds)   (RMSNorm: no Σg/N term)
+//            dweight += dy·x̂, dbias += dy into this thread's partial row; partial rows are
+//            summed after the parallel loop.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cmath>
+#include <type_traits>
+
+namespace {
+
+using at::vec::Vectorized;
+
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+// Vectorized<acc_t<T>>::size() elements of T, widened to acc_t.
+template <typename T>
+inline Vectorized<acc_t<T>> load_acc(const T* p) {
+  if constexpr (std::is_same_v<T, acc_t<T>>) {
+    return Vectorized<T>::loadu(p);
+  } else {
+    Vectorized<float> v;
+    at::vec::load_to_float(p, v);
+    return v;
+  }
+}
+
+template <typename T>
+inline void store_acc(T* p, const Vectorized<acc_t<T>>& v) {
+  if constexpr (std::is_same_v<T, acc_t<T>>) {
+    v.store(p);
+  } else {
+    at::vec::convert_from_float<T>(v, v).store(p, Vectorized<float>::size());
+  }
+}
+
+template <typename A>
+inline A hsum(const Vectorized<A>& v) {
+  alignas(64) A buf[Vectorized<A>::size()];
+  v.store(buf);
+  A total = 0;
+  for (int64_t i = 0; i < Vectorized<A>::size(); ++i) total += buf[i];
+  return total;
+}
+
+// Rows per parallel chunk: enough elements that a chunk outweighs the threading overhead.
+inline int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
+
+// s = x + residual for one vector (or x alone), optionally storing the rounded s.
+template <typename T, bool kResidual, bool kStoreS>
+inline Vectorized<acc_t<T>> load_s(const T* x, const T* r, T* s_out, int64_t i) {
+  auto v = load_acc(x + i);
+  if constexpr (kResidual) {
+    v = v + load_acc(r + i);
+    if constexpr (kStoreS) store_acc(s_out + i, v);
+  }
+  return v;
+}
+
+template <typename T, bool kResidual, bool kBias>
+void forward_rows(const T* x, const T* res, const acc_t<T>* scale, const acc_t<T>* bias, T* y, T* s_out,
+                  acc_t<T>* mean_out, acc_t<T>* rstd_out, int64_t M, int64_t N, acc_t<T> eps, bool is_rms) {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t K = V::size();
+  at::parallel_for(0, M, grain_rows(N), [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const T* xr = x + row * N;
+      const T* rr = kResidual ? res + row * N : nullptr;
+      T* sr = kResidual ? s_out + row * N : nullptr;
+      T* yr = y + row * N;
+      const A shift = is_rms ? A(0) : (kResidual ? A(xr[0]) + A(rr[0]) : A(xr[0]));
+      const V c(shift);
+      // sweep 1: Σd, Σd² with four independent accumulator pairs
+      V sum0(0), sum1(0), sum2(0), sum3(0), sq0(0), sq1(0), sq2(0), sq3(0);
+      int64_t i = 0;
+      for (; i + 4 * K <= N; i += 4 * K) {
+        V d0 = load_s<T, kResidual, true>(xr, rr, sr, i) - c;
+        V d1 = load_s<T, kResidual, true>(xr, rr, sr, i + K) - c;
+        V d2 = load_s<T, kResidual, true>(xr, rr, sr, i + 2 * K) - c;
+        V d3 = load_s<T, kResidual, true>(xr, rr, sr, i + 3 * K) - c;
+        sum0 = sum0 + d0; sum1 = sum1 + d1; sum2 = sum2 + d2; sum3 = sum3 + d3;
+        sq0 = at::vec::fmadd(d0, d0, sq0); sq1 = at::vec::fmadd(d1, d1, sq1);
+        sq2 = at::vec::fmadd(d2, d2, sq2); sq3 = at::vec::fmadd(d3, d3, sq3);
+      }
+      for (; i + K <= N; i += K) {
+        V d = load_s<T, kResidual, true>(xr, rr, sr, i) - c;
+        sum0 = sum0 + d;
+        sq0 = at::vec::fmadd(d, d, sq0);
+      }
+      A sum = hsum<A>((sum0 + sum1) + (sum2 + sum3));
+      A sq = hsum<A>((sq0 + sq1) + (sq2 + sq3));
+      for (; i < N; ++i) {
+        A s = kResidual ? A(xr[i]) + A(rr[i]) : A(xr[i]);
+        if constexpr (kResidual) sr[i] = T(s);
+        A d = s - shift;
+        sum += d;
+        sq += d * d;
+      }
+      const A mean_d = sum / A(N);
+      // is_rms: shift = 0 and the "variance" is the mean square
+      const A var = is_rms ? sq / A(N) : std::max<A>(sq / A(N) - mean_d * mean_d, A(0));
+      const A mean = is_rms ? A(0) : shift + mean_d;
+      const A rstd = A(1) / std::sqrt(var + eps);
+      if (!is_rms) mean_out[row] = mean;
+      rstd_out[row] = rstd;
+      // sweep 2: y = (s·rstd − mean·rstd)·scale + bias
+      const V vr(rstd), vmr(-mean * rstd);
+      i = 0;
+      for (; i + K <= N; i += K) {
+        V s = load_s<T, kResidual, false>(xr, rr, sr, i);
+        V out = at::vec::fmadd(s, vr, vmr) * V::loadu(scale + i);
+        if constexpr (kBias) out = out + V::loadu(bias + i);
+        store_acc(yr + i, out);
+      }
+      for (; i < N; ++i) {
+        A s = kResidual ? A(xr[i]) + A(rr[i]) : A(xr[i]);
+        A out = (s * rstd - mean * rstd) * scale[i];
+        if constexpr (kBias) out += bias[i];
+        yr[i] = T(out);
+      }
+    }
+  });
+}
+
+template <typename T, bool kDs>
+void backward_rows(const T* dy, const T* ds, const T* s, const acc_t<T>* scale, const acc_t<T>* mean,
+                   const acc_t<T>* rstd, T* dx, acc_t<T>* dw_partial, acc_t<T>* db_partial, int64_t M, int64_t N,
+                   bool is_rms) {
+  using A = acc_t<T>;
+  using V = Vectorized<A>;
+  constexpr int64_t K = V::size();
+  at::parallel_for(0, M, grain_rows(N), [&](int64_t begin, int64_t end) {
+    // this thread's partial sums of dweight and dbias, shape (N,) each
+    A* dw = dw_partial ? dw_partial + at::get_thread_num() * N : nullptr;
+    A* db = db_partial ? db_partial + at::get_thread_num() * N : nullptr;
+    for (int64_t row = begin; row < end; ++row) {
+      const T* sr = s + row * N;
+      const T* dyr = dy + row * N;
+      T* dxr = dx + row * N;
+      const A mu = is_rms ? A(0) : mean[row];
+      const A r = rstd[row];
+      const V vmu(mu), vr(r);
+      // sweep 1: Σg, Σg·x̂
+      V sg0(0), sg1(0), sgx0(0), sgx1(0);
+      int64_t i = 0;
+      for (; i + 2 * K <= N; i += 2 * K) {
+        V xh0 = (load_acc(sr + i) - vmu) * vr, xh1 = (load_acc(sr + i + K) - vmu) * vr;
+        V g0 = load_acc(dyr + i) * V::loadu(scale + i), g1 = load_acc(dyr + i + K) * V::loadu(scale + i + K);
+        sg0 = sg0 + g0; sg1 = sg1 + g1;
+        sgx0 = at::vec::fmadd(g0, xh0, sgx0); sgx1 = at::vec::fmadd(g1, xh1, sgx1);
+      }
+      for (; i + K <= N; i += K) {
+        V xh = (load_acc(sr + i) - vmu) * vr;
+        V g = load_acc(dyr + i) * V::loadu(scale + i);
+        sg0 = sg0 + g;
+        sgx0 = at::vec::fmadd(g, xh, sgx0);
+      }
+      A sg = hsum<A>(sg0 + sg1), sgx = hsum<A>(sgx0 + sgx1);
+      for (; i < N; ++i) {
+        A xh = (A(sr[i]) - mu) * r, g = A(dyr[i]) * scale[i];
+        sg += g;
+        sgx += g * xh;
+      }
+      const A c1 = is_rms ? A(0) : sg / A(N), c2 = sgx / A(N);
+      // sweep 2: dx = rstd·(g − c1 − x̂·c2) (+ ds); partial dweight, dbias
+      const V vc1(c1), vc2(c2);
+      i = 0;
+      for (; i + K <= N; i += K) {
+        V xh = (load_acc(sr + i) - vmu) * vr;
+        V dyv = load_acc(dyr + i);
+        V g = dyv * V::loadu(scale + i);
+        V out = vr * (g - vc1 - xh * vc2);
+        if constexpr (kDs) out = out + load_acc(ds + row * N + i);
+        store_acc(dxr + i, out);
+        if (dw) at::vec::fmadd(dyv, xh, V::loadu(dw + i)).store(dw + i);
+        if (db) (dyv + V::loadu(db + i)).store(db + i);
+      }
+      for (; i < N; ++i) {
+        A xh = (A(sr[i]) - mu) * r, dyv = A(dyr[i]), g = dyv * scale[i];
+        A out = r * (g - c1 - xh * c2);
+        if constexpr (kDs) out += A(ds[row * N + i]);
+        dxr[i] = T(out);
+        if (dw) dw[i] += dyv * xh;
+        if (db) db[i] += dyv;
+      }
+    }
+  });
+}
+
+at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// scale = offset + weight (1 without a weight), in the accumulation dtype, contiguous.
+at::Tensor make_scale(const c10::optional<at::Tensor>& weight, double offset, int64_t n, const at::Tensor& x) {
+  auto acc = acc_type(x.scalar_type());
+  if (!weight.has_value()) return at::ones({n}, x.options().dtype(acc));
+  auto w = weight->to(acc).contiguous();
+  return offset == 0.0 ? w : w + offset;
+}
+
+void check_2d(const at::Tensor& t, const char* name, const at::Tensor& x) {
+  TORCH_CHECK(t.dim() == 2 && t.sizes() == x.sizes() && t.is_contiguous() && t.scalar_type() == x.scalar_type(),
+              name, " must be a contiguous ", x.scalar_type(), " tensor of shape ", x.sizes(), ", got ",
+              t.scalar_type(), " ", t.sizes(), t.is_contiguous() ? "" : " (non-contiguous)");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at::Tensor> norm_fwd(
+    const at::Tensor& x, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    const c10::optional<at::Tensor>& residual, double eps, double offset, bool is_rms,
+    const c10::optional<at::Tensor>& out, const c10::optional<at::Tensor>& residual_out) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous 2-D CPU tensor");
+  const int64_t M = x.size(0), N = x.size(1);
+  auto acc = acc_type(x.scalar_type());
+  if (residual.has_value()) check_2d(*residual, "residual", x);
+  at::Tensor y = out.has_value() ? *out : at::empty_like(x);
+  check_2d(y, "out", x);
+  c10::optional<at::Tensor> s;
+  if (residual.has_value()) {
+    s = residual_out.has_value() ? *residual_out : at::empty_like(x);
+    check_2d(*s, "residual_out", x);
+  }
+  at::Tensor scale = make_scale(weight, offset, N, x);
+  c10::optional<at::Tensor> bias_acc;
+  if (bias.has_value()) bias_acc = bias->to(acc).contiguous();
+  c10::optional<at::Tensor> mean;
+  if (!is_rms) mean = at::empty({M}, x.options().dtype(acc));
+  at::Tensor rstd = at::empty({M}, x.options().dtype(acc));
+  if (M == 0) return {y, s, mean, rstd};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "normfold_norm_fwd", [&] {
+    using A = acc_t<scalar_t>;
+    const scalar_t* res = residual.has_value() ? residual->const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* s_ptr = s.has_value() ? s->data_ptr<scalar_t>() : nullptr;
+    A* mean_ptr = mean.has_value() ? mean->data_ptr<A>() : nullptr;
+    const A* bias_ptr = bias_acc.has_value() ? bias_acc->const_data_ptr<A>() : nullptr;
+    auto run = [&](auto has_residual, auto has_bias) {
+      forward_rows<scalar_t, decltype(has_residual)::value, decltype(has_bias)::value>(
+          x.const_data_ptr<scalar_t>(), res, scale.const_data_ptr<A>(), bias_ptr, y.data_ptr<scalar_t>(), s_ptr,
+          mean_ptr, rstd.data_ptr<A>(), M, N, static_cast<A>(eps), is_rms);
+    };
+    using T_ = std::true_type;
+    using F_ = std::false_type;
+    if (res && bias_ptr) run(T_{}, T_{});
+    else if (res) run(T_{}, F_{});
+    else if (bias_ptr) run(F_{}, T_{});
+    else run(F_{}, F_{});
+  });
+  return {y, s, mean, rstd};
+}
+
+std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>> norm_bwd(
+    const at::Tensor& dy, const c10::optional<at::Tensor>& ds, const at::Tensor& s,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& mean, const at::Tensor& rstd,
+    double offset, bool is_rms, bool has_bias) {
+  TORCH_CHECK(s.dim() == 2 && s.is_contiguous() && s.device().is_cpu(), "s must be a contiguous 2-D CPU tensor");
+  const int64_t M = s.size(0), N = s.size(1);
+  auto acc = acc_type(s.scalar_type());
+  check_2d(dy, "dy", s);
+  if (ds.has_value()) check_2d(*ds, "ds", s);
+  TORCH_CHECK(is_rms || (mean.has_value() && mean->numel() == M), "LayerNorm backward needs the row means");
+  auto rstd_acc = rstd.to(acc).contiguous();
+  auto mean_acc = is_rms ? at::Tensor() : mean->to(acc).contiguous();
+  at::Tensor scale = make_scale(weight, offset, N, s);
+  at::Tensor dx = at::empty_like(s);
+  // one partial row of dweight / dbias per thread, reduced after the loop
+  const int64_t threads = at::get_num_threads();
+  at::Tensor dw_partial, db_partial;
+  if (weight.has_value()) dw_partial = at::zeros({threads, N}, s.options().dtype(acc));
+  if (has_bias) db_partial = at::zeros({threads, N}, s.options().dtype(acc));
+  if (M > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, s.scalar_type(), "normfold_norm_bwd", [&] {
+      using A = acc_t<scalar_t>;
+      auto run = [&](auto has_ds) {
+        backward_rows<scalar_t, decltype(has_ds)::value>(
+            dy.const_data_ptr<scalar_t>(), ds.has_value() ? ds->const_data_ptr<scalar_t>() : nullptr,
+            s.const_data_ptr<scalar_t>(), scale.const_data_ptr<A>(),
+            is_rms ? nullptr : mean_acc.const_data_ptr<A>(), rstd_acc.const_data_ptr<A>(), dx.data_ptr<scalar_t>(),
+            dw_partial.defined() ? dw_partial.data_ptr<A>() : nullptr,
+            db_partial.defined() ? db_partial.data_ptr<A>() : nullptr, M, N, is_rms);
+      };
+      if (ds.has_value()) run(std::true_type{});
+      else run(std::false_type{});
+    });
+  }
+  c10::optional<at::Tensor> dweight, dbias;
+  auto param_dtype = weight.has_value() ? weight->scalar_type() : s.scalar_type();
+  if (weight.has_value()) dweight = dw_partial.sum(0).to(param_dtype);
+  if (has_bias) dbias = db_partial.sum(0).to(param_dtype);
+  return {dx, dweight, dbias};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "normfold fused CPU norms";
+  m.def("norm_fwd", &norm_fwd, "fused RMSNorm/LayerNorm forward", py::arg("x"), py::arg("weight"), py::arg("bias"),
+        py::arg("residual"), py::arg("eps"), py::arg("offset"), py::arg("is_rms"), py::arg("out") = py::none(),
+        py::arg("residual_out") = py::none(), py::call_guard<py::gil_scoped_release>());
+  m.def("norm_bwd", &norm_bwd, "fused RMSNorm/LayerNorm backward", py::arg("dy"), py::arg("ds"), py::arg("s"),
+        py::arg("weight"), py::arg("mean"), py::arg("rstd"), py::arg("offset"), py::arg("is_rms"),
+        py::arg("has_bias"), py::call_guard<py::gil_scoped_release>());
+}
