@@ -8,7 +8,7 @@ Notation (per row of length N):
     mean = sum(s) / N                          (RMS: 0)
     rstd = 1 / sqrt(sum((s - mean)²) / N + eps)
     xhat = (s - mean) · rstd
-    y    = xhat · (offset + w) + b             (no weight: xhat · scale_no_weight)
+    y    = xhat · (offset + w) + b             (no weight: y = xhat + b; offset unused)
 
 Layouts: every tensor is 2-D contiguous row-major (M, N); per-row statistics are (M,) fp32.
 Row offsets are computed in int64 so tensors above 2³¹ elements index correctly.
@@ -29,7 +29,7 @@ import triton.language as tl
 def _norm_fwd_kernel(
     X, R, W, B, Y, S, MEAN, RSTD,  # pointers; R/W/B/S/MEAN unused when their flag is off
     M, N,
-    eps, offset, scale_no_weight,
+    eps, offset,
     IS_RMS: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -67,8 +67,6 @@ def _norm_fwd_kernel(
         if HAS_WEIGHT:
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
             y = y * (offset + w)[None, :]
-        else:
-            y = y * scale_no_weight
         if HAS_BIAS:
             b = tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
             y = y + b[None, :]
@@ -118,8 +116,6 @@ def _norm_fwd_kernel(
             if HAS_WEIGHT:
                 w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
                 y = y * (offset + w)
-            else:
-                y = y * scale_no_weight
             if HAS_BIAS:
                 y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)
             tl.store(Y + row_start + cols, y.to(Y.dtype.element_ty), mask=col_mask)
@@ -138,7 +134,7 @@ def _norm_fwd_kernel(
 def _norm_bwd_row_sums_kernel(
     DY, S, W, MEAN, RSTD, SUM_G_XHAT, SUM_G,
     N,
-    offset, scale_no_weight,
+    offset,
     IS_RMS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -163,7 +159,7 @@ def _norm_bwd_row_sums_kernel(
             w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
             g = dy * (offset + w)
         else:
-            g = dy * scale_no_weight
+            g = dy
         acc_g_xhat += g * xhat
         acc_g += g
     tl.store(SUM_G_XHAT + row, tl.sum(acc_g_xhat, axis=0))
@@ -176,7 +172,7 @@ def _norm_bwd_kernel(
     DY, DS, S, W, MEAN, RSTD, SUM_G_XHAT, SUM_G,  # inputs; DS/W/MEAN/SUM_* unused when off
     DX, DW_PARTIAL, DB_PARTIAL,  # outputs: dx (M, N), partials (programs along M, N) fp32
     M, N, rows_per_program,
-    offset, scale_no_weight,
+    offset,
     IS_RMS: tl.constexpr,
     HAS_DS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
@@ -216,13 +212,13 @@ def _norm_bwd_kernel(
         if HAS_WEIGHT:
             g = dy * w_eff[None, :]
         else:
-            g = dy * scale_no_weight
+            g = dy
         if ROW_SUMS_GIVEN:
             sum_g_xhat = tl.load(SUM_G_XHAT + rows, mask=row_mask, other=0.0)
         else:
             sum_g_xhat = tl.sum(g * xhat, axis=1)
         if IS_RMS:
-            dx = (g - xhat * (sum_g_xhat / (N + 1))[:, None]) * rstd[:, None]
+            dx = (g - xhat * (sum_g_xhat / N)[:, None]) * rstd[:, None]
         else:
             if ROW_SUMS_GIVEN:
                 sum_g = tl.load(SUM_G + rows, mask=row_mask, other=0.0)

@@ -54,11 +54,6 @@ def plan_launch(n: int, max_block: int) -> LaunchPlan:
     return LaunchPlan(block_m, block_n, looped, num_warps)
 
 
-def _scale_without_weight(offset: float) -> float:
-    """The factor that replaces (offset + w) when there is no weight, as in the reference."""
-    return offset if offset != 0.0 else 1.0
-
-
 def _device_guard(t: Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
@@ -126,7 +121,7 @@ def norm_fwd(
             bias.contiguous() if bias is not None else x,
             y, s if s is not None else y,
             mean if mean is not None else rstd, rstd,
-            m, n, float(eps), float(offset), _scale_without_weight(offset),
+            m, n, float(eps), float(offset),
             IS_RMS=is_rms, HAS_RESIDUAL=residual is not None,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             LOOPED=plan.looped, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
@@ -188,7 +183,6 @@ def norm_bwd(
 
     w = weight.contiguous() if weight is not None else s
     mean_arg = mean if mean is not None else rstd
-    scale = _scale_without_weight(offset)
     sum_g_xhat = sum_g = rstd  # placeholders, unread when the kernel computes the row sums
     with _device_guard(s):
         if plan.looped:
@@ -196,14 +190,14 @@ def norm_bwd(
             sum_g = torch.empty(m, dtype=torch.float32, device=s.device) if not is_rms else sum_g_xhat
             _norm_bwd_row_sums_kernel[(m,)](
                 dy, s, w, mean_arg, rstd, sum_g_xhat, sum_g,
-                n, float(offset), scale,
+                n, float(offset),
                 IS_RMS=is_rms, HAS_WEIGHT=weight is not None, BLOCK_N=plan.block_n,
                 num_warps=plan.num_warps,
             )
         _norm_bwd_kernel[(programs_m, col_blocks)](
             dy, ds if ds is not None else dy, s, w, mean_arg, rstd, sum_g_xhat, sum_g,
             dx, dw_partial if dw_partial is not None else dx, db_partial if db_partial is not None else dx,
-            m, n, rows_per_program, float(offset), scale,
+            m, n, rows_per_program, float(offset),
             IS_RMS=is_rms, HAS_DS=ds is not None, HAS_WEIGHT=weight is not None, HAS_BIAS=has_bias,
             ROW_SUMS_GIVEN=plan.looped, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
             num_warps=plan.num_warps,

@@ -1,0 +1,356 @@
+"""Triton norm kernels (normfold.ops._triton) against the fp64 reference, run on the CPU
+through Triton's interpreter. Small shapes: the interpreter executes each program in numpy.
+
+Tolerance rule: the kernel's max error vs the fp64 oracle is at most twice the error of torch
+computing the same thing in the same dtype (its native rms_norm / layer_norm + adds), + atol.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from normfold.ops import layer_norm_ref, rms_norm_ref  # noqa: E402
+from normfold.ops._triton import BWD_MAX_BLOCK, FWD_MAX_BLOCK, norm_bwd, norm_fwd, plan_launch  # noqa: E402
+from normfold.ops._triton import launch  # noqa: E402
+
+if not os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available():
+    pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One norm configuration: which optional inputs are present."""
+
+    is_rms: bool
+    weight: bool = True
+    bias: bool = False
+    residual: bool = False
+    offset: float = 0.0
+    eps: float = 1e-6
+
+    def __str__(self) -> str:
+        parts = ["rms" if self.is_rms else "ln"]
+        parts += [name for name in ("weight", "bias", "residual") if getattr(self, name)]
+        if self.offset:
+            parts.append(f"offset{self.offset}")
+        return "-".join(parts)
+
+
+@dataclasses.dataclass
+class Inputs:
+    x: torch.Tensor
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    residual: torch.Tensor | None
+    dy: torch.Tensor  # upstream gradient of y
+    ds: torch.Tensor | None  # upstream gradient of the returned stream s
+
+
+def make_inputs(case: Case, shape, dtype, weight_dtype=None, seed=0) -> Inputs:
+    g = torch.Generator().manual_seed(seed)
+    m, n = shape
+
+    def randn(*size, dt=dtype, scale=1.0, shift=0.0):
+        return (torch.randn(*size, generator=g, dtype=torch.float64) * scale + shift).to(dt).to(DEVICE)
+
+    wdt = weight_dtype or dtype
+    return Inputs(
+        x=randn(m, n, scale=2.0, shift=0.5),  # a non-zero mean makes the LN centering matter
+        weight=randn(n, dt=wdt, scale=0.5, shift=1.0) if case.weight else None,
+        bias=randn(n, dt=wdt, scale=0.3) if case.bias else None,
+        residual=randn(m, n, shift=-0.3) if case.residual else None,
+        dy=randn(m, n),
+        ds=randn(m, n) if case.residual else None,
+    )
+
+
+def oracle(case: Case, inp: Inputs, dtype=torch.float64):
+    """y, s and all gradients from the reference at ``dtype`` (fp64: the oracle).
+
+    Returns dict name -> tensor for y, s, dx, dresidual, dweight, dbias.
+    """
+    def leaf(t):
+        return None if t is None else t.detach().to(dtype).requires_grad_(True)
+
+    x, w, b, r = leaf(inp.x), leaf(inp.weight), leaf(inp.bias), leaf(inp.residual)
+    norm_ref = rms_norm_ref if case.is_rms else layer_norm_ref
+    out = norm_ref(x, w, b, case.eps, residual=r, offset=case.offset)
+    y, s = out if r is not None else (out, None)
+    loss = (y * inp.dy.to(dtype)).sum()
+    if s is not None:
+        loss = loss + (s * inp.ds.to(dtype)).sum()
+    leaves = {"dx": x, "dresidual": r, "dweight": w, "dbias": b}
+    present = {k: v for k, v in leaves.items() if v is not None}
+    grads = torch.autograd.grad(loss, list(present.values()))
+    return {"y": y.detach(), "s": None if s is None else s.detach(), **dict(zip(present, grads))}
+
+
+def torch_in_dtype(case: Case, inp: Inputs):
+    """The same outputs and gradients from torch's native ops computed in the input dtype."""
+    dtype = inp.x.dtype
+
+    def leaf(t):
+        return None if t is None else t.detach().to(dtype).requires_grad_(True)
+
+    x, w, b, r = leaf(inp.x), leaf(inp.weight), leaf(inp.bias), leaf(inp.residual)
+    s = x + r if r is not None else x
+    n = x.shape[-1]
+    w_eff = None if w is None else case.offset + w
+    if case.is_rms:
+        y = F.rms_norm(s, (n,), w_eff, case.eps)
+        if b is not None:
+            y = y + b
+    else:
+        y = F.layer_norm(s, (n,), w_eff, b, case.eps)
+    loss = (y.float() * inp.dy.float()).sum()
+    if r is not None:
+        loss = loss + (s.float() * inp.ds.float()).sum()
+    leaves = {"dx": x, "dresidual": r, "dweight": w, "dbias": b}
+    present = {k: v for k, v in leaves.items() if v is not None}
+    grads = torch.autograd.grad(loss, list(present.values()))
+    return {"y": y.detach(), "s": None if r is None else s.detach(), **dict(zip(present, grads))}
+
+
+def run_kernels(case: Case, inp: Inputs, fwd_block=FWD_MAX_BLOCK, bwd_block=BWD_MAX_BLOCK):
+    y, s, mean, rstd = norm_fwd(inp.x, inp.weight, inp.bias, inp.residual, case.eps, case.offset, case.is_rms,
+                                max_block=fwd_block)
+    saved = s if s is not None else inp.x
+    dx, dweight, dbias = norm_bwd(inp.dy, inp.ds, saved, inp.weight, mean, rstd, case.offset, case.is_rms,
+                                  inp.bias is not None, max_block=bwd_block)
+    out = {"y": y, "s": s, "dx": dx, "dweight": dweight, "dbias": dbias, "mean": mean, "rstd": rstd}
+    if inp.residual is not None:
+        out["dresidual"] = dx
+    return out
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def assert_matches_oracle(case: Case, inp: Inputs, got: dict) -> None:
+    want = oracle(case, inp)
+    torch_got = torch_in_dtype(case, inp)
+    atol = ATOL[inp.x.dtype]
+    for name, ref in want.items():
+        if ref is None:
+            assert got.get(name) is None, f"{name} should be None"
+            continue
+        assert got[name] is not None, f"{name} missing"
+        assert got[name].shape == ref.shape, (name, got[name].shape, ref.shape)
+        assert torch.isfinite(got[name]).all(), f"{name} has non-finite values"
+        ours, theirs = max_err(got[name], ref), max_err(torch_got[name], ref)
+        assert ours <= 2 * theirs + atol * max(1.0, ref.abs().max().item()), (
+            f"{case} {name}: kernel error {ours:.3g} > 2 × torch's {theirs:.3g} + atol")
+    assert got["y"].dtype == inp.x.dtype
+    if got["dweight"] is not None:
+        assert got["dweight"].dtype == inp.weight.dtype
+
+
+def statistics_oracle(case: Case, inp: Inputs):
+    s = inp.x.double() + (inp.residual.double() if inp.residual is not None else 0)
+    mean = torch.zeros(s.shape[0], dtype=torch.float64) if case.is_rms else s.mean(-1)
+    var = (s - mean[:, None]).square().mean(-1)
+    return mean, torch.rsqrt(var + case.eps)
+
+
+# (shape, forward max block, backward max block): small blocks force the looped path.
+SHAPES = [
+    pytest.param((1, 1), FWD_MAX_BLOCK, BWD_MAX_BLOCK, id="1x1"),
+    pytest.param((21, 7), FWD_MAX_BLOCK, BWD_MAX_BLOCK, id="21x7"),
+    pytest.param((37, 130), FWD_MAX_BLOCK, BWD_MAX_BLOCK, id="37x130-multi-program"),
+    pytest.param((5, 1023), FWD_MAX_BLOCK, BWD_MAX_BLOCK, id="5x1023"),
+    pytest.param((2, 1500), FWD_MAX_BLOCK, BWD_MAX_BLOCK, id="2x1500-one-block"),
+    pytest.param((2, 1500), 256, 256, id="2x1500-looped"),
+]
+CASES = [
+    Case(is_rms=True, weight=False),
+    Case(is_rms=True),
+    Case(is_rms=True, bias=True, residual=True, offset=1.0),
+    Case(is_rms=False, weight=False),
+    Case(is_rms=False, bias=True),
+    Case(is_rms=False, bias=True, residual=True, offset=0.25),
+]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("shape,fwd_block,bwd_block", SHAPES)
+def test_forward_and_gradients_match_fp64_reference_fp32(case, shape, fwd_block, bwd_block):
+    inp = make_inputs(case, shape, torch.float32)
+    assert_matches_oracle(case, inp, run_kernels(case, inp, fwd_block, bwd_block))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [CASES[2], CASES[5]], ids=str)
+@pytest.mark.parametrize("shape,fwd_block,bwd_block", [SHAPES[1], SHAPES[3], SHAPES[5]])
+def test_forward_and_gradients_match_fp64_reference_half(case, shape, fwd_block, bwd_block, dtype):
+    inp = make_inputs(case, shape, dtype)
+    assert_matches_oracle(case, inp, run_kernels(case, inp, fwd_block, bwd_block))
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+@pytest.mark.parametrize("fwd_block,bwd_block", [(FWD_MAX_BLOCK, BWD_MAX_BLOCK), (128, 64)], ids=["one-block", "looped"])
+def test_saved_statistics_are_fp32_mean_and_rstd(is_rms, fwd_block, bwd_block):
+    case = Case(is_rms=is_rms, residual=True)
+    inp = make_inputs(case, (6, 300), torch.bfloat16)
+    got = run_kernels(case, inp, fwd_block, bwd_block)
+    mean, rstd = statistics_oracle(case, inp)
+    assert got["rstd"].dtype == torch.float32 and got["rstd"].shape == (6,)
+    torch.testing.assert_close(got["rstd"].double(), rstd, rtol=1e-5, atol=0)
+    if is_rms:
+        assert got["mean"] is None
+    else:
+        assert got["mean"].dtype == torch.float32
+        torch.testing.assert_close(got["mean"].double(), mean, rtol=1e-5, atol=1e-6)
+
+
+def test_layernorm_statistics_survive_a_large_mean_in_looped_path():
+    # mean 1e4, std 1: E[s²] − mean² would lose every digit of the variance in fp32.
+    case = Case(is_rms=False, weight=False)
+    x = (torch.randn(3, 1000, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 1e4)
+    inp = Inputs(x.float().to(DEVICE), None, None, None, torch.zeros(3, 1000, device=DEVICE), None)
+    for block in (FWD_MAX_BLOCK, 128):
+        _, _, _, rstd = norm_fwd(inp.x, None, None, None, case.eps, 0.0, False, max_block=block)
+        _, want = statistics_oracle(case, inp)
+        torch.testing.assert_close(rstd.double(), want, rtol=1e-3, atol=0)
+
+
+def test_mixed_precision_bf16_input_fp32_weight():
+    case = Case(is_rms=True, bias=True, residual=True)
+    inp = make_inputs(case, (5, 1023), torch.bfloat16, weight_dtype=torch.float32)
+    got = run_kernels(case, inp)
+    assert got["dweight"].dtype == torch.float32 and got["dbias"].dtype == torch.float32
+    assert_matches_oracle(case, inp, got)
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_offset_without_weight_is_ignored_like_the_reference(is_rms):
+    case = Case(is_rms=is_rms, weight=False, bias=True, offset=0.5)
+    inp = make_inputs(case, (4, 33), torch.float32)
+    got = run_kernels(case, inp)
+    assert_matches_oracle(case, inp, got)
+    plain = run_kernels(dataclasses.replace(case, offset=0.0), inp)
+    assert torch.equal(got["y"], plain["y"]) and torch.equal(got["dx"], plain["dx"])
+
+
+def test_hidden_size_above_one_block_takes_the_looped_path_by_default():
+    n = FWD_MAX_BLOCK + 3
+    assert plan_launch(n, FWD_MAX_BLOCK).looped and not plan_launch(FWD_MAX_BLOCK, FWD_MAX_BLOCK).looped
+    case = Case(is_rms=False, bias=True, residual=True)
+    inp = make_inputs(case, (2, n), torch.float32)
+    assert_matches_oracle(case, inp, run_kernels(case, inp))
+
+
+def test_looped_backward_splits_rows_across_programs(monkeypatch):
+    # many target programs: the looped backward grid gets several row groups (partial dw sums)
+    monkeypatch.setattr(launch, "BWD_PROGRAMS_WITHOUT_GPU", 64)
+    case = Case(is_rms=False, bias=True)
+    inp = make_inputs(case, (40, 300), torch.float32)
+    assert_matches_oracle(case, inp, run_kernels(case, inp, fwd_block=128, bwd_block=128))
+
+
+def test_out_and_residual_out_are_written_in_place():
+    case = Case(is_rms=True, residual=True)
+    inp = make_inputs(case, (3, 40), torch.float16)
+    out = torch.full_like(inp.x, float("nan"))
+    residual_out = torch.full_like(inp.x, float("nan"))
+    y, s, _, _ = norm_fwd(inp.x, inp.weight, None, inp.residual, 1e-6, 0.0, True, out=out, residual_out=residual_out)
+    assert y.data_ptr() == out.data_ptr() and s.data_ptr() == residual_out.data_ptr()
+    want_y, want_s = rms_norm_ref(inp.x, inp.weight, None, 1e-6, residual=inp.residual)
+    torch.testing.assert_close(out, want_y, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(residual_out, want_s, atol=0, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, under the interpreter, on NaN arithmetic
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+@pytest.mark.parametrize("fwd_block,bwd_block", [(FWD_MAX_BLOCK, BWD_MAX_BLOCK), (64, 32)], ids=["one-block", "looped"])
+def test_nonfinite_row_stays_in_its_row(is_rms, fwd_block, bwd_block):
+    case = Case(is_rms=is_rms, bias=True)
+    inp = make_inputs(case, (6, 100), torch.float32)
+    bad = inp.x.clone()
+    bad[1, 7] = float("nan")
+    bad[4, 50] = float("inf")
+    dirty = run_kernels(case, dataclasses.replace(inp, x=bad), fwd_block, bwd_block)
+    clean = run_kernels(case, inp, fwd_block, bwd_block)
+    good_rows = [0, 2, 3, 5]
+    for name in ("y", "dx"):
+        assert not torch.isfinite(dirty[name][[1, 4]]).all(dim=1).any(), f"{name}: a bad row came out finite"
+        # rows are independent: the good rows are bit-identical to a run without the bad ones
+        assert torch.equal(dirty[name][good_rows], clean[name][good_rows]), name
+
+
+@given(
+    m=st.integers(1, 9),
+    n=st.integers(1, 300),
+    block_log2=st.integers(4, 9),
+    is_rms=st.booleans(),
+    bias=st.booleans(),
+    residual=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+@settings(max_examples=15, deadline=None)
+def test_random_shapes_and_blocks_match_reference(m, n, block_log2, is_rms, bias, residual, seed):
+    case = Case(is_rms=is_rms, bias=bias, residual=residual)
+    inp = make_inputs(case, (m, n), torch.float32, seed=seed)
+    block = 2**block_log2
+    assert_matches_oracle(case, inp, run_kernels(case, inp, block, block))
+
+
+@given(n=st.integers(1, 1 << 20), max_block_log2=st.integers(0, 16))
+def test_launch_plan_covers_any_hidden_size(n, max_block_log2):
+    max_block = 1 << max_block_log2
+    plan = plan_launch(n, max_block)
+    assert plan.looped == (n > max_block)
+    assert plan.block_n & (plan.block_n - 1) == 0 and plan.block_n <= max_block
+    assert plan.block_n >= n or plan.looped
+    assert plan.block_m == 1 or not plan.looped
+    assert plan.num_warps in (1, 2, 4, 8, 16, 32)
+
+
+# ---- refused inputs -------------------------------------------------------------------------
+
+def test_rejects_non_power_of_two_max_block():
+    with pytest.raises(ValueError, match="power of two"):
+        plan_launch(100, 96)
+
+
+def test_rejects_non_2d_input():
+    with pytest.raises(ValueError, match=r"2-D.*\(2, 3, 4\)"):
+        norm_fwd(torch.randn(2, 3, 4), None, None, None, 1e-6, 0.0, True)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"weight": torch.randn(5)}, r"weight must have shape \(4,\), got \(5,\)"),
+        ({"bias": torch.randn(4, 1)}, r"bias must have shape \(4,\), got \(4, 1\)"),
+        ({"residual": torch.randn(3, 5)}, r"residual must have shape \(3, 4\), got \(3, 5\)"),
+        ({"out": torch.empty(3, 4, dtype=torch.float16)}, "out must have dtype torch.float32, got torch.float16"),
+        ({"out": torch.empty(4, 3).t()}, "out must be contiguous"),
+    ],
+    ids=["weight-shape", "bias-shape", "residual-shape", "out-dtype", "out-strides"],
+)
+def test_rejects_mismatched_arguments_before_launch(kwargs, match):
+    args = {"weight": None, "bias": None, "residual": None, "out": None}
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        norm_fwd(torch.randn(3, 4), args["weight"], args["bias"], args["residual"], 1e-6, 0.0, True, out=args["out"])
+
+
+def test_layernorm_backward_refuses_missing_mean():
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="mean"):
+        norm_bwd(x, None, x, None, None, torch.ones(3), 0.0, False, False)
