@@ -1,30 +1,65 @@
 """Fold engine: find LayerNorms whose input is zero-mean by construction and make them RMSNorms.
 
-Placeholder until the engine lands; the names below are the public contract.
+    report = analyze(model, example_inputs)                  # FoldReport; the model is untouched
+    folded, report = fold(model, example_inputs)             # a new model; the original is untouched
+    result = verify(model, folded, example_inputs)           # VerifyResult, float64 by default
+
+Pieces, in the order they run: ``graph`` (torch.export capture), ``rules`` (the one table of
+zero-mean-preserving ops), ``analysis`` (zero-mean graphs, closedness, the plan), ``plan`` (plain
+data), ``math`` (pure tensor functions), ``transform`` (applies a plan to a module), ``verify``,
+``report``. Only torch is imported here.
 """
 from __future__ import annotations
 
+import copy
 
-class FoldError(RuntimeError):
-    """The model cannot be analysed or folded (e.g. torch.export cannot capture it)."""
+import torch
+from torch import nn
 
+from .errors import FoldError, FoldVerificationError
+from .plan import FoldPlan
+from .report import FoldReport, NormEntry, VerifyResult
+from .verify import verify
 
-class FoldVerificationError(FoldError):
-    """The folded model's outputs differ from the original's beyond the float64 bound."""
-
-
-def analyze(model, example_inputs):  # pragma: no cover - placeholder
-    raise NotImplementedError("the fold engine is not implemented yet")
-
-
-def fold(model, example_inputs, *, fold_affine: bool = True, verify: bool = True):  # pragma: no cover
-    raise NotImplementedError("the fold engine is not implemented yet")
+_FLOAT64_TOLERANCE = 1e-9  # relative error allowed between original and folded outputs in float64
 
 
-def verify(original, folded, example_inputs):  # pragma: no cover - placeholder
-    raise NotImplementedError("the fold engine is not implemented yet")
+def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True) -> FoldReport:
+    """Report, for every norm of ``model``, whether it can become an RMSNorm and why (model untouched).
+
+    ``example_inputs``: a tuple of positional arguments or a dict of keyword arguments
+    (e.g. ``{"input_ids": ids, "use_cache": False}``); what the model returns for them are its outputs.
+    """
+    from .analysis import analyze_captured
+    from .graph import capture
+
+    captured = capture(model, example_inputs)
+    entries, plan, untied = analyze_captured(model, captured, fold_affine=fold_affine)
+    return FoldReport(entries, plan, untied)
 
 
-FoldReport = NormEntry = VerifyResult = None
+def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, verify: bool = True):
+    """Return ``(folded_copy, report)``: foldable LayerNorms become RMSNorms, outputs unchanged.
 
-__all__ = ["analyze", "fold", "verify", "FoldReport", "NormEntry", "VerifyResult", "FoldError", "FoldVerificationError"]
+    With ``verify=True`` the copy is checked against ``model`` in float64 and
+    ``FoldVerificationError`` is raised (nothing returned) if the relative error exceeds 1e-9.
+    """
+    from .transform import apply_plan
+
+    report = analyze(model, example_inputs, fold_affine=fold_affine)
+    folded = apply_plan(copy.deepcopy(model), report.plan)
+    if verify:
+        rms_paths = [s.path for s in report.plan.swap if s.to == "RMSNorm"]
+        exact = apply_plan(copy.deepcopy(model).to(torch.float64), report.plan)
+        result = globals()["verify"](model, folded, example_inputs, tolerance=_FLOAT64_TOLERANCE,
+                                     rms_norm_paths=rms_paths, folded_exact=exact)
+        report.verification = result
+        if not result.ok:
+            raise FoldVerificationError(
+                f"folded model differs from the original: float64 max relative error {result.max_rel_error:.3e} "
+                f"> {_FLOAT64_TOLERANCE:.0e}\n{report}")
+    return folded, report
+
+
+__all__ = ["analyze", "fold", "verify", "FoldReport", "NormEntry", "VerifyResult", "FoldError",
+           "FoldVerificationError", "FoldPlan"]

@@ -1,0 +1,385 @@
+"""Zero-mean analysis: which LayerNorms can become RMSNorms, and the plan that makes them so.
+
+For each norm, the requirement "its input is zero-mean along the last dim" is walked back through
+the rules table (memoized on (node, dim, group)) to parameter sources or to a Break. A norm whose
+walk ends only in sources is a candidate; it is foldable when its zero-mean graph is *closed*:
+every node whose value centering changes is read only along the requirement edges of foldable
+norms, or as the input of a LayerNorm (which ignores a shift along its normalized dim). Dropping a
+candidate can invalidate another, so the check runs to a fixpoint.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from .graph import Captured, describe, module_path, module_stack, op_name, shape
+from .plan import AffineFoldStep, CenterStep, FoldPlan, SwapStep, UntieStep
+from .report import NormEntry
+from .rules import METADATA_OPS, MULTI_OUTPUT_OPS, Break, Need, Requires, Source, classify, make_need
+
+_aten = torch.ops.aten
+
+
+def _packet(node: fx.Node):
+    return getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
+
+
+@dataclass
+class _Walk:
+    """Memo entry: the answer for one Need, summarized over its whole requirement subtree."""
+
+    children: tuple[Need, ...] = ()
+    broken: Break | None = None
+    blocking_path: tuple[str, ...] = ()
+    params: frozenset = frozenset()   # {(fqn, dim, group)} of parameter sources below
+    changed: bool = False             # centering changes this node's value
+
+
+class _Walker:
+    def __init__(self, captured: Captured):
+        self.captured = captured
+        self.memo: dict[Need, _Walk] = {}
+
+    def walk(self, need: Need) -> _Walk:
+        if need in self.memo:
+            return self.memo[need]
+        answer = classify(need.node, need.dim, need.group, self.captured)
+        if isinstance(answer, Break):
+            entry = _Walk(broken=answer, blocking_path=(describe(need.node),))
+        elif isinstance(answer, Source):
+            params = frozenset({(answer.fqn, need.dim, need.group)}) if answer.kind == "parameter" else frozenset()
+            entry = _Walk(params=params, changed=bool(params))
+        else:
+            entry = _Walk(children=answer.needs)
+            params = set()
+            for child in answer.needs:
+                sub = self.walk(child)
+                if sub.broken is not None:
+                    entry = _Walk(broken=sub.broken, blocking_path=(describe(need.node), *sub.blocking_path))
+                    break
+                params |= sub.params
+            else:
+                entry.params = frozenset(params)
+                entry.changed = bool(params)
+        self.memo[need] = entry
+        return entry
+
+    def graph_of(self, root: Need) -> set[Need]:
+        """All Needs reachable from ``root`` (its zero-mean graph)."""
+        seen, stack = set(), [root]
+        while stack:
+            need = stack.pop()
+            if need not in seen:
+                seen.add(need)
+                stack.extend(self.memo[need].children)
+        return seen
+
+
+@dataclass
+class _Norm:
+    """One norm module (all the layer_norm nodes it ran) or one functional layer_norm call."""
+
+    path: str
+    kind: str
+    nodes: list[fx.Node]
+    module: nn.Module | None
+    foldable: bool = False
+    reason: str = ""
+    blocking_path: tuple[str, ...] = ()
+    zero_mean_graph: set[Need] = field(default_factory=set)
+    params: frozenset = frozenset()
+    affine: list[AffineFoldStep] = field(default_factory=list)
+
+
+def _effective_users(node: fx.Node):
+    """Users of a node, seeing through list-returning ops (split, chunk, unbind) to their getitems."""
+    for user in node.users:
+        if _packet(user) in MULTI_OUTPUT_OPS:
+            yield from user.users
+        else:
+            yield user
+
+
+def _is_ln_input(user: fx.Node, need: Need) -> bool:
+    """``user`` is a layer_norm over the last dim reading ``need.node`` as its input, whole-dim."""
+    return (_packet(user) == _aten.layer_norm and user.args[0] is need.node and len(user.args[1]) == 1
+            and need.dim == len(shape(need.node)) - 1 and need.group is None)
+
+
+def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
+    """LayerNorm modules / functional calls in graph order, then RMSNorm modules that ran."""
+    from ..nn import RMSNorm as NormfoldRMSNorm
+
+    norms: dict[str, _Norm] = {}
+    called: set[str] = set()
+    for node in captured.graph.nodes:
+        called.update(p for p, _ in module_stack(node))
+        if _packet(node) != _aten.layer_norm:
+            continue
+        path, module = None, None
+        weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+        candidates = []
+        if weight is not None and weight in captured.param_fqn:
+            candidates.append(captured.param_fqn[weight].rpartition(".")[0])
+        candidates.extend(p for p, _ in reversed(module_stack(node)))
+        for p in candidates:
+            try:
+                m = model.get_submodule(p)
+            except AttributeError:
+                continue
+            if isinstance(m, nn.LayerNorm):
+                path, module = p, m
+                break
+        if path is None:
+            path = f"{module_path(node) or '<root>'}:{node.name}"
+        norms.setdefault(path, _Norm(path, "LayerNorm", [], module)).nodes.append(node)
+    rms_types = (NormfoldRMSNorm,) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+    for path, m in model.named_modules():
+        if isinstance(m, rms_types) and path in called:
+            norms[path] = _Norm(path, "RMSNorm", [], m, reason="already an RMSNorm")
+    return list(norms.values())
+
+
+def _walk_norms(walker: _Walker, norms: list[_Norm]) -> None:
+    for norm in norms:
+        if norm.kind != "LayerNorm":
+            continue
+        if norm.module is None:
+            norm.reason = "functional layer_norm: no nn.LayerNorm module to replace"
+            continue
+        reasons = []
+        for node in norm.nodes:
+            x = node.args[0]
+            if len(node.args[1]) != 1 or shape(x) is None:
+                reasons.append(("kept: normalizes over several dims (only the last dim is supported)", ()))
+                continue
+            root = make_need(x, len(shape(x)) - 1, None)
+            result = walker.walk(root)
+            if result.broken is not None:
+                where = result.blocking_path[-1]
+                reasons.append((f"blocked: {where}: {result.broken.reason}", result.blocking_path))
+                continue
+            norm.zero_mean_graph |= walker.graph_of(root)
+            norm.params |= result.params
+        if reasons:
+            norm.reason, norm.blocking_path = reasons[0]
+        else:
+            norm.foldable = True
+
+
+def _close(walker: _Walker, norms: list[_Norm], captured: Captured) -> dict[Need, set[fx.Node]]:
+    """Drop candidates until every changed node is read only where a rule or a norm allows it.
+
+    Returns the requirement edges of the foldable norms: Need -> the nodes that asked for it.
+    """
+    while True:
+        active = [n for n in norms if n.foldable]
+        parents: dict[Need, set[fx.Node]] = {}
+        for norm in active:
+            for need in norm.zero_mean_graph:
+                for child in walker.memo[need].children:
+                    parents.setdefault(child, set()).add(need.node)
+        dropped = False
+        for norm in active:
+            failure = _closedness_failure(walker, norm, parents, captured)
+            if failure is None:
+                failure = _conflict(norm, active, captured)
+            if failure is not None:
+                norm.foldable, norm.reason = False, failure
+                dropped = True
+        if not dropped:
+            return parents
+
+
+def _closedness_failure(walker: _Walker, norm: _Norm, parents, captured: Captured) -> str | None:
+    outputs = captured.output_nodes()
+    for need in sorted(norm.zero_mean_graph, key=lambda n: n.node.name):
+        if not walker.memo[need].changed:
+            continue
+        inside = parents.get(need, set())
+        for user in _effective_users(need.node):
+            if user in inside or _packet(user) in METADATA_OPS or _is_ln_input(user, need):
+                continue
+            if need.node in captured.param_fqn and _untieable(captured, need.node, user, inside):
+                continue
+            what = captured.param_fqn.get(need.node) or describe(need.node)
+            if user.op == "output":
+                return f"not closed: {what} is a model output"
+            return f"not closed: {what} also feeds {describe(user)}, which is not a norm input"
+    return None
+
+
+def use_alias(captured: Captured, param: fx.Node, user: fx.Node) -> str:
+    """The name under which ``user`` reads a (possibly tied) parameter placeholder.
+
+    Export may feed every name of a tied tensor through one placeholder; the name whose owning
+    module ran ``user`` is the one the user reads.
+    """
+    fqn = captured.param_fqn[param]
+    names = captured.aliases.get(fqn, (fqn,))
+    if len(names) > 1:
+        path = module_path(user)
+        owners = [n for n in names if path == n.rpartition(".")[0] or path.startswith(n.rpartition(".")[0] + ".")]
+        if owners:
+            return max(owners, key=len)
+    return fqn
+
+
+def _untieable(captured: Captured, param: fx.Node, user: fx.Node, inside: set[fx.Node]) -> bool:
+    """A use outside the zero-mean graph that reads the tensor under a name no inside use reads."""
+    outside_name = use_alias(captured, param, user)
+    return outside_name not in {use_alias(captured, param, u) for u in inside}
+
+
+def _canonical(fqn: str, captured: Captured) -> str:
+    return captured.aliases.get(fqn, (fqn,))[0]
+
+
+def _conflict(norm: _Norm, active: list[_Norm], captured: Captured) -> str | None:
+    """A tensor centered along two different (dim, group)s cannot satisfy both requirements."""
+    wanted: dict[str, set] = {}
+    for other in active:
+        for fqn, dim, group in other.params:
+            wanted.setdefault(_canonical(fqn, captured), set()).add((dim, group))
+    for fqn, dim, group in norm.params:
+        ways = wanted[_canonical(fqn, captured)]
+        if len(ways) > 1:
+            return f"conflict: {fqn} must be zero-mean along {sorted(ways, key=str)} for different norms"
+    return None
+
+
+# --------------------------------------------------------------------------- affine folding
+
+_PASS_THROUGH = {_aten.view, _aten.reshape, _aten._unsafe_view, _aten.clone, _aten.contiguous, _aten.alias,
+                 _aten._to_copy, _aten.to, _aten.detach, _aten.dropout, _aten.flatten}
+
+
+def _single_use_param(node, captured: Captured) -> str | None:
+    """FQN of a parameter read only by this one op and not tied to another name."""
+    if not isinstance(node, fx.Node) or node not in captured.param_fqn or len(node.users) != 1:
+        return None
+    fqn = captured.param_fqn[node]
+    return fqn if len(captured.aliases.get(fqn, (fqn,))) == 1 else None
+
+
+def _affine_steps(norm: _Norm, model: nn.Module, captured: Captured) -> tuple[list[AffineFoldStep], str]:
+    """Steps folding the norm's γ/β into every linear consumer, or ([], why not)."""
+    if len(norm.nodes) != 1:
+        return [], "module runs more than once"
+    node = norm.nodes[0]
+    gamma = node.args[2] if len(node.args) > 2 else None
+    beta = node.args[3] if len(node.args) > 3 else None
+    if gamma is None and beta is None:
+        return [], "no affine"
+    gamma_fqn = _single_use_param(gamma, captured) if gamma is not None else None
+    beta_fqn = _single_use_param(beta, captured) if beta is not None else None
+    if (gamma is not None and gamma_fqn is None) or (beta is not None and beta_fqn is None):
+        return [], "its γ/β are shared or not parameters"
+    width = shape(node)[-1]
+    steps, frontier = [], [node]
+    while frontier:
+        current = frontier.pop()
+        for user in current.users:
+            packet = _packet(user)
+            if packet in _PASS_THROUGH and user.args[0] is current and shape(user) and shape(user)[-1] == width \
+                    and not (packet == _aten.dropout and user.args[2:3] == (True,)):
+                frontier.append(user)
+                continue
+            step = _consumer_step(norm, user, current, gamma_fqn, beta_fqn, model, captured)
+            if isinstance(step, str):
+                return [], step
+            steps.append(step)
+    return steps, ""
+
+
+def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured):
+    packet = _packet(user)
+    if packet == _aten.linear and user.args[0] is x:
+        w, b, in_dim = user.args[1], (user.args[2] if len(user.args) > 2 else None), 1
+    elif packet == _aten.addmm and user.args[1] is x and len(user.args) == 3 and not user.kwargs:
+        w, b, in_dim = user.args[2], user.args[0], 0
+    elif packet in (_aten.mm, _aten.matmul) and user.args[0] is x:
+        w, b, in_dim = user.args[1], None, 0
+    else:
+        return f"its output feeds {describe(user)}, not a linear layer"
+    w_fqn = _single_use_param(w, captured)
+    if w_fqn is None or len(shape(w)) != 2:
+        return f"consumer {describe(user)} has no private 2-D weight parameter"
+    if b is not None:
+        b_fqn = _single_use_param(b, captured)
+        if b_fqn is None or len(shape(b)) != 1:
+            return f"consumer {describe(user)} has a shared or non-parameter bias"
+        return AffineFoldStep(norm.path, gamma_fqn, beta_fqn, w_fqn, in_dim, b_fqn)
+    owner_path = w_fqn.rpartition(".")[0]
+    owner = model.get_submodule(owner_path)
+    beta_zero = beta_fqn is None or not torch.any(model.get_parameter(beta_fqn) != 0)
+    if beta_zero:
+        return AffineFoldStep(norm.path, gamma_fqn, None, w_fqn, in_dim, "", create_bias=False)
+    if isinstance(owner, nn.Linear) and owner.bias is None and packet == _aten.linear:
+        return AffineFoldStep(norm.path, gamma_fqn, beta_fqn, w_fqn, in_dim, f"{owner_path}.bias", create_bias=True)
+    return f"consumer {describe(user)} has no bias to absorb β and cannot hold one"
+
+
+# --------------------------------------------------------------------------- entry point
+
+def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = True) -> tuple[list[NormEntry], FoldPlan, list[str]]:
+    """Norm entries, the fold plan and the untied parameters for a captured model."""
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 20000))  # requirement walks recurse once per op along the residual stream
+    try:
+        walker = _Walker(captured)
+        norms = _find_norms(model, captured)
+        _walk_norms(walker, norms)
+        parents = _close(walker, norms, captured)
+    finally:
+        sys.setrecursionlimit(limit)
+    plan = FoldPlan()
+    foldable = [n for n in norms if n.foldable]
+    plan.center, plan.untie, untied = _centering_steps(foldable, parents, captured)
+    for norm in norms:
+        if norm.foldable:
+            n_producers = len({fqn for fqn, _, _ in norm.params})
+            norm.reason = f"input zero-mean: centered {n_producers} producer{'s' * (n_producers != 1)}"
+    for norm in norms:
+        if norm.kind != "LayerNorm" or norm.module is None:
+            continue
+        affine, why = _affine_steps(norm, model, captured) if fold_affine else ([], "")
+        norm.affine = affine
+        if affine:
+            plan.affine_fold.extend(affine)
+        elif why and why != "no affine" and fold_affine:
+            norm.reason += f"; affine kept: {why}"
+        if norm.foldable or affine:
+            ln = norm.module
+            plan.swap.append(SwapStep(norm.path, "RMSNorm" if norm.foldable else "LayerNorm",
+                                      int(ln.normalized_shape[0]), float(ln.eps),
+                                      elementwise_affine=ln.weight is not None and not affine,
+                                      bias=ln.bias is not None and not affine))
+    entries = [NormEntry(n.path, n.kind, n.foldable, bool(n.affine), n.reason,
+                         tuple(sorted({fqn for fqn, _, _ in n.params})) if n.foldable else (),
+                         n.blocking_path) for n in norms]
+    return entries, plan, untied
+
+
+def _centering_steps(foldable: list[_Norm], parents, captured: Captured):
+    """One CenterStep per distinct tensor; UntieSteps for its names that must keep the original."""
+    by_tensor: dict[str, tuple[int, int | None]] = {}
+    for norm in foldable:
+        for fqn, dim, group in norm.params:
+            by_tensor[_canonical(fqn, captured)] = (dim, group)
+    centered_names = {use_alias(captured, need.node, user) for norm in foldable for need in norm.zero_mean_graph
+                      if need.node in captured.param_fqn for user in parents.get(need, ())}
+    center, untie, untied = [], [], []
+    for canonical, (dim, group) in sorted(by_tensor.items()):
+        names = captured.aliases.get(canonical, (canonical,))
+        kept = [n for n in names if n in centered_names]
+        center.append(CenterStep(kept[0], dim, group))
+        for other in names:
+            if other not in centered_names:
+                path, _, attr = other.rpartition(".")
+                untie.append(UntieStep(path, attr, kept[0]))
+                untied.append(f"{other} (copy of {kept[0]})")
+    return center, untie, untied

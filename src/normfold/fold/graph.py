@@ -1,0 +1,135 @@
+"""Capture a model as an exported graph and answer questions about its nodes.
+
+The exported program is only read: the fold engine edits a copy of the user's own module.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx, nn
+
+from .errors import FoldError
+
+
+def split_example_inputs(example_inputs) -> tuple[tuple, dict]:
+    """A tuple means positional arguments, a dict keyword arguments; nothing else is accepted."""
+    if isinstance(example_inputs, tuple):
+        return example_inputs, {}
+    if isinstance(example_inputs, dict):
+        if not all(isinstance(k, str) for k in example_inputs):
+            raise TypeError("example_inputs as a dict must map argument names (str) to values")
+        return (), dict(example_inputs)
+    raise TypeError(
+        "example_inputs must be a tuple of positional arguments or a dict of keyword arguments, "
+        f"got {type(example_inputs).__name__}")
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """Put every submodule in eval mode and restore each one's own mode afterwards."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@dataclass
+class Captured:
+    """An exported graph plus the maps the analysis needs."""
+
+    graph: fx.Graph
+    param_fqn: dict[fx.Node, str]          # placeholder -> parameter FQN
+    buffer_fqn: dict[fx.Node, str]         # placeholder -> buffer FQN
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # FQN -> every FQN of the same tensor
+
+    def output_nodes(self) -> set[fx.Node]:
+        """Nodes whose value leaves the graph (returned by the model)."""
+        out = self.graph.output_node()
+        return set(out.all_input_nodes)
+
+
+def capture(model: nn.Module, example_inputs) -> Captured:
+    """``torch.export`` the model in eval mode (non-strict) and index its placeholders."""
+    args, kwargs = split_example_inputs(example_inputs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    with eval_mode(model), torch.no_grad():
+        try:
+            ep = torch.export.export(model, args, kwargs, strict=False)
+        except Exception as exc:  # export raises many exception types; all mean "cannot capture"
+            raise FoldError(
+                f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}. Try other example inputs "
+                "(e.g. use_cache=False for Hugging Face models), or fold a submodule that export can capture."
+            ) from exc
+    sig = ep.graph_signature
+    by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    param_fqn = {by_name[name]: fqn for name, fqn in sig.inputs_to_parameters.items()}
+    buffer_fqn = {by_name[name]: fqn for name, fqn in sig.inputs_to_buffers.items()}
+    return Captured(ep.graph, param_fqn, buffer_fqn, parameter_aliases(model))
+
+
+def parameter_aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """FQN -> all FQNs that name the same Parameter object (tied weights share one entry)."""
+    by_id: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(fqn)
+    return {fqn: tuple(names) for names in by_id.values() for fqn in names}
+
+
+def module_path(node: fx.Node) -> str:
+    """Path of the innermost module that ran this node ('' for the root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return _clean_path(path)
+
+
+def module_stack(node: fx.Node) -> list[tuple[str, str]]:
+    """[(module path, qualified class name)] from outermost to innermost."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return [(_clean_path(p), t if isinstance(t, str) else f"{t.__module__}.{t.__qualname__}") for p, t in stack.values()]
+
+
+def _clean_path(path: str) -> str:
+    # export spells paths like "L['self'].transformer.h[0]" in some versions, "transformer.h.0" in others
+    for prefix in ("L['self'].", "L__self__."):
+        if path.startswith(prefix):
+            path = path[len(prefix):]
+    if path in ("L['self']", "L__self__"):
+        return ""
+    return path.replace("[", ".").replace("]", "").replace("'", "")
+
+
+def shape(node) -> tuple[int, ...] | None:
+    """Static shape of a node's tensor value, None when it is not a tensor."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    try:
+        return tuple(int(s) for s in val.shape)
+    except (TypeError, ValueError):  # symbolic sizes: treat as unknown
+        return None
+
+
+def op_name(node: fx.Node) -> str:
+    """'aten.gelu' style name of a node's operator (placeholders: 'input <name>')."""
+    if node.op == "placeholder":
+        return f"input {node.name}"
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    if packet is not None:
+        return str(packet)
+    return getattr(target, "__name__", str(target))
+
+
+def describe(node: fx.Node) -> str:
+    """Human label: op name and module path."""
+    path = module_path(node)
+    return f"{op_name(node)} at {path}" if path else op_name(node)

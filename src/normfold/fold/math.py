@@ -1,0 +1,57 @@
+"""Pure tensor math of folding: no modules, usable on checkpoint tensors one at a time.
+
+Both functions compute in float64 and cast back to the input dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def center(t: Tensor, dim: int, group: int | None = None) -> Tensor:
+    """t − mean(t) along ``dim``, the mean taken per contiguous ``group`` elements (None: whole dim).
+
+    For a linear weight W (out, in) and dim=0 this is W ← (I − 11ᵀ/m)·W: every output is then
+    zero-mean over the outputs, whatever the input.
+    """
+    if not -t.dim() <= dim < t.dim():
+        raise ValueError(f"dim must be in [{-t.dim()}, {t.dim()}) for a {t.dim()}-D tensor, got {dim}")
+    x = t.detach().to(torch.float64)
+    if group is None:
+        return (x - x.mean(dim, keepdim=True)).to(t.dtype)
+    n = x.shape[dim]
+    if group <= 0 or n % group:
+        raise ValueError(f"group must be a positive divisor of the size {n} of dim {dim}, got {group}")
+    moved = x.movedim(dim, -1)
+    grouped = moved.reshape(*moved.shape[:-1], n // group, group)  # (..., groups, group)
+    grouped = grouped - grouped.mean(-1, keepdim=True)
+    return grouped.reshape(moved.shape).movedim(-1, dim).to(t.dtype)
+
+
+def fold_affine_into_consumer(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta: Tensor | None,
+                              in_dim: int) -> tuple[Tensor, Tensor | None]:
+    """Move a norm's affine (γ, β) into the linear map that reads the norm's output.
+
+    y = W·(γ⊙x̂ + β) + b = (W·diag(γ))·x̂ + (b + W·β). ``in_dim`` is the axis of the 2-D ``weight``
+    that meets the norm's features: 1 for ``nn.Linear`` (out, in), 0 for (in, out) layouts such as
+    Hugging Face's Conv1D. Returns (W', b'); b' is None only when bias and β are both None.
+    """
+    if weight.dim() != 2 or in_dim not in (0, 1):
+        raise ValueError(f"weight must be 2-D and in_dim 0 or 1, got {weight.dim()}-D and in_dim={in_dim}")
+    n_in, n_out = weight.shape[in_dim], weight.shape[1 - in_dim]
+    for name, v in (("gamma", gamma), ("beta", beta)):
+        if v is not None and v.shape != (n_in,):
+            raise ValueError(f"{name} must have shape ({n_in},) to match the weight's input dim, got {tuple(v.shape)}")
+    if bias is not None and bias.shape != (n_out,):
+        raise ValueError(f"bias must have shape ({n_out},), got {tuple(bias.shape)}")
+    w = weight.detach().to(torch.float64)
+    w_io = w if in_dim == 0 else w.t()  # (in, out)
+    new_b = None if bias is None else bias.detach().to(torch.float64)
+    if beta is not None:
+        shift = beta.detach().to(torch.float64) @ w_io  # βᵀW: (out,)
+        new_b = shift if new_b is None else new_b + shift
+    if gamma is not None:
+        w_io = w_io * gamma.detach().to(torch.float64)[:, None]  # diag(γ)·W in (in, out) layout
+    new_w = w_io if in_dim == 0 else w_io.t()
+    out_dtype = bias.dtype if bias is not None else weight.dtype
+    return new_w.to(weight.dtype).contiguous(), None if new_b is None else new_b.to(out_dtype)

@@ -1,0 +1,91 @@
+"""What the fold engine found, per norm, in a form to print or to serialize."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .plan import FoldPlan
+
+
+@dataclass
+class NormEntry:
+    """One norm module (or functional norm call) of the model."""
+
+    path: str                      # module path ("transformer.h.0.ln_1")
+    kind: str                      # "LayerNorm" or "RMSNorm" (as found in the model)
+    foldable: bool                 # its input is zero-mean by construction after centering `producers`
+    affine_folded: bool            # its γ/β move into the linear layers that read it
+    reason: str                    # one sentence: why it folds, or what blocks it
+    producers: tuple[str, ...] = ()      # parameter FQNs centered for it
+    blocking_path: tuple[str, ...] = ()  # from the norm's input back to the op that blocks it
+
+
+@dataclass
+class VerifyResult:
+    """Output differences between an original and a folded model."""
+
+    outputs: list[dict]            # per output: name, dtype, max_abs, max_rel, argmax_agreement
+    max_rel_error: float           # float64 run: max over outputs of ‖a−b‖∞ / ‖a‖∞
+    max_abs_error: float
+    model_dtype_max_rel_error: float | None  # the same in the model's own dtype (None if it is float64)
+    max_input_mean_ratio: float | None       # max |mean|/rms of the new RMSNorms' inputs (float64)
+    tolerance: float = 1e-9
+    num_runs: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.max_rel_error <= self.tolerance
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok}
+
+    def __str__(self) -> str:
+        mean = "n/a" if self.max_input_mean_ratio is None else f"{self.max_input_mean_ratio:.1e}"
+        own = "n/a" if self.model_dtype_max_rel_error is None else f"{self.model_dtype_max_rel_error:.1e}"
+        return (f"verify: {'OK' if self.ok else 'FAILED'} over {self.num_runs} inputs; float64 max rel err "
+                f"{self.max_rel_error:.1e} (tolerance {self.tolerance:.0e}), max abs err {self.max_abs_error:.1e}; "
+                f"model dtype max rel err {own}; RMSNorm inputs max |mean|/rms {mean}")
+
+
+@dataclass
+class FoldReport:
+    norms: list[NormEntry]
+    plan: FoldPlan = field(default_factory=FoldPlan)
+    untied: list[str] = field(default_factory=list)   # "lm_head.weight (copy of transformer.wte.weight)"
+    verification: VerifyResult | None = None
+
+    @property
+    def num_norms(self) -> int:
+        return len(self.norms)
+
+    @property
+    def num_foldable(self) -> int:
+        return sum(e.foldable for e in self.norms)
+
+    @property
+    def num_affine_folded(self) -> int:
+        return sum(e.affine_folded for e in self.norms)
+
+    def to_dict(self) -> dict:
+        return {
+            "num_norms": self.num_norms,
+            "num_foldable": self.num_foldable,
+            "num_affine_folded": self.num_affine_folded,
+            "norms": [asdict(e) for e in self.norms],
+            "untied": list(self.untied),
+            "plan": self.plan.to_dict(),
+            "verification": None if self.verification is None else self.verification.to_dict(),
+        }
+
+    def __str__(self) -> str:
+        head = ("norm", "kind", "fold", "affine", "reason")
+        rows = [(e.path, e.kind, "yes" if e.foldable else "no", "yes" if e.affine_folded else "no", e.reason)
+                for e in self.norms]
+        widths = [max(len(r[i]) for r in [head, *rows]) for i in range(4)]
+        lines = [f"{self.num_foldable}/{self.num_norms} norms foldable, {self.num_affine_folded} affine-folded"]
+        for r in [head, *rows]:
+            lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
+        if self.untied:
+            lines.append("untied: " + ", ".join(self.untied))
+        if self.verification is not None:
+            lines.append(str(self.verification))
+        return "\n".join(lines)

@@ -1,0 +1,512 @@
+"""The one rules table: which ops keep a tensor zero-mean along a dimension.
+
+The analysis asks: "is ``node`` zero-mean along ``dim`` (within contiguous groups of ``group``
+elements, or over the whole dim when ``group`` is None) for every input?" Each rule answers with
+
+- ``Requires(needs)``: yes, iff every listed (node, dim, group) is zero-mean;
+- ``Source(kind, fqn)``: a leaf that is (``zero``, ``normalized``) or can be made (``parameter``) zero-mean;
+- ``Break(reason)``: no.
+
+Every rule is *exact*, not merely sufficient: with P the projection that removes the mean along
+(dim, group), the op commutes with P — op(P·x) = P·op(x). Centering the sources then changes the
+norm's input from x to P·x, which a LayerNorm cannot see (LN(x − c·1) = LN(x)). A rule that only
+guarantees "zero-mean" without commuting (concatenating separately centered parts along the dim,
+merging per-head dims into a whole-dim requirement, zero padding along the dim) would change the
+model, so those are Breaks. Unknown ops break: never a guess.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+from torch import fx
+
+from .graph import Captured, op_name, shape
+
+
+class Need(NamedTuple):
+    """A question: is ``node`` zero-mean along ``dim`` (per ``group`` elements, None = whole dim)?"""
+
+    node: fx.Node
+    dim: int
+    group: int | None
+
+
+@dataclass(frozen=True)
+class Requires:
+    needs: tuple[Need, ...]
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str               # "parameter" (centerable), "zero" (literal zeros), "normalized" (weightless LN output)
+    fqn: str | None = None  # the parameter's FQN for kind == "parameter"
+
+
+@dataclass(frozen=True)
+class Break:
+    reason: str
+
+
+Answer = Requires | Source | Break
+
+
+def make_need(node: fx.Node, dim: int, group: int | None) -> Need:
+    """Canonical Need: a group that spans the whole dim is written None."""
+    s = shape(node)
+    if s is not None and group is not None and group == s[dim]:
+        group = None
+    return Need(node, dim, group)
+
+
+def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> Answer:
+    """Answer the zero-mean question for one node: the single entry point of the table."""
+    if node.op == "placeholder":
+        if node in captured.param_fqn:
+            return Source("parameter", captured.param_fqn[node])
+        if node in captured.buffer_fqn:
+            return Break(f"buffer {captured.buffer_fqn[node]} cannot be centered")
+        return Break(f"model input {node.name} is not zero-mean by construction")
+    if node.op != "call_function":
+        return Break(f"{node.op} node {node.name} is not in the rules table")
+    if shape(node) is None:
+        return Break(f"{op_name(node)}: output shape unknown (dynamic shapes are not supported)")
+    key = getattr(node.target, "overloadpacket", node.target)
+    rule = RULES.get(key)
+    if rule is None:
+        return Break(f"{op_name(node)} is not in the rules table (unknown ops break)")
+    return rule(node, dim, group)
+
+
+# --------------------------------------------------------------------------- helpers
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _rank(node: fx.Node) -> int:
+    return len(shape(node))
+
+
+def _is_zero_literal(value) -> bool:
+    """True for the number 0 and for tensors built as literal zeros."""
+    if isinstance(value, (int, float, bool)):
+        return value == 0
+    if isinstance(value, fx.Node) and value.op == "call_function":
+        return classify_zero(value)
+    return False
+
+
+def classify_zero(node: fx.Node) -> bool:
+    key = getattr(node.target, "overloadpacket", None)
+    if key in _ZERO_OPS:
+        return True
+    if key in _FULL_OPS:
+        fill = _arg(node, _FULL_OPS[key], "fill_value")
+        return isinstance(fill, (int, float)) and fill == 0
+    return False
+
+
+def _broadcast_operand(out: fx.Node, operand, dim: int, group: int | None) -> Need | Break | None:
+    """Map ``dim`` of an elementwise op's output to an operand (None: nothing to require)."""
+    if not isinstance(operand, fx.Node):
+        return None if _is_zero_literal(operand) else Break(
+            f"{op_name(out)} adds the constant {operand!r} along the normalized dim")
+    s_out, s_in = shape(out), shape(operand)
+    if s_in is None:
+        return Break(f"{op_name(out)}: operand {operand.name} has no static shape")
+    od = dim - (len(s_out) - len(s_in))
+    if od < 0 or (s_in[od] == 1 and s_out[dim] != 1):  # constant along dim: only zeros keep the mean 0
+        return None if _is_zero_literal(operand) else Break(
+            f"{op_name(out)} broadcasts {describe_short(operand)} along the normalized dim")
+    return make_need(operand, od, group)
+
+
+def describe_short(node: fx.Node) -> str:
+    return f"{op_name(node)} ({node.name})"
+
+
+def _collect(node: fx.Node, parts) -> Answer:
+    """Requires(all Needs in parts) unless one of them is a Break."""
+    needs = []
+    for part in parts:
+        if isinstance(part, Break):
+            return part
+        if part is not None:
+            needs.append(part)
+    return Requires(tuple(needs))
+
+
+def _is_row_scalar(out: fx.Node, operand, dim: int) -> bool:
+    """Constant along ``dim`` of the output: a number or a tensor of size 1 (or absent) there."""
+    if not isinstance(operand, fx.Node):
+        return isinstance(operand, (int, float, bool))
+    s_out, s_in = shape(out), shape(operand)
+    if s_in is None:
+        return False
+    od = dim - (len(s_out) - len(s_in))
+    return od < 0 or s_in[od] == 1
+
+
+# --------------------------------------------------------------------------- rules
+
+def _same_dim(node, dim, group):
+    """Ops that return their first input with the same layout (copies, casts, eval dropout)."""
+    return Requires((make_need(node.args[0], dim, group),))
+
+
+def _dropout(node, dim, group):
+    if _arg(node, 2, "train", False):
+        return Break("dropout in training mode")
+    return _same_dim(node, dim, group)
+
+
+def _add_sub(node, dim, group):
+    a, b = node.args[0], _arg(node, 1, "other")
+    return _collect(node, [_broadcast_operand(node, a, dim, group), _broadcast_operand(node, b, dim, group)])
+
+
+def _mul(node, dim, group):
+    a, b = node.args[0], node.args[1]
+    a_row, b_row = _is_row_scalar(node, a, dim), _is_row_scalar(node, b, dim)
+    if a_row and b_row:
+        return Break(f"{op_name(node)} of two factors that are constant along the normalized dim")
+    if b_row:  # P(a)·s = P(a·s) when s is constant along dim
+        return _collect(node, [_broadcast_operand(node, a, dim, group)])
+    if a_row:
+        return _collect(node, [_broadcast_operand(node, b, dim, group)])
+    return Break(f"{op_name(node)}: elementwise product with a tensor that varies along the normalized dim")
+
+
+def _div(node, dim, group):
+    if "rounding_mode" in node.kwargs and node.kwargs["rounding_mode"] is not None:
+        return Break(f"{op_name(node)} with rounding")
+    if not _is_row_scalar(node, node.args[1], dim):
+        return Break(f"{op_name(node)}: division by a tensor that varies along the normalized dim")
+    return _collect(node, [_broadcast_operand(node, node.args[0], dim, group)])
+
+
+def _neg(node, dim, group):
+    return _same_dim(node, dim, group)
+
+
+def map_view_dim(in_s: tuple[int, ...], out_s: tuple[int, ...], dim: int, group: int | None):
+    """Input (dim, group) equivalent to output (dim, group) under a reshape, or a Break reason.
+
+    Same dim: unchanged. Output dim is the inner factor of a split input dim (C → H·D): the input
+    dim per group of D. Output dim merges input dims (H·D → C): exact only for a group that
+    divides the innermost input dim.
+    """
+    n = out_s[dim]
+    if n == 1:
+        return "reshape: the normalized dim has size 1"
+    inner_out = math.prod(out_s[dim + 1:])
+    k = next((j for j in range(len(in_s) - 1, -1, -1)
+              if math.prod(in_s[j + 1:]) == inner_out and in_s[j] != 1), None)
+    if k is None:
+        return f"reshape {in_s} -> {out_s} does not keep dim {dim} contiguous"
+    g = group if group is not None else n
+    if in_s[k] == n:
+        return k, group
+    if in_s[k] % n == 0:  # split: output dim is the inner factor of input dim k
+        return k, g
+    if n % in_s[k] == 0:  # merge of input dims j..k
+        size, j = in_s[k], k
+        while size < n and j > 0:
+            j -= 1
+            size *= in_s[j]
+        if size != n:
+            return f"reshape {in_s} -> {out_s} mixes the normalized dim with others"
+        if group is not None and in_s[k] % group == 0:
+            return k, group
+        return (f"reshape {in_s} -> {out_s} merges dims into the normalized dim: centering the parts "
+                "would not center the whole")
+    return f"reshape {in_s} -> {out_s} mixes the normalized dim with others"
+
+
+def _view(node, dim, group):
+    x = node.args[0]
+    mapped = map_view_dim(shape(x), shape(node), dim, group)
+    if isinstance(mapped, str):
+        return Break(mapped)
+    return Requires((make_need(x, *mapped),))
+
+
+def _permute(node, dim, group):
+    dims = [d % _rank(node) for d in node.args[1]]
+    return Requires((make_need(node.args[0], dims[dim], group),))
+
+
+def _transpose(node, dim, group):
+    r = _rank(node)
+    a, b = node.args[1] % r, node.args[2] % r
+    src = b if dim == a else a if dim == b else dim
+    return Requires((make_need(node.args[0], src, group),))
+
+
+def _t(node, dim, group):
+    src = (1 - dim) if _rank(node) == 2 else dim
+    return Requires((make_need(node.args[0], src, group),))
+
+
+def _expand(node, dim, group):
+    return _collect(node, [_broadcast_operand(node, node.args[0], dim, group)])
+
+
+def _aligned_part(node, x, part_dim: int, dim: int, group, start: int, length: int):
+    """A contiguous part [start, start+length) of x along dim: exact iff groups align."""
+    if part_dim != dim:
+        return Requires((make_need(x, dim, group),))
+    total = shape(x)[dim]
+    if start == 0 and length == total:
+        return Requires((make_need(x, dim, group),))
+    g = group if group is not None else length
+    if start % g == 0 and length % g == 0 and total % g == 0:  # P_g(x)[part] = P_g(x[part])
+        return Requires((make_need(x, dim, g),))
+    return Break(f"{op_name(node)} takes a part of the normalized dim that is not a whole group")
+
+
+def _slice(node, dim, group):
+    x = node.args[0]
+    r = _rank(x)
+    ds = _arg(node, 1, "dim", 0) % r
+    step = _arg(node, 4, "step", 1)
+    if ds == dim and step != 1:
+        return Break(f"{op_name(node)} with step {step} along the normalized dim")
+    total = shape(x)[ds]
+    start = _arg(node, 2, "start", 0) or 0
+    start = min(max(start + total if start < 0 else start, 0), total)
+    return _aligned_part(node, x, ds, dim, group, start, shape(node)[ds])
+
+
+def _select(node, dim, group):
+    ds = node.args[1] % _rank(node.args[0])
+    return Requires((make_need(node.args[0], dim if dim < ds else dim + 1, group),))
+
+
+def _index_select(node, dim, group):
+    ds = node.args[1] % _rank(node.args[0])
+    if ds == dim:
+        return Break(f"{op_name(node)} picks entries along the normalized dim")
+    return Requires((make_need(node.args[0], dim, group),))
+
+
+def _index(node, dim, group):
+    x, indices = node.args[0], list(node.args[1])
+    r_in = _rank(x)
+    last_untouched = len(indices) < r_in or indices[r_in - 1] is None
+    if dim == _rank(node) - 1 and last_untouched and shape(node)[-1] == shape(x)[-1]:
+        return Requires((make_need(x, r_in - 1, group),))
+    return Break(f"{op_name(node)}: advanced indexing that touches the normalized dim")
+
+
+def _cat(node, dim, group):
+    parts = [p for p in node.args[0] if shape(p) is not None and math.prod(shape(p)) > 0]
+    dc = _arg(node, 1, "dim", 0) % _rank(node)
+    if dc != dim:
+        return Requires(tuple(make_need(p, dim, group) for p in parts))
+    if group is not None and all(shape(p)[dim] % group == 0 for p in parts):
+        return Requires(tuple(make_need(p, dim, group) for p in parts))
+    return Break(f"{op_name(node)} along the normalized dim: centering each part does not center the whole")
+
+
+def _stack(node, dim, group):
+    ds = _arg(node, 1, "dim", 0) % _rank(node)
+    if ds == dim:
+        return Break(f"{op_name(node)} along the normalized dim")
+    return Requires(tuple(make_need(p, dim if dim < ds else dim - 1, group) for p in node.args[0]))
+
+
+_SPLIT_DIM_ARG = {"split": 2, "split_with_sizes": 2, "unsafe_split": 2, "chunk": 2, "tensor_split": 2, "unbind": 1}
+
+
+def _getitem(node, dim, group):
+    src, index = node.args
+    packet = getattr(getattr(src, "target", None), "overloadpacket", None)
+    name = str(packet).removeprefix("aten.") if packet is not None else None
+    if name not in _SPLIT_DIM_ARG:
+        return Break(f"getitem of {op_name(src) if isinstance(src, fx.Node) else src!r} is not in the rules table")
+    x = src.args[0]
+    ds = _arg(src, _SPLIT_DIM_ARG[name], "dim", 0) % _rank(x)
+    if name == "unbind":
+        return Requires((make_need(x, dim if dim < ds else dim + 1, group),))
+    sizes = [int(v.shape[ds]) for v in src.meta["val"]]
+    return _aligned_part(node, x, ds, dim, group, sum(sizes[:index]), sizes[index])
+
+
+def _constant_pad(node, dim, group):
+    pad, value = list(node.args[1]), _arg(node, 2, "value", 0)
+    if value != 0:
+        return Break(f"{op_name(node)} pads with {value}")
+    r = _rank(node)
+    k = r - 1 - dim  # pad lists (left, right) pairs from the last dim backwards
+    if 2 * k + 1 < len(pad) and (pad[2 * k] or pad[2 * k + 1]):
+        return Break(f"{op_name(node)} pads the normalized dim: the zeros shift its mean")
+    return Requires((make_need(node.args[0], dim, group),))
+
+
+def _reduce_other_dims(node, dim, group):
+    x = node.args[0]
+    dims = _arg(node, 1, "dim", None)
+    if dims is None:
+        return Break(f"{op_name(node)} over all dims")
+    r_in = _rank(x)
+    reduced = sorted({d % r_in for d in ([dims] if isinstance(dims, int) else dims)})
+    keep = _arg(node, 2, "keepdim", False)
+    src = dim if keep else [d for d in range(r_in) if d not in reduced][dim]
+    if src in reduced:
+        return Break(f"{op_name(node)} reduces the normalized dim")
+    return Requires((make_need(x, src, group),))
+
+
+def _linear(node, dim, group):
+    x, w, b = node.args[0], node.args[1], _arg(node, 2, "bias")
+    if dim == _rank(node) - 1:  # y = x·Wᵀ + b: zero-mean rows iff W's columns and b are (over outputs)
+        return _collect(node, [make_need(w, 0, group), make_need(b, 0, group) if b is not None else None])
+    if b is not None:
+        return Break(f"{op_name(node)} with a bias, along a non-feature dim")
+    return Requires((make_need(x, dim, group),))
+
+
+def _addmm(node, dim, group):
+    b, x, w = node.args[0], node.args[1], node.args[2]
+    if dim != 1:
+        return Break(f"{op_name(node)} along its row dim")
+    return _collect(node, [make_need(w, 1, group), _broadcast_operand(node, b, dim, group)])
+
+
+def _matmul_like(node, dim, group, a, b, bias=None):
+    r = _rank(node)
+    if _rank(b) < 2 or _rank(a) < 1:
+        return Break(f"{op_name(node)} with a vector operand")
+    if dim == r - 1:  # out = a·b: every output row is a combination of b's rows
+        return _collect(node, [make_need(b, _rank(b) - 1, group),
+                               _broadcast_operand(node, bias, dim, group) if bias is not None else None])
+    if dim == r - 2 and _rank(a) >= 2 and bias is None:
+        return Requires((make_need(a, _rank(a) - 2, group),))
+    return Break(f"{op_name(node)} along a batch dim")
+
+
+def _mm(node, dim, group):
+    return _matmul_like(node, dim, group, node.args[0], node.args[1])
+
+
+def _baddbmm(node, dim, group):
+    return _matmul_like(node, dim, group, node.args[1], node.args[2], bias=node.args[0])
+
+
+def _sdpa(node, dim, group):
+    v = node.args[2]
+    if _arg(node, 4, "dropout_p", 0.0):
+        return Break(f"{op_name(node)} with dropout")
+    if dim != _rank(node) - 1:
+        return Break(f"{op_name(node)} along a non-head dim")
+    return Requires((make_need(v, _rank(v) - 1, group),))  # softmax(QKᵀ)·V: rows combine V's rows
+
+
+def _conv(node, dim, group, *, transposed_index=None, groups_index=6):
+    x, w, b = node.args[0], node.args[1], _arg(node, 2, "bias")
+    transposed = bool(node.args[transposed_index]) if transposed_index is not None and len(node.args) > transposed_index else False
+    groups = _arg(node, groups_index, "groups", 1)
+    channel = 1 if _rank(node) == _rank(w) else 0
+    if dim != channel:
+        return Break(f"{op_name(node)} along a non-channel dim")
+    if groups != 1:
+        return Break(f"{op_name(node)} with groups={groups} is not a dense map over channels")
+    wdim = 1 if transposed else 0
+    return _collect(node, [make_need(w, wdim, group), make_need(b, 0, group) if b is not None else None])
+
+
+def _conv_transpose(node, dim, group):
+    x, w = node.args[0], node.args[1]
+    groups = _arg(node, 6, "groups", 1)
+    if dim != (1 if _rank(node) == _rank(w) else 0) or groups != 1:
+        return Break(f"{op_name(node)} along a non-channel dim or with groups={groups}")
+    b = _arg(node, 2, "bias")
+    return _collect(node, [make_need(w, 1, group), make_need(b, 0, group) if b is not None else None])
+
+
+def _embedding(node, dim, group):
+    if dim != _rank(node) - 1:
+        return Break(f"{op_name(node)} along an index dim")
+    return Requires((make_need(node.args[0], 1, group),))  # rows of W are gathered whole
+
+
+def _layer_norm_source(node, dim, group):
+    normalized_shape = node.args[1]
+    w, b = _arg(node, 2, "weight"), _arg(node, 3, "bias")
+    if w is not None or b is not None:
+        return Break(f"{op_name(node)} output with an affine transform is not zero-mean")
+    if len(normalized_shape) != 1 or dim != _rank(node) - 1 or group is not None:
+        return Break(f"{op_name(node)} output is zero-mean only over its whole last dim")
+    return Source("normalized")
+
+
+def _zero_source(node, dim, group):
+    if classify_zero(node):
+        return Source("zero")
+    return Break(f"{op_name(node)} with a non-zero fill value")
+
+
+# --------------------------------------------------------------------------- the table
+
+_aten = torch.ops.aten
+
+
+def _packets(*names: str):
+    return [getattr(_aten, n) for n in names if hasattr(_aten, n)]
+
+
+_ZERO_OPS = set(_packets("zeros", "zeros_like", "new_zeros"))
+# op -> index of its fill value: full(size, v), full_like(x, v), fill(x, v), new_full(x, size, v)
+_FULL_OPS = {**{p: 1 for p in _packets("full", "full_like", "fill")}, **{p: 2 for p in _packets("new_full")}}
+
+RULES: dict[object, Callable[[fx.Node, int, int | None], Answer]] = {}
+for _p in _packets("clone", "contiguous", "alias", "_to_copy", "to", "detach", "lift_fresh_copy", "type_as",
+                   "positive"):
+    RULES[_p] = _same_dim
+for _p in _packets("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"):
+    RULES[_p] = _dropout
+for _p in _packets("add", "sub"):
+    RULES[_p] = _add_sub
+RULES.update({p: _mul for p in _packets("mul")})
+RULES.update({p: _div for p in _packets("div")})
+RULES.update({p: _neg for p in _packets("neg")})
+for _p in _packets("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as",
+                   "reshape_as"):
+    RULES[_p] = _view
+RULES.update({p: _permute for p in _packets("permute")})
+RULES.update({p: _transpose for p in _packets("transpose", "swapaxes")})
+RULES.update({p: _t for p in _packets("t")})
+RULES.update({p: _expand for p in _packets("expand", "expand_as")})
+RULES.update({p: _slice for p in _packets("slice")})
+RULES.update({p: _select for p in _packets("select")})
+RULES.update({p: _index_select for p in _packets("index_select")})
+RULES.update({p: _index for p in _packets("index")})
+RULES.update({p: _cat for p in _packets("cat", "concat", "concatenate")})
+RULES.update({p: _stack for p in _packets("stack")})
+RULES[operator.getitem] = _getitem
+RULES.update({p: _constant_pad for p in _packets("constant_pad_nd")})
+RULES.update({p: _reduce_other_dims for p in _packets("mean", "sum")})
+RULES.update({p: _linear for p in _packets("linear")})
+RULES.update({p: _addmm for p in _packets("addmm")})
+RULES.update({p: _mm for p in _packets("mm", "matmul", "bmm")})
+RULES.update({p: _baddbmm for p in _packets("baddbmm")})
+RULES.update({p: _sdpa for p in _packets("scaled_dot_product_attention")})
+RULES.update({p: _conv for p in _packets("conv1d", "conv2d", "conv3d")})
+RULES[_aten.convolution] = lambda n, d, g: _conv(n, d, g, transposed_index=6, groups_index=8)
+RULES.update({p: _conv_transpose for p in _packets("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")})
+RULES.update({p: _embedding for p in _packets("embedding")})
+RULES.update({p: _layer_norm_source for p in _packets("layer_norm")})
+for _p in (*_ZERO_OPS, *_FULL_OPS):
+    RULES[_p] = _zero_source
+
+# ops that only read metadata (shape, dtype): a change of their input's values cannot reach them
+METADATA_OPS = set(_packets("_assert_tensor_metadata", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"))
+# ops whose result is a list consumed through getitem
+MULTI_OUTPUT_OPS = set(_packets(*_SPLIT_DIM_ARG))
