@@ -1,0 +1,11 @@
+"""Hugging Face folders: offline loading, example inputs, folding a folder into a stock-loadable
+folded folder with reports, reloading it with fast RMSNorms, and streaming folds of checkpoints
+larger than memory. Needs ``pip install 'normfold[hf]'`` (transformers, safetensors)."""
+from __future__ import annotations
+
+from .folder import analyze_folder, fold_folder, verify_folders
+from .io import (CheckpointError, default_model_path, example_inputs_for, from_pretrained, load_model,
+                 save_folded)
+
+__all__ = ["CheckpointError", "analyze_folder", "default_model_path", "example_inputs_for", "fold_folder",
+           "from_pretrained", "load_model", "save_folded", "verify_folders"]

@@ -1,0 +1,261 @@
+"""The ``normfold`` command.
+
+    normfold analyze [MODEL_DIR]                      per-norm table (default: the bundled model)
+    normfold fold [MODEL_DIR] -o OUT_DIR [--json]     fold, verify in float64, write OUT_DIR
+    normfold verify ORIG_DIR FOLDED_DIR               compare a folded folder with its original
+    normfold demo                                     fold the bundled model into a temp folder
+
+Exit codes: 0 ok, 1 verification failed, 2 usage or input error (one line on stderr).
+
+Subcommands are registered by modules listed in ``COMMAND_MODULES``: each defines
+``add_commands(subparsers)``, which adds its parsers and sets ``run=`` (a function
+``args -> exit code``) with ``set_defaults``. Modules must import heavy dependencies inside ``run``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import json
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+EXIT_OK, EXIT_VERIFY_FAILED, EXIT_USAGE = 0, 1, 2
+
+# Other parts of normfold add their subcommands here (e.g. "normfold.train.commands").
+COMMAND_MODULES: list[str] = ["normfold.cli"]
+
+
+class UsageError(ValueError):
+    """A bad command line that argparse cannot see (e.g. a missing -o)."""
+
+
+# ------------------------------------------------------------------------------------------ output
+
+def _console(stderr: bool = False):
+    from .hf._deps import require
+
+    rich_console = require("rich.console")
+    # Console() binds sys.stdout when created, so tests that capture output see it
+    return rich_console.Console(file=sys.stderr if stderr else sys.stdout, highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def _progress(enabled: bool = True) -> Iterator:
+    """A rich spinner on stderr; yields ``step(description)`` that starts the next step."""
+    if not enabled:
+        yield lambda _description: None
+        return
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=_console(stderr=True), transient=True) as progress:
+        task = progress.add_task("starting", total=None)
+        yield lambda description: progress.update(task, description=description)
+
+
+def _print_norm_table(report: dict) -> None:
+    from rich.table import Table
+
+    from .hf.report import norm_rows
+
+    rows = norm_rows(report)
+    model = report.get("model", {})
+    table = Table(title=f"{model.get('architecture', 'model')}: {sum(r['folded'] for r in rows)} of {len(rows)} "
+                        "LayerNorms foldable", title_justify="left")
+    table.add_column("norm", style="bold")
+    table.add_column("input zero-mean?")
+    table.add_column("γ/β")
+    table.add_column("why (for a kept norm: the op that breaks zero mean)")
+    for r in rows:
+        table.add_row(r["path"], "[green]yes: RMSNorm[/green]" if r["folded"] else "[yellow]no: LayerNorm kept[/yellow]",
+                      "folded into next layer" if r["affine_folded"] else "kept", r["reason"])
+    _console().print(table)
+
+
+_FIGURES = {  # verification figure -> how the table names it
+    "max_rel_error": "max relative error, float64",
+    "max_abs_error": "max absolute error, float64",
+    "model_dtype_max_rel_error": "max relative error, model dtype",
+    "max_input_mean_ratio": "RMSNorm inputs: max |mean| / rms",
+    "tolerance": "tolerance (relative, float64)",
+    "num_runs": "inputs compared",
+}
+
+
+def _print_verification(ver: dict) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"verification: {'[green]passed[/green]' if ver['ok'] else '[red]FAILED[/red]'}",
+                  title_justify="left")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, label in _FIGURES.items():
+        value = ver.get(key)
+        table.add_row(label, "n/a" if value is None else f"{value:.1e}" if isinstance(value, float) else str(value))
+    _console().print(table)
+
+
+def _json_report(report: dict) -> dict:
+    """What ``--json`` prints: the counts, the per-norm entries and the verification figures."""
+    keys = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype")
+    return {k: report[k] for k in keys if k in report}
+
+
+def _model_dir(args) -> Path:
+    from .hf.io import default_model_path
+
+    return Path(args.model_dir) if args.model_dir else default_model_path()
+
+
+# ---------------------------------------------------------------------------------------- commands
+
+def _run_analyze(args) -> int:
+    from .hf.folder import analyze_folder
+
+    with _progress(not args.json) as step:
+        report = analyze_folder(_model_dir(args), trust_remote_code=args.trust_remote_code, step=step)
+    if args.json:
+        print(json.dumps(_json_report(report), indent=2, default=str))
+    else:
+        _print_norm_table(report)
+    return EXIT_OK
+
+
+def _run_fold(args) -> int:
+    from .hf.folder import fold_folder
+
+    if not args.output:
+        raise UsageError("fold needs an output folder: -o OUT_DIR")
+    with _progress(not args.json) as step:
+        report = fold_folder(_model_dir(args), args.output, fold_affine=not args.no_fold_affine, dtype=args.dtype,
+                             overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step)
+    if args.json:
+        print(json.dumps(_json_report(report), indent=2, default=str))
+    else:
+        _print_norm_table(report)
+        _print_verification(report["verification"])
+        _console().print(f"wrote [bold]{report['out_dir']}[/bold]")
+    return EXIT_OK
+
+
+def _run_verify(args) -> int:
+    from .hf.folder import verify_folders
+
+    with _progress(not args.json) as step:
+        ver = verify_folders(args.orig_dir, args.folded_dir, trust_remote_code=args.trust_remote_code, step=step)
+    if args.json:
+        print(json.dumps({"verification": ver}, indent=2, default=str))
+    else:
+        _print_verification(ver)
+    return EXIT_OK if ver["ok"] else EXIT_VERIFY_FAILED
+
+
+def _run_demo(args) -> int:
+    from .hf.folder import fold_folder
+    from .hf.io import default_model_path
+
+    source = default_model_path()
+    with tempfile.TemporaryDirectory(prefix="normfold-demo-") as tmp:
+        out = Path(tmp) / "folded"
+        _console().print(f"folding the bundled model {source}\n")
+        with _progress() as step:
+            report = fold_folder(source, out, step=step)
+        _print_norm_table(report)
+        _print_verification(report["verification"])
+        files = ", ".join(sorted(p.name for p in out.iterdir()))
+        _console().print(f"wrote {files}\n(into a temporary folder; `normfold fold -o DIR` keeps one)")
+    return EXIT_OK
+
+
+def add_commands(subparsers) -> None:
+    """The Hugging Face folder commands."""
+    def common(p):
+        p.add_argument("--json", action="store_true", help="print only the JSON report on stdout")
+        p.add_argument("--trust-remote-code", action="store_true",
+                       help="allow the folder's own modeling code to run (off by default)")
+
+    p = subparsers.add_parser("analyze", help="per-norm table: which LayerNorms can become RMSNorms")
+    p.add_argument("model_dir", nargs="?", help="Hugging Face folder (default: the bundled model)")
+    common(p)
+    p.set_defaults(run=_run_analyze)
+
+    p = subparsers.add_parser("fold", help="fold, verify and write an equivalent RMSNorm model")
+    p.add_argument("model_dir", nargs="?", help="Hugging Face folder (default: the bundled model)")
+    p.add_argument("-o", "--output", metavar="OUT_DIR", help="new folder to write (must not exist)")
+    p.add_argument("--no-fold-affine", action="store_true",
+                   help="keep γ/β on the RMSNorms instead of folding them into the next linear layers")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="dtype of the saved weights (default: the checkpoint's)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    common(p)
+    p.set_defaults(run=_run_fold)
+
+    p = subparsers.add_parser("verify", help="compare a folded folder with its original in float64")
+    p.add_argument("orig_dir")
+    p.add_argument("folded_dir")
+    common(p)
+    p.set_defaults(run=_run_verify)
+
+    p = subparsers.add_parser("demo", help="fold the bundled trained model and show the report")
+    p.set_defaults(run=_run_demo)
+
+
+# -------------------------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="normfold", description="LayerNorm's behaviour at RMSNorm's cost.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_commands(subparsers)
+    return parser
+
+
+def _quiet_transformers() -> None:
+    """No per-file progress bars or info logs from transformers: the command shows its own."""
+    try:
+        from transformers.utils import logging
+    except ImportError:
+        return
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from .fold import FoldError, FoldVerificationError  # noqa: F401  (FoldError: unsupported model)
+    from .hf.io import CheckpointError
+
+    return (UsageError, CheckpointError, FoldError, ImportError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2, message already printed)
+        return int(exit_.code or 0)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    from .fold import FoldVerificationError
+
+    _quiet_transformers()
+    try:
+        return args.run(args)
+    except FoldVerificationError as err:
+        print(f"normfold: verification failed: {err}", file=sys.stderr)
+        return EXIT_VERIFY_FAILED
+    except _user_errors() as err:
+        print(f"normfold: error: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("normfold: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

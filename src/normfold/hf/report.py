@@ -1,0 +1,44 @@
+"""Views of a fold report dict: per-norm rows (for the table and the picture) and markdown."""
+from __future__ import annotations
+
+from typing import Any
+
+
+def norm_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per norm, in model order: ``path``, ``folded``, ``affine_folded``, ``reason`` and,
+    for a kept norm, ``blocker`` (the engine's reason: the op that breaks zero mean)."""
+    return [{"path": e["path"], "folded": bool(e["foldable"]), "affine_folded": bool(e["affine_folded"]),
+             "reason": e["reason"], "blocker": None if e["foldable"] else e["reason"]}
+            for e in report["norms"]]
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
+def render_markdown(report: dict[str, Any], *, picture: str | None = None) -> str:
+    """A short human report: what was folded, what was kept and why, and the verification."""
+    model = report.get("model", {})
+    rows = norm_rows(report)
+    folded = sum(r["folded"] for r in rows)
+    lines = [f"# normfold report: {model.get('architecture', 'model')}", ""]
+    if model.get("source"):
+        lines += [f"Source: `{model['source']}` ({model.get('parameters', '?'):,} parameters)", ""]
+    lines += [f"**{folded} of {len(rows)} LayerNorms folded into RMSNorm**"
+              + (" (affine γ/β folded into the next linear layers)" if report.get("fold_affine") else ""), ""]
+    if picture:
+        lines += [f"![zero-mean graph]({picture})", ""]
+    lines += ["| norm | result | γ/β | why |", "|---|---|---|---|"]
+    lines += [f"| `{r['path']}` | {'RMSNorm' if r['folded'] else 'LayerNorm kept'} | "
+              f"{'folded into next layer' if r['affine_folded'] else 'kept'} | {r['reason']} |" for r in rows]
+    if report.get("untied"):
+        lines += ["", "Untied: " + "; ".join(report["untied"])]
+    ver = report.get("verification")
+    if ver:
+        lines += ["", f"## Verification: {'passed' if ver['ok'] else 'FAILED'}", "",
+                  "Original and folded model on the example inputs and random inputs of the same shapes.", "",
+                  "| figure | value |", "|---|---|"]
+        lines += [f"| {k} | {_fmt(v)} |" for k, v in ver.items() if k not in ("outputs", "ok")]
+    return "\n".join(lines) + "\n"
