@@ -18,7 +18,8 @@ from torch import fx, nn
 from .graph import Captured, describe, module_path, module_stack, op_name, shape
 from .plan import AffineFoldStep, CenterStep, FoldPlan, SwapStep, UntieStep
 from .report import NormEntry
-from .rules import METADATA_OPS, MULTI_OUTPUT_OPS, Break, Need, Requires, Source, classify, make_need
+from .rules import (METADATA_OPS, MULTI_OUTPUT_OPS, Break, Need, NormCall, Source, classify, make_need,
+                    norm_call)
 
 _aten = torch.ops.aten
 
@@ -84,7 +85,7 @@ class _Norm:
 
     path: str
     kind: str
-    nodes: list[fx.Node]
+    calls: list[NormCall]
     module: nn.Module | None
     foldable: bool = False
     reason: str = ""
@@ -104,41 +105,51 @@ def _effective_users(node: fx.Node):
 
 
 def _is_ln_input(user: fx.Node, need: Need) -> bool:
-    """``user`` is a layer_norm over the last dim reading ``need.node`` as its input, whole-dim."""
-    return (_packet(user) == _aten.layer_norm and user.args[0] is need.node and len(user.args[1]) == 1
+    """``user`` is a LayerNorm over the last dim reading ``need.node`` as its input, whole-dim."""
+    call = norm_call(user)
+    return (call is not None and not call.is_rms and call.x is need.node and call.num_dims == 1
             and need.dim == len(shape(need.node)) - 1 and need.group is None)
 
 
-def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
-    """LayerNorm modules / functional calls in graph order, then RMSNorm modules that ran."""
-    from ..nn import RMSNorm as NormfoldRMSNorm
+def _norm_types():
+    from .. import nn as nf_nn
 
+    layer_norms = (nn.LayerNorm, *(t for t in (getattr(nf_nn, "LayerNorm", None),) if t is not None))
+    rms_norms = (nf_nn.RMSNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+    return layer_norms, rms_norms
+
+
+def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
+    """Norm calls grouped by the module that owns them, in graph order; then RMSNorm modules the
+    graph shows no norm op for (e.g. a decomposed implementation)."""
+    layer_norm_types, rms_norm_types = _norm_types()
     norms: dict[str, _Norm] = {}
     called: set[str] = set()
     for node in captured.graph.nodes:
         called.update(p for p, _ in module_stack(node))
-        if _packet(node) != _aten.layer_norm:
+        call = norm_call(node)
+        if call is None:
             continue
-        path, module = None, None
-        weight = node.args[2] if len(node.args) > 2 else node.kwargs.get("weight")
+        kind, types = ("RMSNorm", rms_norm_types) if call.is_rms else ("LayerNorm", layer_norm_types)
         candidates = []
-        if weight is not None and weight in captured.param_fqn:
-            candidates.append(captured.param_fqn[weight].rpartition(".")[0])
+        if call.weight is not None and call.weight in captured.param_fqn:
+            candidates.append(captured.param_fqn[call.weight].rpartition(".")[0])
         candidates.extend(p for p, _ in reversed(module_stack(node)))
+        path, module = None, None
         for p in candidates:
             try:
                 m = model.get_submodule(p)
             except AttributeError:
                 continue
-            if isinstance(m, nn.LayerNorm):
+            if isinstance(m, types):
                 path, module = p, m
                 break
         if path is None:
             path = f"{module_path(node) or '<root>'}:{node.name}"
-        norms.setdefault(path, _Norm(path, "LayerNorm", [], module)).nodes.append(node)
-    rms_types = (NormfoldRMSNorm,) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
+        reason = "already an RMSNorm" if call.is_rms else ""
+        norms.setdefault(path, _Norm(path, kind, [], module, reason=reason)).calls.append(call)
     for path, m in model.named_modules():
-        if isinstance(m, rms_types) and path in called:
+        if isinstance(m, rms_norm_types) and path in called and path not in norms:
             norms[path] = _Norm(path, "RMSNorm", [], m, reason="already an RMSNorm")
     return list(norms.values())
 
@@ -151,9 +162,9 @@ def _walk_norms(walker: _Walker, norms: list[_Norm]) -> None:
             norm.reason = "functional layer_norm: no nn.LayerNorm module to replace"
             continue
         reasons = []
-        for node in norm.nodes:
-            x = node.args[0]
-            if len(node.args[1]) != 1 or shape(x) is None:
+        for call in norm.calls:
+            x = call.x
+            if call.num_dims != 1 or shape(x) is None:
                 reasons.append(("kept: normalizes over several dims (only the last dim is supported)", ()))
                 continue
             root = make_need(x, len(shape(x)) - 1, None)
@@ -257,29 +268,51 @@ _PASS_THROUGH = {_aten.view, _aten.reshape, _aten._unsafe_view, _aten.clone, _at
                  _aten._to_copy, _aten.to, _aten.detach, _aten.dropout, _aten.flatten}
 
 
-def _single_use_param(node, captured: Captured) -> str | None:
-    """FQN of a parameter read only by this one op and not tied to another name."""
-    if not isinstance(node, fx.Node) or node not in captured.param_fqn or len(node.users) != 1:
+def _single_use_param(node, captured: Captured, untied: frozenset = frozenset()) -> str | None:
+    """FQN of a parameter read by one op only, under a name no other tensor shares — or under a
+    tied name that the plan unties (it gets its own copy before affine folding)."""
+    if not isinstance(node, fx.Node) or node not in captured.param_fqn:
         return None
     fqn = captured.param_fqn[node]
-    return fqn if len(captured.aliases.get(fqn, (fqn,))) == 1 else None
+    if len(captured.aliases.get(fqn, (fqn,))) == 1:
+        return fqn if len(node.users) == 1 else None
+    if len(node.users) == 1 or not untied:
+        return None
+    return None
 
 
-def _affine_steps(norm: _Norm, model: nn.Module, captured: Captured) -> tuple[list[AffineFoldStep], str]:
+def _private_weight(node, user: fx.Node, captured: Captured, untied: frozenset) -> str | None:
+    """The name of a consumer's weight if that weight belongs to this use alone (after untying)."""
+    fqn = _single_use_param(node, captured)
+    if fqn is not None or not isinstance(node, fx.Node) or node not in captured.param_fqn:
+        return fqn
+    name = use_alias(captured, node, user)
+    others = [u for u in node.users if u is not user]
+    if name in untied and all(use_alias(captured, node, u) != name for u in others):
+        return name
+    return None
+
+
+def _affine_steps(norm: _Norm, model: nn.Module, captured: Captured,
+                  untied: frozenset = frozenset()) -> tuple[list[AffineFoldStep], str]:
     """Steps folding the norm's γ/β into every linear consumer, or ([], why not)."""
-    if len(norm.nodes) != 1:
+    if norm.module is None:
+        return [], "no module to replace"
+    if len(norm.calls) != 1:
         return [], "module runs more than once"
-    node = norm.nodes[0]
-    gamma = node.args[2] if len(node.args) > 2 else None
-    beta = node.args[3] if len(node.args) > 3 else None
-    if gamma is None and beta is None:
+    call = norm.calls[0]
+    if call.weight is None and call.bias is None:
         return [], "no affine"
-    gamma_fqn = _single_use_param(gamma, captured) if gamma is not None else None
-    beta_fqn = _single_use_param(beta, captured) if beta is not None else None
-    if (gamma is not None and gamma_fqn is None) or (beta is not None and beta_fqn is None):
+    if call.is_rms and (call.eps is None or not isinstance(norm.module, _norm_types()[1])):
+        return [], "RMSNorm without an explicit eps"
+    gamma_fqn = _single_use_param(call.weight, captured) if call.weight is not None else None
+    beta_fqn = _single_use_param(call.bias, captured) if call.bias is not None else None
+    if (call.weight is not None and gamma_fqn is None) or (call.bias is not None and beta_fqn is None):
         return [], "its γ/β are shared or not parameters"
-    width = shape(node)[-1]
-    steps, frontier = [], [node]
+    if call.output is None or shape(call.output) is None:
+        return [], "output not used"
+    width = shape(call.output)[-1]
+    steps, frontier = [], [call.output]
     while frontier:
         current = frontier.pop()
         for user in current.users:
@@ -288,14 +321,16 @@ def _affine_steps(norm: _Norm, model: nn.Module, captured: Captured) -> tuple[li
                     and not (packet == _aten.dropout and user.args[2:3] == (True,)):
                 frontier.append(user)
                 continue
-            step = _consumer_step(norm, user, current, gamma_fqn, beta_fqn, model, captured)
+            if user.op == "output":
+                return [], "its output is a model output"
+            step = _consumer_step(norm, user, current, gamma_fqn, beta_fqn, model, captured, untied)
             if isinstance(step, str):
                 return [], step
             steps.append(step)
     return steps, ""
 
 
-def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured):
+def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured, untied):
     packet = _packet(user)
     if packet == _aten.linear and user.args[0] is x:
         w, b, in_dim = user.args[1], (user.args[2] if len(user.args) > 2 else None), 1
@@ -305,7 +340,7 @@ def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured):
         w, b, in_dim = user.args[1], None, 0
     else:
         return f"its output feeds {describe(user)}, not a linear layer"
-    w_fqn = _single_use_param(w, captured)
+    w_fqn = _private_weight(w, user, captured, untied)
     if w_fqn is None or len(shape(w)) != 2:
         return f"consumer {describe(user)} has no private 2-D weight parameter"
     if b is not None:
@@ -344,9 +379,10 @@ def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = T
             n_producers = len({fqn for fqn, _, _ in norm.params})
             norm.reason = f"input zero-mean: centered {n_producers} producer{'s' * (n_producers != 1)}"
     for norm in norms:
-        if norm.kind != "LayerNorm" or norm.module is None:
+        if norm.module is None:
             continue
-        affine, why = _affine_steps(norm, model, captured) if fold_affine else ([], "")
+        untied_names = frozenset(f"{u.module_path}.{u.attr}" for u in plan.untie)
+        affine, why = _affine_steps(norm, model, captured, untied_names) if fold_affine else ([], "")
         norm.affine = affine
         if affine:
             plan.affine_fold.extend(affine)
@@ -354,8 +390,8 @@ def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = T
             norm.reason += f"; affine kept: {why}"
         if norm.foldable or affine:
             ln = norm.module
-            plan.swap.append(SwapStep(norm.path, "RMSNorm" if norm.foldable else "LayerNorm",
-                                      int(ln.normalized_shape[0]), float(ln.eps),
+            plan.swap.append(SwapStep(norm.path, "RMSNorm" if norm.foldable or norm.kind == "RMSNorm" else "LayerNorm",
+                                      int(ln.normalized_shape[0]), float(norm.calls[0].eps if ln.eps is None else ln.eps),
                                       elementwise_affine=ln.weight is not None and not affine,
                                       bias=ln.bias is not None and not affine))
     entries = [NormEntry(n.path, n.kind, n.foldable, bool(n.affine), n.reason,

@@ -26,6 +26,8 @@ from torch import fx
 
 from .graph import Captured, op_name, shape
 
+_aten = torch.ops.aten
+
 
 class Need(NamedTuple):
     """A question: is ``node`` zero-mean along ``dim`` (per ``group`` elements, None = whole dim)?"""
@@ -52,6 +54,40 @@ class Break:
 
 
 Answer = Requires | Source | Break
+
+
+@dataclass(frozen=True)
+class NormCall:
+    """A norm op in the graph, whatever op spells it (aten.layer_norm, aten.rms_norm, normfold's op)."""
+
+    node: fx.Node
+    x: fx.Node                 # the normalized input
+    weight: fx.Node | None
+    bias: fx.Node | None
+    eps: float | None
+    is_rms: bool
+    output: fx.Node | None     # the node holding the normalized output
+    num_dims: int              # number of trailing dims normalized
+
+
+def norm_call(node: fx.Node) -> NormCall | None:
+    """Recognize a norm over trailing dims; fused-residual and offset variants are not norms here."""
+    if node.op != "call_function":
+        return None
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet == _aten.layer_norm:
+        return NormCall(node, node.args[0], _arg(node, 2, "weight"), _arg(node, 3, "bias"), _arg(node, 4, "eps", 1e-5),
+                        False, node, len(node.args[1]))
+    if packet == _aten.rms_norm:
+        return NormCall(node, node.args[0], _arg(node, 2, "weight"), None, _arg(node, 3, "eps"), True, node,
+                        len(node.args[1]))
+    if str(packet) == "normfold.norm_fwd":  # (x, weight, bias, residual, eps, offset, is_rms) -> (y, s, mean, rstd)
+        x, weight, bias, residual, eps, offset, is_rms = node.args[:7]
+        if residual is not None or offset != 0:
+            return None
+        output = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), None)
+        return NormCall(node, x, weight, bias, eps, bool(is_rms), output, 1)
+    return None
 
 
 def make_need(node: fx.Node, dim: int, group: int | None) -> Need:
@@ -195,6 +231,20 @@ def _neg(node, dim, group):
     return _same_dim(node, dim, group)
 
 
+def _in_place(rule):
+    """``a.add_(b)`` etc.: the functional rule, if nothing else reads ``a`` (whose value it overwrites)."""
+    def in_place_rule(node, dim, group):
+        target = node.args[0]
+        if isinstance(target, fx.Node) and len(target.users) != 1:
+            return Break(f"{op_name(node)} overwrites a tensor that is also read elsewhere")
+        return rule(node, dim, group)
+    return in_place_rule
+
+
+def _numpy_t(node, dim, group):
+    return Requires((make_need(node.args[0], _rank(node) - 1 - dim, group),))  # reverses all dims
+
+
 def map_view_dim(in_s: tuple[int, ...], out_s: tuple[int, ...], dim: int, group: int | None):
     """Input (dim, group) equivalent to output (dim, group) under a reshape, or a Break reason.
 
@@ -329,6 +379,9 @@ def _getitem(node, dim, group):
     src, index = node.args
     packet = getattr(getattr(src, "target", None), "overloadpacket", None)
     name = str(packet).removeprefix("aten.") if packet is not None else None
+    call = norm_call(src) if isinstance(src, fx.Node) else None
+    if call is not None and call.output is node:
+        return _norm_output_source(call, node, dim, group)
     if name not in _SPLIT_DIM_ARG:
         return Break(f"getitem of {op_name(src) if isinstance(src, fx.Node) else src!r} is not in the rules table")
     x = src.args[0]
@@ -438,12 +491,18 @@ def _embedding(node, dim, group):
 
 
 def _layer_norm_source(node, dim, group):
-    normalized_shape = node.args[1]
-    w, b = _arg(node, 2, "weight"), _arg(node, 3, "bias")
-    if w is not None or b is not None:
-        return Break(f"{op_name(node)} output with an affine transform is not zero-mean")
-    if len(normalized_shape) != 1 or dim != _rank(node) - 1 or group is not None:
-        return Break(f"{op_name(node)} output is zero-mean only over its whole last dim")
+    return _norm_output_source(norm_call(node), node, dim, group)
+
+
+def _norm_output_source(call: NormCall, out: fx.Node, dim, group):
+    """A LayerNorm without affine returns zero-mean rows: a source that centering leaves unchanged."""
+    name = op_name(call.node)
+    if call.is_rms:
+        return Break(f"{name}: an RMSNorm output is not zero-mean")
+    if call.weight is not None or call.bias is not None:
+        return Break(f"{name} output with an affine transform is not zero-mean")
+    if call.num_dims != 1 or dim != _rank(out) - 1 or group is not None:
+        return Break(f"{name} output is zero-mean only over its whole last dim")
     return Source("normalized")
 
 
@@ -454,8 +513,6 @@ def _zero_source(node, dim, group):
 
 
 # --------------------------------------------------------------------------- the table
-
-_aten = torch.ops.aten
 
 
 def _packets(*names: str):
@@ -474,8 +531,11 @@ for _p in _packets("dropout", "feature_dropout", "alpha_dropout", "feature_alpha
     RULES[_p] = _dropout
 for _p in _packets("add", "sub"):
     RULES[_p] = _add_sub
+RULES.update({p: _in_place(_add_sub) for p in _packets("add_", "sub_")})
 RULES.update({p: _mul for p in _packets("mul")})
+RULES.update({p: _in_place(_mul) for p in _packets("mul_")})
 RULES.update({p: _div for p in _packets("div")})
+RULES.update({p: _in_place(_div) for p in _packets("div_")})
 RULES.update({p: _neg for p in _packets("neg")})
 for _p in _packets("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as",
                    "reshape_as"):
@@ -483,7 +543,8 @@ for _p in _packets("view", "reshape", "_unsafe_view", "flatten", "unflatten", "s
 RULES.update({p: _permute for p in _packets("permute")})
 RULES.update({p: _transpose for p in _packets("transpose", "swapaxes")})
 RULES.update({p: _t for p in _packets("t")})
-RULES.update({p: _expand for p in _packets("expand", "expand_as")})
+RULES.update({p: _numpy_t for p in _packets("numpy_T")})
+RULES.update({p: _expand for p in _packets("expand", "expand_as", "broadcast_to")})
 RULES.update({p: _slice for p in _packets("slice")})
 RULES.update({p: _select for p in _packets("select")})
 RULES.update({p: _index_select for p in _packets("index_select")})
