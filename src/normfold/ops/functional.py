@@ -20,11 +20,10 @@ def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, res
     x2d = x.reshape(-1, n)  # (M, N)
     r2d = None if residual is None else residual.reshape(-1, n)
     eps, offset = float(eps), float(offset)
+    s_out = None if out is None or residual is None else x.new_empty(shape)
+    y, s = _library.norm(x2d, weight, bias, r2d, eps, offset, is_rms, out, s_out)
     if out is not None:
-        s = None if residual is None else x.new_empty(shape)
-        _library.norm_fwd_out(x2d, weight, bias, r2d, eps, offset, is_rms, out, s)
-        return out if residual is None else (out, s)
-    y, s, _, _ = _library.norm_fwd(x2d, weight, bias, r2d, eps, offset, is_rms)
+        return out if residual is None else (out, s_out)
     return y.view(shape) if residual is None else (y.view(shape), s.view(shape))
 
 

@@ -18,10 +18,14 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
 
 
 def _pre_norm_stream(x: Tensor, residual: Tensor | None) -> Tensor:
-    """s = x + residual (in the compute dtype), or x."""
+    """s = x + residual, or x, in the compute dtype.
+
+    The add runs in the compute dtype and is rounded once to x's dtype: the norm normalizes
+    exactly the s it returns, so a backward that sees only the stored s stays consistent.
+    """
     s = x.to(_compute_dtype(x))
     if residual is not None:
-        s = s + residual.to(s.dtype)
+        s = (s + residual.to(s.dtype)).to(x.dtype).to(s.dtype)
     return s
 
 

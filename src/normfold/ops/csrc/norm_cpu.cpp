@@ -5,16 +5,16 @@
 // inputs) and float16/bfloat16 elements are widened to float in registers.
 //
 // Forward, per row (two sweeps over the row, the second one from cache):
-//   sweep 1  s = x (+ residual) in acc_t; store s (rounded to T) when there is a residual;
-//            accumulate Σd and Σd² with d = s − c.
-//   sweep 2  recompute s from x (+ residual), write y = (s − mean)·rstd·scale + bias once.
+//   sweep 1  s = x (+ residual): added in acc_t, rounded to T and stored when there is a
+//            residual; accumulate Σd and Σd² with d = s − c.
+//   sweep 2  read s again (x, or the stored s) from cache, write y = (s − mean)·rstd·scale + bias.
+// The norm sees the rounded s it returns, so the backward (which only has the stored s) agrees
+// with the forward exactly.
 // Statistics: one-pass shifted sums. RMSNorm uses c = 0: rstd = 1/sqrt(Σs²/N + eps).
 // LayerNorm uses c = s[0], the row's first element: mean = c + Σd/N,
 // var = Σd²/N − (Σd/N)². Shifting by a sample of the row keeps Σd/N on the scale of the
 // standard deviation, so the subtraction does not cancel catastrophically when |mean| ≫ std
 // (the failure of the naive E[s²] − E[s]²); it costs nothing extra, unlike Welford's divisions.
-// sweep 2 recomputes s from x and residual rather than reading back the rounded s, so y
-// normalizes exactly the fp32 sum, as the reference does.
 //
 // Backward, per row, with x̂ = (s − mean)·rstd and g = dy·scale:
 //   sweep 1  Σg and Σg·x̂
@@ -70,15 +70,26 @@ inline A hsum(const Vectorized<A>& v) {
 // Rows per parallel chunk: enough elements that a chunk outweighs the threading overhead.
 inline int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
 
-// s = x + residual for one vector (or x alone), optionally storing the rounded s.
-template <typename T, bool kResidual, bool kStoreS>
-inline Vectorized<acc_t<T>> load_s(const T* x, const T* r, T* s_out, int64_t i) {
-  auto v = load_acc(x + i);
+// s = round_T(x + residual), stored, for one vector; or x alone.
+template <typename T, bool kResidual>
+inline Vectorized<acc_t<T>> make_s(const T* x, const T* r, T* s_out, int64_t i) {
   if constexpr (kResidual) {
-    v = v + load_acc(r + i);
-    if constexpr (kStoreS) store_acc(s_out + i, v);
+    store_acc(s_out + i, load_acc(x + i) + load_acc(r + i));
+    return load_acc(s_out + i);  // the rounded value, back from L1
+  } else {
+    return load_acc(x + i);
   }
-  return v;
+}
+
+template <typename T, bool kResidual>
+inline acc_t<T> make_s_scalar(const T* x, const T* r, T* s_out, int64_t i) {
+  using A = acc_t<T>;
+  if constexpr (kResidual) {
+    s_out[i] = T(A(x[i]) + A(r[i]));
+    return A(s_out[i]);
+  } else {
+    return A(x[i]);
+  }
 }
 
 template <typename T, bool kResidual, bool kBias>
@@ -93,31 +104,29 @@ void forward_rows(const T* x, const T* res, const acc_t<T>* scale, const acc_t<T
       const T* rr = kResidual ? res + row * N : nullptr;
       T* sr = kResidual ? s_out + row * N : nullptr;
       T* yr = y + row * N;
-      const A shift = is_rms ? A(0) : (kResidual ? A(xr[0]) + A(rr[0]) : A(xr[0]));
+      const A shift = is_rms ? A(0) : make_s_scalar<T, kResidual>(xr, rr, sr, 0);
       const V c(shift);
       // sweep 1: Σd, Σd² with four independent accumulator pairs
       V sum0(0), sum1(0), sum2(0), sum3(0), sq0(0), sq1(0), sq2(0), sq3(0);
       int64_t i = 0;
       for (; i + 4 * K <= N; i += 4 * K) {
-        V d0 = load_s<T, kResidual, true>(xr, rr, sr, i) - c;
-        V d1 = load_s<T, kResidual, true>(xr, rr, sr, i + K) - c;
-        V d2 = load_s<T, kResidual, true>(xr, rr, sr, i + 2 * K) - c;
-        V d3 = load_s<T, kResidual, true>(xr, rr, sr, i + 3 * K) - c;
+        V d0 = make_s<T, kResidual>(xr, rr, sr, i) - c;
+        V d1 = make_s<T, kResidual>(xr, rr, sr, i + K) - c;
+        V d2 = make_s<T, kResidual>(xr, rr, sr, i + 2 * K) - c;
+        V d3 = make_s<T, kResidual>(xr, rr, sr, i + 3 * K) - c;
         sum0 = sum0 + d0; sum1 = sum1 + d1; sum2 = sum2 + d2; sum3 = sum3 + d3;
         sq0 = at::vec::fmadd(d0, d0, sq0); sq1 = at::vec::fmadd(d1, d1, sq1);
         sq2 = at::vec::fmadd(d2, d2, sq2); sq3 = at::vec::fmadd(d3, d3, sq3);
       }
       for (; i + K <= N; i += K) {
-        V d = load_s<T, kResidual, true>(xr, rr, sr, i) - c;
+        V d = make_s<T, kResidual>(xr, rr, sr, i) - c;
         sum0 = sum0 + d;
         sq0 = at::vec::fmadd(d, d, sq0);
       }
       A sum = hsum<A>((sum0 + sum1) + (sum2 + sum3));
       A sq = hsum<A>((sq0 + sq1) + (sq2 + sq3));
       for (; i < N; ++i) {
-        A s = kResidual ? A(xr[i]) + A(rr[i]) : A(xr[i]);
-        if constexpr (kResidual) sr[i] = T(s);
-        A d = s - shift;
+        A d = make_s_scalar<T, kResidual>(xr, rr, sr, i) - shift;
         sum += d;
         sq += d * d;
       }
@@ -128,18 +137,18 @@ void forward_rows(const T* x, const T* res, const acc_t<T>* scale, const acc_t<T
       const A rstd = A(1) / std::sqrt(var + eps);
       if (!is_rms) mean_out[row] = mean;
       rstd_out[row] = rstd;
-      // sweep 2: y = (s·rstd − mean·rstd)·scale + bias
-      const V vr(rstd), vmr(-mean * rstd);
+      // sweep 2: y = (s − mean)·rstd·scale + bias (subtracting first keeps a constant row exact)
+      const V vr(rstd), vmean(mean);
       i = 0;
       for (; i + K <= N; i += K) {
-        V s = load_s<T, kResidual, false>(xr, rr, sr, i);
-        V out = at::vec::fmadd(s, vr, vmr) * V::loadu(scale + i);
+        V s = load_acc((kResidual ? sr : xr) + i);
+        V out = (s - vmean) * vr * V::loadu(scale + i);
         if constexpr (kBias) out = out + V::loadu(bias + i);
         store_acc(yr + i, out);
       }
       for (; i < N; ++i) {
-        A s = kResidual ? A(xr[i]) + A(rr[i]) : A(xr[i]);
-        A out = (s * rstd - mean * rstd) * scale[i];
+        A s = A((kResidual ? sr : xr)[i]);
+        A out = (s - mean) * rstd * scale[i];
         if constexpr (kBias) out += bias[i];
         yr[i] = T(out);
       }
