@@ -99,7 +99,7 @@ def _effective_users(node: fx.Node):
     """Users of a node, seeing through list-returning ops (split, chunk, unbind) to their getitems."""
     for user in node.users:
         if _packet(user) in MULTI_OUTPUT_OPS:
-            yield from user.users
+            yield from (item for item in user.users if item.users)  # unread parts are dead code
         else:
             yield user
 
@@ -217,6 +217,10 @@ def _closedness_failure(walker: _Walker, norm: _Norm, parents, captured: Capture
             if need.node in captured.param_fqn and _untieable(captured, need.node, user, inside):
                 continue
             what = captured.param_fqn.get(need.node) or describe(need.node)
+            other = next((k for k, users in parents.items() if k.node is need.node and k != need and user in users), None)
+            if other is not None:
+                return (f"conflict: {what} must be zero-mean along dim {need.dim} (group {need.group}) and along "
+                        f"dim {other.dim} (group {other.group}); no centering gives both")
             if user.op == "output":
                 return f"not closed: {what} is a model output"
             return f"not closed: {what} also feeds {describe(user)}, which is not a norm input"
@@ -266,6 +270,9 @@ def _conflict(norm: _Norm, active: list[_Norm], captured: Captured) -> str | Non
 
 _PASS_THROUGH = {_aten.view, _aten.reshape, _aten._unsafe_view, _aten.clone, _aten.contiguous, _aten.alias,
                  _aten._to_copy, _aten.to, _aten.detach, _aten.dropout, _aten.flatten}
+
+
+_TRANSPOSES = {_aten.t, _aten.numpy_T, _aten.transpose}
 
 
 def _single_use_param(node, captured: Captured, untied: frozenset = frozenset()) -> str | None:
@@ -340,6 +347,8 @@ def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured, untied):
         w, b, in_dim = user.args[1], None, 0
     else:
         return f"its output feeds {describe(user)}, not a linear layer"
+    if in_dim == 0 and _packet(w) in _TRANSPOSES and len(w.users) == 1 and shape(w.args[0]) and len(shape(w.args[0])) == 2:
+        w, in_dim = w.args[0], 1  # matmul(x, Wᵀ) with W (out, in), e.g. Falcon's linear
     w_fqn = _private_weight(w, user, captured, untied)
     if w_fqn is None or len(shape(w)) != 2:
         return f"consumer {describe(user)} has no private 2-D weight parameter"
@@ -353,7 +362,7 @@ def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured, untied):
     beta_zero = beta_fqn is None or not torch.any(model.get_parameter(beta_fqn) != 0)
     if beta_zero:
         return AffineFoldStep(norm.path, gamma_fqn, None, w_fqn, in_dim, "", create_bias=False)
-    if isinstance(owner, nn.Linear) and owner.bias is None and packet == _aten.linear:
+    if isinstance(owner, nn.Linear) and owner.bias is None:  # nn.Linear (and subclasses) read self.bias
         return AffineFoldStep(norm.path, gamma_fqn, beta_fqn, w_fqn, in_dim, f"{owner_path}.bias", create_bias=True)
     return f"consumer {describe(user)} has no bias to absorb β and cannot hold one"
 

@@ -392,8 +392,15 @@ def _getitem(node, dim, group):
     return _aligned_part(node, x, ds, dim, group, sum(sizes[:index]), sizes[index])
 
 
-def _constant_pad(node, dim, group):
-    pad, value = list(node.args[1]), _arg(node, 2, "value", 0)
+def _pad(node, dim, group):
+    if _arg(node, 2, "mode", "constant") != "constant":
+        return Break(f"{op_name(node)} in {_arg(node, 2, 'mode')!r} mode")
+    return _constant_pad(node, dim, group, value=_arg(node, 3, "value", 0) or 0)
+
+
+def _constant_pad(node, dim, group, value=None):
+    pad = list(node.args[1])
+    value = _arg(node, 2, "value", 0) if value is None else value
     if value != 0:
         return Break(f"{op_name(node)} pads with {value}")
     r = _rank(node)
@@ -553,6 +560,7 @@ RULES.update({p: _cat for p in _packets("cat", "concat", "concatenate")})
 RULES.update({p: _stack for p in _packets("stack")})
 RULES[operator.getitem] = _getitem
 RULES.update({p: _constant_pad for p in _packets("constant_pad_nd")})
+RULES.update({p: _pad for p in _packets("pad")})
 RULES.update({p: _reduce_other_dims for p in _packets("mean", "sum")})
 RULES.update({p: _linear for p in _packets("linear")})
 RULES.update({p: _addmm for p in _packets("addmm")})
@@ -568,6 +576,8 @@ for _p in (*_ZERO_OPS, *_FULL_OPS):
     RULES[_p] = _zero_source
 
 # ops that only read metadata (shape, dtype): a change of their input's values cannot reach them
-METADATA_OPS = set(_packets("_assert_tensor_metadata", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset"))
+METADATA_OPS = set(_packets("_assert_tensor_metadata", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+                            "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones",
+                            "new_empty", "new_full"))
 # ops whose result is a list consumed through getitem
 MULTI_OUTPUT_OPS = set(_packets(*_SPLIT_DIM_ARG))
