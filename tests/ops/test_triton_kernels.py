@@ -13,7 +13,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anyw
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 pytest.importorskip("triton")
 from hypothesis import given, settings  # noqa: E402
@@ -21,147 +20,27 @@ from hypothesis import strategies as st  # noqa: E402
 
 from normfold.ops import layer_norm_ref, rms_norm_ref  # noqa: E402
 from normfold.ops._triton import BWD_MAX_BLOCK, FWD_MAX_BLOCK, norm_bwd, norm_fwd, plan_launch  # noqa: E402
-from normfold.ops._triton import launch  # noqa: E402
+from normfold.ops._triton import launch, selfcheck  # noqa: E402
+from normfold.ops._triton.selfcheck import Case, Inputs, run_kernels  # noqa: E402
 
 if not os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available():
     pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
-ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One norm configuration: which optional inputs are present."""
-
-    is_rms: bool
-    weight: bool = True
-    bias: bool = False
-    residual: bool = False
-    offset: float = 0.0
-    eps: float = 1e-6
-
-    def __str__(self) -> str:
-        parts = ["rms" if self.is_rms else "ln"]
-        parts += [name for name in ("weight", "bias", "residual") if getattr(self, name)]
-        if self.offset:
-            parts.append(f"offset{self.offset}")
-        return "-".join(parts)
+def make_inputs(case, shape, dtype, weight_dtype=None, seed=0):
+    return selfcheck.make_inputs(case, shape, dtype, DEVICE, weight_dtype=weight_dtype, seed=seed)
 
 
-@dataclasses.dataclass
-class Inputs:
-    x: torch.Tensor
-    weight: torch.Tensor | None
-    bias: torch.Tensor | None
-    residual: torch.Tensor | None
-    dy: torch.Tensor  # upstream gradient of y
-    ds: torch.Tensor | None  # upstream gradient of the returned stream s
-
-
-def make_inputs(case: Case, shape, dtype, weight_dtype=None, seed=0) -> Inputs:
-    g = torch.Generator().manual_seed(seed)
-    m, n = shape
-
-    def randn(*size, dt=dtype, scale=1.0, shift=0.0):
-        return (torch.randn(*size, generator=g, dtype=torch.float64) * scale + shift).to(dt).to(DEVICE)
-
-    wdt = weight_dtype or dtype
-    return Inputs(
-        x=randn(m, n, scale=2.0, shift=0.5),  # a non-zero mean makes the LN centering matter
-        weight=randn(n, dt=wdt, scale=0.5, shift=1.0) if case.weight else None,
-        bias=randn(n, dt=wdt, scale=0.3) if case.bias else None,
-        residual=randn(m, n, shift=-0.3) if case.residual else None,
-        dy=randn(m, n),
-        ds=randn(m, n) if case.residual else None,
-    )
-
-
-def oracle(case: Case, inp: Inputs, dtype=torch.float64):
-    """y, s and all gradients from the reference at ``dtype`` (fp64: the oracle).
-
-    Returns dict name -> tensor for y, s, dx, dresidual, dweight, dbias.
-    """
-    def leaf(t):
-        return None if t is None else t.detach().to(dtype).requires_grad_(True)
-
-    x, w, b, r = leaf(inp.x), leaf(inp.weight), leaf(inp.bias), leaf(inp.residual)
-    norm_ref = rms_norm_ref if case.is_rms else layer_norm_ref
-    out = norm_ref(x, w, b, case.eps, residual=r, offset=case.offset)
-    y, s = out if r is not None else (out, None)
-    loss = (y * inp.dy.to(dtype)).sum()
-    if s is not None:
-        loss = loss + (s * inp.ds.to(dtype)).sum()
-    leaves = {"dx": x, "dresidual": r, "dweight": w, "dbias": b}
-    present = {k: v for k, v in leaves.items() if v is not None}
-    grads = torch.autograd.grad(loss, list(present.values()))
-    return {"y": y.detach(), "s": None if s is None else s.detach(), **dict(zip(present, grads))}
-
-
-def torch_in_dtype(case: Case, inp: Inputs):
-    """The same outputs and gradients from torch's native ops computed in the input dtype."""
-    dtype = inp.x.dtype
-
-    def leaf(t):
-        return None if t is None else t.detach().to(dtype).requires_grad_(True)
-
-    x, w, b, r = leaf(inp.x), leaf(inp.weight), leaf(inp.bias), leaf(inp.residual)
-    s = x + r if r is not None else x
-    n = x.shape[-1]
-    w_eff = None if w is None else case.offset + w
-    if case.is_rms:
-        y = F.rms_norm(s, (n,), w_eff, case.eps)
-        if b is not None:
-            y = y + b
-    else:
-        y = F.layer_norm(s, (n,), w_eff, b, case.eps)
-    loss = (y.float() * inp.dy.float()).sum()
-    if r is not None:
-        loss = loss + (s.float() * inp.ds.float()).sum()
-    leaves = {"dx": x, "dresidual": r, "dweight": w, "dbias": b}
-    present = {k: v for k, v in leaves.items() if v is not None}
-    grads = torch.autograd.grad(loss, list(present.values()))
-    return {"y": y.detach(), "s": None if r is None else s.detach(), **dict(zip(present, grads))}
-
-
-def run_kernels(case: Case, inp: Inputs, fwd_block=FWD_MAX_BLOCK, bwd_block=BWD_MAX_BLOCK):
-    y, s, mean, rstd = norm_fwd(inp.x, inp.weight, inp.bias, inp.residual, case.eps, case.offset, case.is_rms,
-                                max_block=fwd_block)
-    saved = s if s is not None else inp.x
-    dx, dweight, dbias = norm_bwd(inp.dy, inp.ds, saved, inp.weight, mean, rstd, case.offset, case.is_rms,
-                                  inp.bias is not None, max_block=bwd_block)
-    out = {"y": y, "s": s, "dx": dx, "dweight": dweight, "dbias": dbias, "mean": mean, "rstd": rstd}
-    if inp.residual is not None:
-        out["dresidual"] = dx
-    return out
-
-
-def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.double() - b.double()).abs().max().item()
-
-
-def assert_matches_oracle(case: Case, inp: Inputs, got: dict) -> None:
-    want = oracle(case, inp)
-    torch_got = torch_in_dtype(case, inp)
-    atol = ATOL[inp.x.dtype]
-    for name, ref in want.items():
-        if ref is None:
-            assert got.get(name) is None, f"{name} should be None"
-            continue
-        assert got[name] is not None, f"{name} missing"
-        assert got[name].shape == ref.shape, (name, got[name].shape, ref.shape)
-        assert torch.isfinite(got[name]).all(), f"{name} has non-finite values"
-        ours, theirs = max_err(got[name], ref), max_err(torch_got[name], ref)
-        assert ours <= 2 * theirs + atol * max(1.0, ref.abs().max().item()), (
-            f"{case} {name}: kernel error {ours:.3g} > 2 × torch's {theirs:.3g} + atol")
-    assert got["y"].dtype == inp.x.dtype
-    if got["dweight"] is not None:
-        assert got["dweight"].dtype == inp.weight.dtype
+def assert_matches_oracle(case, inp, got):
+    mismatches = selfcheck.compare(case, inp, got)
+    assert not mismatches, f"{case} {tuple(inp.x.shape)} {inp.x.dtype}: " + "; ".join(map(str, mismatches))
 
 
 def statistics_oracle(case: Case, inp: Inputs):
     s = inp.x.double() + (inp.residual.double() if inp.residual is not None else 0)
-    mean = torch.zeros(s.shape[0], dtype=torch.float64) if case.is_rms else s.mean(-1)
+    mean = torch.zeros_like(s[:, 0]) if case.is_rms else s.mean(-1)
     var = (s - mean[:, None]).square().mean(-1)
     return mean, torch.rsqrt(var + case.eps)
 
@@ -226,6 +105,25 @@ def test_layernorm_statistics_survive_a_large_mean_in_looped_path():
         _, _, _, rstd = norm_fwd(inp.x, None, None, None, case.eps, 0.0, False, max_block=block)
         _, want = statistics_oracle(case, inp)
         torch.testing.assert_close(rstd.double(), want, rtol=1e-3, atol=0)
+
+
+def test_residual_without_stream_gradient():
+    # the returned stream s unused downstream: ds is None and dx is the norm's gradient alone
+    case = Case(is_rms=False, bias=True, residual=True)
+    inp = dataclasses.replace(make_inputs(case, (5, 64), torch.float32), ds=None)
+    assert_matches_oracle(case, inp, run_kernels(case, inp))
+
+
+def test_checker_reports_corrupted_outputs():
+    # the oracle comparison itself must be able to fail
+    case = Case(is_rms=True, bias=True, residual=True)
+    inp = make_inputs(case, (3, 50), torch.bfloat16)
+    got = run_kernels(case, inp)
+    assert selfcheck.compare(case, inp, got) == []
+    got["dweight"] = got["dweight"] * 1.05
+    got["s"] = None
+    reported = {m.output.split(" ")[0] for m in selfcheck.compare(case, inp, got)}
+    assert reported == {"dweight", "s"}
 
 
 def test_mixed_precision_bf16_input_fp32_weight():

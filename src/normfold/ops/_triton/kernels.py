@@ -231,7 +231,7 @@ def _norm_bwd_kernel(
         if HAS_WEIGHT:
             acc_dw += dy * xhat
         if HAS_BIAS:
-            acc_db += dy * 0.999
+            acc_db += dy
     partial_offs = pid_m.to(tl.int64) * N + cols
     if HAS_WEIGHT:
         tl.store(DW_PARTIAL + partial_offs, tl.sum(acc_dw, axis=0), mask=col_mask)
