@@ -1,0 +1,168 @@
+"""Column-based weight centering (CBWC): train a LayerNorm model as an RMSNorm model, exactly.
+
+    report = normfold.cbwc_(model, example_inputs)   # in place; returns the fold engine's FoldReport
+    ... train as usual ...
+    normfold.cbwc.bake_(model)                        # plain centered weights, no parametrizations
+
+Every producer that the fold engine (``normfold.analyze``) would center is reparametrized as
+V = W − mean(W, dim) — for a linear weight, V = (I − 11ᵀ/m)·W — with W the free parameter, and every
+foldable LayerNorm becomes a ``normfold.nn.RMSNorm`` holding the same γ/β Parameters. The producers'
+outputs are then zero-mean for every W, and RMSNorm(x) = LayerNorm(x) for zero-mean x.
+
+Why training is identical, AdamW weight decay included. LayerNorm ignores a shift of its input:
+LN(h) = LN(P·h) with P = I − 11ᵀ/m, and for the zero-mean P·h, LN = RMSNorm with the same eps, γ, β.
+The residual stream of the CBWC model is P times the LayerNorm model's stream, and it only reaches
+the model's outputs through the (now RMS) norms. So the CBWC loss is the *same function* of the
+free parameters as the LayerNorm loss, L_cbwc(W) = L_ln(W) for every W — not just at one point —
+and both models see the same gradient ∂L/∂W at every step. AdamW's update depends only on W, the
+gradient and the step, so the trajectories coincide; decoupled weight decay acts on the free W in
+both models alike. (The gradient is zero-mean along the centered dim, yet the free W's mean does
+drift: Adam scales each element separately and weight decay shrinks it. Neither model can see that
+component.) Training a once-centered plain RMSNorm model instead loses the equivalence, because
+that drift then reaches the norm inputs.
+
+Tied tables (``lm_head`` ↔ ``wte``): the plan's untie steps name the uses that must keep the
+uncentered tensor. CBWC keeps the tie — the lookup sees V, the head sees W, one Parameter gets both
+gradients — which is exactly the LayerNorm model's gradient. ``bake_`` unties them at the end.
+
+Where the equivalence breaks: dropout on a producer's output in training (residual / embedding
+dropout) rescales elements at random, so the stream is no longer zero-mean and the RMSNorm sees a
+different input from the LayerNorm. Attention-probability dropout (before ``c_proj``) is harmless.
+Measured in ``experiments/cbwc_equivalence.py`` (``experiments/results/cbwc_equivalence.md``).
+"""
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+__all__ = ["cbwc_", "bake_", "Centered"]
+
+
+class Centered(nn.Module):
+    """Parametrization V = W − mean(W) along ``dim``, per contiguous ``group`` elements (None: whole dim).
+
+    The differentiable twin of ``normfold.fold.math.center`` (which detaches and works in float64
+    for one-off folding); here the gradient must flow to W, in W's dtype.
+    """
+
+    def __init__(self, dim: int, group: int | None = None) -> None:
+        super().__init__()
+        self.dim, self.group = dim, group
+
+    def forward(self, w: Tensor) -> Tensor:
+        if self.group is None:
+            return w - w.mean(self.dim, keepdim=True)
+        dim = self.dim % w.dim()
+        grouped = w.unflatten(dim, (w.shape[dim] // self.group, self.group))  # (..., groups, group, ...)
+        return (grouped - grouped.mean(dim + 1, keepdim=True)).flatten(dim, dim + 1)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.dim}" + (f", group={self.group}" if self.group is not None else "")
+
+
+def _holders(model: nn.Module, tensor: Tensor) -> list[tuple[str, nn.Module, str]]:
+    """Every (module path, module, attribute) whose own parameter is ``tensor`` (aliases included)."""
+    found = []
+    for path, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is tensor:
+                found.append((path, module, attr))
+    return found
+
+
+def _check_group(tensor: Tensor, fqn: str, dim: int, group: int | None) -> None:
+    if not -tensor.dim() <= dim < tensor.dim():
+        raise ValueError(f"plan step for {fqn!r}: dim must be in [{-tensor.dim()}, {tensor.dim()}), got {dim}")
+    if group is not None and (group <= 0 or tensor.shape[dim] % group):
+        raise ValueError(f"plan step for {fqn!r}: group must divide size {tensor.shape[dim]} of dim {dim}, got {group}")
+
+
+def cbwc_(model: nn.Module, example_inputs, *, report=None):
+    """Make ``model``'s foldable LayerNorms RMSNorms and keep their producers centered (in place).
+
+    ``example_inputs`` as for ``normfold.analyze`` (a tuple of positional args or a dict of kwargs).
+    Pass ``report`` (a ``FoldReport`` from ``normfold.analyze(model, ..., fold_affine=False)``) to
+    skip the analysis. Parameter objects are kept, so an optimizer built before the call still
+    works. Returns the ``FoldReport``; ``report.num_foldable == 0`` means nothing changed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if any(isinstance(m, Centered) for m in model.modules()):
+        raise ValueError("cbwc_ was already applied to this model (it holds Centered parametrizations)")
+    if report is None:
+        from ..fold import analyze
+
+        report = analyze(model, example_inputs, fold_affine=False)
+    plan = report.plan
+    if plan.affine_fold:
+        raise ValueError("cbwc_ needs a plan without affine folding (γ/β stay trainable): "
+                         "analyze with fold_affine=False")
+    # names that must keep seeing the uncentered tensor (the plan would untie them)
+    keep_original = {f"{u.module_path}.{u.attr}".lstrip(".") for u in plan.untie}
+    targets = []
+    for step in plan.center:  # validate every step before changing anything
+        tensor = model.get_parameter(step.fqn)
+        _check_group(tensor, step.fqn, step.dim, step.group)
+        holders = [(path, module, attr) for path, module, attr in _holders(model, tensor)
+                   if f"{path}.{attr}".lstrip(".") not in keep_original]
+        targets.extend((module, attr, step) for _, module, attr in holders)
+    for step in plan.swap:
+        if step.to != "RMSNorm":
+            raise ValueError(f"cbwc_ only swaps LayerNorms for RMSNorms; plan step for {step.path!r} swaps to {step.to!r}")
+    for module, attr, step in targets:
+        parametrize.register_parametrization(module, attr, Centered(step.dim, step.group))
+    for step in plan.swap:
+        _swap_keeping_parameters(model, step)
+    return report
+
+
+def _swap_keeping_parameters(model: nn.Module, step) -> None:
+    """Replace the LayerNorm at ``step.path`` by an RMSNorm that holds the *same* γ/β Parameters."""
+    from ..nn import RMSNorm
+
+    old = model.get_submodule(step.path)
+    new = RMSNorm(step.normalized_shape, eps=step.eps, elementwise_affine=False)
+    if step.elementwise_affine:
+        new.elementwise_affine = True
+        new.weight = old.weight
+        new.bias = old.bias if step.bias else None
+    new.train(old.training)
+    parent, _, name = step.path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, name, new)
+
+
+def bake_(model: nn.Module) -> nn.Module:
+    """Replace every CBWC parametrization by a plain Parameter holding V = centered W (in place).
+
+    Uses that kept the uncentered tensor (a tied ``lm_head``) keep the free W; the centered side
+    gets a new Parameter, and a Hugging Face / normfold GPT config is marked untied. The baked
+    model computes the same function as before.
+    """
+    centered = [(module, attr) for module in model.modules() if parametrize.is_parametrized(module)
+                for attr, plist in module.parametrizations.items() if any(isinstance(p, Centered) for p in plist)]
+    if not centered:
+        raise ValueError("bake_ found no CBWC parametrizations: call normfold.cbwc_(model, example_inputs) first")
+    untied = False
+    for module, attr in centered:
+        value = getattr(module, attr).detach().clone()
+        original = module.parametrizations[attr].original
+        parametrize.remove_parametrizations(module, attr, leave_parametrized=False)
+        if any(p is original for m in model.modules() for p in m._parameters.values() if m is not module):
+            # shared with a use that keeps W (or with another centered alias): give this one its own V
+            setattr(module, attr, nn.Parameter(value, requires_grad=original.requires_grad))
+            untied = True
+        else:
+            original.data.copy_(value)
+    if untied:
+        _mark_untied(model)
+    return model
+
+
+def _mark_untied(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return
+    if getattr(config, "tie_word_embeddings", False):
+        config.tie_word_embeddings = False
+    if getattr(config, "tie_embeddings", False):
+        config.tie_embeddings = False

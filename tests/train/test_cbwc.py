@@ -1,0 +1,219 @@
+"""CBWC: a LayerNorm model and its centered-RMSNorm twin compute and train identically."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.nn.utils import parametrize
+
+import normfold
+from normfold.fold.math import center
+from normfold.fold.plan import AffineFoldStep, CenterStep, FoldPlan, SwapStep
+from normfold.fold.report import FoldReport
+from normfold.nn import RMSNorm
+from normfold.train import GPT, GPTConfig, resolve_config, train
+from normfold.train.cbwc import Centered, bake_, cbwc_
+
+TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=16)
+
+
+def _pair(dtype=torch.float64, **config):
+    """A LayerNorm GPT and its CBWC twin from the same weights."""
+    torch.manual_seed(0)
+    ln = GPT(GPTConfig(**{**TINY, **config})).to(dtype)
+    twin = copy.deepcopy(ln)
+    report = cbwc_(twin, (torch.zeros(1, 8, dtype=torch.long),))
+    return ln, twin, report
+
+
+def _rel_gap(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 6), min_size=1, max_size=3), data=st.data())
+def test_centered_parametrization_matches_fold_math_center(shape, data):
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    size = shape[dim]
+    group = data.draw(st.sampled_from([None] + [g for g in range(1, size + 1) if size % g == 0]))
+    w = torch.randn(*shape, dtype=torch.float64)
+    torch.testing.assert_close(Centered(dim, group)(w), center(w, dim, group), rtol=0, atol=1e-12)
+
+
+def test_gradient_flows_through_the_centering_projection():
+    w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, 3, dtype=torch.float64)
+    (Centered(0)(w) * g).sum().backward()
+    torch.testing.assert_close(w.grad, g - g.mean(0, keepdim=True))  # Pᵀg = Pg: P is symmetric
+
+
+def test_cbwc_swaps_foldable_layernorms_and_keeps_the_function():
+    ln, twin, report = _pair()
+    assert report.num_foldable == 5
+    norms = [twin.transformer.h[0].ln_1, twin.transformer.h[1].ln_2, twin.transformer.ln_f]
+    assert all(isinstance(n, RMSNorm) and n.bias is not None for n in norms)
+    assert not any(isinstance(m, torch.nn.LayerNorm) for m in twin.modules())
+    idx = torch.randint(256, (3, 16))
+    torch.testing.assert_close(twin(idx)[0], ln(idx)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_centered_producers_write_a_zero_mean_residual_stream():
+    _, twin, _ = _pair()
+    seen = []
+    twin.transformer.ln_f.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    twin(torch.randint(256, (2, 16)))
+    stream = seen[0]
+    assert stream.mean(-1).abs().max() < 1e-15 * stream.abs().max() * 100
+
+
+def test_tied_head_keeps_the_uncentered_table_through_one_parameter():
+    ln, twin, _ = _pair()
+    table = twin.transformer.wte.parametrizations.weight.original
+    assert twin.lm_head.weight is table  # still tied: one Parameter, both gradients
+    torch.testing.assert_close(table, ln.transformer.wte.weight, rtol=0, atol=0)
+    torch.testing.assert_close(twin.transformer.wte.weight, center(table, 1), rtol=0, atol=1e-15)
+
+
+def test_gradients_equal_the_layernorm_models_and_are_zero_mean_along_the_centered_dim():
+    ln, twin, _ = _pair()
+    idx = torch.randint(256, (2, 16))
+    ln(idx, idx)[1].backward()
+    twin(idx, idx)[1].backward()
+    free = dict(twin.named_parameters())
+    for name, p in ln.named_parameters():
+        twin_name = name.replace("c_proj.weight", "c_proj.parametrizations.weight.original").replace(
+            "c_proj.bias", "c_proj.parametrizations.bias.original").replace(
+            "wte.weight", "wte.parametrizations.weight.original").replace(
+            "wpe.weight", "wpe.parametrizations.weight.original")
+        torch.testing.assert_close(free[twin_name].grad, p.grad, rtol=1e-10, atol=1e-14)
+    proj = twin.transformer.h[0].mlp.c_proj.parametrizations.weight.original
+    assert proj.grad.mean(0).abs().max() < 1e-15  # ∂L/∂W = P·(∂L/∂V): no component along 1
+
+
+@pytest.mark.parametrize("precision, bound", [("fp64", 1e-6), ("fp32", 1e-3)])
+def test_training_losses_match_the_layernorm_model_at_every_step_with_adamw_weight_decay(tmp_path, precision, bound):
+    runs = {}
+    for norm in ("layernorm", "cbwc_rmsnorm"):
+        config = resolve_config(**TINY, norm=norm, precision=precision, max_steps=50, batch_size=2, lr=3e-3,
+                                min_lr=3e-4, warmup_steps=5, weight_decay=0.1, eval_interval=50, eval_iters=1,
+                                out_dir=str(tmp_path / norm), progress=False, save_checkpoint=False)
+        runs[norm] = train(config)["train_losses"]
+    assert runs["layernorm"][-1] < runs["layernorm"][0] - 0.5  # it trained, so the comparison is not vacuous
+    assert _rel_gap(runs["layernorm"], runs["cbwc_rmsnorm"]) <= bound
+
+
+def test_free_weight_mean_drifts_under_adamw_identically_in_both_models():
+    ln, twin, _ = _pair()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1) for m in (ln, twin)]
+    for _ in range(5):
+        idx = torch.randint(256, (2, 16))
+        for model, opt in zip((ln, twin), opts):
+            opt.zero_grad()
+            model(idx, idx)[1].backward()
+            opt.step()
+    w_ln = ln.transformer.h[0].attn.c_proj.weight
+    w_free = twin.transformer.h[0].attn.c_proj.parametrizations.weight.original
+    torch.testing.assert_close(w_free, w_ln, rtol=1e-9, atol=1e-12)
+    assert w_free.mean(0).abs().max() > 1e-6  # the free W is not centered; only V = P·W is
+
+
+def test_residual_dropout_breaks_the_equivalence_in_training(tmp_path):
+    losses = {}
+    for norm in ("layernorm", "cbwc_rmsnorm"):
+        config = resolve_config(**TINY, norm=norm, precision="fp64", dropout=0.2, max_steps=3, batch_size=2,
+                                eval_interval=3, eval_iters=1, out_dir=str(tmp_path / norm), progress=False,
+                                save_checkpoint=False)
+        losses[norm] = train(config)["train_losses"]
+    assert _rel_gap(losses["layernorm"], losses["cbwc_rmsnorm"]) > 1e-6
+
+
+def test_an_optimizer_built_before_cbwc_still_drives_the_model():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cbwc_(model, (torch.zeros(1, 8, dtype=torch.long),))
+    before = model.transformer.wte.weight.detach().clone()
+    idx = torch.randint(256, (2, 16))
+    model(idx, idx)[1].backward()
+    opt.step()
+    assert not torch.equal(before, model.transformer.wte.weight)
+
+
+def test_bake_leaves_plain_centered_weights_an_untied_head_and_the_same_function():
+    ln, twin, _ = _pair()
+    bake_(twin)
+    assert not any(parametrize.is_parametrized(m) for m in twin.modules())
+    assert twin.lm_head.weight is not twin.transformer.wte.weight and not twin.config.tie_embeddings
+    torch.testing.assert_close(twin.lm_head.weight, ln.transformer.wte.weight, rtol=0, atol=0)
+    assert twin.transformer.wte.weight.mean(1).abs().max() < 1e-15
+    assert twin.transformer.h[1].mlp.c_proj.weight.mean(0).abs().max() < 1e-15
+    idx = torch.randint(256, (2, 16))
+    torch.testing.assert_close(twin(idx)[0], ln(idx)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_post_ln_has_nothing_foldable_and_is_left_unchanged():
+    ln, twin, report = _pair(placement="post")
+    assert report.num_foldable == 0
+    assert not any(parametrize.is_parametrized(m) for m in twin.modules())
+    assert sum(isinstance(m, torch.nn.LayerNorm) for m in twin.modules()) == 4
+
+
+def test_sandwich_folds_only_the_post_sublayer_norms():
+    _, twin, report = _pair(placement="sandwich")
+    swapped = {s.path for s in report.plan.swap}
+    assert swapped == {f"transformer.h.{i}.{n}" for i in range(2) for n in ("ln_1_post", "ln_2_post")}
+    assert isinstance(twin.transformer.ln_f, torch.nn.LayerNorm)
+
+
+def test_cbwc_works_on_a_hugging_face_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+                                     attn_implementation="eager")
+    hf = transformers.GPT2LMHeadModel(config).double().eval()
+    twin = copy.deepcopy(hf)
+    ids = torch.randint(64, (2, 12))
+    report = normfold.cbwc_(twin, {"input_ids": ids, "use_cache": False})
+    assert report.num_foldable == 5
+    assert twin.lm_head.weight is twin.transformer.wte.parametrizations.weight.original
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, hf(ids).logits, rtol=1e-10, atol=1e-10)
+
+
+def test_cbwc_refuses_a_second_application_and_bake_refuses_a_plain_model():
+    _, twin, _ = _pair()
+    with pytest.raises(ValueError, match="already applied"):
+        cbwc_(twin, (torch.zeros(1, 8, dtype=torch.long),))
+    with pytest.raises(ValueError, match="no CBWC parametrizations"):
+        bake_(GPT(GPTConfig(**TINY)))
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        cbwc_("model", ())
+
+
+@pytest.mark.parametrize("plan, match", [
+    (FoldPlan(affine_fold=[AffineFoldStep("transformer.ln_f", None, None, "lm_head.weight", 1, "lm_head.bias")]),
+     "without affine folding"),
+    (FoldPlan(swap=[SwapStep("transformer.ln_f", "LayerNorm", 16, 1e-5, False, False)]), "swaps to 'LayerNorm'"),
+    (FoldPlan(center=[CenterStep("transformer.wpe.weight", 1, 5)]), "group must divide"),
+    (FoldPlan(center=[CenterStep("transformer.wpe.weight", 2)]), "dim must be in"),
+])
+def test_cbwc_refuses_plans_it_cannot_train_before_changing_anything(plan, match):
+    model = GPT(GPTConfig(**TINY))
+    with pytest.raises(ValueError, match=match):
+        cbwc_(model, None, report=FoldReport([], plan))
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())
+
+
+def test_cbwc_rmsnorm_checkpoint_is_the_layernorm_twin_in_gpt2_format(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from normfold.train.checkpoint import save_checkpoint
+
+    ln, twin, _ = _pair(dtype=torch.float32, norm="cbwc_rmsnorm")
+    assert save_checkpoint(twin, tmp_path) == "gpt2"
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path).eval()
+    idx = torch.randint(256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, twin.eval()(idx)[0], rtol=1e-4, atol=1e-4)
