@@ -4,7 +4,8 @@ One kernel family covers both norms (``IS_RMS`` switches the centering off) with
 weight, bias, residual add and weight offset (Gemma's ``1 + w``). Statistics are always fp32.
 
 Notation (per row of length N):
-    s    = x (+ residual)                      the normalized input, fp32 in registers
+    s    = x (+ residual)                      the normalized input: the sum is taken in fp32
+                                               and rounded once to x's dtype (stored, returned)
     mean = sum(s) / N                          (RMS: 0)
     rstd = 1 / sqrt(sum((s - mean)²) / N + eps)
     xhat = (s - mean) · rstd
@@ -51,7 +52,9 @@ def _norm_fwd_kernel(
         s = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RESIDUAL:
             s += tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(S + offs, s.to(S.dtype.element_ty), mask=mask)
+            s_stored = s.to(S.dtype.element_ty)  # rounded once; the norm normalizes this s
+            tl.store(S + offs, s_stored, mask=mask)
+            s = s_stored.to(tl.float32)
         if IS_RMS:
             centered = s
         else:
@@ -85,7 +88,9 @@ def _norm_fwd_kernel(
             s = tl.load(X + row_start + cols, mask=col_mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
                 s += tl.load(R + row_start + cols, mask=col_mask, other=0.0).to(tl.float32)
-                tl.store(S + row_start + cols, s.to(S.dtype.element_ty), mask=col_mask)
+                s_stored = s.to(S.dtype.element_ty)
+                tl.store(S + row_start + cols, s_stored, mask=col_mask)
+                s = s_stored.to(tl.float32)
             if IS_RMS:
                 sumsq += s * s
             else:
@@ -104,14 +109,17 @@ def _norm_fwd_kernel(
             tl.store(MEAN + pid + tl.arange(0, 1), mean)
         tl.store(RSTD + pid + tl.arange(0, 1), rstd + tl.zeros([1], dtype=tl.float32))
 
-        # pass 2: normalize; x (and residual) are re-read so y is computed from the fp32 sum,
-        # exactly as in the one-block path, not from the rounded s.
+        # pass 2: normalize, re-reading s (the stored sum with a residual: one read, not two);
+        # the barrier makes pass 1's stores of s visible to every thread of the program.
+        if HAS_RESIDUAL:
+            tl.debug_barrier()
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
-            s = tl.load(X + row_start + cols, mask=col_mask, other=0.0).to(tl.float32)
             if HAS_RESIDUAL:
-                s += tl.load(R + row_start + cols, mask=col_mask, other=0.0).to(tl.float32)
+                s = tl.load(S + row_start + cols, mask=col_mask, other=0.0).to(tl.float32)
+            else:
+                s = tl.load(X + row_start + cols, mask=col_mask, other=0.0).to(tl.float32)
             y = (s - mean) * rstd
             if HAS_WEIGHT:
                 w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
