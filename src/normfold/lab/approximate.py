@@ -332,7 +332,8 @@ def _find_producer(model: nn.Module, norm_path: str, order: list[str], batch, ou
 
 def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibration, *,
                      min_cosine: float = 0.999, output_fn: OutputFn | None = None,
-                     candidates: Sequence[str] | None = None) -> tuple[nn.Module, ApproximateReport]:
+                     candidates: Sequence[str] | None = None,
+                     progress: Callable[[str], None] | None = None) -> tuple[nn.Module, ApproximateReport]:
     """Replace the LayerNorms still in ``folded_model`` by corrected RMSNorms while the model's
     outputs keep a cosine similarity ≥ ``min_cosine`` to ``model``'s on every calibration row.
 
@@ -343,6 +344,7 @@ def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibrat
     output_fn:    ``(model, batch) -> Tensor`` whose rows are compared; default: the main output,
                   one row per real token. Use ``mean_pooled`` for sentence-embedding models.
     candidates:   restrict replacement to these module paths (default: every LayerNorm left).
+    progress:     called with a short message before each step (e.g. ``print``).
 
     Returns ``(approx_model, ApproximateReport)``.
     """
@@ -350,6 +352,7 @@ def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibrat
         raise ValueError(f"min_cosine must be a number in (0, 1], got {min_cosine!r}")
     batches = as_batches(calibration)
     output_fn = output_fn or token_outputs
+    say = progress or (lambda _message: None)
     approx = copy.deepcopy(folded_model).eval()
     model.eval()
 
@@ -376,6 +379,7 @@ def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibrat
         if getattr(norm, "weight", None) is None or norm.weight.dim() != 1:
             entries[path] = ApproxEntry(path, "kept", reason="no 1-D γ: only last-dimension LayerNorms with weights are replaced")
             continue
+        say(f"sensitivity of {path}")
         producers[path] = _find_producer(approx, path, order, batches[0], output_fn)
         scores = []
         for corrected in (False, True):
@@ -387,6 +391,7 @@ def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibrat
     # Greedy: least sensitive first; keep a switch only if the whole model still meets the bar.
     for path in sorted(alone, key=lambda p: -alone[p][1]):
         producer = producers[path]
+        say(f"switching {path}")
         undo = _replace(approx, path, producer, batches, corrected=True)
         cos = compare_outputs(reference, _outputs(approx, batches, output_fn)).min_cosine
         naive, corrected = alone[path]
