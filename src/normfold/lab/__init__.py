@@ -1,13 +1,20 @@
-"""The normalization lab: diagnostics (``inspect``), configuration checks (``check``) and
-approximate folding of norms the exact fold cannot touch (``approximate_fold``).
+"""The normalization lab: diagnostics (``inspect``), configuration checks (``check``), approximate
+folding of norms the exact fold cannot touch (``approximate_fold``) and BatchNorm folding
+(``fold_batchnorms``).
 
-Only torch is imported here; matplotlib and rich are imported by the functions that draw or print.
+Only torch is imported here; matplotlib, rich and the export-based graph capture are imported by
+the functions that need them.
 """
 from __future__ import annotations
 
-from .approximate import ApproximateReport, ApproxEntry, OutputChange, approximate_fold, compare_outputs, mean_pooled, retrieval_agreement
+from .approximate import (ApproxEntry, ApproximateReport, OutputChange, approximate_fold, compare_outputs,
+                          mean_pooled, retrieval_agreement)
+from .batchnorm import BatchNormEntry, fold_batchnorms
+from .check import Finding, check
 from .diagnostics import InspectResult, NormInputStats, ScalePoint, inspect
 
 __all__ = ["inspect", "InspectResult", "NormInputStats", "ScalePoint",
+           "check", "Finding",
            "approximate_fold", "ApproximateReport", "ApproxEntry", "OutputChange", "compare_outputs",
-           "mean_pooled", "retrieval_agreement"]
+           "mean_pooled", "retrieval_agreement",
+           "fold_batchnorms", "BatchNormEntry"]
