@@ -38,8 +38,10 @@ def _console(stderr: bool = False):
     from .hf._deps import require
 
     rich_console = require("rich.console")
-    # Console() binds sys.stdout when created, so tests that capture output see it
-    return rich_console.Console(file=sys.stderr if stderr else sys.stdout, highlight=False, soft_wrap=True)
+    file = sys.stderr if stderr else sys.stdout
+    # bound to sys.stdout at call time, so captured output sees it; wide when piped so paths stay whole
+    width = None if file.isatty() else 160
+    return rich_console.Console(file=file, width=width, highlight=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -65,7 +67,7 @@ def _print_norm_table(report: dict) -> None:
     model = report.get("model", {})
     table = Table(title=f"{model.get('architecture', 'model')}: {sum(r['folded'] for r in rows)} of {len(rows)} "
                         "LayerNorms foldable", title_justify="left")
-    table.add_column("norm", style="bold")
+    table.add_column("norm", style="bold", no_wrap=True)
     table.add_column("input zero-mean?")
     table.add_column("γ/β")
     table.add_column("why (for a kept norm: the op that breaks zero mean)")

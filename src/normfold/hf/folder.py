@@ -5,6 +5,7 @@ verification figures and what was written), so the CLI, the report files and tes
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Callable
@@ -14,7 +15,8 @@ from typing import Any
 import torch
 
 from .io import (DTYPES, REPORT_JSON, CheckpointError, atomic_output_dir, check_model_dir, example_inputs_for,
-                 from_pretrained, load_model, save_folded, swapped_norms)
+                 from_pretrained, load_model, save_folded, stock_compatible_plan, stock_parameter_shapes,
+                 swapped_norms)
 from .picture import draw_zero_mean_graph
 from .report import norm_rows, render_markdown
 
@@ -24,6 +26,7 @@ PICTURE = "normfold_zero_mean_graph.png"
 # Relative float64 error allowed between an original and a *saved* folded model: the folded
 # weights are exact in float64 but stored in this dtype (unit roundoff 6e-8, 5e-4, 4e-3),
 # and the rounding grows through the layers. A wrong fold gives errors of order 1.
+FOLD_TOLERANCE = 1e-9  # the transform itself, float64 against float64 (as normfold.fold)
 SAVED_TOLERANCE = {"float32": 1e-4, "float16": 5e-2, "bfloat16": 2e-1}
 
 Step = Callable[[str], None]  # called with a description before each slow step (for progress bars)
@@ -61,8 +64,6 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
     ``dtype`` (default: the checkpoint's own). A failed verification raises
     ``FoldVerificationError`` and leaves no OUT_DIR.
     """
-    from .. import fold
-
     model_dir = check_model_dir(model_dir)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -71,8 +72,7 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         step("loading")
         model = load_model(model_dir, trust_remote_code=trust_remote_code)
         step("folding and verifying in float64")
-        # fold() verifies in float64 and raises FoldVerificationError (exit 1) before anything is saved
-        folded, report = fold(model, example_inputs_for(model), fold_affine=fold_affine, verify=True)
+        folded, report = fold_for_stock(model, example_inputs_for(model), fold_affine=fold_affine)
         out = report.to_dict()
         out.update(model=_describe(model, model_dir), swapped=swapped_norms(folded), fold_affine=fold_affine,
                    saved_dtype=str(save_dtype).replace("torch.", ""))
@@ -81,6 +81,32 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         write_report_files(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
+
+
+def fold_for_stock(model, example_inputs, *, fold_affine: bool = True):
+    """``normfold.fold`` with a plan that stock transformers can load (:func:`stock_compatible_plan`).
+
+    Same steps as ``normfold.fold``: analyse, apply the plan to a copy, verify in float64 against
+    the plan applied in float64; raises ``FoldVerificationError`` (nothing is saved) on failure.
+    """
+    from .. import FoldVerificationError, analyze, verify
+    from ..fold.transform import apply_plan
+
+    report = analyze(model, example_inputs, fold_affine=fold_affine)
+    stock_keys = set(stock_parameter_shapes(model.config, type(model)))
+    report.plan, kept = stock_compatible_plan(report.plan, stock_keys)
+    for entry in report.norms:
+        if entry.path in kept:
+            entry.affine_folded = False
+            entry.reason = f"{entry.reason}; {kept[entry.path]}"
+    folded = apply_plan(copy.deepcopy(model), report.plan)
+    exact = apply_plan(copy.deepcopy(model).to(torch.float64), report.plan)
+    rms_paths = [s.path for s in report.plan.swap if s.to == "RMSNorm"]
+    report.verification = verify(model, folded, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=rms_paths,
+                                 folded_exact=exact)
+    if not report.verification.ok:
+        raise FoldVerificationError(f"folded model differs from the original: {report.verification}")
+    return folded, report
 
 
 def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *, trust_remote_code: bool = False,

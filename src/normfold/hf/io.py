@@ -216,7 +216,7 @@ def stock_state_dict(folded: nn.Module, dtype: torch.dtype | None = None) -> dic
     A weightless RMSNorm where the stock model has a LayerNorm gets weight = 1 and bias = 0:
     LN(x)·1 + 0 on a zero-mean x is exactly the weightless RMSNorm.
     """
-    stock_keys = _stock_parameter_shapes(folded.config, type(folded))
+    stock_keys = stock_parameter_shapes(folded.config, type(folded))
     state = {k: v for k, v in folded.state_dict().items()}
     norms = {s["path"]: s for s in swapped_norms(folded)}
     for key, shape in stock_keys.items():
@@ -232,7 +232,8 @@ def stock_state_dict(folded: nn.Module, dtype: torch.dtype | None = None) -> dic
     return {k: v.contiguous() for k, v in state.items()}
 
 
-def _stock_parameter_shapes(config, cls: type) -> dict[str, torch.Size]:
+def stock_parameter_shapes(config, cls: type) -> dict[str, torch.Size]:
+    """State-dict keys and shapes of the stock model for ``config`` (built on the meta device: no memory)."""
     with torch.device("meta"):
         stock = cls._from_config(config)
     return {k: v.shape for k, v in stock.state_dict().items()}
@@ -299,3 +300,29 @@ def swap_in_rmsnorm(model: nn.Module, entry: Mapping[str, Any]) -> None:
         if new.bias is not None:
             new.bias.copy_(bias)
     setattr(parent, attr, new)
+
+
+# ------------------------------------------------------------------------------ stock-compatible plans
+
+def stock_compatible_plan(plan, stock_keys: set[str]):
+    """The plan, minus affine folds that would create a bias the stock architecture cannot load.
+
+    E.g. GPT-2's ``lm_head`` has no bias: folding ln_f's β into it would write ``lm_head.bias``,
+    which stock transformers drops. Such a norm keeps its γ/β (an RMSNorm with affine) instead;
+    its other consumers keep their weights too, since γ/β can only move all at once.
+    Returns ``(new_plan, {norm path: why its affine was kept})``.
+    """
+    from dataclasses import replace
+
+    from ..fold.plan import FoldPlan
+
+    kept = {s.norm_path: f"affine kept: the stock architecture has no {s.bias_fqn}"
+            for s in plan.affine_fold if s.create_bias and s.bias_fqn not in stock_keys}
+    if not kept:
+        return plan, kept
+    betas = {s.norm_path: s.beta_fqn is not None for s in plan.affine_fold}
+    gammas = {s.norm_path: s.gamma_fqn is not None for s in plan.affine_fold}
+    swap = [replace(s, elementwise_affine=gammas[s.path] or betas[s.path], bias=betas[s.path]) if s.path in kept else s
+            for s in plan.swap]
+    return FoldPlan(center=list(plan.center), untie=list(plan.untie),
+                    affine_fold=[s for s in plan.affine_fold if s.norm_path not in kept], swap=swap), kept

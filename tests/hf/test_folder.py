@@ -1,0 +1,104 @@
+"""Folding Hugging Face folders: stock transformers reloads them with the same outputs, and
+``normfold.from_pretrained`` puts the RMSNorms back."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import normfold
+from normfold.hf import example_inputs_for, fold_folder, load_model, verify_folders
+from normfold.hf.folder import PICTURE, REPORT_MD
+from normfold.hf.io import REPORT_JSON
+
+transformers = pytest.importorskip("transformers")
+
+
+def _outputs(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.logits if hasattr(out, "logits") and out.logits is not None else out.last_hidden_state
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / a.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt", "bert"])
+def test_folded_folder_loads_in_stock_transformers_with_the_same_outputs(tiny_dirs, tmp_path, name):
+    out = tmp_path / "folded"
+    report = fold_folder(tiny_dirs[name], out)
+    original = load_model(tiny_dirs[name])
+    stock = transformers.AutoModel.from_pretrained(out) if name == "bert" else \
+        transformers.AutoModelForCausalLM.from_pretrained(out)
+    inputs = example_inputs_for(original)
+    assert _rel_err(_outputs(original, inputs), _outputs(stock.eval(), inputs)) < 1e-5
+    assert report["verification"]["ok"]
+    assert {REPORT_JSON, REPORT_MD, PICTURE, "config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+
+
+@pytest.mark.parametrize("name", ["gpt2", "opt"])
+def test_pre_ln_decoders_fold_every_norm_and_untie_the_lm_head(tiny_dirs, tmp_path, name):
+    out = tmp_path / "folded"
+    report = fold_folder(tiny_dirs[name], out)
+    assert report["num_foldable"] == report["num_norms"] == 5
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    # stock loading must see every key: the weightless norms got explicit ones/zeros
+    _, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert info["missing_keys"] == set() or not info["missing_keys"]
+    assert not info["unexpected_keys"]
+
+
+def test_from_pretrained_swaps_in_normfold_rmsnorms_and_keeps_outputs(tiny_dirs, tmp_path):
+    out = tmp_path / "folded"
+    report = fold_folder(tiny_dirs["gpt2"], out)
+    folded = normfold.from_pretrained(out)
+    swapped = {s["path"] for s in report["swapped"]}
+    found = {n for n, m in folded.named_modules() if isinstance(m, normfold.RMSNorm)}
+    assert found == swapped and len(found) == 5
+    original = load_model(tiny_dirs["gpt2"])
+    inputs = example_inputs_for(original)
+    assert _rel_err(_outputs(original, inputs), _outputs(folded, inputs)) < 1e-5
+
+
+def test_no_fold_affine_keeps_gamma_beta_on_the_rmsnorms(tiny_dirs, tmp_path):
+    out = tmp_path / "folded"
+    report = fold_folder(tiny_dirs["opt"], out, fold_affine=False)
+    assert report["num_affine_folded"] == 0
+    assert all(s["weight"] and s["bias"] for s in report["swapped"])
+    folded = normfold.from_pretrained(out)
+    ln = folded.model.decoder.layers[0].self_attn_layer_norm
+    original = load_model(tiny_dirs["opt"]).model.decoder.layers[0].self_attn_layer_norm
+    assert isinstance(ln, normfold.RMSNorm)
+    torch.testing.assert_close(ln.weight, original.weight)
+
+
+def test_fold_in_float16_saves_half_weights_that_verify_at_half_tolerance(tiny_dirs, tmp_path):
+    out = tmp_path / "folded"
+    fold_folder(tiny_dirs["gpt2"], out, dtype="float16")
+    from safetensors import safe_open
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+    result = verify_folders(tiny_dirs["gpt2"], out)
+    assert result["ok"] and 1e-4 < result["tolerance"]
+
+
+def test_verify_folders_detects_a_tampered_folded_model(tiny_dirs, tmp_path):
+    out = tmp_path / "folded"
+    fold_folder(tiny_dirs["gpt2"], out)
+    from safetensors.torch import load_file, save_file
+    state = load_file(out / "model.safetensors")
+    state["transformer.h.1.mlp.c_proj.bias"] += 1.0  # breaks zero mean: the RMSNorm no longer equals the LN
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    assert not verify_folders(tiny_dirs["gpt2"], out)["ok"]
+
+
+def test_minilm_folds_and_round_trips(minilm_dir, tmp_path):
+    out = tmp_path / "folded"
+    report = fold_folder(minilm_dir, out)
+    assert report["num_norms"] == 13
+    original = load_model(minilm_dir)
+    stock = transformers.AutoModel.from_pretrained(out).eval()
+    inputs = example_inputs_for(original)
+    assert _rel_err(_outputs(original, inputs), _outputs(stock, inputs)) < 1e-5

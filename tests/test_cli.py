@@ -1,0 +1,159 @@
+"""The ``normfold`` command, run in-process through ``main(argv)``."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from normfold.cli import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, main
+from normfold.hf import default_model_path
+
+pytest.importorskip("transformers")
+pytest.importorskip("rich")
+
+# tests/ is on sys.path (pytest prepend import mode, no __init__.py): reuse the tiny-model fixtures
+from hf.conftest import minilm_dir, tiny_dirs  # noqa: E402,F401
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _leftovers(parent, name):
+    """Temporary siblings the atomic writer might have left next to ``name``."""
+    return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.normfold-")]
+
+
+@pytest.fixture(params=["gpt2", "opt", "bert", "minilm"])
+def model_dir(request, tiny_dirs):  # noqa: F811
+    if request.param == "minilm":
+        return request.getfixturevalue("minilm_dir")
+    return tiny_dirs[request.param]
+
+
+def test_fold_json_then_verify_then_analyze_on_each_model(capsys, tmp_path, model_dir):
+    code, out, _ = _run(capsys, "fold", model_dir, "-o", tmp_path / "out", "--json")
+    assert code == EXIT_OK
+    report = json.loads(out)  # --json: stdout is the JSON report and nothing else
+    assert {"num_norms", "num_foldable", "norms", "verification"} <= set(report)
+    assert report["verification"]["ok"] and len(report["norms"]) == report["num_norms"]
+
+    code, out, _ = _run(capsys, "verify", model_dir, tmp_path / "out")
+    assert code == EXIT_OK and "passed" in out
+
+    code, out, _ = _run(capsys, "analyze", model_dir, "--json")
+    assert code == EXIT_OK and json.loads(out)["num_norms"] == report["num_norms"]
+
+
+def test_analyze_prints_a_table_with_every_norm(capsys, tiny_dirs):  # noqa: F811
+    code, out, _ = _run(capsys, "analyze", tiny_dirs["gpt2"])
+    assert code == EXIT_OK
+    for name in ("h.0.ln_1", "h.1.ln_2", "ln_f"):
+        assert name in out
+
+
+def test_analyze_and_fold_default_to_the_bundled_model(capsys, tmp_path):
+    code, out, _ = _run(capsys, "analyze", "--json")
+    assert code == EXIT_OK and json.loads(out)["model"]["source"] == str(default_model_path().absolute())
+    code, out, _ = _run(capsys, "fold", "-o", tmp_path / "out", "--json")
+    assert code == EXIT_OK and json.loads(out)["num_foldable"] == 9
+
+
+def test_demo_folds_the_bundled_model_and_reports_verification(capsys):
+    code, out, _ = _run(capsys, "demo")
+    assert code == EXIT_OK
+    assert "9 of 9" in out and "verification: passed" in out and "normfold_report.md" in out
+
+
+def test_verify_exits_1_when_the_folded_model_differs(capsys, tiny_dirs, tmp_path):  # noqa: F811
+    out_dir = tmp_path / "out"
+    assert _run(capsys, "fold", tiny_dirs["gpt2"], "-o", out_dir)[0] == EXIT_OK
+    from safetensors.torch import load_file, save_file
+    state = load_file(out_dir / "model.safetensors")
+    state["transformer.h.0.attn.c_proj.bias"] += 1.0
+    save_file(state, out_dir / "model.safetensors", metadata={"format": "pt"})
+    code, out, _ = _run(capsys, "verify", tiny_dirs["gpt2"], out_dir)
+    assert code == EXIT_VERIFY_FAILED and "FAILED" in out
+
+
+def _one_clear_line(err: str) -> bool:
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    return len(lines) == 1 and lines[0].startswith("normfold: error:") and "Traceback" not in err
+
+
+def test_missing_folder_is_a_usage_error(capsys, tmp_path):
+    code, _, err = _run(capsys, "analyze", tmp_path / "nope")
+    assert code == EXIT_USAGE and _one_clear_line(err) and "not found" in err
+
+
+def test_folder_without_config_is_a_usage_error(capsys, tmp_path):
+    code, _, err = _run(capsys, "fold", tmp_path, "-o", tmp_path / "out")
+    assert code == EXIT_USAGE and _one_clear_line(err) and "config.json" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupt_safetensors_is_a_usage_error(capsys, tiny_dirs, tmp_path):  # noqa: F811
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text((tiny_dirs["gpt2"] / "config.json").read_text())
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}...")
+    code, _, err = _run(capsys, "fold", broken, "-o", tmp_path / "out")
+    assert code == EXIT_USAGE and _one_clear_line(err) and "corrupt" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_unsupported_architecture_is_a_usage_error(capsys, tmp_path):
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "no_such_model", "architectures": ["NoSuchModel"]}))
+    code, _, err = _run(capsys, "analyze", odd)
+    assert code == EXIT_USAGE and _one_clear_line(err) and "no_such_model" in err
+
+
+def test_existing_output_folder_is_refused_without_overwrite(capsys, tiny_dirs, tmp_path):  # noqa: F811
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "keep.txt").write_text("mine")
+    code, _, err = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", out_dir)
+    assert code == EXIT_USAGE and _one_clear_line(err) and "--overwrite" in err
+    assert (out_dir / "keep.txt").read_text() == "mine"
+    code, _, _ = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", out_dir, "--overwrite")
+    assert code == EXIT_OK and not (out_dir / "keep.txt").exists() and (out_dir / "config.json").exists()
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_output_inside_the_model_folder_is_refused(capsys, tiny_dirs):  # noqa: F811
+    code, _, err = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", tiny_dirs["gpt2"], "--overwrite")
+    assert code == EXIT_USAGE and _one_clear_line(err) and "input model folder" in err
+
+
+def test_fold_without_output_and_unknown_dtype_are_usage_errors(capsys, tiny_dirs):  # noqa: F811
+    assert _run(capsys, "fold", tiny_dirs["gpt2"])[0] == EXIT_USAGE
+    assert _run(capsys, "fold", tiny_dirs["gpt2"], "-o", "x", "--dtype", "int8")[0] == EXIT_USAGE
+    assert _run(capsys)[0] == EXIT_USAGE
+
+
+@pytest.mark.parametrize("interruption", [KeyboardInterrupt, OSError])
+def test_an_interrupted_save_leaves_nothing_behind(capsys, monkeypatch, tiny_dirs, tmp_path, interruption):  # noqa: F811
+    import normfold.hf.folder as folder
+
+    def save_half_then_fail(model, out_dir, **kwargs):
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise interruption("disk full")
+
+    monkeypatch.setattr(folder, "save_folded", save_half_then_fail)
+    if interruption is KeyboardInterrupt:
+        assert _run(capsys, "fold", tiny_dirs["gpt2"], "-o", tmp_path / "out")[0] == 130
+    else:
+        with pytest.raises(OSError):
+            main(["fold", str(tiny_dirs["gpt2"]), "-o", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
+
+
+def test_the_model_folder_is_never_modified(capsys, tiny_dirs, tmp_path):  # noqa: F811
+    src = tiny_dirs["opt"]
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    assert _run(capsys, "fold", src, "-o", tmp_path / "out")[0] == EXIT_OK
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before
