@@ -212,22 +212,35 @@ def test_random_shapes_and_blocks_match_reference(m, n, block_log2, is_rms, bias
     assert_matches_oracle(case, inp, run_kernels(case, inp, block, block))
 
 
-@given(n=st.integers(1, 1 << 20), max_block_log2=st.integers(0, 16))
-def test_launch_plan_covers_any_hidden_size(n, max_block_log2):
+@given(n=st.integers(1, 1 << 20), max_block_log2=st.integers(0, 15), backward=st.booleans())
+def test_launch_plan_covers_any_hidden_size(n, max_block_log2, backward):
     max_block = 1 << max_block_log2
-    plan = plan_launch(n, max_block)
+    plan = plan_launch(n, max_block, backward=backward)
     assert plan.looped == (n > max_block)
     assert plan.block_n & (plan.block_n - 1) == 0 and plan.block_n <= max_block
     assert plan.block_n >= n or plan.looped
-    assert plan.block_m == 1 or not plan.looped
+    assert plan.block_m & (plan.block_m - 1) == 0 and (plan.block_m == 1 or not plan.looped)
     assert plan.num_warps in (1, 2, 4, 8, 16, 32)
+    # 8 to 32 elements a thread: registers bound it above, idle lanes below (one warp may idle)
+    tile = plan.block_m * plan.block_n
+    assert tile <= 32 * 32 * plan.num_warps
+    assert plan.num_warps == 1 or tile >= 8 * 32 * plan.num_warps
+
+
+def test_default_hidden_sizes_use_the_tuned_warp_tables():
+    for n in (256, 1024, 4096, 8192, 16384, 131072):
+        fwd, bwd = plan_launch(n, FWD_MAX_BLOCK), plan_launch(n, BWD_MAX_BLOCK, backward=True)
+        assert fwd.num_warps == launch.FWD_WARPS[fwd.block_m * fwd.block_n]
+        assert bwd.num_warps == launch.BWD_WARPS[bwd.block_m * bwd.block_n]
+    assert plan_launch(256, FWD_MAX_BLOCK).block_m == launch.FWD_MIN_TILE // 256
 
 
 # ---- refused inputs -------------------------------------------------------------------------
 
-def test_rejects_non_power_of_two_max_block():
-    with pytest.raises(ValueError, match="power of two"):
-        plan_launch(100, 96)
+@pytest.mark.parametrize("max_block", [96, 0, 65536])
+def test_rejects_max_block_not_a_power_of_two_up_to_32768(max_block):
+    with pytest.raises(ValueError, match=rf"power of two in \[1, 32768\], got {max_block}"):
+        plan_launch(100, max_block)
 
 
 def test_rejects_non_2d_input():

@@ -14,17 +14,31 @@ from torch import Tensor
 
 from .kernels import _norm_bwd_kernel, _norm_bwd_row_sums_kernel, _norm_fwd_kernel
 
-# Largest row (elements) a forward program holds whole. fp32 x plus its weight at 32 warps is
-# 2 × 16 registers a thread for 16384; beyond it registers spill, so longer rows are walked.
-FWD_MAX_BLOCK = 16384
-# The backward holds dy, s, w and the dw/db accumulators: half the forward's block.
+# Launch policy. These kernels are HBM-bound: what matters is how many bytes each SM has in
+# flight, i.e. (programs resident on an SM) × (elements a program loads at once), and programs
+# resident is set by registers (64K per SM). The tables below come from ptxas register counts of
+# these kernels for sm_90 (Triton 3.9, bf16 and fp32, RMS and LN+bias+residual): they pick the
+# warps that keep ~8-16K elements in flight per SM without spilling. Retune them from
+# ``benchmarks/gpu_check.py`` results.
+#
+# Forward: ~16-32 elements a thread. Rows shorter than 2048 are stacked into 2048-element tiles
+# (N=256: 8 rows a program, 4 warps, ~60-80 registers, 6-9 programs an SM). 8192 at 16 warps
+# would need 74 registers (> 64: one program an SM), so it gets 8 warps; 16384 at 16 warps
+# spills, at 32 warps it takes 55-64 registers.
+FWD_MAX_BLOCK = 16384  # longest row a forward program holds whole; longer rows are walked
+FWD_MIN_TILE = 2048
+FWD_WARPS = {2048: 4, 4096: 4, 8192: 8, 16384: 32}
+# Backward: dy, s, xhat, g and the dw/db accumulators are live together, ~10 registers an
+# element, so 8 elements a thread: tile/256 warps (8192 at 32 warps: 63 registers, no spill).
+# Rows are never stacked at 32 warps (2 × 4096 at 32 warps spills).
 BWD_MAX_BLOCK = 8192
-# Elements a one-block program covers when rows are short (N=256 -> 16 rows a program): enough
-# bytes in flight a program to keep HBM busy, few enough registers for several programs an SM.
-TILE_ELEMENTS = 4096
-# Backward programs per SM: each owns a group of rows and writes one fp32 partial row of
-# dw/db, so more programs mean more parallelism but a larger (programs, N) partial buffer.
-BWD_PROGRAMS_PER_SM = 4
+BWD_MIN_TILE = 1024
+BWD_WARPS = {1024: 4, 2048: 8, 4096: 16, 8192: 32}
+# Backward programs per SM: each owns a group of rows and writes one fp32 partial row of dw/db;
+# more programs balance the tail better but grow the (programs, N) partial buffer.
+BWD_PROGRAMS_PER_SM = 2
+# 32 warps × 32 threads × 32 elements: a larger block could only spill registers.
+_LARGEST_BLOCK = 32768
 # Program count for the backward when there is no GPU to ask (the interpreter on CPU).
 BWD_PROGRAMS_WITHOUT_GPU = 4
 
@@ -39,18 +53,21 @@ class LaunchPlan:
     num_warps: int
 
 
-def plan_launch(n: int, max_block: int) -> LaunchPlan:
-    """One block per row when N fits ``max_block``, else chunks of ``max_block``; warps by size."""
-    if max_block < 1 or max_block & (max_block - 1):
-        raise ValueError(f"max_block must be a power of two >= 1, got {max_block}")
+def plan_launch(n: int, max_block: int, *, backward: bool = False) -> LaunchPlan:
+    """One block per row when N fits ``max_block`` (short rows stacked into a tile), else chunks
+    of ``max_block``; warps from the forward or backward table."""
+    if max_block < 1 or max_block & (max_block - 1) or max_block > _LARGEST_BLOCK:
+        raise ValueError(f"max_block must be a power of two in [1, {_LARGEST_BLOCK}], got {max_block}")
+    min_tile, warps = (BWD_MIN_TILE, BWD_WARPS) if backward else (FWD_MIN_TILE, FWD_WARPS)
     if n <= max_block:
         block_n = triton.next_power_of_2(n)
-        block_m = max(1, TILE_ELEMENTS // block_n)
+        block_m = max(1, min_tile // block_n)
         looped = False
     else:
         block_n, block_m, looped = max_block, 1, True
-    # ~16 fp32 values a thread: 8 warps for 4096 elements, 32 for 16384; never fewer than 1.
-    num_warps = min(32, max(1, block_m * block_n // 512))
+    tile = block_m * block_n
+    # tiles outside the table (small max_block in tests): 8 elements a thread, 1 to 32 warps
+    num_warps = warps.get(tile, min(32, max(1, tile // 256)))
     return LaunchPlan(block_m, block_n, looped, num_warps)
 
 
@@ -166,7 +183,7 @@ def norm_bwd(
     _check_vector("rstd", rstd, m)
     dy, s = dy.contiguous(), s.contiguous()
     ds = ds.contiguous() if ds is not None else None
-    plan = plan_launch(n, max_block)
+    plan = plan_launch(n, max_block, backward=True)
     grad_dtype = weight.dtype if weight is not None else s.dtype
 
     dx = torch.empty_like(s)
