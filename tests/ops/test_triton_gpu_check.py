@@ -43,3 +43,30 @@ def test_gpu_check_refuses_to_run_without_a_gpu_unless_dry_run(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "no CUDA device" in done.stderr
     assert not any(tmp_path.iterdir())
+
+
+def _load_gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_timing_drops_a_contender_that_raises_and_times_the_rest():
+    gpu_check = _load_gpu_check()
+    calls = {"ok": 0}
+
+    def ok():
+        calls["ok"] += 1
+
+    def broken():
+        raise RuntimeError("no kernel image")
+
+    failed: list[str] = []
+    medians = gpu_check.interleaved_medians({"ok": ok, "broken": broken}, reps=3, warmup=1,
+                                            timer=gpu_check.Timer(cuda=False), failed=failed)
+    assert set(medians) == {"ok"} and medians["ok"] >= 0
+    assert calls["ok"] == 4  # one warm-up, three timed
+    assert failed == ["broken: RuntimeError: no kernel image"]

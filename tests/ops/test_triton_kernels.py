@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
@@ -243,9 +244,21 @@ def test_rejects_max_block_not_a_power_of_two_up_to_32768(max_block):
         plan_launch(100, max_block)
 
 
-def test_rejects_non_2d_input():
-    with pytest.raises(ValueError, match=r"2-D.*\(2, 3, 4\)"):
-        norm_fwd(torch.randn(2, 3, 4), None, None, None, 1e-6, 0.0, True)
+@pytest.mark.parametrize("shape", [(2, 3, 4), (3, 0)])
+def test_rejects_input_not_2d_with_a_hidden_dimension(shape):
+    with pytest.raises(ValueError, match=r"2-D.*got shape " + re.escape(str(shape))):
+        norm_fwd(torch.randn(shape), None, None, None, 1e-6, 0.0, True)
+    with pytest.raises(ValueError, match=r"2-D.*got shape " + re.escape(str(shape))):
+        norm_bwd(torch.randn(shape), None, torch.randn(shape), None, None, torch.ones(shape[0]), 0.0, True, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int32])
+def test_rejects_dtypes_the_kernels_do_not_compute_exactly(dtype):
+    x = torch.ones(3, 4, dtype=dtype)
+    with pytest.raises(TypeError, match=f"got {dtype}"):
+        norm_fwd(x, None, None, None, 1e-6, 0.0, True)
+    with pytest.raises(TypeError, match=f"got {dtype}"):
+        norm_bwd(x, None, x, None, None, torch.ones(3), 0.0, True, False)
 
 
 @pytest.mark.parametrize(

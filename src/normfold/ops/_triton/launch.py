@@ -43,6 +43,10 @@ _LARGEST_BLOCK = 32768
 BWD_PROGRAMS_WITHOUT_GPU = 4
 
 
+# Statistics are fp32, so fp64 inputs would silently lose precision: they take the reference.
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 @dataclass(frozen=True)
 class LaunchPlan:
     """How a kernel covers an (M, N) input: tiles of ``block_m`` rows × ``block_n`` columns."""
@@ -110,8 +114,11 @@ def norm_fwd(
     dtype (into ``residual_out`` when given; None without residual); mean (M,) fp32 (None for
     RMS); rstd (M,) fp32. ``max_block`` caps the one-block path (tests force the looped one).
     """
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D (rows, hidden), got shape {tuple(x.shape)}")
+    if x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"x must be 2-D (rows, hidden) with hidden >= 1, got shape {tuple(x.shape)}")
+    if x.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"the Triton kernels take {', '.join(map(str, KERNEL_DTYPES))} (float64 belongs to the "
+                        f"reference path), got {x.dtype}")
     m, n = x.shape
     x = x.contiguous()
     _check_vector("weight", weight, n)
@@ -171,8 +178,10 @@ def norm_bwd(
     dweight/dbias are summed in fp32 and cast to the weight's dtype (dbias without a weight:
     to s's dtype); None when there is no weight / no bias.
     """
-    if s.dim() != 2:
-        raise ValueError(f"s must be 2-D (rows, hidden), got shape {tuple(s.shape)}")
+    if s.dim() != 2 or s.shape[1] == 0:
+        raise ValueError(f"s must be 2-D (rows, hidden) with hidden >= 1, got shape {tuple(s.shape)}")
+    if s.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"the Triton kernels take {', '.join(map(str, KERNEL_DTYPES))}, got {s.dtype}")
     m, n = s.shape
     if tuple(dy.shape) != (m, n) or (ds is not None and tuple(ds.shape) != (m, n)):
         raise ValueError(f"dy and ds must have s's shape {(m, n)}, got {tuple(dy.shape)} and "
