@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import subprocess
+import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
 
@@ -283,3 +285,15 @@ def test_layernorm_backward_refuses_missing_mean():
     x = torch.randn(3, 4)
     with pytest.raises(ValueError, match="mean"):
         norm_bwd(x, None, x, None, None, torch.ones(3), 0.0, False, False)
+
+
+def test_missing_triton_raises_importerror_naming_the_extra():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "try:\n"
+        "    import normfold.ops._triton\n"
+        "except ImportError as e:\n"
+        "    print(e)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "pip install 'normfold[triton]'" in done.stdout, done.stdout + done.stderr
