@@ -17,9 +17,10 @@ from .kernels import _norm_bwd_kernel, _norm_bwd_row_sums_kernel, _norm_fwd_kern
 # Launch policy. These kernels are HBM-bound: what matters is how many bytes each SM has in
 # flight, i.e. (programs resident on an SM) × (elements a program loads at once), and programs
 # resident is set by registers (64K per SM). The tables below come from ptxas register counts of
-# these kernels for sm_90 (Triton 3.9, bf16 and fp32, RMS and LN+bias+residual): they pick the
-# warps that keep ~8-16K elements in flight per SM without spilling. Retune them from
-# ``benchmarks/gpu_check.py`` results.
+# these kernels for sm_90 (Triton 3.9, bf16 and fp32, RMS and LN+bias+residual; printed by
+# ``python tests/ops/test_triton_compile.py``, no GPU needed): they pick the warps that keep
+# ~8-16K elements in flight per SM without spilling. They are not yet timed on a GPU: retune
+# them from ``benchmarks/gpu_check.py`` results.
 #
 # Forward: ~16-32 elements a thread. Rows shorter than 2048 are stacked into 2048-element tiles
 # (N=256: 8 rows a program, 4 warps, ~60-80 registers, 6-9 programs an SM). 8192 at 16 warps
@@ -37,12 +38,10 @@ BWD_WARPS = {1024: 4, 2048: 8, 4096: 16, 8192: 32}
 # Backward programs per SM: each owns a group of rows and writes one fp32 partial row of dw/db;
 # more programs balance the tail better but grow the (programs, N) partial buffer.
 BWD_PROGRAMS_PER_SM = 2
-# 32 warps × 32 threads × 32 elements: a larger block could only spill registers.
-_LARGEST_BLOCK = 32768
 # Program count for the backward when there is no GPU to ask (the interpreter on CPU).
 BWD_PROGRAMS_WITHOUT_GPU = 4
-
-
+# 32 warps × 32 threads × 32 elements: a larger block could only spill registers.
+_LARGEST_BLOCK = 32768
 # Statistics are fp32, so fp64 inputs would silently lose precision: they take the reference.
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
