@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1  # progress lines reach a remote log as they happen
 
 need_cuda=1
 for arg in "$@"; do [ "$arg" = "--dry-run" ] && need_cuda=0; done
