@@ -26,7 +26,9 @@ VARIANTS = [
     ("bwd", 256, "bf16", dict(IS_RMS=False, HAS_DS=True, HAS_WEIGHT=True, HAS_BIAS=True)),
     ("bwd", 8192, "fp32", dict(IS_RMS=True, HAS_DS=False, HAS_WEIGHT=True, HAS_BIAS=False)),
     ("bwd", 32768, "bf16", dict(IS_RMS=False, HAS_DS=True, HAS_WEIGHT=True, HAS_BIAS=True)),
+    ("bwd", 131072, "fp16", dict(IS_RMS=True, HAS_DS=False, HAS_WEIGHT=False, HAS_BIAS=False)),
     ("row_sums", 32768, "bf16", dict(IS_RMS=False, HAS_WEIGHT=True)),
+    ("row_sums", 131072, "fp16", dict(IS_RMS=True, HAS_WEIGHT=False)),
 ]
 FP32_POINTERS = {"MEAN", "RSTD", "SUM_G_XHAT", "SUM_G", "DW_PARTIAL", "DB_PARTIAL"}
 FLOAT_SCALARS = {"eps", "offset"}
