@@ -1,0 +1,84 @@
+"""Shared plumbing of the experiment scripts: run one training, write CSV / markdown / plots."""
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from normfold.train import resolve_config, train
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run(out_dir: Path, **values: Any) -> dict[str, Any]:
+    """One training run (no checkpoint, no progress bar); returns the trainer's summary."""
+    config = resolve_config(out_dir=str(out_dir), progress=False, save_checkpoint=False, **values)
+    return train(config)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"{cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+            f"Python {platform.python_version()}; 1-min load average at the end: {load:.1f}")
+
+
+def command_line() -> str:
+    return "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
+def mean_std(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for one value); NaN when empty."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def write_csv(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    rows = list(rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError("the experiment plots need matplotlib: pip install 'normfold[plot]'") from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+class Stopwatch:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __str__(self) -> str:
+        return f"{time.perf_counter() - self.start:.0f} s"
