@@ -24,21 +24,24 @@ from .verify import verify
 _FLOAT64_TOLERANCE = 1e-9  # relative error allowed between original and folded outputs in float64
 
 
-def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True) -> FoldReport:
+def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True) -> FoldReport:
     """Report, for every norm of ``model``, whether it can become an RMSNorm and why (model untouched).
 
     ``example_inputs``: a tuple of positional arguments or a dict of keyword arguments
     (e.g. ``{"input_ids": ids, "use_cache": False}``); what the model returns for them are its outputs.
+    ``fold_affine``: plan to move γ/β into the linear layers that read a norm. ``precompute``: a
+    LayerNorm applied straight to an embedding lookup is baked into the table (the norm disappears).
     """
     from .analysis import analyze_captured
     from .graph import capture
 
     captured = capture(model, example_inputs)
-    entries, plan, untied = analyze_captured(model, captured, fold_affine=fold_affine)
+    entries, plan, untied = analyze_captured(model, captured, fold_affine=fold_affine, precompute=precompute)
     return FoldReport(entries, plan, untied)
 
 
-def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, verify: bool = True):
+def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
+         verify: bool = True):
     """Return ``(folded_copy, report)``: foldable LayerNorms become RMSNorms, outputs unchanged.
 
     With ``verify=True`` the copy is checked against ``model`` in float64 and
@@ -46,7 +49,7 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, verify: 
     """
     from .transform import apply_plan
 
-    report = analyze(model, example_inputs, fold_affine=fold_affine)
+    report = analyze(model, example_inputs, fold_affine=fold_affine, precompute=precompute)
     folded = apply_plan(copy.deepcopy(model), report.plan)
     if verify:
         rms_paths = [s.path for s in report.plan.swap if s.to == "RMSNorm"]

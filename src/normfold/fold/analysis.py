@@ -16,9 +16,9 @@ import torch
 from torch import fx, nn
 
 from .graph import Captured, describe, module_path, module_stack, op_name, shape
-from .plan import AffineFoldStep, CenterStep, FoldPlan, SwapStep, UntieStep
+from .plan import AffineFoldStep, CenterStep, FoldPlan, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
-from .rules import (METADATA_OPS, MULTI_OUTPUT_OPS, Break, Need, NormCall, Source, classify, make_need,
+from .rules import (METADATA_OPS, MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, classify, make_need,
                     norm_call)
 
 _aten = torch.ops.aten
@@ -40,14 +40,18 @@ class _Walk:
 
 
 class _Walker:
-    def __init__(self, captured: Captured):
+    def __init__(self, captured: Captured, precomputed: frozenset = frozenset()):
         self.captured = captured
+        self.precomputed = precomputed  # layer_norm nodes that become Identity (their table holds LN(W))
         self.memo: dict[Need, _Walk] = {}
 
     def walk(self, need: Need) -> _Walk:
         if need in self.memo:
             return self.memo[need]
-        answer = classify(need.node, need.dim, need.group, self.captured)
+        if need.node in self.precomputed:  # LN(W)[idx] = LN(W[idx]): the norm's output is a lookup
+            answer = Requires((make_need(need.node.args[0], need.dim, need.group),))
+        else:
+            answer = classify(need.node, need.dim, need.group, self.captured)
         if isinstance(answer, Break):
             entry = _Walk(broken=answer, blocking_path=(describe(need.node),))
         elif isinstance(answer, Source):
@@ -88,6 +92,7 @@ class _Norm:
     calls: list[NormCall]
     module: nn.Module | None
     foldable: bool = False
+    precompute: PrecomputeStep | None = None
     reason: str = ""
     blocking_path: tuple[str, ...] = ()
     zero_mean_graph: set[Need] = field(default_factory=set)
@@ -154,9 +159,51 @@ def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
     return list(norms.values())
 
 
+_LOOKUP_PASS_THROUGH = {_aten.dropout, _aten.clone, _aten.contiguous, _aten.alias, _aten.detach}
+
+
+def _find_precomputable(norms: list[_Norm], captured: Captured) -> list[UntieStep]:
+    """Mark LayerNorms applied straight to an embedding lookup for precomputing into the table.
+
+    Returns the untie steps that give the table's other names (a tied output head) the original.
+    """
+    untie = []
+    for norm in norms:
+        if norm.kind != "LayerNorm" or norm.module is None or len(norm.calls) != 1:
+            continue
+        call = norm.calls[0]
+        if call.output is not call.node or call.num_dims != 1:  # aten.layer_norm only
+            continue
+        lookup = call.x
+        while _packet(lookup) in _LOOKUP_PASS_THROUGH and len(lookup.users) == 1:
+            if _packet(lookup) == _aten.dropout and lookup.args[2:3] == (True,):
+                break
+            lookup = lookup.args[0]
+        if _packet(lookup) != _aten.embedding or len(lookup.users) != 1:
+            continue
+        table = lookup.args[0]
+        gamma = _single_use_param(call.weight, captured) if call.weight is not None else None
+        beta = _single_use_param(call.bias, captured) if call.bias is not None else None
+        if table not in captured.param_fqn or (call.weight is not None and gamma is None) \
+                or (call.bias is not None and beta is None):
+            continue
+        name = use_alias(captured, table, lookup)
+        others = [u for u in table.users if u is not lookup]
+        if any(use_alias(captured, table, u) == name for u in others):
+            continue  # the same name is read elsewhere: its rows must stay as they are
+        norm.precompute = PrecomputeStep(norm.path, name, gamma, beta, float(call.eps))
+        norm.foldable = True
+        norm.reason = f"precomputed into the rows of {name}; the norm becomes Identity"
+        for other in captured.aliases.get(name, (name,)):
+            if other != name:
+                path, _, attr = other.rpartition(".")
+                untie.append(UntieStep(path, attr, name))
+    return untie
+
+
 def _walk_norms(walker: _Walker, norms: list[_Norm]) -> None:
     for norm in norms:
-        if norm.kind != "LayerNorm":
+        if norm.kind != "LayerNorm" or norm.precompute is not None:
             continue
         if norm.module is None:
             norm.reason = "functional layer_norm: no nn.LayerNorm module to replace"
@@ -369,13 +416,15 @@ def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured, untied):
 
 # --------------------------------------------------------------------------- entry point
 
-def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = True) -> tuple[list[NormEntry], FoldPlan, list[str]]:
+def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = True,
+                     precompute: bool = True) -> tuple[list[NormEntry], FoldPlan, list[str]]:
     """Norm entries, the fold plan and the untied parameters for a captured model."""
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20000))  # requirement walks recurse once per op along the residual stream
     try:
-        walker = _Walker(captured)
         norms = _find_norms(model, captured)
+        precompute_untie = _find_precomputable(norms, captured) if precompute else []
+        walker = _Walker(captured, frozenset(n.calls[0].node for n in norms if n.precompute is not None))
         _walk_norms(walker, norms)
         parents = _close(walker, norms, captured)
     finally:
@@ -383,12 +432,20 @@ def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = T
     plan = FoldPlan()
     foldable = [n for n in norms if n.foldable]
     plan.center, plan.untie, untied = _centering_steps(foldable, parents, captured)
+    for step in precompute_untie:
+        if step not in plan.untie:
+            plan.untie.append(step)
+            untied.append(f"{step.module_path}.{step.attr} (copy of {step.source_fqn})")
+    plan.precompute = [n.precompute for n in norms if n.precompute is not None]
     for norm in norms:
-        if norm.foldable:
+        if norm.precompute is not None:
+            plan.swap.append(SwapStep(norm.path, "Identity", int(norm.module.normalized_shape[0]),
+                                      float(norm.module.eps), elementwise_affine=False, bias=False))
+        elif norm.foldable:
             n_producers = len({fqn for fqn, _, _ in norm.params})
             norm.reason = f"input zero-mean: centered {n_producers} producer{'s' * (n_producers != 1)}"
     for norm in norms:
-        if norm.module is None:
+        if norm.module is None or norm.precompute is not None:
             continue
         untied_names = frozenset(f"{u.module_path}.{u.attr}" for u in plan.untie)
         affine, why = _affine_steps(norm, model, captured, untied_names) if fold_affine else ([], "")

@@ -55,3 +55,16 @@ def fold_affine_into_consumer(weight: Tensor, bias: Tensor | None, gamma: Tensor
     new_w = w_io if in_dim == 0 else w_io.t()
     out_dtype = bias.dtype if bias is not None else weight.dtype
     return new_w.to(weight.dtype).contiguous(), None if new_b is None else new_b.to(out_dtype)
+
+
+def layer_norm_rows(table: Tensor, gamma: Tensor | None, beta: Tensor | None, eps: float) -> Tensor:
+    """LayerNorm of every row of an embedding table: LN(W)[idx] = LN(W[idx]), so a norm applied
+    right after a lookup can be precomputed into the table."""
+    x = table.detach().to(torch.float64)
+    centered = x - x.mean(-1, keepdim=True)
+    y = centered * torch.rsqrt(centered.square().mean(-1, keepdim=True) + eps)
+    if gamma is not None:
+        y = y * gamma.detach().to(torch.float64)
+    if beta is not None:
+        y = y + beta.detach().to(torch.float64)
+    return y.to(table.dtype)

@@ -7,10 +7,12 @@ its math is a pure function in ``normfold.fold.math``. Steps apply in this order
 
 1. ``untie``: the module attribute gets its own copy of the *original* tensor of ``source_fqn``
    (read it before step 2); in a checkpoint, write it under ``module_path + "." + attr``.
-2. ``center``: tensor ← ``math.center(tensor, dim, group)``.
-3. ``affine_fold``: (W, b) ← ``math.fold_affine_into_consumer(W, b, γ, β, in_dim)``; ``b`` is a new
+2. ``precompute``: an embedding table read only by one LayerNorm becomes that norm applied to its
+   rows, ``math.layer_norm_rows(table, γ, β, eps)``; the norm becomes ``Identity`` (a swap step).
+3. ``center``: tensor ← ``math.center(tensor, dim, group)`` (after step 2 for precomputed tables).
+4. ``affine_fold``: (W, b) ← ``math.fold_affine_into_consumer(W, b, γ, β, in_dim)``; ``b`` is a new
    zero bias named ``bias_fqn`` when ``create_bias`` is true.
-4. ``swap``: the norm module at ``path`` becomes ``to`` (RMSNorm / LayerNorm) with ``eps``; when
+5. ``swap``: the norm module at ``path`` becomes ``to`` (RMSNorm / LayerNorm / Identity) with ``eps``; when
    ``elementwise_affine`` is false its weight and bias tensors are dropped (they were folded).
 """
 from __future__ import annotations
@@ -38,6 +40,17 @@ class UntieStep:
 
 
 @dataclass(frozen=True)
+class PrecomputeStep:
+    """Replace the rows of embedding table ``table_fqn`` by LayerNorm(rows) with γ, β, eps of ``norm_path``."""
+
+    norm_path: str
+    table_fqn: str
+    gamma_fqn: str | None
+    beta_fqn: str | None
+    eps: float
+
+
+@dataclass(frozen=True)
 class AffineFoldStep:
     """Fold norm ``norm_path``'s γ/β into the consumer weight ``weight_fqn`` (γ meets W along ``in_dim``)."""
 
@@ -52,7 +65,7 @@ class AffineFoldStep:
 
 @dataclass(frozen=True)
 class SwapStep:
-    """Replace the norm module at ``path`` by ``to`` ("RMSNorm" or "LayerNorm")."""
+    """Replace the norm module at ``path`` by ``to`` ("RMSNorm", "LayerNorm" or "Identity")."""
 
     path: str
     to: str
@@ -66,6 +79,7 @@ class SwapStep:
 class FoldPlan:
     center: list[CenterStep] = field(default_factory=list)
     untie: list[UntieStep] = field(default_factory=list)
+    precompute: list[PrecomputeStep] = field(default_factory=list)
     affine_fold: list[AffineFoldStep] = field(default_factory=list)
     swap: list[SwapStep] = field(default_factory=list)
 
@@ -86,4 +100,5 @@ class FoldPlan:
         return any(getattr(self, name) for name in _STEP_TYPES)
 
 
-_STEP_TYPES = {"center": CenterStep, "untie": UntieStep, "affine_fold": AffineFoldStep, "swap": SwapStep}
+_STEP_TYPES = {"untie": UntieStep, "precompute": PrecomputeStep, "center": CenterStep, "affine_fold": AffineFoldStep,
+               "swap": SwapStep}

@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .math import center, fold_affine_into_consumer
+from .math import center, fold_affine_into_consumer, layer_norm_rows
 from .plan import FoldPlan, SwapStep
 
 
 def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
-    """Untie, center, fold affines, swap norms — in that order (see ``normfold.fold.plan``)."""
+    """Untie, precompute, center, fold affines, swap norms — in that order (see ``normfold.fold.plan``)."""
     with torch.no_grad():
         for step in plan.untie:  # before centering: the copy keeps the original values
             original = model.get_parameter(step.source_fqn)
@@ -17,6 +17,11 @@ def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
             setattr(owner, step.attr, nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad))
         if plan.untie:
             _untie_config(model)
+        for step in plan.precompute:
+            table = model.get_parameter(step.table_fqn)
+            gamma = model.get_parameter(step.gamma_fqn) if step.gamma_fqn else None
+            beta = model.get_parameter(step.beta_fqn) if step.beta_fqn else None
+            table.copy_(layer_norm_rows(table, gamma, beta, step.eps))
         for step in plan.center:
             p = model.get_parameter(step.fqn)
             p.copy_(center(p, step.dim, step.group))
@@ -55,6 +60,10 @@ def _swap(model: nn.Module, step: SwapStep) -> None:
     from ..nn import RMSNorm
 
     old = model.get_submodule(step.path)
+    parent_path, _, name = step.path.rpartition(".")
+    if step.to == "Identity":
+        setattr(model.get_submodule(parent_path), name, nn.Identity())
+        return
     ref = old.weight if getattr(old, "weight", None) is not None else None
     factory = {"device": ref.device if ref is not None else None, "dtype": ref.dtype if ref is not None else None}
     if step.to == "RMSNorm":
