@@ -50,7 +50,7 @@ def analyze_folder(model_dir: str | os.PathLike, *, trust_remote_code: bool = Fa
     step("loading")
     model = load_model(model_dir, trust_remote_code=trust_remote_code)
     step("analysing")
-    report = analyze(model, example_inputs_for(model)).to_dict()
+    report = analyze(model, example_inputs_for(model), precompute=False).to_dict()
     report["model"] = _describe(model, model_dir)
     return report
 
@@ -92,7 +92,8 @@ def fold_for_stock(model, example_inputs, *, fold_affine: bool = True):
     from .. import FoldVerificationError, analyze, verify
     from ..fold.transform import apply_plan
 
-    report = analyze(model, example_inputs, fold_affine=fold_affine)
+    # precompute=False: a stock folder must keep every norm module (a precomputed norm becomes Identity)
+    report = analyze(model, example_inputs, fold_affine=fold_affine, precompute=False)
     stock_keys = set(stock_parameter_shapes(model.config, type(model)))
     report.plan, kept = stock_compatible_plan(report.plan, stock_keys)
     for entry in report.norms:

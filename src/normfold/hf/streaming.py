@@ -1,0 +1,442 @@
+"""Fold safetensors checkpoints larger than memory.
+
+1. Plan: build the model from its config with uninitialised storage (``to_empty``: the pages are
+   never touched, so a 13 GB model costs no resident memory), read the norms' γ/β from the files
+   (the analysis looks at β), and run the fold engine's analysis. ``torch.export`` traces with fake
+   tensors, so it never reads the weights either.
+2. Rewrite: every tensor of the plan is read from its shard (``safe_open``, one tensor at a time),
+   rewritten with the pure functions of ``normfold.fold.math`` and streamed into new shards by a
+   writer that needs only one tensor in memory. Tensors that a step ties together (a weight and
+   its bias, an untied copy and its source) are processed as one group; the norms' γ/β, which
+   affine folding needs across shards, are read first.
+
+Peak memory: the largest group in float32 plus the γ/β of all norms.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._deps import require
+from .io import (CheckpointError, atomic_output_dir, check_model_dir, example_inputs_for, load_config,
+                 model_class_for, stock_compatible_plan, stock_parameter_shapes, swap_in_rmsnorm)
+
+INDEX = "model.safetensors.index.json"
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL"}
+_FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
+
+
+# ------------------------------------------------------------------------------------ checkpoint
+
+class Checkpoint:
+    """The tensors of a safetensors folder: which file holds each key, shapes and dtypes from the
+    headers, and reads of one tensor at a time (each read opens and closes its file, so no file
+    stays mapped and resident memory does not grow with the checkpoint)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        index = folder / INDEX
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (folder / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            raise CheckpointError(f"streaming needs safetensors weights: no model.safetensors or {INDEX} in {folder}")
+        safe_open = require("safetensors").safe_open
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        self.files: dict[str, list[str]] = {}    # file -> keys in file order
+        self.file_of: dict[str, str] = {}
+        self.meta: dict[str, tuple[str, list[int]]] = {}   # key -> (safetensors dtype, shape)
+        for name in files:
+            try:
+                with safe_open(folder / name, framework="pt") as f:
+                    keys = list(f.keys())
+                    for key in keys:
+                        sl = f.get_slice(key)
+                        self.meta[key] = (sl.get_dtype(), list(sl.get_shape()))
+            except Exception as err:  # SafetensorError for a corrupt header
+                raise CheckpointError(f"corrupt safetensors file {folder / name}: {str(err).splitlines()[0]}") from err
+            self.files[name] = keys
+            self.file_of.update(dict.fromkeys(keys, name))
+        self.bytes_read = 0
+
+    def read(self, key: str) -> torch.Tensor:
+        safe_open = require("safetensors").safe_open
+        with safe_open(self.folder / self.file_of[key], framework="pt") as f:
+            t = f.get_tensor(key).clone()  # own memory: nothing keeps the file mapped
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, str, list[int]]],
+                      produce: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+    """Write a safetensors file tensor by tensor: the header (computed from ``entries`` =
+    (key, safetensors dtype, shape)) first, then ``produce(key)`` for each key in order.
+
+    Returns the number of bytes of tensor data written.
+    """
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for key, dtype, shape in entries:
+        nbytes = math.prod(shape) * _FROM_ST[dtype].itemsize
+        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for key, dtype, shape in entries:
+            t = produce(key)
+            if t.dtype != _FROM_ST[dtype] or list(t.shape) != list(shape):
+                raise AssertionError(f"{key}: produced {t.dtype} {tuple(t.shape)}, header says {dtype} {shape}")
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return offset
+
+
+# ------------------------------------------------------------------------------------------ plan
+
+def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remote_code: bool = False):
+    """Analyse the model of a checkpoint without loading its weights.
+
+    Returns ``(report, skeleton, checkpoint)``: the engine's FoldReport with a stock-compatible plan,
+    the model built on uninitialised storage (only its norms' γ/β are real), and the checkpoint.
+    """
+    from .. import analyze
+
+    config = load_config(model_dir, trust_remote_code=trust_remote_code)
+    cls = model_class_for(config, trust_remote_code=trust_remote_code)
+    checkpoint = Checkpoint(model_dir)
+    dtype = next((_FROM_ST[d] for d, _ in checkpoint.meta.values() if _FROM_ST[d].is_floating_point), torch.float32)
+    with torch.device("meta"):
+        skeleton = cls._from_config(config, attn_implementation="eager", dtype=dtype)
+    skeleton = skeleton.to_empty(device="cpu").eval()  # virtual memory only: pages are never written
+    skeleton.tie_weights()  # to_empty gives tied parameters separate storage; the analysis must see the tie
+    _load_norm_parameters(skeleton, checkpoint)
+    report = analyze(skeleton, example_inputs_for(skeleton), fold_affine=fold_affine, precompute=False)
+    report.plan, kept = stock_compatible_plan(report.plan, set(stock_parameter_shapes(config, cls)))
+    for entry in report.norms:
+        if entry.path in kept:
+            entry.affine_folded, entry.reason = False, f"{entry.reason}; {kept[entry.path]}"
+    return report, skeleton, checkpoint
+
+
+def _norm_types() -> tuple[type, ...]:
+    return (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+
+
+def _load_norm_parameters(skeleton: nn.Module, checkpoint: Checkpoint) -> None:
+    """Real values for the (small) norm parameters, the only ones the analysis reads."""
+    aliases = _aliases(skeleton)
+    with torch.no_grad():
+        for path, module in skeleton.named_modules():
+            if not isinstance(module, _norm_types()):
+                continue
+            for name, p in module.named_parameters(recurse=False):
+                key = _resolve(f"{path}.{name}", aliases, checkpoint)
+                if key is None:
+                    raise CheckpointError(f"the checkpoint has no tensor for {path}.{name}")
+                p.copy_(checkpoint.read(key))
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """FQN -> every FQN of the same Parameter (tied weights)."""
+    by_id: dict[int, list[str]] = defaultdict(list)
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        by_id[id(p)].append(fqn)
+    return {fqn: names for names in by_id.values() for fqn in names}
+
+
+def _resolve(fqn: str, aliases: dict[str, list[str]], checkpoint: Checkpoint) -> str | None:
+    """The checkpoint key that stores parameter ``fqn`` (a tied parameter is stored once)."""
+    for name in [fqn, *aliases.get(fqn, [])]:
+        if name in checkpoint.meta:
+            return name
+    return None
+
+
+# --------------------------------------------------------------------------------------- rewrite
+
+class _Rewrite:
+    """The plan restated per checkpoint key, with the groups of keys that must be computed together."""
+
+    def __init__(self, plan, skeleton: nn.Module, checkpoint: Checkpoint, out_dtype: torch.dtype | None) -> None:
+        if getattr(plan, "precompute", None):
+            raise CheckpointError("streaming folds cannot precompute embedding norms (internal: plan has precompute steps)")
+        aliases = _aliases(skeleton)
+        self.checkpoint = checkpoint
+        self.out_dtype = out_dtype
+
+        def key(fqn: str) -> str:
+            k = _resolve(fqn, aliases, checkpoint)
+            if k is None:
+                raise CheckpointError(f"the plan names {fqn}, which the checkpoint does not store")
+            return k
+
+        parent: dict[str, str] = {}
+
+        def find(k: str) -> str:
+            while parent.setdefault(k, k) != k:
+                k = parent[k]
+            return k
+
+        def union(a: str, b: str) -> None:
+            parent[find(a)] = find(b)
+
+        self.new_keys: dict[str, str] = {}          # new key -> source key (untied copies)
+        self.untie = []
+        for s in plan.untie:
+            new, src = f"{s.module_path}.{s.attr}", key(s.source_fqn)
+            self.new_keys[new] = src
+            self.untie.append((new, src))
+            union(new, src)
+        self.center = [(key(s.fqn), s.dim, s.group) for s in plan.center]
+        self.norm_params: set[str] = set()
+        self.affine = []
+        for s in plan.affine_fold:
+            w = s.weight_fqn if s.weight_fqn in self.new_keys else key(s.weight_fqn)
+            b = (s.bias_fqn if s.create_bias else key(s.bias_fqn)) if s.bias_fqn else None
+            if s.create_bias:
+                self.new_keys[b] = w
+            g = key(s.gamma_fqn) if s.gamma_fqn else None
+            be = key(s.beta_fqn) if s.beta_fqn else None
+            self.norm_params.update(k for k in (g, be) if k)
+            self.affine.append((w, b, g, be, s.in_dim))
+            if b:
+                union(w, b)
+        # weightless RMSNorms keep stock LayerNorm keys: γ = 1, β = 0
+        self.fill: dict[str, float] = {}
+        for s in plan.swap:
+            if s.to == "RMSNorm" and not s.elementwise_affine:
+                for leaf, value in (("weight", 1.0), ("bias", 0.0)):
+                    k = _resolve(f"{s.path}.{leaf}", aliases, checkpoint)
+                    if k is not None:
+                        self.fill[k] = value
+        touched = {k for k, *_ in self.center} | {w for w, *_ in self.affine} | {b for _, b, *_ in self.affine if b} \
+            | set(self.new_keys) | set(self.fill)
+        self.groups: dict[str, set[str]] = defaultdict(set)
+        for k in touched:
+            self.groups[find(k)].add(k)
+        self.group_of = {k: find(k) for k in touched}
+        self.norm_values = {k: checkpoint.read(k).float() for k in sorted(self.norm_params)}
+
+    def output_meta(self, key: str) -> tuple[str, list[int]]:
+        """(safetensors dtype, shape) of an output key."""
+        if key in self.checkpoint.meta:
+            dtype, shape = self.checkpoint.meta[key]
+        else:  # an untied copy or a created bias
+            src_dtype, src_shape = self.checkpoint.meta.get(self.new_keys[key]) or self.output_meta(self.new_keys[key])
+            dtype = src_dtype
+            shape = src_shape if key in dict(self.untie) else [self._bias_len(key)]
+        if self.out_dtype is not None and _FROM_ST[dtype].is_floating_point:
+            dtype = _ST_DTYPES[self.out_dtype]
+        return dtype, shape
+
+    def _bias_len(self, bias_key: str) -> int:
+        for w, b, _, _, in_dim in self.affine:
+            if b == bias_key:
+                return self.output_meta(w)[1][1 - in_dim]
+        raise AssertionError(bias_key)
+
+    def compute(self, key: str) -> dict[str, torch.Tensor]:
+        """New values for every key of ``key``'s group (float32 math; cast to the output dtype)."""
+        from ..fold.math import center, fold_affine_into_consumer
+
+        if key not in self.group_of:
+            return {key: self._cast(key, self.checkpoint.read(key))}
+        keys = self.groups[self.group_of[key]]
+        vals = {k: self.checkpoint.read(k).float() for k in keys if k in self.checkpoint.meta}
+        for new, src in self.untie:  # first: the copy keeps the original values
+            if new in keys:
+                vals[new] = vals[src].clone()
+        for k, dim, group in self.center:
+            if k in keys:
+                vals[k] = center(vals[k], dim, group)
+        for w, b, g, be, in_dim in self.affine:
+            if w in keys:
+                bias = vals.get(b) if b else None
+                if b and bias is None:  # a created bias starts at zero
+                    bias = torch.zeros(self.output_meta(b)[1], dtype=torch.float32)
+                vals[w], new_b = fold_affine_into_consumer(vals[w], bias, self.norm_values.get(g), self.norm_values.get(be),
+                                                           in_dim)
+                if b:
+                    vals[b] = new_b
+        for k in keys:
+            if k in self.fill:
+                dtype, shape = self.checkpoint.meta[k]
+                vals[k] = torch.full(shape, self.fill[k], dtype=torch.float32)
+        return {k: self._cast(k, v) for k, v in vals.items()}
+
+    def _cast(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        return t.to(_FROM_ST[self.output_meta(key)[0]])
+
+
+def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
+                    dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
+                    step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Fold a safetensors folder shard by shard into ``out_dir`` without loading the model.
+
+    Output shards mirror the input shards (same names and keys; an untied copy goes into its
+    source's shard). Returns the report dict (``streaming`` holds bytes and seconds).
+    """
+    from .io import DTYPES
+
+    model_dir = check_model_dir(model_dir)
+    out_dtype = DTYPES[dtype] if dtype else None
+    t0 = time.perf_counter()
+    with atomic_output_dir(out_dir, overwrite=overwrite, protect=(model_dir,)) as tmp:
+        step("planning (no weights loaded)")
+        report, skeleton, checkpoint = plan_for_checkpoint(model_dir, fold_affine=fold_affine,
+                                                          trust_remote_code=trust_remote_code)
+        t_plan = time.perf_counter() - t0
+        rewrite = _Rewrite(report.plan, skeleton, checkpoint, out_dtype)
+        layout = {name: list(keys) for name, keys in checkpoint.files.items()}
+        for new, src in rewrite.new_keys.items():
+            layout[checkpoint.file_of.get(src) or checkpoint.file_of[rewrite.new_keys[src]]].append(new)
+        pending: dict[str, torch.Tensor] = {}
+
+        def produce(key: str) -> torch.Tensor:
+            if key not in pending:
+                pending.update(rewrite.compute(key))
+            return pending.pop(key)
+
+        written, weight_map = 0, {}
+        for i, (name, keys) in enumerate(layout.items()):
+            step(f"rewriting shard {i + 1}/{len(layout)}")
+            entries = [(k, *rewrite.output_meta(k)) for k in keys]
+            written += write_safetensors(tmp / name, entries, produce)
+            weight_map.update(dict.fromkeys(keys, name))
+        assert not pending, f"computed but never written: {sorted(pending)}"
+        if len(layout) > 1 or (model_dir / INDEX).is_file():
+            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map},
+                                                indent=2) + "\n")
+        _write_config(skeleton.config, tmp, untied=bool(report.plan.untie), dtype=out_dtype)
+        copy_side_files(model_dir, tmp)
+        from .folder import write_report_files
+
+        out = report.to_dict()
+        out.update(
+            model={"architecture": type(skeleton).__name__, "model_type": skeleton.config.model_type,
+                   "source": str(model_dir.absolute()), "parameters": sum(p.numel() for p in skeleton.parameters())},
+            swapped=[{"path": s.path, "normalized_shape": [s.normalized_shape], "eps": s.eps,
+                      "weight": s.elementwise_affine, "bias": s.elementwise_affine and s.bias}
+                     for s in report.plan.swap if s.to == "RMSNorm"],
+            fold_affine=fold_affine, saved_dtype=dtype or "as checkpoint",
+            streaming={"bytes_read": checkpoint.bytes_read, "bytes_written": written,
+                       "plan_seconds": round(t_plan, 2), "seconds": round(time.perf_counter() - t0, 2)},
+        )
+        write_report_files(out, tmp)
+    out["out_dir"] = str(Path(out_dir).absolute())
+    return out
+
+
+def _write_config(config, folder: Path, *, untied: bool, dtype: torch.dtype | None) -> None:
+    if untied:
+        config.tie_word_embeddings = False
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(folder)
+
+
+def copy_side_files(model_dir: Path, out_dir: Path) -> None:
+    """Tokenizer and other non-weight files, so the folded folder is as usable as the original."""
+    for p in model_dir.iterdir():
+        if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name not in (INDEX, "config.json") \
+                and not (out_dir / p.name).exists():
+            shutil.copy2(p, out_dir / p.name)
+
+
+# ---------------------------------------------------------------------------------- block checks
+
+def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, block_path: str, *,
+                batch: int = 2, seq: int = 16, seed: int = 0, trust_remote_code: bool = False) -> dict[str, float]:
+    """Compare one residual block of a folded checkpoint with the original, in float64, loading
+    only that block's tensors.
+
+    The folded residual stream is the original's with its mean removed (P = I − 11ᵀ/n), so for a
+    Pre-LN block: folded_block(P·x) = P·block(x). Returns the relative error
+    ‖P·block(x) − folded_block(P·x)‖∞ / ‖P·block(x)‖∞ and the worst |mean|/rms of the RMSNorm inputs.
+    """
+    from ..fold.math import center
+
+    orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
+    swapped = {s["path"]: s for s in json.loads((folded_dir / "normfold_report.json").read_text())["swapped"]}
+    config = load_config(orig_dir, trust_remote_code=trust_remote_code)
+    cls = model_class_for(config, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        skeleton = cls._from_config(config, attn_implementation="eager")
+    prefix = block_path + "."
+
+    def load_block(folder: Path, folded: bool) -> nn.Module:
+        block = skeleton.get_submodule(block_path)
+        ckpt = Checkpoint(folder)
+        state = {k[len(prefix):]: ckpt.read(k).double() for k in ckpt.meta if k.startswith(prefix)}
+        import copy
+
+        block = copy.deepcopy(block)
+        block.load_state_dict(state, strict=True, assign=True)
+        block = block.double().eval()
+        if folded:
+            for path, entry in swapped.items():
+                if path.startswith(prefix):
+                    swap_in_rmsnorm(block, {**entry, "path": path[len(prefix):]})
+        return block
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden = skeleton.get_submodule(block_path)
+    width = _block_width(hidden)
+    x = torch.randn(batch, seq, width, generator=gen, dtype=torch.float64)  # (B, T, C)
+    with torch.no_grad():
+        ref = center(_first(load_block(orig_dir, False)(x)), -1)
+        block = load_block(folded_dir, True)
+        ratios = _watch_rms_inputs(block)
+        out = _first(block(center(x, -1)))
+    err = ((ref - out).abs().max() / ref.abs().max()).item()
+    return {"block": block_path, "max_rel_error": err, "max_input_mean_ratio": max(ratios) if ratios else None}
+
+
+def _block_width(block: nn.Module) -> int:
+    for m in block.modules():
+        if isinstance(m, _norm_types()):
+            return m.normalized_shape[-1]
+    raise CheckpointError("cannot tell the block's width: it has no norm")
+
+
+def _first(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _watch_rms_inputs(block: nn.Module) -> list[float]:
+    from ..nn import RMSNorm
+
+    ratios: list[float] = []
+
+    def hook(module, inputs):
+        x = inputs[0]
+        ratios.append((x.mean(-1).abs() / x.square().mean(-1).sqrt()).max().item())
+
+    for m in block.modules():
+        if isinstance(m, RMSNorm):
+            m.register_forward_pre_hook(hook)
+    return ratios
+
+
+def sample_blocks(config, n: int = 3) -> Iterable[int]:
+    """First, middle and last layer indices."""
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
+    return sorted({0, layers // 2, layers - 1})[:n]
