@@ -90,7 +90,8 @@ _FIGURES = {  # verification figure -> how the table names it
 def _print_verification(ver: dict) -> None:
     from rich.table import Table
 
-    table = Table(title=f"verification: {'[green]passed[/green]' if ver['ok'] else '[red]FAILED[/red]'}",
+    where = f" (blocks {', '.join(b['block'] for b in ver['blocks'])}, each alone)" if "blocks" in ver else ""
+    table = Table(title=f"verification{where}: {'[green]passed[/green]' if ver['ok'] else '[red]FAILED[/red]'}",
                   title_justify="left")
     table.add_column("figure")
     table.add_column("value", justify="right")
@@ -102,7 +103,8 @@ def _print_verification(ver: dict) -> None:
 
 def _json_report(report: dict) -> dict:
     """What ``--json`` prints: the counts, the per-norm entries and the verification figures."""
-    keys = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype")
+    keys = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype",
+            "streaming")
     return {k: report[k] for k in keys if k in report}
 
 
@@ -128,12 +130,21 @@ def _run_analyze(args) -> int:
 
 def _run_fold(args) -> int:
     from .hf.folder import fold_folder
+    from .hf.streaming import fold_and_check, is_sharded
 
     if not args.output:
         raise UsageError("fold needs an output folder: -o OUT_DIR")
+    model_dir = _model_dir(args)
+    # sharded checkpoints are streamed: never loaded whole, checked block by block
+    fold_fn = fold_and_check if args.stream or is_sharded(model_dir) else fold_folder
     with _progress(not args.json) as step:
-        report = fold_folder(_model_dir(args), args.output, fold_affine=not args.no_fold_affine, dtype=args.dtype,
-                             overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step)
+        report = fold_fn(model_dir, args.output, fold_affine=not args.no_fold_affine, dtype=args.dtype,
+                         overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step)
+    if not report["verification"]["ok"]:
+        if not args.json:
+            _print_verification(report["verification"])
+        print(f"normfold: verification failed for the blocks written to {report['out_dir']}", file=sys.stderr)
+        return EXIT_VERIFY_FAILED
     if args.json:
         print(json.dumps(_json_report(report), indent=2, default=str))
     else:
@@ -192,6 +203,9 @@ def add_commands(subparsers) -> None:
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="dtype of the saved weights (default: the checkpoint's)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--stream", action="store_true",
+                   help="rewrite the safetensors shard by shard without loading the model "
+                        "(automatic for sharded folders); verifies sampled blocks")
     common(p)
     p.set_defaults(run=_run_fold)
 

@@ -21,7 +21,7 @@ import shutil
 import struct
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -436,7 +436,55 @@ def _watch_rms_inputs(block: nn.Module) -> list[float]:
     return ratios
 
 
-def sample_blocks(config, n: int = 3) -> Iterable[int]:
-    """First, middle and last layer indices."""
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer")
-    return sorted({0, layers // 2, layers - 1})[:n]
+
+
+def fold_and_check(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str | None = None,
+                   trust_remote_code: bool = False, step: Callable[[str], None] = lambda _: None,
+                   **kwargs) -> dict[str, Any]:
+    """:func:`fold_checkpoint`, then :func:`check_block` on the first, middle and last block.
+
+    ``report["verification"]`` holds the block errors; ``ok`` when each is within the saved
+    dtype's tolerance. (The whole model is never loaded, so it is never run.)
+    """
+    from .folder import SAVED_TOLERANCE
+
+    report = fold_checkpoint(model_dir, out_dir, dtype=dtype, trust_remote_code=trust_remote_code, step=step, **kwargs)
+    blocks = _block_paths(report)
+    checks = []
+    for path in blocks:
+        step(f"checking {path} in float64")
+        checks.append(check_block(model_dir, out_dir, path, trust_remote_code=trust_remote_code))
+    stored = dtype or _stored_dtype(Path(model_dir))
+    tolerance = SAVED_TOLERANCE.get(stored, SAVED_TOLERANCE["float32"])
+    worst = max((c["max_rel_error"] for c in checks), default=0.0)
+    ratios = [c["max_input_mean_ratio"] for c in checks if c["max_input_mean_ratio"] is not None]
+    report["verification"] = {"ok": bool(checks) and worst <= tolerance, "max_rel_error": worst,
+                              "max_input_mean_ratio": max(ratios) if ratios else None, "tolerance": tolerance,
+                              "num_runs": len(checks), "blocks": checks}
+    (Path(out_dir) / "normfold_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return report
+
+
+def _block_paths(report: dict[str, Any]) -> list[str]:
+    """First, middle and last residual block that holds a folded norm (``...layers.7``)."""
+    blocks = []
+    for s in report["swapped"]:
+        parts = s["path"].split(".")
+        idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        if idx is not None:
+            path = ".".join(parts[: idx + 1])
+            if path not in blocks:
+                blocks.append(path)
+    return sorted({blocks[0], blocks[len(blocks) // 2], blocks[-1]}, key=blocks.index) if blocks else []
+
+
+def _stored_dtype(model_dir: Path) -> str:
+    ckpt_dtypes = {d for d, _ in Checkpoint(model_dir).meta.values()}
+    for name, code in (("bfloat16", "BF16"), ("float16", "F16")):
+        if code in ckpt_dtypes:
+            return name
+    return "float32"
+
+
+def is_sharded(model_dir: str | os.PathLike) -> bool:
+    return (Path(model_dir) / INDEX).is_file()
