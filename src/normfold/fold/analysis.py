@@ -253,7 +253,7 @@ def _close(walker: _Walker, norms: list[_Norm], captured: Captured) -> dict[Need
 
 
 def _closedness_failure(walker: _Walker, norm: _Norm, parents, captured: Captured) -> str | None:
-    outputs = captured.output_nodes()
+    """Why centering this norm's producers would leak into something that is not a norm, or None."""
     for need in sorted(norm.zero_mean_graph, key=lambda n: n.node.name):
         if not walker.memo[need].changed:
             continue
@@ -315,16 +315,14 @@ def _conflict(norm: _Norm, active: list[_Norm], captured: Captured) -> str | Non
 
 # --------------------------------------------------------------------------- affine folding
 
+# ops between a norm and the linear layers reading it that keep each row's features as they are
 _PASS_THROUGH = {_aten.view, _aten.reshape, _aten._unsafe_view, _aten.clone, _aten.contiguous, _aten.alias,
                  _aten._to_copy, _aten.to, _aten.detach, _aten.dropout, _aten.flatten}
-
-
 _TRANSPOSES = {_aten.t, _aten.numpy_T, _aten.transpose}
 
 
-def _single_use_param(node, captured: Captured, untied: frozenset = frozenset()) -> str | None:
-    """FQN of a parameter read by one op only, under a name no other tensor shares — or under a
-    tied name that the plan unties (it gets its own copy before affine folding)."""
+def _single_use_param(node, captured: Captured) -> str | None:
+    """FQN of a parameter read by one op only, under a name no other tensor shares."""
     if not isinstance(node, fx.Node) or node not in captured.param_fqn:
         return None
     fqn = captured.param_fqn[node]

@@ -47,11 +47,6 @@ class Captured:
     buffer_fqn: dict[fx.Node, str]         # placeholder -> buffer FQN
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # FQN -> every FQN of the same tensor
 
-    def output_nodes(self) -> set[fx.Node]:
-        """Nodes whose value leaves the graph (returned by the model)."""
-        out = self.graph.output_node()
-        return set(out.all_input_nodes)
-
 
 def capture(model: nn.Module, example_inputs) -> Captured:
     """``torch.export`` the model in eval mode (non-strict) and index its placeholders."""

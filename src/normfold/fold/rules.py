@@ -106,7 +106,7 @@ def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> 
         if node in captured.buffer_fqn:
             return Break(f"buffer {captured.buffer_fqn[node]} cannot be centered")
         return Break(f"model input {node.name} is not zero-mean by construction")
-    if node.op != "call_function":
+    if node.op != "call_function":  # get_attr constants and the like: not parameters, not centerable
         return Break(f"{node.op} node {node.name} is not in the rules table")
     if shape(node) is None:
         return Break(f"{op_name(node)}: output shape unknown (dynamic shapes are not supported)")
@@ -225,10 +225,6 @@ def _div(node, dim, group):
     if not _is_row_scalar(node, node.args[1], dim):
         return Break(f"{op_name(node)}: division by a tensor that varies along the normalized dim")
     return _collect(node, [_broadcast_operand(node, node.args[0], dim, group)])
-
-
-def _neg(node, dim, group):
-    return _same_dim(node, dim, group)
 
 
 def _in_place(rule):
@@ -543,7 +539,7 @@ RULES.update({p: _mul for p in _packets("mul")})
 RULES.update({p: _in_place(_mul) for p in _packets("mul_")})
 RULES.update({p: _div for p in _packets("div")})
 RULES.update({p: _in_place(_div) for p in _packets("div_")})
-RULES.update({p: _neg for p in _packets("neg")})
+RULES.update({p: _same_dim for p in _packets("neg")})  # -P·x = P·(-x)
 for _p in _packets("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as",
                    "reshape_as"):
     RULES[_p] = _view
