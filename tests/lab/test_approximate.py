@@ -149,6 +149,13 @@ def test_exactly_folded_norms_are_reported_as_exact():
     assert statuses["ln_a"] == "exact" and approx_report.num_exact == 1
 
 
+def test_refuses_a_folded_model_that_still_has_the_exactly_folded_norm():
+    model = _Toy().eval()
+    report = SimpleNamespace(norms=[SimpleNamespace(path="ln_a", foldable=True, reason="centred inp")])
+    with pytest.raises(ValueError, match="exact fold's output"):
+        approximate_fold(model, model, report, _batches(1))
+
+
 @pytest.mark.parametrize("kwargs, error", [
     ({"min_cosine": 0.0}, ValueError),
     ({"min_cosine": 1.5}, ValueError),

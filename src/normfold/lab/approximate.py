@@ -15,8 +15,9 @@ weights that exist already, make the replacement close:
    z = (x − c)/rms(x − c): ordinary least squares, in closed form, in float64.
 
 Norms are then chosen greedily: each norm's effect alone (min cosine of the model's outputs on the
-calibration batches) orders them, and a norm is switched only if the model with it and all norms
-switched before still keeps ``min_cosine``. The producer of step 1–2 is found by probing, not by
+calibration batches, for the plain and the corrected replacement; the better one is used) orders
+them, and a norm is switched only if the model with it and all norms switched before still keeps
+``min_cosine``. The producer of step 1–2 is found by probing, not by
 reading the architecture: add a random δ to a candidate linear's bias, subtract it again at the
 norm's input; the linear qualifies only if the norm's input moved by exactly δ and the model's
 outputs did not move at all.
@@ -360,6 +361,10 @@ def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibrat
     for e in getattr(report, "norms", None) or []:
         if e.foldable:
             entries[e.path] = ApproxEntry(e.path, "exact", reason=e.reason)
+    still_layer_norm = {p for p, _m, kind in norm_modules(approx) if kind == "LayerNorm"}
+    if still_layer_norm & set(entries):
+        raise ValueError(f"folded_model must be the exact fold's output: the report marks "
+                         f"{sorted(still_layer_norm & set(entries))} foldable but they are still LayerNorms")
     layer_norms = [p for p, _m, kind in norm_modules(approx) if kind == "LayerNorm" and p not in entries]
     if candidates is not None:
         unknown = sorted(set(candidates) - set(layer_norms))
@@ -389,20 +394,27 @@ def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibrat
         alone[path] = (scores[0], scores[1])
 
     # Greedy: least sensitive first; keep a switch only if the whole model still meets the bar.
-    for path in sorted(alone, key=lambda p: -alone[p][1]):
-        producer = producers[path]
-        say(f"switching {path}")
-        undo = _replace(approx, path, producer, batches, corrected=True)
-        cos = compare_outputs(reference, _outputs(approx, batches, output_fn)).min_cosine
+    # Each norm uses the variant (plain or corrected) that cost less alone: a correction fitted on
+    # one norm's output can still cost more at the model's output.
+    for path in sorted(alone, key=lambda p: -max(alone[p])):
         naive, corrected = alone[path]
-        correction = (f"centred {producer} and folded the calibrated mean into its bias; " if producer else
-                      "no producer linear found (no centring, no shift); ") + "γ/β refit by least squares"
+        use_correction = corrected >= naive
+        producer = producers[path] if use_correction else None
+        say(f"switching {path}")
+        undo = _replace(approx, path, producer, batches, corrected=use_correction)
+        cos = compare_outputs(reference, _outputs(approx, batches, output_fn)).min_cosine
+        if not use_correction:
+            correction = "plain RMSNorm with the LayerNorm's γ/β (it cost less than the corrected one)"
+        elif producer:
+            correction = f"centred {producer} and folded the calibrated mean into its bias; γ/β refit by least squares"
+        else:
+            correction = "no producer linear found (no centring, no shift); γ/β refit by least squares"
         if cos >= min_cosine:
             entries[path] = ApproxEntry(path, "approximate", producer, correction, corrected, naive,
                                         reason=f"min output cosine {cos:.6f} with it and the norms switched before it")
         else:
             undo()
-            entries[path] = ApproxEntry(path, "kept", producer, "", corrected, naive,
+            entries[path] = ApproxEntry(path, "kept", producers[path], "", corrected, naive,
                                         reason=f"switching it would drop the min output cosine to {cos:.6f} < {min_cosine}")
 
     final = compare_outputs(reference, _outputs(approx, batches, output_fn))
