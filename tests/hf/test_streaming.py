@@ -89,3 +89,15 @@ def test_streaming_refuses_pickle_only_and_corrupt_checkpoints(tmp_path, sharded
     with pytest.raises(CheckpointError, match="corrupt"):
         fold_checkpoint(tmp_path / "bad", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_math_on_slices_matches_the_math_on_whole_tensors(sharded_opt, tmp_path, monkeypatch):
+    import normfold.hf.streaming as streaming
+
+    fold_checkpoint(sharded_opt, tmp_path / "whole")
+    monkeypatch.setattr(streaming, "_CHUNK", 100)  # every 2-D tensor is cut into many slices
+    fold_checkpoint(sharded_opt, tmp_path / "sliced")
+    whole = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "whole").state_dict()
+    sliced = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sliced").state_dict()
+    for key in whole:
+        torch.testing.assert_close(sliced[key], whole[key], rtol=1e-6, atol=1e-7, msg=key)

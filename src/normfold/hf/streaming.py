@@ -233,7 +233,7 @@ class _Rewrite:
         for k in touched:
             self.groups[find(k)].add(k)
         self.group_of = {k: find(k) for k in touched}
-        self.norm_values = {k: checkpoint.read(k).float() for k in sorted(self.norm_params)}
+        self.norm_values = {k: checkpoint.read(k) for k in sorted(self.norm_params)}
 
     def output_meta(self, key: str) -> tuple[str, list[int]]:
         """(safetensors dtype, shape) of an output key."""
@@ -254,36 +254,70 @@ class _Rewrite:
         raise AssertionError(bias_key)
 
     def compute(self, key: str) -> dict[str, torch.Tensor]:
-        """New values for every key of ``key``'s group (float32 math; cast to the output dtype)."""
-        from ..fold.math import center, fold_affine_into_consumer
-
+        """New values for every key of ``key``'s group, in the checkpoint's dtype (the math runs
+        in float64 on slices of at most :data:`_CHUNK` elements, then rounds once per step)."""
         if key not in self.group_of:
             return {key: self._cast(key, self.checkpoint.read(key))}
         keys = self.groups[self.group_of[key]]
-        vals = {k: self.checkpoint.read(k).float() for k in keys if k in self.checkpoint.meta}
+        vals = {k: self.checkpoint.read(k) for k in keys if k in self.checkpoint.meta}
         for new, src in self.untie:  # first: the copy keeps the original values
             if new in keys:
                 vals[new] = vals[src].clone()
         for k, dim, group in self.center:
             if k in keys:
-                vals[k] = center(vals[k], dim, group)
+                _center_(vals[k], dim, group)
         for w, b, g, be, in_dim in self.affine:
             if w in keys:
-                bias = vals.get(b) if b else None
-                if b and bias is None:  # a created bias starts at zero
-                    bias = torch.zeros(self.output_meta(b)[1], dtype=torch.float32)
-                vals[w], new_b = fold_affine_into_consumer(vals[w], bias, self.norm_values.get(g), self.norm_values.get(be),
-                                                           in_dim)
-                if b:
-                    vals[b] = new_b
+                if b and b not in vals:  # a created bias starts at zero
+                    vals[b] = torch.zeros(self.output_meta(b)[1], dtype=vals[w].dtype)
+                _fold_affine_(vals[w], vals.get(b) if b else None, self.norm_values.get(g), self.norm_values.get(be),
+                              in_dim)
         for k in keys:
             if k in self.fill:
                 dtype, shape = self.checkpoint.meta[k]
-                vals[k] = torch.full(shape, self.fill[k], dtype=torch.float32)
+                vals[k] = torch.full(shape, self.fill[k], dtype=_FROM_ST[dtype])
         return {k: self._cast(k, v) for k, v in vals.items()}
 
     def _cast(self, key: str, t: torch.Tensor) -> torch.Tensor:
         return t.to(_FROM_ST[self.output_meta(key)[0]])
+
+
+_CHUNK = 1 << 22  # elements per slice of the float64 math: 32 MB, so a 50k x 4k table never exists in float64
+
+
+def _slices(t: torch.Tensor, keep_dim: int):
+    """Views of ``t`` cut along an axis other than ``keep_dim``, each of at most ~_CHUNK elements."""
+    if t.dim() < 2 or t.numel() <= _CHUNK:
+        yield t
+        return
+    axis = 1 if keep_dim % t.dim() == 0 else 0
+    step = max(1, _CHUNK * t.shape[axis] // t.numel())
+    for start in range(0, t.shape[axis], step):
+        yield t.narrow(axis, start, min(step, t.shape[axis] - start))
+
+
+def _center_(t: torch.Tensor, dim: int, group: int | None) -> None:
+    """In place, slice by slice: ``normfold.fold.math.center`` (the mean along ``dim`` is per slice exact)."""
+    from ..fold.math import center
+
+    for part in _slices(t, dim):
+        part.copy_(center(part, dim, group))
+
+
+def _fold_affine_(weight: torch.Tensor, bias: torch.Tensor | None, gamma, beta, in_dim: int) -> None:
+    """In place, by slices of output rows: ``normfold.fold.math.fold_affine_into_consumer``."""
+    from ..fold.math import fold_affine_into_consumer
+
+    out_axis = 1 - in_dim
+    start = 0
+    for part in _slices(weight, in_dim):
+        n = part.shape[out_axis] if part is not weight else weight.shape[out_axis]
+        b_part = None if bias is None else bias.narrow(0, start, n)
+        new_w, new_b = fold_affine_into_consumer(part, b_part, gamma, beta, in_dim)
+        part.copy_(new_w)
+        if b_part is not None:
+            b_part.copy_(new_b)
+        start += n
 
 
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
