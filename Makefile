@@ -12,7 +12,7 @@ STAMP := $(VENV)/.normfold-installed
 PYTEST_ARGS ?=
 N ?= 2000
 
-.PHONY: venv demo test fuzz bench clean
+.PHONY: venv demo test fuzz bench gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,10 +27,14 @@ demo: venv
 	$(VENV)/bin/normfold demo
 
 test: venv
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS) tests
+	TRITON_INTERPRET=1 TRITON_DEFAULT_FP_FUSION=1 $(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS) tests
 
 bench: venv
 	$(PY) benchmarks/bench_norm.py
+
+# CUDA machines only: kernel correctness vs the fp64 reference and timings vs torch (tables in benchmarks/results/)
+gpu-check:
+	bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
