@@ -31,6 +31,9 @@ def _short_name(path: str) -> str:
         name = tail[0] if idx is not None else tail[-2]
     else:
         name = tail[-1] if tail else parts[-1]
+    for suffix in ("_layer_norm", "_layernorm", "_norm"):  # "self_attn_layer_norm" -> "self_attn"
+        if name.endswith(suffix) and len(name) > len(suffix):
+            name = name[: -len(suffix)]
     return name if len(name) <= 11 else name[:10] + "…"
 
 
@@ -76,7 +79,8 @@ def draw_zero_mean_graph(norms: Sequence[dict[str, Any]], out_file: str | Path, 
                                     fc=color, ec="white", lw=1.5, zorder=3))
         ax.text(x + chip_w / 2, y + 0.08, _short_name(norm["path"]), ha="center", va="center",
                 fontsize=7.5, color="white", weight="bold", zorder=4)
-        ax.text(x + chip_w / 2, y - 0.13, "RMSNorm" if norm["folded"] else "LayerNorm", ha="center", va="center",
+        kind = ("RMSNorm" if norm.get("affine_folded", True) else "RMSNorm+γβ") if norm["folded"] else "LayerNorm"
+        ax.text(x + chip_w / 2, y - 0.13, kind, ha="center", va="center",
                 fontsize=6.5, color="white", zorder=4)
         layer = _layer_of(norm["path"])
         if layer != last_layer:
@@ -92,8 +96,9 @@ def draw_zero_mean_graph(norms: Sequence[dict[str, Any]], out_file: str | Path, 
     heading = f"{title}  " if title else ""
     ax.set_title(f"{heading}{folded} of {len(norms)} LayerNorms folded into RMSNorm", fontsize=10, loc="left")
     handles = [plt.Rectangle((0, 0), 1, 1, fc=_FOLDED), plt.Rectangle((0, 0), 1, 1, fc=_KEPT)]
-    ax.legend(handles, ["input zero-mean by construction: folded", "kept, with the op that breaks zero mean"],
-              loc="upper right", fontsize=7, frameon=False, ncol=2, bbox_to_anchor=(1.0, 1.08))
+    ax.legend(handles, ["input zero-mean by construction: now an RMSNorm (+γβ: its affine kept)",
+                        "kept as LayerNorm, with the op that breaks zero mean"],
+              loc="upper left", fontsize=7, frameon=False, ncol=1, bbox_to_anchor=(0.0, 0.0))
     out = Path(out_file)
     fig.savefig(out, dpi=130, bbox_inches="tight")
     plt.close(fig)
