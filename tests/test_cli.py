@@ -157,3 +157,17 @@ def test_the_model_folder_is_never_modified(capsys, tiny_dirs, tmp_path):  # noq
     before = {p.name: p.read_bytes() for p in src.iterdir()}
     assert _run(capsys, "fold", src, "-o", tmp_path / "out")[0] == EXIT_OK
     assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_a_sharded_folder_is_streamed_and_verified_block_by_block(capsys, tiny_dirs, tmp_path):  # noqa: F811
+    from normfold.hf import load_model
+
+    sharded = tmp_path / "sharded"
+    load_model(tiny_dirs["opt"]).save_pretrained(sharded, max_shard_size="30KB", safe_serialization=True)
+    code, out, _ = _run(capsys, "fold", sharded, "-o", tmp_path / "out", "--json")
+    assert code == EXIT_OK
+    report = json.loads(out)
+    assert "streaming" in report and [b["block"] for b in report["verification"]["blocks"]] == \
+        ["model.decoder.layers.0", "model.decoder.layers.1"]
+    code, out, _ = _run(capsys, "verify", sharded, tmp_path / "out")
+    assert code == EXIT_OK and "blocks model.decoder.layers.0" in out

@@ -156,9 +156,12 @@ def _run_fold(args) -> int:
 
 def _run_verify(args) -> int:
     from .hf.folder import verify_folders
+    from .hf.streaming import is_sharded, verify_by_blocks
 
+    # sharded checkpoints are checked block by block, never loaded whole
+    verify_fn = verify_by_blocks if is_sharded(args.orig_dir) or is_sharded(args.folded_dir) else verify_folders
     with _progress(not args.json) as step:
-        ver = verify_folders(args.orig_dir, args.folded_dir, trust_remote_code=args.trust_remote_code, step=step)
+        ver = verify_fn(args.orig_dir, args.folded_dir, trust_remote_code=args.trust_remote_code, step=step)
     if args.json:
         print(json.dumps({"verification": ver}, indent=2, default=str))
     else:

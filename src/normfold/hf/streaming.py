@@ -480,23 +480,33 @@ def fold_and_check(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
     ``report["verification"]`` holds the block errors; ``ok`` when each is within the saved
     dtype's tolerance. (The whole model is never loaded, so it is never run.)
     """
+    report = fold_checkpoint(model_dir, out_dir, dtype=dtype, trust_remote_code=trust_remote_code, step=step, **kwargs)
+    report["verification"] = verify_by_blocks(model_dir, out_dir, report, dtype=dtype,
+                                              trust_remote_code=trust_remote_code, step=step)
+    (Path(out_dir) / "normfold_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    return report
+
+
+def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, report: dict[str, Any] | None = None,
+                     *, dtype: str | None = None, trust_remote_code: bool = False,
+                     step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """:func:`check_block` on the first, middle and last block holding a folded norm; ``ok`` when
+    every error is within the stored dtype's tolerance. Memory: one block in float64."""
     from .folder import SAVED_TOLERANCE
 
-    report = fold_checkpoint(model_dir, out_dir, dtype=dtype, trust_remote_code=trust_remote_code, step=step, **kwargs)
-    blocks = _block_paths(report)
+    if report is None:
+        report = json.loads((Path(folded_dir) / "normfold_report.json").read_text())
     checks = []
-    for path in blocks:
+    for path in _block_paths(report):
         step(f"checking {path} in float64")
-        checks.append(check_block(model_dir, out_dir, path, trust_remote_code=trust_remote_code))
-    stored = dtype or _stored_dtype(Path(model_dir))
+        checks.append(check_block(orig_dir, folded_dir, path, trust_remote_code=trust_remote_code))
+    stored = dtype or _stored_dtype(Path(folded_dir))
     tolerance = SAVED_TOLERANCE.get(stored, SAVED_TOLERANCE["float32"])
     worst = max((c["max_rel_error"] for c in checks), default=0.0)
     ratios = [c["max_input_mean_ratio"] for c in checks if c["max_input_mean_ratio"] is not None]
-    report["verification"] = {"ok": bool(checks) and worst <= tolerance, "max_rel_error": worst,
-                              "max_input_mean_ratio": max(ratios) if ratios else None, "tolerance": tolerance,
-                              "num_runs": len(checks), "blocks": checks}
-    (Path(out_dir) / "normfold_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    return report
+    return {"ok": bool(checks) and worst <= tolerance, "max_rel_error": worst,
+            "max_input_mean_ratio": max(ratios) if ratios else None, "tolerance": tolerance,
+            "num_runs": len(checks), "blocks": checks}
 
 
 def _block_paths(report: dict[str, Any]) -> list[str]:
