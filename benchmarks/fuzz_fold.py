@@ -82,6 +82,20 @@ def _miss_category(reason: str) -> str:
     return reason
 
 
+def _engine_version() -> str:
+    """The commit the fold engine was read from, and whether its files had uncommitted edits."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "src/normfold/fold"], cwd=ROOT, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no git)"
+    return f"commit {head}" + (" with uncommitted edits in src/normfold/fold" if dirty else "")
+
+
 def _markdown(args, results, repros, elapsed) -> str:
     import torch
 
@@ -100,7 +114,8 @@ def _markdown(args, results, repros, elapsed) -> str:
         f"Command: `{command}`  ",
         f"Machine: {platform.machine()} {platform.processor() or ''} ({torch.get_num_threads()} torch thread), "
         f"Python {platform.python_version()}, torch {torch.__version__}, shared 2-core CPU; {elapsed:.0f} s.  ",
-        f"Seeds {args.start}..{args.start + args.n - 1}; generator and checks: `tests/fuzz/fold_fuzz.py`.",
+        f"Seeds {args.start}..{args.start + args.n - 1}; generator and checks: `tests/fuzz/fold_fuzz.py`; "
+        f"engine: {_engine_version()}.",
         "",
         "| quantity | count |",
         "|---|---|",
