@@ -2,9 +2,8 @@
 
 ``generate(seed)`` draws a small random DAG of blocks as plain data (a ``Spec``); ``FuzzModel(spec)``
 is one ``nn.Module`` that interprets it, so every model is a real module ``torch.export`` captures.
-``check_seed(seed)`` builds the model in float64, folds it with ``normfold.fold`` (every fourth seed with
-``fold_affine=False``) and judges every
-LayerNorm with checks that do not use the engine:
+``check_seed(seed)`` builds the model in float64, folds it with ``normfold.fold`` (every fourth seed
+with ``fold_affine=False``) and judges every LayerNorm with checks that do not use the engine:
 
 - claimed foldable: all outputs of the folded model equal the original's (relative error ≤ 1e-9 on
   fresh random inputs) and the RMSNorm that replaced it sees zero-mean rows (|mean|/rms ≤ 1e-9);
