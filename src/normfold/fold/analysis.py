@@ -326,11 +326,7 @@ def _single_use_param(node, captured: Captured) -> str | None:
     if not isinstance(node, fx.Node) or node not in captured.param_fqn:
         return None
     fqn = captured.param_fqn[node]
-    if len(captured.aliases.get(fqn, (fqn,))) == 1:
-        return fqn if len(node.users) == 1 else None
-    if len(node.users) == 1 or not untied:
-        return None
-    return None
+    return fqn if len(node.users) == 1 and len(captured.aliases.get(fqn, (fqn,))) == 1 else None
 
 
 def _private_weight(node, user: fx.Node, captured: Captured, untied: frozenset) -> str | None:

@@ -120,8 +120,14 @@ def _errors(ref: Tensor, out: Tensor) -> tuple[float, float]:
     if not ref.is_floating_point():
         bad = float((ref != out).any())
         return bad, bad
-    diff = (ref.double() - out.double()).abs().max().item() if ref.numel() else 0.0
-    scale = ref.double().abs().max().item() if ref.numel() else 0.0
+    ref, out = ref.double(), out.double()
+    finite = torch.isfinite(ref)
+    if not torch.equal(finite, torch.isfinite(out)) or not torch.equal(ref[~finite].nan_to_num(), out[~finite].nan_to_num()):
+        return float("inf"), float("inf")  # inf/nan in different places
+    if not finite.any():
+        return 0.0, 0.0
+    diff = (ref[finite] - out[finite]).abs().max().item()
+    scale = ref[finite].abs().max().item()
     return (diff / scale if scale > 0 else diff), diff
 
 

@@ -1,0 +1,404 @@
+"""Fuse residual adds into the RMSNorms they feed: ``h = a + b; y = norm(h)`` becomes one kernel call.
+
+    fused, report = fuse_residual_norms(folded_model, example_inputs)
+
+normfold's ``rms_norm(a, residual=b)`` returns ``(y, h)`` with ``h = a + b``: one pass over the
+row instead of an add pass and a norm pass. The add sits in the *parent's* forward
+(``GPT2Block.forward``: ``hidden_states = attn_output + residual; ...; self.ln_2(hidden_states)``),
+so the rewrite is done on that forward, per module instance, keeping the user's classes:
+
+1. **Candidates** (source, per parent class): every statement ``NAME = A + B`` and every call
+   ``self.<norm>(NAME)`` of a child that is a normfold ``RMSNorm``.
+2. **Probe** (one eager run on ``example_inputs``): an instrumented forward records which add's
+   result object each norm call actually received. Only observed pairs are fused, so a norm in an
+   untaken branch (OPT's post-LN ``if``) never costs an extra norm.
+3. **Rewrite**: a paired add becomes ``y_i, NAME = _add_rms_norm(self.<norm>, A, B); h_i = NAME``
+   and the norm call becomes ``y_i if NAME is h_i else self.<norm>(NAME)``. The identity test keeps
+   every other path exact (a branch that reassigns ``NAME`` falls back to the plain norm call).
+
+The result is checked with ``normfold.verify`` in float64 (≤ 1e-9) before it is returned. The
+generated forward is an instance attribute: ``torch.compile`` traces it, ``state_dict`` and
+``save_pretrained`` are unchanged, but ``torch.save(model)`` (pickling the module object) is not
+supported, norm-module hooks are bypassed for fused calls, and Hugging Face's gradient-checkpointing
+wrapper is dropped (fused models are for inference).
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+import textwrap
+import types
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .errors import FoldVerificationError
+from .graph import eval_mode, split_example_inputs
+
+_FLOAT64_TOLERANCE = 1e-9
+_CHECKPOINT_WRAPPER = "forward_with_checkpointing"  # transformers' GradientCheckpointingLayer wrapper
+
+
+@dataclass
+class FusedPair:
+    """One add in ``parent``'s forward fused into the call of its child norm ``norm``."""
+
+    parent: str      # module path of the module whose forward was rewritten
+    norm: str        # module path of the RMSNorm
+    add: str         # the source of the add statement ("hidden_states = attn_output + residual")
+
+
+@dataclass
+class FuseReport:
+    """What ``fuse_residual_norms`` fused, and for every other RMSNorm why not."""
+
+    fused: list[FusedPair] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)   # norm path -> reason
+    verification: object | None = None                     # VerifyResult of the float64 check
+
+    def to_dict(self) -> dict:
+        ver = self.verification.to_dict() if self.verification is not None else None
+        return {"fused": [asdict(p) for p in self.fused], "skipped": dict(self.skipped), "verification": ver}
+
+    def __str__(self) -> str:
+        lines = [f"fused {len(self.fused)} residual add(s) into RMSNorms, {len(self.skipped)} RMSNorm(s) left alone"]
+        lines += [f"  fused   {p.norm}  <-  {p.add}" for p in self.fused]
+        lines += [f"  skipped {path}: {why}" for path, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, verify: bool = True,
+                        inplace: bool = False) -> tuple[nn.Module, FuseReport]:
+    """Return ``(fused_model, report)``: residual adds feeding normfold RMSNorms run fused with them.
+
+    ``norm_paths``: the RMSNorms to consider (default: every ``normfold.nn.RMSNorm`` in the model,
+    e.g. the ones ``normfold.fold`` created). ``example_inputs`` as for ``normfold.fold`` (a tuple of
+    positional or a dict of keyword arguments); they drive the probe and the float64 check.
+    With ``verify=True``, ``FoldVerificationError`` is raised if outputs differ by more than 1e-9.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    args, kwargs = split_example_inputs(example_inputs)
+    norms = _candidate_norms(model, norm_paths)
+    fused = model if inplace else copy.deepcopy(model)
+    report = FuseReport()
+    by_parent: dict[str, list[str]] = {}
+    for path in norms:
+        parent_path, _, name = path.rpartition(".")
+        reason = _norm_refusal(fused.get_submodule(path))
+        if reason:
+            report.skipped[path] = reason
+        else:
+            by_parent.setdefault(parent_path, []).append(name)
+
+    # probe: instrumented forwards record which add result each norm call received
+    rewrites: dict[str, _Rewrite] = {}
+    for parent_path, names in by_parent.items():
+        parent = fused.get_submodule(parent_path)
+        rewrite, reason = _Rewrite.parse(parent, names)
+        if rewrite is None:
+            for name in names:
+                report.skipped[_join(parent_path, name)] = reason
+            continue
+        rewrites[parent_path] = rewrite
+        parent.forward = types.MethodType(rewrite.probe_function(), parent)
+    try:
+        with eval_mode(fused), torch.no_grad():
+            fused(*args, **kwargs)
+    finally:
+        for parent_path in rewrites:
+            del fused.get_submodule(parent_path).forward
+
+    for parent_path, rewrite in rewrites.items():
+        parent = fused.get_submodule(parent_path)
+        pairs = rewrite.observed_pairs()
+        for name in by_parent[parent_path]:
+            if name not in {rewrite.calls[j].norm for _, j in pairs}:
+                report.skipped[_join(parent_path, name)] = rewrite.why_not(name)
+        if pairs:
+            parent.forward = types.MethodType(rewrite.fused_function(pairs), parent)
+            report.fused += [FusedPair(parent_path, _join(parent_path, rewrite.calls[j].norm), rewrite.adds[i].source)
+                             for i, j in pairs]
+
+    if verify:
+        from .verify import verify as verify_models
+
+        result = verify_models(model, fused, example_inputs, tolerance=_FLOAT64_TOLERANCE)
+        report.verification = result
+        if not result.ok:
+            raise FoldVerificationError(
+                f"fused model differs from the unfused one: float64 max relative error {result.max_rel_error:.3e} "
+                f"> {_FLOAT64_TOLERANCE:.0e}\n{report}")
+    return fused, report
+
+
+# ------------------------------------------------------------------------------ runtime helpers
+
+def _add_rms_norm(norm: nn.Module, a, b):
+    """``(norm(a + b), a + b)`` in one fused call; ``(None, a + b)`` when the operands do not fit it."""
+    if (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.dtype == b.dtype
+            and a.device == b.device and a.dim() > 0 and a.shape[-1] == norm.normalized_shape[0]):
+        from ..ops import rms_norm
+
+        return rms_norm(a, norm.weight, norm.bias, norm.eps, residual=b, offset=norm.offset)
+    return None, a + b
+
+
+class _Probe:
+    """Per-instance record of (add site, norm call site) pairs seen during the probe run."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[int, int]] = []
+
+    def note(self, call_index: int, value, seen: dict):
+        for add_index, result in seen.items():
+            if result is value and (add_index, call_index) not in self.pairs:
+                self.pairs.append((add_index, call_index))
+        return value
+
+
+# ------------------------------------------------------------------------------ source rewriting
+
+@dataclass
+class _AddSite:
+    node: ast.Assign
+    target: str
+    source: str
+
+
+@dataclass
+class _CallSite:
+    node: ast.Call
+    norm: str        # child attribute name
+    arg: str         # the variable passed
+
+
+class _Rewrite:
+    """The parsed forward of one parent module and the functions generated from it."""
+
+    def __init__(self, function, tree: ast.FunctionDef, adds: list[_AddSite], calls: list[_CallSite],
+                 self_name: str) -> None:
+        self.function, self.tree, self.adds, self.calls, self.self_name = function, tree, adds, calls, self_name
+        self.probe = _Probe()
+        self.wrappers: list = []  # decorators around the forward, outermost first
+
+    @classmethod
+    def parse(cls, parent: nn.Module, norm_names: list[str]) -> tuple["_Rewrite | None", str]:
+        function = type(parent).forward
+        if "forward" in vars(parent):
+            return None, "its parent's forward is already replaced on the instance"
+        wrappers = []
+        while hasattr(function, "__wrapped__"):  # decorators (functools.wraps) are kept: see _rewrap
+            if not _holds(function, function.__wrapped__):
+                return None, f"its parent's forward is wrapped by a decorator ({function.__code__.co_name}) " \
+                             "that does not hold the function it wraps"
+            wrappers.append(function)
+            function = function.__wrapped__
+        if function.__code__.co_freevars:
+            return None, (f"its parent's forward ({function.__qualname__}) uses closure variables "
+                          f"{list(function.__code__.co_freevars)} (e.g. super())")
+        try:
+            source = textwrap.dedent(inspect.getsource(function))
+        except (OSError, TypeError):
+            return None, f"the source of {function.__qualname__} is not available"
+        tree = ast.parse(source).body[0]
+        if not isinstance(tree, ast.FunctionDef) or not tree.args.args:
+            return None, f"{function.__qualname__} is not a plain method"
+        tree.decorator_list = []
+        self_name = tree.args.args[0].arg
+        adds, calls = [], []
+        for node in _walk_body(tree):
+            if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                    and isinstance(node.value, ast.BinOp) and isinstance(node.value.op, ast.Add)):
+                adds.append(_AddSite(node, node.targets[0].id, ast.unparse(node)))
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == self_name
+                    and node.func.attr in norm_names and len(node.args) == 1 and not node.keywords
+                    and isinstance(node.args[0], ast.Name)):
+                calls.append(_CallSite(node, node.func.attr, node.args[0].id))
+        if not adds:
+            return None, f"{function.__qualname__} has no `name = a + b` statement"
+        if not calls:
+            return None, f"{function.__qualname__} never calls the norm as self.<norm>(name)"
+        rewrite = cls(function, tree, adds, calls, self_name)
+        rewrite.wrappers = wrappers
+        return rewrite, ""
+
+    def why_not(self, norm: str) -> str:
+        if not any(c.norm == norm for c in self.calls):
+            return f"{self.function.__qualname__} never calls it as self.{norm}(name)"
+        return (f"no add in {self.function.__qualname__} feeds it directly on the example inputs "
+                "(its input comes from another module's forward, or is reshaped after the add)")
+
+    def observed_pairs(self) -> list[tuple[int, int]]:
+        """(add index, call index) pairs; an add or a call joins at most one pair (first seen)."""
+        used_adds, used_calls, pairs = set(), set(), []
+        for i, j in self.probe.pairs:
+            if i not in used_adds and j not in used_calls:
+                pairs.append((i, j))
+                used_adds.add(i)
+                used_calls.add(j)
+        return pairs
+
+    # the two generated functions -------------------------------------------------------------
+    def probe_function(self):
+        """The forward with ``seen[i] = NAME`` after each add and ``probe.note(j, NAME, seen)`` per norm call."""
+        tree = copy.deepcopy(self.tree)
+        adds = {id(a.node): i for i, a in enumerate(self.adds)}
+        calls = {id(c.node): j for j, c in enumerate(self.calls)}
+        mapping = {id(new): id(old) for new, old in zip(_walk_body(tree), list(_walk_body(self.tree)))}
+
+        class Instrument(ast.NodeTransformer):
+            def visit_Assign(self, node):
+                self.generic_visit(node)
+                i = adds.get(mapping.get(id(node), -1))
+                if i is None:
+                    return node
+                record = ast.parse(f"_nf_seen[{i}] = {node.targets[0].id}").body[0]
+                return [node, record]
+
+            def visit_Call(self, node):
+                j = calls.get(mapping.get(id(node), -1))
+                self.generic_visit(node)
+                if j is None:
+                    return node
+                arg = node.args[0].id
+                node.args[0] = ast.parse(f"_nf_probe.note({j}, {arg}, _nf_seen)", mode="eval").body
+                return node
+
+        tree = Instrument().visit(tree)
+        tree.body.insert(_first_statement(tree), ast.parse("_nf_seen = {}").body[0])
+        return self._compile(tree, {"_nf_probe": self.probe})
+
+    def fused_function(self, pairs: list[tuple[int, int]]):
+        """The forward with each paired add fused into its norm call (identity-guarded)."""
+        tree = copy.deepcopy(self.tree)
+        mapping = {id(new): id(old) for new, old in zip(_walk_body(tree), list(_walk_body(self.tree)))}
+        add_pair = {id(self.adds[i].node): i for i, _ in pairs}
+        call_pairs: dict[int, list[int]] = {}
+        for i, j in pairs:
+            call_pairs.setdefault(id(self.calls[j].node), []).append(i)
+        self_name = self.self_name
+        call_norm = {i: self.calls[j].norm for i, j in pairs}
+
+        class Fuse(ast.NodeTransformer):
+            def visit_Assign(self, node):
+                i = add_pair.get(mapping.get(id(node), -1))
+                self.generic_visit(node)
+                if i is None:
+                    return node
+                name = node.targets[0].id
+                a, b = ast.unparse(node.value.left), ast.unparse(node.value.right)
+                return ast.parse(f"_nf_y{i}, {name} = _nf_add_rms_norm({self_name}.{call_norm[i]}, ({a}), ({b}))\n"
+                                 f"_nf_h{i} = {name}").body
+
+            def visit_Call(self, node):
+                add_indices = call_pairs.get(mapping.get(id(node), -1))
+                self.generic_visit(node)
+                if add_indices is None:
+                    return node
+                arg = node.args[0].id
+                expr = ast.unparse(node)
+                for i in add_indices:
+                    expr = f"(_nf_y{i} if {arg} is _nf_h{i} and _nf_y{i} is not None else {expr})"
+                return ast.parse(expr, mode="eval").body
+
+        tree = Fuse().visit(tree)
+        init = "\n".join(f"_nf_y{i} = _nf_h{i} = None" for i, _ in pairs)
+        start = _first_statement(tree)
+        tree.body[start:start] = ast.parse(init).body
+        return self._compile(tree, {"_nf_add_rms_norm": _add_rms_norm})
+
+    def _compile(self, tree: ast.FunctionDef, extra_globals: dict):
+        tree.name = self.function.__name__
+        module = ast.fix_missing_locations(ast.Module(body=[tree], type_ignores=[]))
+        filename = f"<normfold fused {self.function.__qualname__}>"
+        namespace = dict(self.function.__globals__)
+        namespace.update(extra_globals)
+        exec(compile(module, filename, "exec"), namespace)  # noqa: S102 (generated from the model's own source)
+        new = namespace[tree.name]
+        new.__defaults__, new.__kwdefaults__ = self.function.__defaults__, self.function.__kwdefaults__
+        new.__qualname__ = self.function.__qualname__
+        return _rewrap(self.wrappers, self.function, new)
+
+
+def _holds(wrapper, inner) -> bool:
+    """True when ``wrapper`` reaches ``inner`` through a closure cell (so a copy can hold another function)."""
+    return any(_cell_value(c) is inner for c in wrapper.__closure__ or ())
+
+
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # empty cell
+        return None
+
+
+def _rewrap(wrappers: list, original, new):
+    """Copies of the decorator functions around ``original``, each holding the new inner function instead.
+
+    A decorator made with ``functools.wraps`` (transformers' ``deprecate_kwarg``, its gradient
+    checkpointing wrapper) keeps the wrapped function in a closure cell; the copy gets a fresh cell
+    with the rewritten function in its place and otherwise runs the same code.
+    """
+    inner_old, inner_new = original, new
+    for wrapper in reversed(wrappers):
+        cells = tuple(types.CellType(inner_new) if _cell_value(c) is inner_old else c for c in wrapper.__closure__)
+        copy_ = types.FunctionType(wrapper.__code__, wrapper.__globals__, wrapper.__name__, wrapper.__defaults__, cells)
+        copy_.__kwdefaults__ = wrapper.__kwdefaults__
+        copy_.__dict__.update(wrapper.__dict__)
+        copy_.__wrapped__ = inner_new
+        inner_old, inner_new = wrapper, copy_
+    return inner_new
+
+
+def _walk_body(tree: ast.FunctionDef):
+    """Nodes of the function body in a fixed order, not entering nested functions, lambdas or classes."""
+    stack = list(reversed(tree.body))
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            continue
+        stack.extend(reversed(list(ast.iter_child_nodes(node))))
+
+
+def _first_statement(tree: ast.FunctionDef) -> int:
+    """Index after the docstring, where generated initialisations go."""
+    body = tree.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        return 1
+    return 0
+
+
+# ------------------------------------------------------------------------------ which norms
+
+def _candidate_norms(model: nn.Module, norm_paths) -> list[str]:
+    from ..nn import FusedAddRMSNorm, RMSNorm
+
+    found = [path for path, m in model.named_modules()
+             if isinstance(m, RMSNorm) and not isinstance(m, FusedAddRMSNorm) and path]
+    if norm_paths is None:
+        return found
+    norm_paths = list(norm_paths)
+    unknown = [p for p in norm_paths if p not in found]
+    if unknown:
+        raise ValueError(f"norm_paths must name normfold RMSNorm modules of the model; not found: {unknown} "
+                         f"(RMSNorms present: {found})")
+    return norm_paths
+
+
+def _norm_refusal(norm: nn.Module) -> str:
+    """Why a norm must not be fused ('' if it may)."""
+    if norm._forward_hooks or norm._forward_pre_hooks:
+        return "it has forward hooks, which a fused call would bypass"
+    if len(norm.normalized_shape) != 1:
+        return f"normalized_shape {tuple(norm.normalized_shape)} is not 1-D"
+    return ""
+
+
+def _join(parent: str, name: str) -> str:
+    return f"{parent}.{name}" if parent else name
