@@ -141,3 +141,21 @@ def test_known_crash_rms_norm_affine_folds_into_the_next_linear():
     model = nn.Sequential(nn.RMSNorm(8, eps=1e-6), nn.Linear(8, 4)).double()
     folded, report = normfold.fold(model, (torch.randn(BATCH, TIME, 8, dtype=torch.float64),))
     assert report.norms[0].affine_folded
+
+
+def test_runner_writes_the_csv_and_markdown_record(tmp_path):
+    """``benchmarks/fuzz_fold.py`` (what ``make fuzz`` runs) works end to end on a few seeds."""
+    import csv
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz_fold.py"
+    spec = importlib.util.spec_from_file_location("fuzz_fold_runner", path)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    code = runner.main(["--n", "3", "--start", "100", "--name", "record", "--out-dir", str(tmp_path), "--no-shrink"])
+    rows = list(csv.DictReader((tmp_path / "record.csv").open()))
+    assert [int(r["seed"]) for r in rows] == [100, 101, 102]
+    assert code == (0 if all(r["status"] == "ok" for r in rows) else 1)
+    text = (tmp_path / "record.md").read_text()
+    assert "| models | 3 |" in text and "benchmarks/fuzz_fold.py --n 3 --start 100" in text
