@@ -123,7 +123,7 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
     original = load_model(orig_dir, trust_remote_code=trust_remote_code)
     folded = from_pretrained(folded_dir, trust_remote_code=trust_remote_code)
     report = json.loads((Path(folded_dir) / REPORT_JSON).read_text())
-    tolerance = SAVED_TOLERANCE[report.get("saved_dtype", "float32")]
+    tolerance = SAVED_TOLERANCE.get(report.get("saved_dtype"), SAVED_TOLERANCE["float32"])
     step("verifying in float64")
     rms_paths = [s["path"] for s in report["swapped"]]
     return verify(original, folded, example_inputs_for(original), tolerance=tolerance,

@@ -20,7 +20,7 @@ import os
 import shutil
 import struct
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -320,6 +320,47 @@ def _fold_affine_(weight: torch.Tensor, bias: torch.Tensor | None, gamma, beta, 
         start += n
 
 
+class _Prefetcher:
+    """Computes the groups of the next keys in a worker thread while the caller writes: reading
+    plus math overlap with writing (torch ops and file I/O release the GIL). ``depth`` groups ahead."""
+
+    def __init__(self, rewrite: _Rewrite, order: list[str], depth: int = 2) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.rewrite, self.order, self.depth = rewrite, order, depth
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="normfold-fold")
+        self.queue: deque = deque()
+        self.scheduled: set[str] = set()
+        self.next = 0
+        self.pending: dict[str, torch.Tensor] = {}
+
+    def _fill(self) -> None:
+        while len(self.queue) < self.depth and self.next < len(self.order):
+            key = self.order[self.next]
+            self.next += 1
+            group = self.rewrite.group_of.get(key, key)
+            if group not in self.scheduled:
+                self.scheduled.add(group)
+                self.queue.append(self.pool.submit(self.rewrite.compute, key))
+
+    def get(self, key: str) -> torch.Tensor:
+        """The new value of ``key`` (keys must be asked for in ``order``)."""
+        self._fill()
+        while key not in self.pending:
+            self.pending.update(self.queue.popleft().result())
+            self._fill()
+        return self.pending.pop(key)
+
+    def __enter__(self) -> "_Prefetcher":
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        for future in self.queue:
+            future.cancel()
+        self.pool.shutdown(wait=True)
+        assert exc_type is not None or not self.pending, f"computed but never written: {sorted(self.pending)}"
+
+
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
                     dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
                     step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
@@ -342,20 +383,13 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         layout = {name: list(keys) for name, keys in checkpoint.files.items()}
         for new, src in rewrite.new_keys.items():
             layout[checkpoint.file_of.get(src) or checkpoint.file_of[rewrite.new_keys[src]]].append(new)
-        pending: dict[str, torch.Tensor] = {}
-
-        def produce(key: str) -> torch.Tensor:
-            if key not in pending:
-                pending.update(rewrite.compute(key))
-            return pending.pop(key)
-
         written, weight_map = 0, {}
-        for i, (name, keys) in enumerate(layout.items()):
-            step(f"rewriting shard {i + 1}/{len(layout)}")
-            entries = [(k, *rewrite.output_meta(k)) for k in keys]
-            written += write_safetensors(tmp / name, entries, produce)
-            weight_map.update(dict.fromkeys(keys, name))
-        assert not pending, f"computed but never written: {sorted(pending)}"
+        with _Prefetcher(rewrite, [k for keys in layout.values() for k in keys]) as tensors:
+            for i, (name, keys) in enumerate(layout.items()):
+                step(f"rewriting shard {i + 1}/{len(layout)}")
+                entries = [(k, *rewrite.output_meta(k)) for k in keys]
+                written += write_safetensors(tmp / name, entries, tensors.get)
+                weight_map.update(dict.fromkeys(keys, name))
         if len(layout) > 1 or (model_dir / INDEX).is_file():
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map},
                                                 indent=2) + "\n")
@@ -370,7 +404,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             swapped=[{"path": s.path, "normalized_shape": [s.normalized_shape], "eps": s.eps,
                       "weight": s.elementwise_affine, "bias": s.elementwise_affine and s.bias}
                      for s in report.plan.swap if s.to == "RMSNorm"],
-            fold_affine=fold_affine, saved_dtype=dtype or "as checkpoint",
+            fold_affine=fold_affine, saved_dtype=dtype or _stored_dtype(model_dir),
             streaming={"bytes_read": checkpoint.bytes_read, "bytes_written": written,
                        "plan_seconds": round(t_plan, 2), "seconds": round(time.perf_counter() - t0, 2)},
         )
