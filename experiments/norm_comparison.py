@@ -108,6 +108,10 @@ Command: `{command_line()}` (wall time {clock}).
 Machine: {machine()}. Other engineers' jobs shared this machine during the run: timings are noisy;
 compare them only within this table (runs alternate between variants), and rerun on a quiet machine.
 
+Variants that compute the same function from the same initial weights give the same losses:
+layernorm = layernorm_handrolled = cbwc_rmsnorm (CBWC is exact), and the three RMSNorm
+implementations agree with each other (up to float32 rounding); their curves overlap in the plot.
+
 Curves: `{name}_loss.png` (train loss, mean over seeds; validation points), `{name}_speed.png`
 (tokens/s, mean ± std). Raw data: `{name}.csv` (per run), `{name}_curves.csv` (per step).
 """

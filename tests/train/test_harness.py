@@ -188,7 +188,26 @@ def test_cli_main_trains_from_overrides(tmp_path, capsys):
     assert (out / "summary.json").is_file()
 
 
-def test_cli_rejects_unknown_keys_with_usage_error():
+@pytest.mark.parametrize("argv", [["--no_such_key=1"], ["--n_layer=three"], ["--norm=batchnorm"]])
+def test_cli_rejects_unknown_keys_and_bad_values_with_usage_error(argv):
     with pytest.raises(SystemExit) as exc:
-        main(["--no_such_key=1"])
+        main(argv)
     assert exc.value.code == 2
+
+
+def test_cli_plugs_into_the_normfold_command_and_resolves_space_separated_values(capsys):
+    import argparse
+
+    from normfold.train.cli import add_commands
+
+    parser = argparse.ArgumentParser(prog="normfold")
+    add_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["train", "--norm", "rmsnorm", "--n_layer=3", "--print-config"])
+    assert args.run(args) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert (printed["model"]["norm"], printed["model"]["n_layer"], printed["lr"]) == ("rmsnorm", 3, 1e-3)
+
+
+def test_bf16_autocast_trains_on_cpu(tmp_path):
+    summary = train(_tiny_train_config(tmp_path, precision="bf16", max_steps=2))
+    assert all(torch.isfinite(torch.tensor(summary["train_losses"])))

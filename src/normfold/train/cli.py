@@ -1,72 +1,89 @@
-"""``normfold train`` / ``python -m normfold.train``: train the experiment GPT from a config."""
+"""``normfold train`` / ``python -m normfold.train``: train the experiment GPT from a config.
+
+Every config key is an option (``--norm=rmsnorm`` or ``--norm rmsnorm``); model and training keys
+share one namespace. Precedence: defaults < ``--config`` file < options.
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Sequence
 
 _EPILOG = """\
-Any config key can be overridden as --key=value (model and training keys share one namespace), e.g.
+examples:
   python -m normfold.train --norm=rmsnorm --placement=pre --max_steps=200 --out_dir=runs/rms
-  torchrun --nproc_per_node=2 -m normfold.train --config=my.toml
-Keys: see normfold.train.TrainConfig and normfold.train.GPTConfig."""
+  python -m normfold.train --config=my.toml --norm=cbwc_rmsnorm
+  torchrun --nproc_per_node=2 -m normfold.train --config=my.toml"""
+
+
+def _config_keys() -> list[tuple[str, object]]:
+    """(name, default) of every GPTConfig and TrainConfig field, model fields first."""
+    from .config import TrainConfig
+    from .model import GPTConfig
+
+    model, train = GPTConfig(), TrainConfig()
+    keys = [(f.name, getattr(model, f.name)) for f in dataclasses.fields(GPTConfig)]
+    return keys + [(f.name, getattr(train, f.name)) for f in dataclasses.fields(TrainConfig) if f.name != "model"]
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .config import PRECISIONS
+    from .model import NORMS, PLACEMENTS
+
     parser.add_argument("--config", default=None, help="a .json or .toml config file (flat, or with a [model] table)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    choices = {"norm": NORMS, "placement": PLACEMENTS, "precision": PRECISIONS}
+    keys = parser.add_argument_group("config keys (values are checked by TrainConfig / GPTConfig)")
+    for name, default in _config_keys():
+        shown = ",".join(default) if isinstance(default, list) else default
+        extra = f" (one of {', '.join(choices[name])})" if name in choices else ""
+        extra += " (comma-separated files; empty: CPython's pydoc topics)" if name == "data" else ""
+        keys.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar="V", help=f"default: {shown!s}{extra}")
 
 
-def run(args: argparse.Namespace, overrides: Sequence[str]) -> int:
-    """Resolve the config, train, print the summary line; returns the exit status."""
+def run(args: argparse.Namespace) -> int:
+    """Resolve the config, train, print a summary line; returns the exit status."""
     from .config import resolve_config
     from .trainer import train
 
+    overrides = [f"--{name}={getattr(args, name)}" for name, _ in _config_keys() if hasattr(args, name)]
     config = resolve_config(args.config, overrides)
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
     summary = train(config)
-    try:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        if dist.is_initialized():
-            rank = dist.get_rank()
-            dist.destroy_process_group()
-            if rank != 0:
-                return 0
-    except ImportError:  # pragma: no cover
-        pass
-    final = summary["final_val_loss"]
-    tps = summary["tokens_per_s"]
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
+    final, tps = summary["final_val_loss"], summary["tokens_per_s"]
     print(f"{config.model.norm}/{config.model.placement}: {summary['steps']} steps, "
-          f"val loss {final if final is None else round(final, 4)}, "
+          f"val loss {'n/a' if final is None else f'{final:.4f}'}, "
           f"{'n/a' if tps is None else f'{tps:,.0f}'} tokens/s, diverged={summary['diverged']}; "
           f"results in {config.out_dir}")
     return 0
 
 
-def register_cli(subparsers) -> argparse.ArgumentParser:
-    """Add the ``train`` subcommand to an ``argparse`` subparsers object.
-
-    The caller must pass unknown arguments on as overrides: use ``parse_known_args`` and call
-    ``args.func(args, unknown)``.
-    """
+def add_commands(subparsers) -> None:
+    """Add ``train`` to the ``normfold`` command (``normfold.cli``'s ``COMMAND_MODULES`` protocol)."""
     parser = subparsers.add_parser("train", help="train the experiment GPT (norm variants, placements, CBWC)",
                                    description=__doc__, epilog=_EPILOG,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)
-    parser.set_defaults(func=run)
-    return parser
+    parser.set_defaults(run=run)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m normfold.train", description=__doc__, epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)
-    args, overrides = parser.parse_known_args(argv)
+    args = parser.parse_args(argv)
     try:
-        return run(args, overrides)
+        return run(args)
     except (ValueError, TypeError, FileNotFoundError) as e:
         parser.error(str(e))
     return 2  # pragma: no cover
