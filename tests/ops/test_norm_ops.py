@@ -233,6 +233,33 @@ def test_layernorm_of_rows_with_large_mean_keeps_fp32_accuracy(is_rms):
     _assert_close_to_oracle("y", y, theirs, y64, torch.float32)
 
 
+def test_gradient_through_only_one_output_of_the_residual_form():
+    x, w, b, r = (_leaf(t) for t in _make((4, 50), torch.float32, with_residual=True))
+    y, s = rms_norm(x, w, b, residual=r)
+    dx, dr = torch.autograd.grad(s.sum(), (x, r))  # y unused: the stream's gradient passes straight through
+    assert torch.equal(dx, torch.ones_like(x)) and torch.equal(dr, torch.ones_like(r))
+    y, s = rms_norm(x, w, b, residual=r)
+    dx, dr = torch.autograd.grad(y.sum(), (x, r))  # s unused
+    x64, w64, b64, r64 = (_leaf(t, torch.float64) for t in (x, w, b, r))
+    dx64, = torch.autograd.grad(rms_norm_ref(x64, w64, b64, residual=r64)[0].sum(), (x64,))
+    torch.testing.assert_close(dx.double(), dx64, rtol=1e-4, atol=1e-5)
+    assert torch.equal(dx, dr)
+
+
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+def test_outputs_large_enough_for_streaming_stores_match_fp64_oracle(is_rms):
+    """≥ 16 MiB of fp32 output takes the kernel's non-temporal store path, forward and backward."""
+    _check_against_oracle((1024, 4096), torch.float32, is_rms, with_residual=True)
+
+
+def test_misaligned_out_buffer_is_written_correctly():
+    """A contiguous but not vector-aligned ``out`` (storage offset 1) cannot take streaming stores."""
+    x = torch.randn(1024, 4096)
+    out = torch.empty(1024 * 4096 + 1)[1:].view(1024, 4096)
+    rms_norm(x, out=out)
+    torch.testing.assert_close(out, rms_norm(x), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- out=
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])

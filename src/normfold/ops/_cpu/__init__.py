@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -30,6 +31,7 @@ _CAPABILITY_FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
 _BASE_FLAGS = ["-O3", "-fopenmp"]
+_STALE_LOCK_S = 900  # a build takes ~1 min on 2 busy cores
 
 _lock = threading.Lock()
 _module: ModuleType | None = None
@@ -60,17 +62,31 @@ def load(verbose: bool = False) -> ModuleType | None:
     with _lock:
         if _module is not None or _error is not None:
             return _module
-        try:
-            from torch.utils import cpp_extension
-
-            directory = build_dir()
-            directory.mkdir(parents=True, exist_ok=True)
-            _module = cpp_extension.load(
-                name=directory.name, sources=[str(_SOURCE)], extra_cflags=_cflags(),
-                extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
-        except Exception as exc:  # no compiler, no ninja, read-only home, ...: fall back, never fail
-            _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        for attempt in range(2):  # a second try covers a concurrent builder that died mid-build
+            try:
+                _module = _build_and_import(verbose)
+                _error = None
+                break
+            except Exception as exc:  # no compiler, no ninja, read-only home, ...: fall back, never fail
+                _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         return _module
+
+
+def _build_and_import(verbose: bool) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    # cpp_extension waits for as long as its lock file exists; one left by a killed build would
+    # block every later process, so a lock older than any real build is removed.
+    lock = directory / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink()
+    except FileNotFoundError:
+        pass
+    return cpp_extension.load(name=directory.name, sources=[str(_SOURCE)], extra_cflags=_cflags(),
+                              extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
 
 
 def kernel_available() -> bool:
