@@ -311,14 +311,21 @@ class _Rewrite:
         tree.body[start:start] = ast.parse(init).body
         return self._compile(tree, {"_nf_add_rms_norm": _add_rms_norm})
 
-    def _compile(self, tree: ast.FunctionDef, extra_globals: dict):
+    def _compile(self, tree: ast.FunctionDef, helpers: dict):
+        """Compile ``tree`` in the original module's globals; ``helpers`` reach it as closure variables.
+
+        The globals dict is the module's own (not a copy), so torch.compile's guards on globals
+        resolve; the helpers live in a factory's closure instead of being added to that module.
+        """
         tree.name = self.function.__name__
-        module = ast.fix_missing_locations(ast.Module(body=[tree], type_ignores=[]))
-        filename = f"<normfold fused {self.function.__qualname__}>"
-        namespace = dict(self.function.__globals__)
-        namespace.update(extra_globals)
-        exec(compile(module, filename, "exec"), namespace)  # noqa: S102 (generated from the model's own source)
-        new = namespace[tree.name]
+        factory = ast.FunctionDef(name="_nf_factory", args=ast.arguments(
+            posonlyargs=[], args=[ast.arg(arg=name) for name in helpers], kwonlyargs=[], kw_defaults=[], defaults=[]),
+            body=[tree, ast.Return(ast.Name(tree.name, ast.Load()))], decorator_list=[], returns=None, type_params=[])
+        module = ast.fix_missing_locations(ast.Module(body=[factory], type_ignores=[]))
+        namespace: dict = {}
+        code = compile(module, f"<normfold fused {self.function.__qualname__}>", "exec")
+        exec(code, self.function.__globals__, namespace)  # noqa: S102 (generated from the model's own source)
+        new = namespace["_nf_factory"](*helpers.values())
         new.__defaults__, new.__kwdefaults__ = self.function.__defaults__, self.function.__kwdefaults__
         new.__qualname__ = self.function.__qualname__
         return _rewrap(self.wrappers, self.function, new)
