@@ -282,6 +282,7 @@ def test_op_empty_or_scalar_input_raises_value_error(norm, shape):
         norm(torch.randn(shape))
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")  # deprecated in torch, still a dtype users hold
 @pytest.mark.parametrize("norm", NORMS)
 @pytest.mark.parametrize("make_x", [
     lambda: torch.ones(2, 8, dtype=torch.int64),
