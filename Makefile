@@ -27,6 +27,7 @@ demo: venv
 	$(VENV)/bin/normfold demo
 
 test: venv
+	$(PY) -m normfold.ops.build  # build the C++ kernel once, before the workers need it
 	TRITON_INTERPRET=1 TRITON_DEFAULT_FP_FUSION=1 $(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS) tests
 
 bench: venv
