@@ -223,6 +223,16 @@ def test_offset_without_weight_is_ignored():
     torch.testing.assert_close(rms_norm(x, offset=1.0), rms_norm(x))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_layernorm_over_one_element_is_constant_with_zero_input_gradient(dtype):
+    """LN of one element is β whatever x is: y = β and dx = 0 exactly, even when rstd = 1/sqrt(eps) is huge."""
+    x, w, b = _leaf(torch.randn(5, 1).to(dtype)), _leaf(torch.randn(1).to(dtype)), _leaf(torch.randn(1).to(dtype))
+    y = layer_norm(x, w, b, eps=1e-12)
+    assert torch.equal(y, b.detach().expand(5, 1))
+    dx, = torch.autograd.grad(y, (x,), torch.randn(5, 1).to(dtype))
+    assert torch.equal(dx, torch.zeros_like(dx))
+
+
 @pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
 def test_layernorm_of_rows_with_large_mean_keeps_fp32_accuracy(is_rms):
     """The shifted one-pass variance must not cancel when |mean| ≫ std."""

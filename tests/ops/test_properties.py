@@ -155,8 +155,6 @@ def test_a_non_finite_row_stays_in_its_row(case, m, n, dtype, poison, data):
     assert_rule(case, inp, got, rows=clean, keys=("y", "s"))
 
 
-@pytest.mark.xfail(strict=True, reason="ops CPU kernel (engineer A): LayerNorm backward over a single element "
-                                       "returns dx ≈ 1 ulp · rstd (0.06 at eps=1e-12) instead of 0")
 @pytest.mark.parametrize("eps", [1e-12])
 def test_layer_norm_over_one_element_has_zero_input_gradient(eps):
     """LN of one element is the constant β: dx must be 0 (torch's own fp32 gives exactly 0)."""

@@ -30,7 +30,9 @@ _CAPABILITY_FLAGS = {
                "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
 }
-_BASE_FLAGS = ["-O3", "-fopenmp"]
+# -ffp-contract=off: no implicit fused multiply-adds, so an expression like g − mean(g) is exactly 0
+# when it should be (LayerNorm over one element), in the scalar tails as in the vector body.
+_BASE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 _STALE_LOCK_S = 900  # a build takes ~1 min on 2 busy cores
 
 _lock = threading.Lock()
