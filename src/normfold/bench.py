@@ -1,0 +1,443 @@
+"""End-to-end speed: the original model against its folded and folded+fused versions, side by side.
+
+    rows = bench_model(model, BenchConfig(batches=(1, 8), seqs=(1, 128)))
+    normfold bench [MODEL_DIR] [--quick] [--compile] [--csv PATH]
+
+Contenders run interleaved in one process (original, folded, fused, original, ...; the order
+rotates every round) so that load drifts hit all of them alike. Each row reports per-contender
+medians with their interquartile range, and the speed ratio original/contender (> 1 = faster)
+with a bootstrap confidence interval. ``seq = 1`` is a decode step: one token after a prefill of
+``BenchConfig.prefill`` tokens with the KV cache (the cache is cropped back after every step, outside
+the timed region). The profiler pass reports the share of forward time spent in norms
+(LayerNorm / RMSNorm modules and fused add+norm calls) plus ``aten::add``.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from torch import nn
+
+CONTENDERS = ("original", "folded", "fused")
+_NORM_LABEL = "normfold_bench::norm"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to measure; every default says why."""
+
+    batches: tuple[int, ...] = (1, 8)          # batch 1 is where norms matter most, 8 a small server batch
+    seqs: tuple[int, ...] = (1, 128, 1024)     # 1 = a decode step with KV cache; 128 / 1024 = prefill
+    prefill: int = 128                         # tokens in the cache before a timed decode step
+    rounds: int = 30                           # interleaved rounds; each contender runs once per round
+    warmup: int = 3                            # untimed calls per contender and shape (caches, allocator, compile)
+    min_round_s: float = 0.0                   # repeat a call inside one timing until this long (tiny models)
+    compile: bool = False                      # also torch.compile every contender (default inductor backend)
+    profile: bool = True                       # torch.profiler pass for the norm + add share
+    profile_iters: int = 5                     # profiled calls per contender and shape
+    bootstrap: int = 2000                      # resamples for the ratio's confidence interval
+    confidence: float = 0.95
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batches", "seqs"):
+            values = getattr(self, name)
+            if not values or any(not isinstance(v, int) or v < 1 for v in values):
+                raise ValueError(f"{name} must be positive ints, got {values!r}")
+        for name in ("rounds", "prefill", "bootstrap"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0 or self.profile_iters < 1:
+            raise ValueError(f"warmup must be >= 0 and profile_iters >= 1, got {self.warmup}, {self.profile_iters}")
+        if not 0 < self.confidence < 1:
+            raise ValueError(f"confidence must be in (0, 1), got {self.confidence}")
+
+
+QUICK = BenchConfig(batches=(1,), seqs=(1, 16), prefill=8, rounds=5, warmup=1, bootstrap=200, profile_iters=2)
+
+
+@dataclass
+class BenchRow:
+    """One (model, shape, mode) measurement; times in milliseconds."""
+
+    model: str
+    mode: str                 # "eager" or "compile"
+    batch: int
+    seq: int                  # 1 = one decode step after ``prefill`` tokens
+    kind: str                 # "decode", "prefill" or "image"
+    median_ms: dict = field(default_factory=dict)    # contender -> median
+    iqr_ms: dict = field(default_factory=dict)       # contender -> (q1, q3)
+    ratio: dict = field(default_factory=dict)        # contender -> original median / contender median
+    ratio_ci: dict = field(default_factory=dict)     # contender -> (low, high)
+    norm_share: dict = field(default_factory=dict)   # contender -> fraction of forward time in norms + aten::add
+    norm_ms: dict = field(default_factory=dict)      # contender -> ms per forward in norms + aten::add
+
+    def flat(self) -> dict:
+        """One CSV row: scalar columns per contender."""
+        out = {"model": self.model, "mode": self.mode, "batch": self.batch, "seq": self.seq, "kind": self.kind}
+        for c in self.median_ms:
+            out[f"{c}_median_ms"] = round(self.median_ms[c], 4)
+            out[f"{c}_q1_ms"], out[f"{c}_q3_ms"] = (round(v, 4) for v in self.iqr_ms[c])
+            if c != "original":
+                out[f"{c}_speedup"] = round(self.ratio[c], 4)
+                out[f"{c}_ci_low"], out[f"{c}_ci_high"] = (round(v, 4) for v in self.ratio_ci[c])
+            if c in self.norm_share:
+                out[f"{c}_norm_add_share"] = round(self.norm_share[c], 4)
+                out[f"{c}_norm_add_ms"] = round(self.norm_ms[c], 4)
+        return out
+
+
+# ------------------------------------------------------------------------------------ contenders
+
+def prepare_contenders(model: nn.Module, example_inputs) -> tuple[dict[str, nn.Module], dict]:
+    """``{"original", "folded", "fused"}`` models (eval mode) and what fold / fuse reported."""
+    from .fold import fold
+    from .fold.fuse import fuse_residual_norms
+
+    model = model.eval()
+    folded, fold_report = fold(model, example_inputs)
+    fused, fuse_report = fuse_residual_norms(folded, example_inputs)
+    info = {"num_norms": fold_report.num_norms, "num_rms": sum(e.foldable for e in fold_report.norms),
+            "num_fused": len(fuse_report.fused)}
+    return {"original": model, "folded": folded.eval(), "fused": fused.eval()}, info
+
+
+def _cache_argument(model: nn.Module) -> str | None:
+    """The forward's KV-cache keyword (transformers 5 says ``cache``, 4 ``past_key_values``), None if none."""
+    params = _forward_params(model)
+    if "input_ids" not in params or not hasattr(model, "config"):
+        return None
+    return next((name for name in ("cache", "past_key_values") if name in params), None)
+
+
+def _forward_params(model: nn.Module):
+    import inspect
+
+    return inspect.signature(type(model).forward).parameters
+
+
+def _workloads(model: nn.Module, config: BenchConfig):
+    """(batch, seq, kind, make_call) per shape; ``make_call(m)`` returns ``(call, reset)`` for contender m."""
+    from .hf.io import example_inputs_for
+
+    params = _forward_params(model)
+    if "pixel_values" in params:
+        for b in config.batches:
+            inputs = example_inputs_for(model, batch=b, seed=config.seed)
+            yield b, inputs["pixel_values"].shape[-1], "image", _plain_call(inputs)
+        return
+    causal = _cache_argument(model) is not None
+    for b in config.batches:
+        for t in config.seqs:
+            if t == 1:
+                if causal:
+                    yield b, 1, "decode", _decode_call(model, b, config)
+                continue
+            inputs = example_inputs_for(model, batch=b, seq=t, seed=config.seed)
+            yield b, inputs["input_ids"].shape[-1], "prefill", _plain_call(inputs)
+
+
+def _plain_call(inputs: dict):
+    def make(m: nn.Module):
+        return (lambda: m(**inputs)), (lambda: None)
+    return make
+
+
+def _decode_call(model: nn.Module, batch: int, config: BenchConfig):
+    """One new token per call, on a KV cache holding ``prefill`` tokens (cropped back after each call)."""
+    from .hf.io import example_inputs_for
+
+    prompt = example_inputs_for(model, batch=batch, seq=config.prefill, seed=config.seed)["input_ids"]
+    prefill = prompt.shape[-1]
+    token = prompt[:, -1:]  # (B, 1)
+
+    cache_arg = _cache_argument(model)
+    extra = {"position_ids": torch.full((batch, 1), prefill)} if "position_ids" in _forward_params(model) else {}
+
+    def make(m: nn.Module):
+        with torch.no_grad():
+            out = m(input_ids=prompt, use_cache=True)
+        cache = out[cache_arg] if cache_arg in out else out["past_key_values"]
+
+        def call():
+            return m(input_ids=token, use_cache=True, **{cache_arg: cache}, **extra)
+
+        def reset():
+            grown = cache.get_seq_length() - prefill
+            if grown > 0:
+                cache.crop(-grown)
+        return call, reset
+    return make
+
+
+# ------------------------------------------------------------------------------------ timing
+
+def _time_interleaved(calls: dict, config: BenchConfig) -> dict[str, list[float]]:
+    """Seconds per call for every contender, measured round by round in rotating order."""
+    names = list(calls)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    with torch.no_grad():
+        for name in names:
+            call, reset = calls[name]
+            for _ in range(config.warmup):
+                call()
+                reset()
+        for r in range(config.rounds):
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                call, reset = calls[name]
+                total, n = 0.0, 0
+                while True:  # the reset (KV cache crop) stays outside the timed region
+                    start = time.perf_counter()
+                    call()
+                    total += time.perf_counter() - start
+                    reset()
+                    n += 1
+                    if total >= config.min_round_s:
+                        break
+                times[name].append(total / n)
+    return times
+
+
+def ratio_ci(base: list[float], other: list[float], *, resamples: int, confidence: float,
+             seed: int = 0) -> tuple[float, float, float]:
+    """median(base) / median(other) with a percentile bootstrap interval (rounds resampled in pairs)."""
+    if len(base) != len(other) or not base:
+        raise ValueError(f"need the same non-zero number of timings, got {len(base)} and {len(other)}")
+    b, o = torch.tensor(base, dtype=torch.float64), torch.tensor(other, dtype=torch.float64)
+    point = (b.median() / o.median()).item()
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, len(base), (resamples, len(base)), generator=gen)
+    ratios = b[idx].median(dim=1).values / o[idx].median(dim=1).values
+    alpha = (1 - confidence) / 2
+    low, high = torch.quantile(ratios, torch.tensor([alpha, 1 - alpha], dtype=torch.float64)).tolist()
+    return point, low, high
+
+
+# ------------------------------------------------------------------------------------ profiling
+
+@contextlib.contextmanager
+def _label_norms(models):
+    """Label every norm module call and every fused add+norm call ``normfold_bench::norm`` for the profiler."""
+    from torch.autograd.profiler import record_function
+
+    from . import ops
+    from .nn import LayerNorm as NfLayerNorm
+    from .nn import RMSNorm
+
+    norm_types = (nn.LayerNorm, nn.RMSNorm, NfLayerNorm, RMSNorm)
+    open_labels: list = []
+    handles = []
+
+    def pre(module, args):
+        label = record_function(_NORM_LABEL)
+        label.__enter__()
+        open_labels.append(label)
+
+    def post(module, args, output):
+        open_labels.pop().__exit__(None, None, None)
+
+    for m in models:
+        for sub in m.modules():
+            if isinstance(sub, norm_types):
+                handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
+    plain = ops.rms_norm
+
+    def labelled_rms_norm(*args, **kwargs):  # fused add+norm calls bypass the module (see fold.fuse)
+        with record_function(_NORM_LABEL):
+            return plain(*args, **kwargs)
+    ops.rms_norm = labelled_rms_norm
+    try:
+        yield
+    finally:
+        ops.rms_norm = plain
+        for h in handles:
+            h.remove()
+
+
+def _norm_share(call, reset, iters: int) -> tuple[float, float]:
+    """(share of forward CPU time in norms + aten::add, ms per forward in them)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            with record_function("normfold_bench::forward"):
+                call()
+            reset()
+    norm_us = add_us = total_us = 0.0
+    for event in prof.key_averages():
+        if event.key == _NORM_LABEL:
+            norm_us += event.cpu_time_total
+        elif event.key == "normfold_bench::forward":
+            total_us += event.cpu_time_total
+    # aten::add outside the norm labels (residual adds, attention masks); norms never call aten::add
+    for event in prof.events():
+        if event.name == "aten::add" and not _inside(event, _NORM_LABEL):
+            add_us += event.cpu_time_total
+    spent = norm_us + add_us
+    return (spent / total_us if total_us else float("nan")), spent / 1000 / iters
+
+
+def _inside(event, label: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == label:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+# ------------------------------------------------------------------------------------ driver
+
+def bench_model(model: nn.Module, config: BenchConfig = BenchConfig(), *, name: str | None = None,
+                contenders: dict[str, nn.Module] | None = None, progress=None) -> list[BenchRow]:
+    """Measure original / folded / fused ``model`` at every shape of ``config`` (eager, and compiled if asked)."""
+    from .hf.io import example_inputs_for
+
+    if not isinstance(config, BenchConfig):
+        raise TypeError(f"config must be a BenchConfig, got {type(config).__name__}")
+    name = name or type(model).__name__
+    if contenders is None:
+        contenders, _ = prepare_contenders(model, example_inputs_for(model, batch=2, seq=8, seed=config.seed))
+    modes = [("eager", contenders)]
+    if config.compile:
+        modes.append(("compile", {k: torch.compile(m) for k, m in contenders.items()}))
+    rows = []
+    for mode, models in modes:
+        for batch, seq, kind, make in _workloads(contenders["original"], config):
+            if progress:
+                progress(f"{name} {mode} batch {batch} {kind} {seq}")
+            calls = {k: make(m) for k, m in models.items()}
+            times = _time_interleaved(calls, config)
+            row = BenchRow(name, mode, batch, seq, kind)
+            for c, ts in times.items():
+                q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
+                row.median_ms[c] = statistics.median(ts) * 1e3
+                row.iqr_ms[c] = (q[0] * 1e3, q[2] * 1e3)
+                if c != "original":
+                    point, low, high = ratio_ci(times["original"], ts, resamples=config.bootstrap,
+                                                confidence=config.confidence, seed=config.seed)
+                    row.ratio[c], row.ratio_ci[c] = point, (low, high)
+            if config.profile and mode == "eager":
+                with _label_norms(models.values()):
+                    for c, (call, reset) in calls.items():
+                        row.norm_share[c], row.norm_ms[c] = _norm_share(call, reset, config.profile_iters)
+            rows.append(row)
+    return rows
+
+
+def write_results(rows: list[BenchRow], stem, *, command: str, plot: bool = True) -> list:
+    """``stem``.csv, ``stem``.md (with the command and the machine) and ``stem``.png; returns the paths."""
+    import csv
+    import os
+    import platform
+    from pathlib import Path
+
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    flat = [r.flat() for r in rows]
+    columns = list(dict.fromkeys(k for f in flat for k in f))
+    with open(stem.with_suffix(".csv"), "w", newline="") as fh:
+        writer = csv.DictWriter(fh, columns)
+        writer.writeheader()
+        writer.writerows(flat)
+    from .ops import cpu_kernel_available
+
+    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} "
+               f"torch threads, load average {os.getloadavg()[0]:.1f} at the end, torch {torch.__version__}, "
+               f"Python {platform.python_version()}, fused C++ CPU kernel "
+               f"{'loaded' if cpu_kernel_available() else 'UNAVAILABLE (reference fallback)'}")
+    lines = [f"# End-to-end: original vs folded vs folded+fused", "", f"command: `{command}`", "",
+             f"machine: {machine}", "",
+             "speedup = original median / contender median (> 1 is faster), [95% bootstrap CI]; "
+             "norm+add = profiler share of forward CPU time in norms and aten::add", "",
+             "| model | mode | batch | seq | original ms | folded | fused | norm+add share orig → fused |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        cells = [f"{r.ratio[c]:.3f} [{r.ratio_ci[c][0]:.3f}, {r.ratio_ci[c][1]:.3f}]" for c in ("folded", "fused")]
+        share = (f"{r.norm_share['original']:.1%} → {r.norm_share['fused']:.1%}" if r.norm_share else "n/a")
+        lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.kind} {r.seq} | {r.median_ms['original']:.3f} | "
+                     f"{cells[0]} | {cells[1]} | {share} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    paths = [stem.with_suffix(".csv"), stem.with_suffix(".md")]
+    if plot:
+        paths.append(_plot(rows, stem.with_suffix(".png")))
+    return paths
+
+
+def _plot(rows: list[BenchRow], path):
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError("plotting needs matplotlib: pip install 'normfold[plot]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r.model}\n{r.mode} b{r.batch} {r.kind[0]}{r.seq}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows)), 4))
+    width = 0.38
+    for k, c in enumerate(("folded", "fused")):
+        xs = [i + (k - 0.5) * width for i in range(len(rows))]
+        ys = [r.ratio[c] for r in rows]
+        err = [[y - r.ratio_ci[c][0] for y, r in zip(ys, rows)], [r.ratio_ci[c][1] - y for y, r in zip(ys, rows)]]
+        ax.bar(xs, ys, width, yerr=err, capsize=2, label=c)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
+    ax.set_ylabel("speedup over original (median, 95% CI)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------ command line
+
+def _run_bench(args) -> int:
+    from .hf.io import default_model_path, load_model
+
+    model_dir = args.model_dir or default_model_path()
+    config = QUICK if args.quick else BenchConfig()
+    config = replace(config, compile=args.compile, rounds=args.rounds or config.rounds,
+                     batches=tuple(args.batch) if args.batch else config.batches,
+                     seqs=tuple(args.seq) if args.seq else config.seqs, profile=not args.no_profile)
+    rows = bench_model(load_model(model_dir), config, name=str(model_dir).rstrip("/").rsplit("/", 1)[-1])
+    for r in rows:
+        share = (f"  norm+add {r.norm_share['original']:.1%} -> {r.norm_share['fused']:.1%}"
+                 if r.norm_share else "")
+        print(f"{r.mode:7s} batch {r.batch:2d} {r.kind:7s} {r.seq:5d}  original {r.median_ms['original']:9.3f} ms  "
+              + "  ".join(f"{c} {r.ratio[c]:.3f}x [{r.ratio_ci[c][0]:.3f}, {r.ratio_ci[c][1]:.3f}]"
+                          for c in ("folded", "fused")) + share)
+    if args.out:
+        import shlex
+        import sys
+
+        for p in write_results(rows, args.out, command="normfold " + shlex.join(sys.argv[1:]), plot=not args.no_plot):
+            print(f"wrote {p}")
+    if args.json:
+        import json
+
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    """Add ``bench`` to the ``normfold`` command's subparsers."""
+    p = subparsers.add_parser("bench", help="time the original, folded and folded+fused model side by side")
+    p.add_argument("model_dir", nargs="?", help="Hugging Face folder (default: the bundled model)")
+    p.add_argument("--quick", action="store_true", help="a few seconds: batch 1, decode and seq 16, 5 rounds")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile'd contenders")
+    p.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 1 8)")
+    p.add_argument("--seq", type=int, nargs="+", help="sequence lengths; 1 = a decode step (default 1 128 1024)")
+    p.add_argument("--rounds", type=int, help="interleaved rounds (default 30)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiler pass")
+    p.add_argument("--out", metavar="STEM", help="write STEM.csv, STEM.md and STEM.png")
+    p.add_argument("--no-plot", action="store_true", help="no PNG with --out")
+    p.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    p.set_defaults(run=_run_bench)
+
+
+register_cli = add_commands
