@@ -70,7 +70,7 @@ _ACTIVATIONS = ("gelu", "relu", "tanh", "silu")
 # op -> relative frequency; LayerNorms and linear maps dominate, since they are what the engine folds
 _UNARY_OPS = {"linear": 6, "matmul_param": 1, "conv1d": 2, "conv2d": 1, "add_param": 2, "mul_param": 1,
               "add_embed": 1, "scale": 2, "act": 2, "dropout": 1, "interleave": 1, "heads": 2, "norm": 6,
-              "lm_head": 1}
+              "lm_head": 1, "in_place": 2}
 _BINARY_OPS = {"add": 4, "sub": 1, "cat": 2, "mul": 1}
 
 
@@ -144,6 +144,8 @@ def generate(seed: int) -> Spec:
             block = Block(op, (i,), c, {"fn": rng.choice(_ACTIVATIONS)})
         elif op == "dropout":
             block = Block(op, (i,), c)
+        elif op == "in_place" and not _aliases_input(blocks, i):  # a forward must not change its arguments
+            block = Block(op, (i,), c, {"kind": rng.choice(("add_param", "scale", "relu"))})
         elif op == "interleave" and c % 2 == 0:  # a permutation of features through view/transpose/reshape
             block = Block(op, (i,), c)
         elif op == "heads" and c % 2 == 0:
@@ -165,6 +167,13 @@ def generate(seed: int) -> Spec:
     # code, and some read entries are returned too (a producer shared by a norm and an output).
     extra = {i for i in range(1, last) if (i not in read and rng.random() < 0.7) or rng.random() < 0.1}
     return Spec(seed, in_width, blocks, tuple(sorted(extra)) + (last,), ties)
+
+
+def _aliases_input(blocks: list[Block], index: int) -> bool:
+    """Env entry ``index`` is the model input x itself (eval dropout and in-place ops return their input)."""
+    while index > 0 and blocks[index - 1].op in ("dropout", "in_place"):
+        index = blocks[index - 1].inputs[0]
+    return index == 0
 
 
 def _choose(rng: random.Random, weighted: dict[str, int]) -> str:
@@ -225,6 +234,11 @@ class FuzzModel(nn.Module):
             m = nn.Module()
             m.weight = randn(*((TIME, c) if b.args["per_time"] else (c,)), scale=0.5)
             recipe[f"{name}.weight"] = (m.weight.dim() - 1, None)
+            return m
+        if b.op == "in_place" and b.args["kind"] == "add_param":
+            m = nn.Module()
+            m.weight = randn(c, scale=0.5)
+            recipe[f"{name}.weight"] = (0, None)
             return m
         if b.op == "mul_param":
             m = nn.Module()
@@ -319,6 +333,9 @@ def _apply(b: Block, module: nn.Module | None, xs: list[Tensor], ids: Tensor) ->
         return getattr(torch.nn.functional, b.args["fn"])(x)
     if op == "dropout":
         return module(x)
+    if op == "in_place":  # mutates the env entry it reads: later readers of that entry see the new values
+        kind = b.args["kind"]
+        return x.add_(module.weight) if kind == "add_param" else x.mul_(0.5) if kind == "scale" else x.relu_()
     if op == "interleave":  # feature k·2 + j  <-  feature j·C/2 + k
         bsz, t, c = x.shape
         return x.view(bsz, t, 2, c // 2).transpose(-1, -2).reshape(bsz, t, c)
@@ -539,14 +556,35 @@ def _ancestors(model: nn.Module, names: dict[str, Tensor], inputs, recorder: _Re
     from torch.func import functional_call
 
     leaves = {n: p.detach().clone().requires_grad_(True) for n, p in names.items()}
-    with torch.enable_grad():
-        functional_call(model, leaves, inputs, tie_weights=False, strict=False)
-        value = recorder.value
-        if value is None or not value.requires_grad:
-            return []
-        probe = torch.randn(value.shape, generator=torch.Generator().manual_seed(0), dtype=value.dtype)
-        grads = torch.autograd.grad((value * probe).sum(), list(leaves.values()), allow_unused=True)
+    try:
+        with torch.enable_grad():
+            functional_call(model, leaves, inputs, tie_weights=False, strict=False)
+            value = recorder.value
+            if value is None or not value.requires_grad:
+                return []
+            probe = torch.randn(value.shape, generator=torch.Generator().manual_seed(0), dtype=value.dtype)
+            grads = torch.autograd.grad((value * probe).sum(), list(leaves.values()), allow_unused=True)
+    except RuntimeError:  # an in-place op overwrote a value autograd saved: perturb each name instead
+        return _ancestors_by_perturbation(model, names, inputs, recorder)
     return [n for n, g in zip(leaves, grads) if g is not None and g.abs().max().item() > 0]
+
+
+def _ancestors_by_perturbation(model: nn.Module, names: dict[str, Tensor], inputs, recorder: _Recorder) -> list[str]:
+    """Parameter names whose random perturbation changes the recorded module's input."""
+    from torch.func import functional_call
+
+    base = {n: p.detach() for n, p in names.items()}
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        functional_call(model, base, inputs, tie_weights=False, strict=False)
+        reference = recorder.value.clone()
+        found = []
+        for n, p in base.items():
+            functional_call(model, {**base, n: p + torch.randn(p.shape, generator=gen, dtype=p.dtype)}, inputs,
+                            tie_weights=False, strict=False)
+            if not torch.equal(recorder.value, reference):
+                found.append(n)
+    return found
 
 
 # --------------------------------------------------------------------------- shrinking
@@ -596,7 +634,7 @@ def _smaller(spec: Spec):
                   for j, b in enumerate(spec.blocks) if j != k]
         ties = [(rename(a), rename(b)) for a, b in spec.ties if f"b{k}" not in (a, b)]
         outputs = tuple(dict.fromkeys(remap(o) for o in spec.outputs))
-        if outputs[-1] == 0:
+        if outputs[-1] == 0 or any(b.op == "in_place" and _aliases_input(blocks, b.inputs[0]) for b in blocks):
             continue
         yield Spec(spec.seed, spec.in_width, blocks, outputs, ties)
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from fold_fuzz import (BATCH, TIME, Block, FuzzModel, Spec, _brute_force, _judge_claim, _smaller, check_seed,
-                       check_spec, generate, make_inputs)
+from fold_fuzz import (BATCH, TIME, Block, FuzzModel, Spec, _aliases_input, _brute_force, _judge_claim, _smaller,
+                       check_seed, check_spec, generate, make_inputs)
 
 SEEDS_PER_CHUNK = 10
 CHUNKS = 4  # 40 models: about 15-40 s on a busy 2-core CPU
@@ -55,6 +55,14 @@ def test_generate_is_reproducible_from_the_seed():
     a, b = FuzzModel(generate(123)), FuzzModel(generate(123))
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert generate(123) != generate(124)
+
+
+def test_generated_in_place_ops_never_write_to_the_model_input():
+    blocks = [Block("dropout", (0,), 8), Block("linear", (1,), 8, {"bias": True}), Block("dropout", (2,), 8)]
+    assert _aliases_input(blocks, 1) and not _aliases_input(blocks, 2) and not _aliases_input(blocks, 3)
+    for seed in range(300):
+        spec = generate(seed)
+        assert not any(b.op == "in_place" and _aliases_input(spec.blocks, b.inputs[0]) for b in spec.blocks), seed
 
 
 @pytest.mark.parametrize("seed", [3, 17, 81])
