@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from normfold.bench import QUICK, BenchConfig, bench_model, write_results
+from normfold.bench import QUICK, BenchConfig, bench_model, bench_ops, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ("default", "gpt2", "opt", "bloom", "vit", "minilm")
@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny configs, a few rounds: checks the script runs")
     parser.add_argument("--out", type=Path, default=None, help="output stem (default benchmarks/results/e2e)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--no-ops", action="store_true", help="skip the single-op table (STEM_ops.md)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -90,7 +91,23 @@ def main(argv=None) -> int:
     command = "python benchmarks/bench_e2e.py " + shlex.join(argv if argv is not None else sys.argv[1:])
     for path in write_results(rows, out, command=command, plot=not args.no_plot):
         print(f"wrote {path}")
+    if not args.no_ops:
+        write_ops(out.with_name(out.name + "_ops.md"), command, quick=args.quick)
     return 0
+    return 0
+
+
+def write_ops(path: Path, command: str, quick: bool) -> None:
+    """Per-call µs of the norm as each variant runs it (the decode-size overhead question)."""
+    shapes = ((1, 768), (8, 768)) if quick else ((1, 768), (8, 768), (128, 768), (1024, 768))
+    rows = bench_ops(shapes, rounds=10 if quick else 300)
+    keys = list(rows[0])
+    lines = ["# One norm call, µs (median of interleaved rounds)", "", f"command: `{command}`", "",
+             f"torch threads: {torch.get_num_threads()}", "", "| " + " | ".join(keys) + " |",
+             "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(str(r[k]) for k in keys) + " |" for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -394,6 +394,48 @@ def _plot(rows: list[BenchRow], path):
     return path
 
 
+# ------------------------------------------------------------------------------------ single ops
+
+def bench_ops(shapes=((1, 768), (8, 768), (128, 768), (1024, 768)), *, rounds: int = 200,
+              inner: int = 20) -> list[dict]:
+    """Per-call µs of one norm the way each model variant runs it, at decode-like and prefill-like sizes.
+
+    ``layer_norm``: aten LayerNorm with γ, β (the original); ``rms_norm``: normfold weightless RMSNorm
+    (folded); ``add+layer_norm`` / ``add+rms_norm``: with the residual add in front; ``fused``:
+    ``rms_norm(x, residual=r)``. Interleaved rounds of ``inner`` calls each, medians reported.
+    """
+    import torch.nn.functional as F
+
+    from .ops import rms_norm
+
+    rows = []
+    for m, n in shapes:
+        gen = torch.Generator().manual_seed(0)
+        x, r = torch.randn(m, n, generator=gen), torch.randn(m, n, generator=gen)  # (M, N)
+        w, b = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+        ops = {
+            "layer_norm": lambda: F.layer_norm(x, (n,), w, b, 1e-5),
+            "rms_norm": lambda: rms_norm(x, None, None, 1e-5),
+            "add+layer_norm": lambda: F.layer_norm(x + r, (n,), w, b, 1e-5),
+            "add+rms_norm": lambda: rms_norm(x + r, None, None, 1e-5),
+            "fused": lambda: rms_norm(x, None, None, 1e-5, residual=r),
+        }
+        times = {k: [] for k in ops}
+        with torch.no_grad():
+            for op in ops.values():
+                for _ in range(inner):
+                    op()
+            names = list(ops)
+            for i in range(rounds):
+                for k in names[i % len(names):] + names[:i % len(names)]:
+                    start = time.perf_counter()
+                    for _ in range(inner):
+                        ops[k]()
+                    times[k].append((time.perf_counter() - start) / inner * 1e6)
+        rows.append({"shape": f"({m}, {n})", **{f"{k}_us": round(statistics.median(v), 3) for k, v in times.items()}})
+    return rows
+
+
 # ------------------------------------------------------------------------------------ command line
 
 def _run_bench(args) -> int:
