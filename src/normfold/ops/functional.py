@@ -24,7 +24,9 @@ def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, res
     y, s = _library.norm(x2d, weight, bias, r2d, eps, offset, is_rms, out, s_out)
     if out is not None:
         return out if residual is None else (out, s_out)
-    return y.view(shape) if residual is None else (y.view(shape), s.view(shape))
+    if x.dim() != 2:  # back to the caller's leading dimensions
+        y, s = y.view(shape), None if s is None else s.view(shape)
+    return y if residual is None else (y, s)
 
 
 def rms_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-6, *,

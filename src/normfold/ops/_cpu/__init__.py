@@ -61,6 +61,8 @@ def build_dir() -> Path:
 def load(verbose: bool = False) -> ModuleType | None:
     """Build (first time) and import the extension; None, with ``build_error()`` set, if that fails."""
     global _module, _error
+    if _module is not None:  # the common case, without taking the lock
+        return _module
     with _lock:
         if _module is not None or _error is not None:
             return _module
