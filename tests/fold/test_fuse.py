@@ -1,0 +1,199 @@
+"""fuse_residual_norms: residual adds fused into the folded RMSNorms they feed, behind the float64 verify gate."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from normfold.fold import FoldVerificationError
+from normfold.fold import fuse as fuse_module
+from normfold.fold.fuse import fuse_residual_norms
+from normfold.nn import RMSNorm
+
+
+# ------------------------------------------------------------------------------ toy modules
+
+class ResidualBlock(nn.Module):
+    """h = lin(x) + x feeds the norm, unless a branch rescales h first (the identity guard's case)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.norm = RMSNorm(width, elementwise_affine=False)
+
+    def forward(self, x, rescale: bool = False):
+        h = self.lin(x) + x
+        if rescale:
+            h = h * 2
+        return self.norm(h), h
+
+
+class BiasAddBlock(nn.Module):
+    """The add broadcasts a (N,) vector: not a residual add the fused op can take."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.randn(width))
+        self.norm = RMSNorm(width)
+
+    def forward(self, x):
+        h = x + self.shift
+        return self.norm(h)
+
+
+class SuperBlock(ResidualBlock):
+    def forward(self, x, rescale: bool = False):  # zero-argument super() makes a closure over __class__
+        return super().forward(x, rescale)
+
+
+def _x(*shape, dtype=torch.float32, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+# ------------------------------------------------------------------------------ the guard and fallbacks
+
+def test_observed_add_is_fused_and_a_branch_that_reassigns_falls_back_to_the_plain_norm():
+    torch.manual_seed(0)
+    block = ResidualBlock().eval()
+    x = _x(2, 3, 8)
+    fused, report = fuse_residual_norms(block, (x,))
+    assert [(p.parent, p.norm, p.add) for p in report.fused] == [("", "norm", "h = self.lin(x) + x")]
+    assert report.verification.ok and report.verification.max_rel_error <= 1e-9
+    calls = []
+    fused.norm.register_forward_hook(lambda *_: calls.append(1))  # fires only when the module itself runs
+    with torch.no_grad():
+        y, h = fused(x)
+        assert calls == []  # fused call: the norm module was bypassed
+        torch.testing.assert_close(y, block(x)[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(h, block(x)[1], rtol=0, atol=0)
+        y2, _ = fused(x, rescale=True)
+        assert calls == [1]  # h was reassigned: the guard routes to self.norm(h)
+        torch.testing.assert_close(y2, block(x, rescale=True)[0], rtol=0, atol=0)
+
+
+def test_original_model_is_untouched():
+    block = ResidualBlock().eval()
+    before = {k: v.clone() for k, v in block.state_dict().items()}
+    fused, _ = fuse_residual_norms(block, (_x(2, 8),))
+    assert "forward" not in vars(block) and "forward" in vars(fused)
+    assert all(torch.equal(before[k], v) for k, v in block.state_dict().items())
+    assert type(fused) is ResidualBlock and fused.state_dict().keys() == block.state_dict().keys()
+
+
+def test_broadcasting_add_is_not_fused_but_stays_exact():
+    block = BiasAddBlock().eval()
+    x = _x(4, 8)
+    fused, report = fuse_residual_norms(block, (x,))
+    # the probe sees the add feed the norm, so it is rewritten; at run time the helper refuses the shapes
+    with torch.no_grad():
+        assert torch.equal(fused(x), block(x))
+    assert report.verification.ok
+
+
+@settings(max_examples=15, deadline=None)
+@given(batch=st.integers(1, 5), seq=st.integers(1, 7), width=st.sampled_from([1, 3, 8, 33]))
+def test_fused_equals_unfused_in_float64_for_any_shape(batch, seq, width):
+    torch.manual_seed(width)
+    block = ResidualBlock(width).double().eval()
+    x = _x(batch, seq, width, dtype=torch.float64, seed=batch * 31 + seq)
+    fused, report = fuse_residual_norms(block, (x,), verify=False)
+    assert len(report.fused) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x)[0], block(x)[0], rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------ refusals
+
+def test_norm_with_hooks_is_skipped_and_reported():
+    block = ResidualBlock().eval()
+    block.norm.register_forward_pre_hook(lambda *_: None)
+    fused, report = fuse_residual_norms(block, (_x(2, 8),))
+    assert report.fused == [] and "hooks" in report.skipped["norm"]
+    assert "forward" not in vars(fused)
+
+
+def test_parent_forward_with_a_closure_is_skipped_and_reported():
+    _, report = fuse_residual_norms(SuperBlock().eval(), (_x(2, 8),))
+    assert report.fused == [] and "closure" in report.skipped["norm"]
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        fuse_residual_norms(lambda x: x, (_x(2, 8),))
+    with pytest.raises(ValueError, match="not found: \\['lin'\\]"):
+        fuse_residual_norms(ResidualBlock(), (_x(2, 8),), norm_paths=["lin"])
+    with pytest.raises(TypeError, match="example_inputs"):
+        fuse_residual_norms(ResidualBlock(), [_x(2, 8)])
+
+
+def test_a_wrong_fused_op_fails_the_verify_gate(monkeypatch):
+    def wrong(norm, a, b):
+        h = a + b
+        return norm(h) * 1.001, h
+    monkeypatch.setattr(fuse_module, "_add_rms_norm", wrong)
+    with pytest.raises(FoldVerificationError, match="fused model differs"):
+        fuse_residual_norms(ResidualBlock().eval(), (_x(2, 8),))
+
+
+# ------------------------------------------------------------------------------ real models
+
+def _fuse_zoo(zoo, name):
+    folded = zoo.fold(name, torch.float32)
+    fused, report = fuse_residual_norms(folded.folded, folded.example_inputs)
+    return folded, fused, report
+
+
+def test_gpt2_fuses_every_ln_2_and_passes_float64_verify(zoo):
+    folded, fused, report = _fuse_zoo(zoo, "gpt2")
+    assert sorted(p.norm for p in report.fused) == ["transformer.h.0.ln_2", "transformer.h.1.ln_2"]
+    assert set(report.skipped) == {"transformer.h.0.ln_1", "transformer.h.1.ln_1", "transformer.ln_f"}
+    assert report.verification.ok and report.verification.max_rel_error <= 1e-9
+    assert [type(m) for m in fused.modules()] == [type(m) for m in folded.folded.modules()]
+    with torch.no_grad():
+        ref = folded.folded(**folded.fresh_inputs).logits
+        torch.testing.assert_close(fused(**folded.fresh_inputs).logits, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt2_fused_decode_with_kv_cache_matches_folded(zoo):
+    folded, fused, _ = _fuse_zoo(zoo, "gpt2")
+    ids = folded.example_inputs["input_ids"]
+    with torch.no_grad():
+        outs = []
+        for m in (folded.folded, fused):
+            cache = m(input_ids=ids, use_cache=True).cache
+            outs.append(m(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name, reason", [("opt_pre_ln", "no add in OPTDecoderLayer.forward feeds it"),
+                                          ("bloom", "has no `name = a + b` statement")])
+def test_models_without_a_direct_add_to_norm_are_left_alone_and_reported(zoo, name, reason):
+    folded, fused, report = _fuse_zoo(zoo, name)
+    rms = [path for path, m in folded.folded.named_modules() if isinstance(m, RMSNorm)]
+    assert report.fused == [] and sorted(report.skipped) == sorted(rms)
+    assert any(reason in why for why in report.skipped.values())
+    assert report.verification.ok
+
+
+def test_bundled_model_fuses_and_passes_float64_verify():
+    import normfold
+    from normfold.hf.io import default_model_path, example_inputs_for, load_model
+
+    model = load_model(default_model_path())
+    inputs = example_inputs_for(model, batch=2, seq=8)
+    folded, _ = normfold.fold(model, inputs)
+    fused, report = fuse_residual_norms(folded, inputs)
+    layers = model.config.n_layer
+    assert len(report.fused) == layers
+    assert report.verification.ok and report.verification.max_rel_error <= 1e-9
+
+
+def test_fused_gpt2_compiles_without_graph_breaks(zoo):
+    folded, fused, _ = _fuse_zoo(zoo, "gpt2")
+    torch._dynamo.reset()
+    compiled = torch.compile(fused, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(**folded.fresh_inputs).logits, fused(**folded.fresh_inputs).logits,
+                                   rtol=1e-6, atol=1e-6)
