@@ -254,3 +254,27 @@ def test_fold_affine_into_consumer_checks_shapes():
         fold_affine_into_consumer(torch.zeros(3, 4), None, torch.ones(3), None, in_dim=1)
     with pytest.raises(ValueError, match="2-D"):
         fold_affine_into_consumer(torch.zeros(3), None, None, None, in_dim=0)
+
+
+class TorchRMS(nn.Module):
+    """torch.nn.RMSNorm has no ``bias`` attribute and may leave eps to the dtype."""
+
+    def __init__(self, eps):
+        super().__init__()
+        self.fc = nn.Linear(C, C)
+        self.norm = nn.RMSNorm(C, eps=eps)
+        self.out = nn.Linear(C, C)
+
+    def forward(self, x):
+        return self.out(self.norm(self.fc(x)))
+
+
+@pytest.mark.parametrize("eps", [1e-6, None])
+def test_torch_rmsnorm_is_reported_and_affine_folded_only_with_an_explicit_eps(eps):
+    model = TorchRMS(eps).eval()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+    folded, report = normfold.fold(model, (torch.randn(B, T, C),))
+    (entry,) = report.norms
+    assert (entry.kind, entry.foldable, entry.affine_folded) == ("RMSNorm", False, eps is not None)
+    assert report.verification.ok

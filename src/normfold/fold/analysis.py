@@ -453,7 +453,7 @@ def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = T
             plan.swap.append(SwapStep(norm.path, "RMSNorm" if norm.foldable or norm.kind == "RMSNorm" else "LayerNorm",
                                       int(ln.normalized_shape[0]), float(norm.calls[0].eps if ln.eps is None else ln.eps),
                                       elementwise_affine=ln.weight is not None and not affine,
-                                      bias=ln.bias is not None and not affine))
+                                      bias=getattr(ln, "bias", None) is not None and not affine))
     entries = [NormEntry(n.path, n.kind, n.foldable, bool(n.affine), n.reason,
                          tuple(sorted({fqn for fqn, _, _ in n.params})) if n.foldable else (),
                          n.blocking_path) for n in norms]
