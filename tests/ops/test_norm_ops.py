@@ -402,9 +402,10 @@ def _op_samples():
     yield (x, w, b, None, 1e-5, 0.0, False)
     yield (x.to(torch.bfloat16), w, None, None, 1e-6, 1.0, True)
     yield (x.double(), w.double(), b.double(), r.double(), 1e-5, 0.0, False)
+    yield (x.half(), w.half(), None, None, 1e-5, 0.0, False)
 
 
-@pytest.mark.parametrize("args", list(_op_samples()), ids=["rms+res", "ln", "bf16+offset", "fp64"])
+@pytest.mark.parametrize("args", list(_op_samples()), ids=["rms+res", "ln", "bf16+offset", "fp64", "fp16-no-bias"])
 def test_registered_ops_pass_opcheck(args):
     x, w, b, r = (t.detach().requires_grad_(t.dtype != torch.bfloat16) if t is not None else None for t in args[:4])
     torch.library.opcheck(torch.ops.normfold.norm_fwd.default, (x, w, b, r, *args[4:]))

@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _reference_backend
 
-_FUSED_CPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _warned: set[str] = set()
 
 
@@ -70,7 +70,7 @@ def select_backend(x: Tensor, residual: Tensor | None = None) -> ModuleType:
     float64 always takes the reference (exact fp64, backward included); so does a residual
     whose dtype differs from x's, since the kernels add in x's element type.
     """
-    if x.dtype not in _FUSED_CPU_DTYPES or (residual is not None and residual.dtype != x.dtype):
+    if x.dtype not in _KERNEL_DTYPES or (residual is not None and residual.dtype != x.dtype):
         return _reference_backend
     backend = None
     if x.device.type == "cpu":
@@ -85,6 +85,7 @@ def _stat_dtype(x: Tensor) -> torch.dtype:
 
 
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
+    """``t``, or an empty tensor of ``like``'s dtype and device standing for None."""
     return like.new_empty(0) if t is None else t
 
 
@@ -94,7 +95,7 @@ def _none_if_empty(t: Tensor) -> Tensor | None:
 
 # ---------------------------------------------------------------- forward
 def _norm_fwd_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
-             eps: float, offset: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                   eps: float, offset: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     x, residual = x.contiguous(), None if residual is None else residual.contiguous()
     y, s, mean, rstd = select_backend(x, residual).norm_fwd(x, weight, bias, residual, eps, offset, is_rms)
     return y, _or_empty(s, x), _or_empty(mean, rstd), rstd
@@ -114,11 +115,13 @@ def _(x, weight, bias, residual, eps, offset, is_rms):
 
 # ---------------------------------------------------------------- backward
 def _norm_bwd_impl(dy: Tensor, ds: Optional[Tensor], s: Tensor, weight: Optional[Tensor], mean: Optional[Tensor],
-             rstd: Tensor, offset: float, is_rms: bool, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
+                   rstd: Tensor, offset: float, is_rms: bool, has_bias: bool) -> tuple[Tensor, Tensor, Tensor]:
     dy, ds = dy.contiguous(), None if ds is None else ds.contiguous()
     dx, dweight, dbias = select_backend(s).norm_bwd(dy, ds, s.contiguous(), weight, mean, rstd, offset,
                                                    is_rms, has_bias)
-    return dx, _or_empty(dweight, rstd), _or_empty(dbias, rstd)
+    # dweight / dbias come in the parameter dtype (weight's, else s's); absent ones are empty
+    param = weight if weight is not None else s
+    return dx, _or_empty(dweight, param), _or_empty(dbias, param)
 
 
 norm_bwd = torch.library.custom_op("normfold::norm_bwd", _norm_bwd_impl, mutates_args=())
