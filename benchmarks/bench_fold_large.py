@@ -82,14 +82,23 @@ def phase_write(args, work: Path) -> dict:
     folder = work / "orig"
     folder.mkdir()
     gen = torch.Generator().manual_seed(0)
+    # Drawing 6.7e9 normal numbers would dominate the run on a small CPU: every tensor is instead
+    # a window, at a random offset, of one pool of 2^24 + 7 standard normals (a length prime to
+    # every width here, so no two rows of a matrix coincide), then scaled.
+    pool = torch.randn(2**24 + 7, generator=gen).half()
+
+    def normals(shape: list[int]) -> torch.Tensor:
+        n = int(torch.Size(shape).numel())
+        start = int(torch.randint(0, pool.numel(), (1,), generator=gen))
+        reps = (start + n) // pool.numel() + 1
+        return pool.repeat(reps)[start: start + n].view(shape) if reps > 1 else pool[start: start + n].view(shape)
 
     def value(key: str) -> torch.Tensor:
         shape = shapes[key]
         if "layer_norm" in key:  # non-trivial γ/β so that affine folding does real work
             base = 1.0 if key.endswith("weight") else 0.0
-            return (base + 0.1 * torch.randn(shape, generator=gen)).half()
-        scale = 0.02 if key.endswith("weight") else 0.01
-        return (torch.randn(shape, generator=gen) * scale).half()
+            return base + 0.1 * normals(shape)
+        return normals(shape) * (0.02 if key.endswith("weight") else 0.01)
 
     t0 = time.perf_counter()
     weight_map, total = {}, 0
