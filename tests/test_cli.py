@@ -171,3 +171,12 @@ def test_a_sharded_folder_is_streamed_and_verified_block_by_block(capsys, tiny_d
         ["model.decoder.layers.0", "model.decoder.layers.1"]
     code, out, _ = _run(capsys, "verify", sharded, tmp_path / "out")
     assert code == EXIT_OK and "blocks model.decoder.layers.0" in out
+
+
+def test_help_lists_the_subcommands_of_every_registered_module(capsys):
+    from normfold.cli import COMMAND_MODULES, build_parser
+
+    parser = build_parser()
+    names = set(parser._subparsers._group_actions[0].choices)
+    assert {"analyze", "fold", "verify", "demo"} <= names and len(COMMAND_MODULES) >= 1
+    assert _run(capsys, "--help")[0] == EXIT_OK

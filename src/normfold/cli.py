@@ -24,8 +24,8 @@ from pathlib import Path
 
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_USAGE = 0, 1, 2
 
-# Other parts of normfold add their subcommands here (e.g. "normfold.train.commands").
-COMMAND_MODULES: list[str] = ["normfold.cli"]
+# Modules that add subcommands (each defines ``add_commands(subparsers)``; see the module docstring).
+COMMAND_MODULES: list[str] = ["normfold.cli", "normfold.train.cli", "normfold.lab.commands", "normfold.bench"]
 
 
 class UsageError(ValueError):
