@@ -174,11 +174,23 @@ class Zoo:
             state_before = {k: v.detach().clone() for k, v in original.state_dict().items()}
             types_before = {path: type(m) for path, m in original.named_modules()}
             example = self.inputs(name, EXAMPLE_SEED, dtype)
-            # fold's own float64 verification runs on the float64 folds; the float32 fold is checked by the tests
-            folded, report = normfold.fold(original, example, fold_affine=fold_affine, verify=dtype == torch.float64)
+            # fold's own verification (3 float64 runs of both models) once per model; the other folds are
+            # checked by the tests themselves, which keeps the zoo within its time budget
+            self_verify = dtype == torch.float64 and fold_affine
+            folded, report = normfold.fold(original, example, fold_affine=fold_affine, verify=self_verify)
             self._folds[key] = Folded(original, state_before, types_before, folded, report, example,
                                       self.inputs(name, FRESH_SEED, dtype))
         return self._folds[key]
+
+
+@pytest.fixture
+def single_thread():
+    """Run a test on one intra-op thread: these models are tiny, and on a shared CPU OpenMP threads
+    spinning for a busy core cost several times the work itself."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
