@@ -90,24 +90,23 @@ def plot(report: ApproximateReport, naive: dict, approx: dict, path: Path) -> No
     rows = [e for e in report.entries if e.cosine_alone is not None]
     names = [e.path.replace("encoder.layer.", "L").replace(".attention.output.LayerNorm", " attn")
              .replace(".output.LayerNorm", " ffn").replace("embeddings.LayerNorm", "emb") for e in rows]
-    colors = {"approximate": "#2a9d8f", "kept": "#e76f51", "exact": "#264653"}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1.4, 1]})
+    status_color = {"approximate": "#1b7f3b", "kept": "#c0392b"}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.6), gridspec_kw={"width_ratios": [1.4, 1]})
     y = range(len(rows))
     ax1.barh([i + 0.2 for i in y], [1 - e.cosine_alone_naive for e in rows], height=0.4, color="#bbbbbb",
              label="plain RMSNorm (same γ, β)")
-    ax1.barh([i - 0.2 for i in y], [1 - e.cosine_alone for e in rows], height=0.4,
-             color=[colors[e.status] for e in rows], label="corrected (centred producer, shift, refit γ/β)")
+    ax1.barh([i - 0.2 for i in y], [1 - e.cosine_alone for e in rows], height=0.4, color="#2a9d8f",
+             label="corrected: centred producer, calibrated shift, refit γ/β")
     ax1.set_xscale("log")
-    ax1.axvline(1 - report.min_cosine, color="black", ls="--", lw=1)
-    ax1.text(1 - report.min_cosine, len(rows) - 0.4, f" 1 − {report.min_cosine}", fontsize=8, va="top")
-    ax1.set_yticks(list(y), names)
+    ax1.axvline(1 - report.min_cosine, color="black", ls="--", lw=1, label=f"threshold 1 − {report.min_cosine}")
+    ax1.set_yticks(list(y), [f"{n}  ({e.status})" for n, e in zip(names, rows)])
+    for tick, e in zip(ax1.get_yticklabels(), rows):
+        tick.set_color(status_color.get(e.status, "black"))
     ax1.invert_yaxis()
     ax1.set_xlabel("1 − min cosine of sentence embeddings, this norm alone replaced (calibration)")
-    ax1.set_title("Each LayerNorm's cost when it becomes an RMSNorm")
-    for status, c in colors.items():
-        if any(e.status == status for e in rows):
-            ax1.barh([0], [0], color=c, label=f"corrected, {status}")
-    ax1.legend(fontsize=8, loc="lower right")
+    ax1.set_title("Each LayerNorm's cost when it becomes an RMSNorm\n(green: switched by the greedy pass, red: kept)",
+                  fontsize=11)
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3, frameon=False)
 
     for label, m, c in (("all 13 plain RMSNorm", naive, "#bbbbbb"),
                         (f"approximate fold ({report.num_approximate + report.num_exact} of 13 replaced)", approx, "#2a9d8f")):
@@ -115,11 +114,11 @@ def plot(report: ApproximateReport, naive: dict, approx: dict, path: Path) -> No
         ax2.plot(range(len(cos)), [1 - v for v in cos], marker=".", color=c,
                  label=f"{label}: min {m['embedding_min_cosine']:.4f}, top-1 {m['top1_retrieval_agreement']:.0%}")
     ax2.set_yscale("log")
-    ax2.axhline(1 - report.min_cosine, color="black", ls="--", lw=1)
+    ax2.axhline(1 - report.min_cosine, color="black", ls="--", lw=1, label=f"threshold 1 − {report.min_cosine}")
     ax2.set_xlabel("held-out sentences, sorted")
     ax2.set_ylabel("1 − cosine to the original embedding")
     ax2.set_title("Held-out sentences (not used for calibration)")
-    ax2.legend(fontsize=8, loc="upper right")
+    ax2.legend(fontsize=8, loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
@@ -167,9 +166,9 @@ def main(argv=None) -> None:
     machine = f"{platform.machine()} {platform.processor() or ''} torch {torch.__version__}, {torch.get_num_threads()} threads".strip()
     with open(args.out / "minilm_approx.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["norm", "status", "producer", "cosine_alone_naive", "cosine_alone_corrected", "reason"])
+        w.writerow(["norm", "status", "producer", "cosine_alone_naive", "cosine_alone_corrected", "correction", "reason"])
         for e in areport.entries:
-            w.writerow([e.path, e.status, e.producer or "", e.cosine_alone_naive, e.cosine_alone, e.reason])
+            w.writerow([e.path, e.status, e.producer or "", e.cosine_alone_naive, e.cosine_alone, e.correction, e.reason])
     summary = [("all 13 plain RMSNorm (baseline)", naive), (f"approximate fold, min_cosine={args.min_cosine}", result)]
     lines = [
         "# Approximate folding of all-MiniLM-L6-v2",
@@ -192,10 +191,11 @@ def main(argv=None) -> None:
         lines.append(f"| {name} | {m['embedding_min_cosine']:.6f} | {m['embedding_mean_cosine']:.6f} | "
                      f"{m['top1_retrieval_agreement']:.0%} | {m['token_max_abs_error']:.3e} | {m['token_mean_abs_error']:.3e} |")
     lines += ["", "## Per norm (calibration set; \"alone\" = only this norm replaced)", "",
-              "| norm | status | alone, plain RMSNorm | alone, corrected | producer |", "|---|---|---|---|---|"]
+              "| norm | status | replacement | alone, plain RMSNorm | alone, corrected | producer |", "|---|---|---|---|---|---|"]
     for e in areport.entries:
         f6 = (lambda v: "-" if v is None else f"{v:.6f}")
-        lines.append(f"| {e.path} | {e.status} | {f6(e.cosine_alone_naive)} | {f6(e.cosine_alone)} | {e.producer or '-'} |")
+        used = "-" if e.status != "approximate" else ("plain" if e.correction.startswith("plain") else "corrected")
+        lines.append(f"| {e.path} | {e.status} | {used} | {f6(e.cosine_alone_naive)} | {f6(e.cosine_alone)} | {e.producer or '-'} |")
     lines += ["", "![per-norm cost and held-out cosines](minilm_approx.png)", ""]
     (args.out / "minilm_approx.md").write_text("\n".join(lines))
     plot(areport, naive, result, args.out / "minilm_approx.png")
