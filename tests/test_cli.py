@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -11,7 +13,8 @@ from normfold.hf import default_model_path
 pytest.importorskip("transformers")
 pytest.importorskip("rich")
 
-# tests/ is on sys.path (pytest prepend import mode, no __init__.py): reuse the tiny-model fixtures
+# reuse the tiny-model fixtures of tests/hf (tests/ put on sys.path: works in any pytest import mode)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf.conftest import minilm_dir, tiny_dirs  # noqa: E402,F401
 
 
