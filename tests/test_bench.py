@@ -1,0 +1,142 @@
+"""normfold.bench, benchmarks/bench_e2e.py and benchmarks/gpu_e2e.sh: the statistics, the decode workload,
+the result files, and that the scripts run end to end (timings themselves are never asserted)."""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from normfold.bench import QUICK, BenchConfig, add_commands, bench_model, ratio_ci, write_results
+
+REPO = Path(__file__).resolve().parents[1]
+transformers = pytest.importorskip("transformers")
+
+
+def _tiny_gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                                     attn_implementation="eager")
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+# ------------------------------------------------------------------------------ statistics
+
+def test_ratio_of_identical_timings_is_one_with_an_interval_around_it():
+    times = [1.0, 1.2, 0.9, 1.1, 1.05]
+    point, low, high = ratio_ci(times, times, resamples=500, confidence=0.95)
+    assert point == 1.0 and low <= 1.0 <= high
+
+
+def test_ratio_is_base_over_other_and_a_constant_factor_has_a_point_interval():
+    base = [2.0, 2.2, 2.4, 2.1]
+    point, low, high = ratio_ci(base, [t / 2 for t in base], resamples=500, confidence=0.9)
+    assert point == pytest.approx(2.0) and low == pytest.approx(2.0) and high == pytest.approx(2.0)
+
+
+def test_interval_widens_with_noise():
+    gen = torch.Generator().manual_seed(0)
+    base = (1 + 0.01 * torch.randn(40, generator=gen)).tolist()
+    noisy = (1 + 0.3 * torch.rand(40, generator=gen)).tolist()
+    quiet = (1 + 0.01 * torch.rand(40, generator=gen)).tolist()
+    _, ql, qh = ratio_ci(base, quiet, resamples=500, confidence=0.95)
+    _, nl, nh = ratio_ci(base, noisy, resamples=500, confidence=0.95)
+    assert nh - nl > qh - ql
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"batches": ()}, "batches"), ({"seqs": (0,)}, "seqs"), ({"rounds": 0}, "rounds"),
+    ({"confidence": 1.0}, "confidence"), ({"warmup": -1}, "warmup"),
+])
+def test_bad_config_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        BenchConfig(**kwargs)
+
+
+def test_unequal_timings_are_refused():
+    with pytest.raises(ValueError, match="same non-zero number"):
+        ratio_ci([1.0, 2.0], [1.0], resamples=10, confidence=0.9)
+
+
+# ------------------------------------------------------------------------------ the measurement
+
+@pytest.fixture(scope="module")
+def quick_rows():
+    return bench_model(_tiny_gpt2(), replace(QUICK, rounds=3), name="tiny")
+
+
+def test_quick_run_measures_decode_and_prefill_for_every_contender(quick_rows):
+    assert [(r.kind, r.batch, r.seq) for r in quick_rows] == [("decode", 1, 1), ("prefill", 1, 16)]
+    for row in quick_rows:
+        assert set(row.median_ms) == {"original", "folded", "fused"}
+        assert all(v > 0 for v in row.median_ms.values())
+        for c in ("folded", "fused"):
+            low, high = row.ratio_ci[c]
+            assert low <= row.ratio[c] <= high
+        assert all(0 < share <= 1 for share in row.norm_share.values())
+
+
+def test_decode_step_reuses_a_cache_cropped_back_to_the_prefill():
+    from normfold.bench import _decode_call
+
+    model = _tiny_gpt2()
+    config = replace(QUICK, prefill=6)
+    call, reset = _decode_call(model, 2, config)(model)
+    with torch.no_grad():
+        for _ in range(3):
+            out = call()
+            assert out.cache.get_seq_length() == 7  # the prefill plus the timed token
+            reset()
+            assert out.cache.get_seq_length() == 6
+
+
+def test_results_are_written_as_csv_markdown_and_png(quick_rows, tmp_path):
+    paths = write_results(quick_rows, tmp_path / "e2e", command="pytest")
+    assert [p.name for p in paths] == ["e2e.csv", "e2e.md", "e2e.png"]
+    rows = list(csv.DictReader(open(paths[0])))
+    assert len(rows) == 2 and float(rows[0]["fused_speedup"]) > 0
+    text = paths[1].read_text()
+    assert "command: `pytest`" in text and "fused C++ CPU kernel" in text
+
+
+def test_bench_command_runs_on_a_folder(tmp_path):
+    model = _tiny_gpt2()
+    model.save_pretrained(tmp_path / "model")
+    parser = argparse.ArgumentParser()
+    add_commands(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", str(tmp_path / "model"), "--quick", "--rounds", "2", "--seq", "1",
+                              "--no-profile", "--out", str(tmp_path / "out"), "--no-plot"])
+    assert args.run(args) == 0
+    assert (tmp_path / "out.csv").exists() and (tmp_path / "out.md").exists()
+
+
+# ------------------------------------------------------------------------------ the scripts
+
+def _run(cmd, tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_bench_e2e_quick_runs_end_to_end(tmp_path):
+    _run([sys.executable, "benchmarks/bench_e2e.py", "--quick", "--models", "gpt2", "vit", "--out",
+          str(tmp_path / "e2e_quick"), "--no-plot"], tmp_path)
+    rows = list(csv.DictReader(open(tmp_path / "e2e_quick.csv")))
+    assert {(r["model"], r["kind"]) for r in rows} == {("gpt2", "decode"), ("gpt2", "prefill"), ("vit", "image")}
+    assert "| (1, 768) |" in (tmp_path / "e2e_quick_ops.md").read_text()
+
+
+def test_gpu_e2e_dry_run_times_every_contender_and_writes_tables(tmp_path):
+    done = _run(["bash", "benchmarks/gpu_e2e.sh", "--dry-run", "--models", "gpt2"], tmp_path)
+    assert "gpu_e2e: wrote" in done.stdout
+    rows = list(csv.DictReader(open(tmp_path / "gpu_e2e.csv")))
+    assert {r["mode"] for r in rows} == {"eager", "compile", "compile+cuda graphs"}
+    assert all(r["fused_speedup"] and not r["failures"] for r in rows)
+    assert "cuda graph: needs a CUDA device" in (tmp_path / "gpu_e2e.md").read_text()
