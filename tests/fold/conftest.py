@@ -112,6 +112,19 @@ def _minilm() -> nn.Module:
     return t.AutoModel.from_pretrained(minilm.get_model_path(), attn_implementation="eager")
 
 
+@torch.no_grad()
+def _randomize_constant_parameters(model: nn.Module) -> None:
+    """Give every parameter that Hugging Face initializes to a constant (LayerNorm γ = 1 and β = 0, linear
+    biases = 0, zero cls tokens) random values. With γ = 1, β = 0 a LayerNorm's output is itself zero-mean
+    and affine folding is the identity, so a wrong fold of a Post-LN norm or a wrong affine fold would still
+    verify; with zero biases, bias centering would go untested."""
+    generator = torch.Generator().manual_seed(1)
+    for param in model.parameters():
+        if param.numel() > 1 and bool((param == param.flatten()[0]).all()):
+            noise = torch.randn(param.shape, generator=generator, dtype=param.dtype)
+            param.copy_(param + 0.2 * noise)  # (γ = 1 + 0.2·n, β = 0.2·n, b = 0.2·n)
+
+
 @dataclass(frozen=True)
 class ZooModel:
     build: Callable[[], nn.Module]
@@ -159,6 +172,8 @@ class Zoo:
         if name not in self._models:
             torch.manual_seed(0)
             model = ZOO[name].build().eval()
+            if name != "minilm":  # the real model's parameters are trained already
+                _randomize_constant_parameters(model)
             self._models[name] = {torch.float32: model, torch.float64: copy.deepcopy(model).double()}
         return self._models[name][dtype]
 
