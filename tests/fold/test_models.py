@@ -386,3 +386,44 @@ def test_bloom_without_precompute_folds_only_the_embedding_norm_by_centering_the
     assert any("lm_head" in name for name in report.untied)
     assert isinstance(folded.transformer.word_embeddings_layernorm, RMSNorm)
     assert _max_relative_error(original, folded, zoo.inputs("bloom", 1, torch.float64)) <= FLOAT64_BOUND
+
+
+@pytest.mark.xdist_group("gpt2")
+def test_gpt2_with_output_hidden_states_folds_no_norm_because_the_residual_stream_is_an_output(zoo):
+    """Every residual-stream tensor becomes a model output, so no producer may be centered; affine folding
+    into c_attn / c_fc is still allowed, but not for ln_f, whose output is hidden_states[-1]."""
+    original = zoo.model("gpt2", torch.float64)
+    inputs = {**zoo.inputs("gpt2", 0, torch.float64), "output_hidden_states": True}
+    folded, report = normfold.fold(original, inputs, verify=False)
+    assert report.num_norms == 5 and report.num_foldable == 0
+    assert all("output" in e.reason for e in report.norms)
+    assert {e.path for e in report.norms if e.affine_folded} == set(_expected(zoo, "gpt2").norms) - {"transformer.ln_f"}
+    assert not report.untied and not report.plan.center
+    fresh = {**zoo.inputs("gpt2", 1, torch.float64), "output_hidden_states": True}
+    assert _max_relative_error(original, folded, fresh) <= FLOAT64_BOUND
+
+
+@pytest.mark.parametrize("name", _models("gpt2", "bert"))
+def test_float64_fold_is_exact_for_any_batch_and_sequence_length(zoo, name: str):
+    """The fold is input-independent: the folded module equals the original on shapes it was not traced with."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    case = zoo.fold(name, torch.float64)
+    vocab = case.original.config.vocab_size
+
+    @hypothesis.settings(max_examples=15, deadline=None, derandomize=True, database=None)
+    @hypothesis.given(batch=st.integers(1, 3), seq=st.integers(1, 24), seed=st.integers(0, 2**16), padded=st.booleans())
+    def exact(batch: int, seq: int, seed: int, padded: bool):
+        generator = torch.Generator().manual_seed(seed)
+        input_ids = torch.randint(0, vocab, (batch, seq), generator=generator)          # (B, T)
+        inputs = {"input_ids": input_ids}
+        if name == "bert":
+            mask = torch.ones_like(input_ids)
+            if padded and seq > 1:
+                mask[-1, seq // 2:] = 0
+            inputs["attention_mask"] = mask
+        else:
+            inputs["use_cache"] = False
+        assert _max_relative_error(case.original, case.folded, inputs) <= FLOAT64_BOUND
+
+    exact()
