@@ -96,6 +96,16 @@ def test_decode_step_reuses_a_cache_cropped_back_to_the_prefill():
             assert out.cache.get_seq_length() == 6
 
 
+def test_decode_prefill_is_clipped_one_short_of_the_position_limit():
+    from normfold.bench import _decode_call
+
+    model = _tiny_gpt2()  # 64 positions
+    call, reset = _decode_call(model, 1, replace(QUICK, prefill=500))(model)
+    with torch.no_grad():
+        assert call().cache.get_seq_length() == 64
+    reset()
+
+
 def test_results_are_written_as_csv_markdown_and_png(quick_rows, tmp_path):
     paths = write_results(quick_rows, tmp_path / "e2e", command="pytest")
     assert [p.name for p in paths] == ["e2e.csv", "e2e.md", "e2e.png"]

@@ -151,7 +151,8 @@ def _decode_call(model: nn.Module, batch: int, config: BenchConfig):
     """One new token per call, on a KV cache holding ``prefill`` tokens (cropped back after each call)."""
     from .hf.io import example_inputs_for
 
-    prompt = example_inputs_for(model, batch=batch, seq=config.prefill, seed=config.seed)["input_ids"]
+    # one position short of the model's limit at most (example_inputs_for clips to it): the timed token needs one
+    prompt = example_inputs_for(model, batch=batch, seq=config.prefill + 1, seed=config.seed)["input_ids"][:, :-1]
     prefill = prompt.shape[-1]
     token = prompt[:, -1:]  # (B, 1)
 
