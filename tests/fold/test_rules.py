@@ -247,8 +247,46 @@ def test_split_heads_fold_with_the_weight_centered_per_head_group():
 
 
 def test_merging_per_head_outputs_into_the_normalized_dim_blocks():
+    # one Linear shared by every head cannot make the merged (H·D) rows zero-mean jointly
     _, report = fold_checked(PerHead(merge=True), (_x(B, T, H, D),), {"norm": False})
-    assert "merges dims" in report.norms[0].reason
+    assert "jointly over dims (2, 3)" in report.norms[0].reason
+
+
+class Interleave(nn.Module):
+    """Features permuted by split → transpose → merge: the mean over the whole dim is unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(C, C)
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, x):
+        h = self.fc(x).view(B, T, 2, C // 2).transpose(-1, -2)  # (B, T, C/2, 2)
+        return self.norm(h.reshape(B, T, C))
+
+
+class PlainHeadNorms(nn.Module):
+    """Weightless per-head norms, heads merged back: rows are zero-mean over every head, hence jointly."""
+
+    def __init__(self):
+        super().__init__()
+        self.head_norm = nn.LayerNorm(D, elementwise_affine=False)
+        self.fc = nn.Linear(C, C)
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, x):
+        heads = self.head_norm(x.view(B, T, H, D))  # (B, T, H, D), zero-mean over D
+        return self.norm(heads.reshape(B, T, C) + self.fc(x))
+
+
+def test_merged_weightless_head_norm_outputs_are_zero_mean_sources():
+    _, report = fold_checked(PlainHeadNorms(), (_x(B, T, C),), {"head_norm": False, "norm": True})
+    assert reason_of(report, "norm").startswith("input zero-mean: centered 2 producers")
+
+
+def test_a_permutation_of_the_features_through_views_folds():
+    folded, report = fold_checked(Interleave(), (_x(B, T, C),), {"norm": True})
+    assert report.plan.center[0].group is None and folded.fc.weight.double().mean(0).abs().max() < 1e-6
 
 
 class Concat(nn.Module):

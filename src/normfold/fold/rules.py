@@ -30,10 +30,15 @@ _aten = torch.ops.aten
 
 
 class Need(NamedTuple):
-    """A question: is ``node`` zero-mean along ``dim`` (per ``group`` elements, None = whole dim)?"""
+    """A question: is ``node`` zero-mean along ``dim`` (per ``group`` elements, None = whole dim)?
+
+    ``dim`` may also be a sorted tuple of dims, with group None: zero-mean jointly over that block
+    (features split and permuted by layout ops, e.g. (H, D) → (D, H) before a merge back to C).
+    Only layout rules accept blocks; every other op breaks on them.
+    """
 
     node: fx.Node
-    dim: int
+    dim: int | tuple[int, ...]
     group: int | None
 
 
@@ -90,10 +95,14 @@ def norm_call(node: fx.Node) -> NormCall | None:
     return None
 
 
-def make_need(node: fx.Node, dim: int, group: int | None) -> Need:
-    """Canonical Need: a group that spans the whole dim is written None."""
+def make_need(node: fx.Node, dim, group: int | None) -> Need:
+    """Canonical Need: a group that spans the whole dim is written None; a block of one dim is that dim."""
+    if isinstance(dim, tuple):
+        dim = tuple(sorted(dim))
+        if len(dim) == 1:
+            dim = dim[0]
     s = shape(node)
-    if s is not None and group is not None and group == s[dim]:
+    if s is not None and group is not None and not isinstance(dim, tuple) and group == s[dim]:
         group = None
     return Need(node, dim, group)
 
@@ -101,6 +110,8 @@ def make_need(node: fx.Node, dim: int, group: int | None) -> Need:
 def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> Answer:
     """Answer the zero-mean question for one node: the single entry point of the table."""
     if node.op == "placeholder":
+        if node in captured.param_fqn and isinstance(dim, tuple):
+            return Break(f"parameter {captured.param_fqn[node]} would be centered jointly over dims {dim}")
         if node in captured.param_fqn:
             return Source("parameter", captured.param_fqn[node])
         if node in captured.buffer_fqn:
@@ -114,6 +125,8 @@ def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> 
     rule = RULES.get(key)
     if rule is None:
         return Break(f"{op_name(node)} is not in the rules table (unknown ops break)")
+    if isinstance(dim, tuple) and rule not in BLOCK_RULES:
+        return Break(f"{op_name(node)} would need zero mean jointly over dims {dim} (only layout ops allow that)")
     return rule(node, dim, group)
 
 
@@ -238,20 +251,25 @@ def _in_place(rule):
 
 
 def _numpy_t(node, dim, group):
-    return Requires((make_need(node.args[0], _rank(node) - 1 - dim, group),))  # reverses all dims
+    r = _rank(node)
+    return Requires((make_need(node.args[0], _each(dim, lambda d: r - 1 - d), group),))  # reverses all dims
 
 
-def map_view_dim(in_s: tuple[int, ...], out_s: tuple[int, ...], dim: int, group: int | None):
+def map_view_dim(in_s: tuple[int, ...], out_s: tuple[int, ...], dim, group: int | None):
     """Input (dim, group) equivalent to output (dim, group) under a reshape, or a Break reason.
 
-    Same dim: unchanged. Output dim is the inner factor of a split input dim (C → H·D): the input
-    dim per group of D. Output dim merges input dims (H·D → C): exact only for a group that
-    divides the innermost input dim.
+    ``dim`` is an output dim or a block of contiguous output dims. Same extent: the matching input
+    dim. Output extent is the inner factor of a split input dim (C → H·D): that input dim per group
+    of D. Output extent merges input dims j..k (H·D → C): the block (j..k) for a whole-dim question,
+    or dim k when the group divides it.
     """
-    n = out_s[dim]
+    first, last = (min(dim), max(dim)) if isinstance(dim, tuple) else (dim, dim)
+    if isinstance(dim, tuple) and sorted(dim) != list(range(first, last + 1)):
+        return f"reshape {in_s} -> {out_s}: dims {dim} are not next to each other"
+    n = math.prod(out_s[first:last + 1])
     if n == 1:
         return "reshape: the normalized dim has size 1"
-    inner_out = math.prod(out_s[dim + 1:])
+    inner_out = math.prod(out_s[last + 1:])
     k = next((j for j in range(len(in_s) - 1, -1, -1)
               if math.prod(in_s[j + 1:]) == inner_out and in_s[j] != 1), None)
     if k is None:
@@ -259,7 +277,7 @@ def map_view_dim(in_s: tuple[int, ...], out_s: tuple[int, ...], dim: int, group:
     g = group if group is not None else n
     if in_s[k] == n:
         return k, group
-    if in_s[k] % n == 0:  # split: output dim is the inner factor of input dim k
+    if in_s[k] % n == 0:  # split: the output extent is the inner factor of input dim k
         return k, g
     if n % in_s[k] == 0:  # merge of input dims j..k
         size, j = in_s[k], k
@@ -268,10 +286,12 @@ def map_view_dim(in_s: tuple[int, ...], out_s: tuple[int, ...], dim: int, group:
             size *= in_s[j]
         if size != n:
             return f"reshape {in_s} -> {out_s} mixes the normalized dim with others"
-        if group is not None and in_s[k] % group == 0:
+        if group is None:  # P over the merged extent = P jointly over the input block j..k
+            return tuple(d for d in range(j, k + 1) if in_s[d] != 1), None
+        if in_s[k] % group == 0:
             return k, group
-        return (f"reshape {in_s} -> {out_s} merges dims into the normalized dim: centering the parts "
-                "would not center the whole")
+        return (f"reshape {in_s} -> {out_s} merges dims into the normalized dim: groups of {group} "
+                "straddle the merged dims")
     return f"reshape {in_s} -> {out_s} mixes the normalized dim with others"
 
 
@@ -283,21 +303,25 @@ def _view(node, dim, group):
     return Requires((make_need(x, *mapped),))
 
 
+def _each(dim, mapping):
+    """Apply a dim mapping to a dim or to every dim of a block."""
+    return tuple(mapping(d) for d in dim) if isinstance(dim, tuple) else mapping(dim)
+
+
 def _permute(node, dim, group):
     dims = [d % _rank(node) for d in node.args[1]]
-    return Requires((make_need(node.args[0], dims[dim], group),))
+    return Requires((make_need(node.args[0], _each(dim, lambda d: dims[d]), group),))
 
 
 def _transpose(node, dim, group):
     r = _rank(node)
     a, b = node.args[1] % r, node.args[2] % r
-    src = b if dim == a else a if dim == b else dim
-    return Requires((make_need(node.args[0], src, group),))
+    return Requires((make_need(node.args[0], _each(dim, lambda d: b if d == a else a if d == b else d), group),))
 
 
 def _t(node, dim, group):
-    src = (1 - dim) if _rank(node) == 2 else dim
-    return Requires((make_need(node.args[0], src, group),))
+    two_d = _rank(node) == 2
+    return Requires((make_need(node.args[0], _each(dim, lambda d: 1 - d if two_d else d), group),))
 
 
 def _expand(node, dim, group):
@@ -504,7 +528,9 @@ def _norm_output_source(call: NormCall, out: fx.Node, dim, group):
         return Break(f"{name}: an RMSNorm output is not zero-mean")
     if call.weight is not None or call.bias is not None:
         return Break(f"{name} output with an affine transform is not zero-mean")
-    if call.num_dims != 1 or dim != _rank(out) - 1 or group is not None:
+    last = _rank(out) - 1
+    covers_last = dim == last or (isinstance(dim, tuple) and last in dim)  # a block holding whole rows
+    if call.num_dims != 1 or not covers_last or group is not None:
         return Break(f"{name} output is zero-mean only over its whole last dim")
     return Source("normalized")
 
@@ -570,6 +596,9 @@ RULES.update({p: _embedding for p in _packets("embedding")})
 RULES.update({p: _layer_norm_source for p in _packets("layer_norm")})
 for _p in (*_ZERO_OPS, *_FULL_OPS):
     RULES[_p] = _zero_source
+
+# rules that also answer for a block of dims (pure layout: copies, casts, reshapes, permutations)
+BLOCK_RULES = {_same_dim, _dropout, _view, _permute, _transpose, _t, _numpy_t, _layer_norm_source}
 
 # ops that only read metadata (shape, dtype): a change of their input's values cannot reach them
 METADATA_OPS = set(_packets("_assert_tensor_metadata", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
