@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     from fold_fuzz import check_seed, shrink
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    args.engine = _engine_version()  # before the first model: the engine modules are imported then
     rows, results, started = [], [], time.time()
     for k, seed in enumerate(range(args.start, args.start + args.n)):
         result = check_seed(seed)
@@ -115,7 +116,7 @@ def _markdown(args, results, repros, elapsed) -> str:
         f"Machine: {platform.machine()} {platform.processor() or ''} ({torch.get_num_threads()} torch thread), "
         f"Python {platform.python_version()}, torch {torch.__version__}, shared 2-core CPU; {elapsed:.0f} s.  ",
         f"Seeds {args.start}..{args.start + args.n - 1}; generator and checks: `tests/fuzz/fold_fuzz.py`; "
-        f"engine: {_engine_version()}.",
+        f"engine: {args.engine}.",
         "",
         "| quantity | count |",
         "|---|---|",
