@@ -24,6 +24,7 @@ from torch import nn
 
 CONTENDERS = ("original", "folded", "fused")
 _NORM_LABEL = "normfold_bench::norm"
+_FORWARD_LABEL = "normfold_bench::forward"
 
 
 @dataclass(frozen=True)
@@ -38,7 +39,7 @@ class BenchConfig:
     min_round_s: float = 0.0                   # repeat a call inside one timing until this long (tiny models)
     compile: bool = False                      # also torch.compile every contender (default inductor backend)
     profile: bool = True                       # torch.profiler pass for the norm + add share
-    profile_iters: int = 5                     # profiled calls per contender and shape
+    profile_iters: int = 9                     # profiled forwards per contender and shape (median taken)
     bootstrap: int = 2000                      # resamples for the ratio's confidence interval
     confidence: float = 0.95
     seed: int = 0
@@ -260,35 +261,40 @@ def _label_norms(models):
 
 
 def _norm_share(call, reset, iters: int) -> tuple[float, float]:
-    """(share of forward CPU time in norms + aten::add, ms per forward in them)."""
+    """Median over profiled forwards of (share of the forward's time in norms + aten::add, ms in them).
+
+    Medians, not sums: on a shared machine one forward can be descheduled inside any op.
+    """
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(iters):
-            with record_function("normfold_bench::forward"):
+            with record_function(_FORWARD_LABEL):
                 call()
             reset()
-    norm_us = add_us = total_us = 0.0
-    for event in prof.key_averages():
-        if event.key == _NORM_LABEL:
-            norm_us += event.cpu_time_total
-        elif event.key == "normfold_bench::forward":
-            total_us += event.cpu_time_total
-    # aten::add outside the norm labels (residual adds, attention masks); norms never call aten::add
+    total_us: dict[int, float] = {}
+    spent_us: dict[int, float] = {}
     for event in prof.events():
-        if event.name == "aten::add" and not _inside(event, _NORM_LABEL):
-            add_us += event.cpu_time_total
-    spent = norm_us + add_us
-    return (spent / total_us if total_us else float("nan")), spent / 1000 / iters
+        if event.name == _FORWARD_LABEL:
+            total_us[event.id] = event.cpu_time_total
+            continue
+        # norms never call aten::add, so an add inside a norm label is not counted twice
+        if event.name == _NORM_LABEL or (event.name == "aten::add" and _ancestor(event, _NORM_LABEL) is None):
+            forward = _ancestor(event, _FORWARD_LABEL)
+            if forward is not None:
+                spent_us[forward.id] = spent_us.get(forward.id, 0.0) + event.cpu_time_total
+    shares = [spent_us.get(i, 0.0) / t for i, t in total_us.items() if t > 0]
+    spent = [spent_us.get(i, 0.0) / 1000 for i in total_us]
+    return (statistics.median(shares) if shares else float("nan")), (statistics.median(spent) if spent else 0.0)
 
 
-def _inside(event, label: str) -> bool:
+def _ancestor(event, label: str):
     parent = event.cpu_parent
     while parent is not None:
         if parent.name == label:
-            return True
+            return parent
         parent = parent.cpu_parent
-    return False
+    return None
 
 
 # ------------------------------------------------------------------------------------ driver
