@@ -11,8 +11,10 @@ Every rule is *exact*, not merely sufficient: with P the projection that removes
 (dim, group), the op commutes with P — op(P·x) = P·op(x). Centering the sources then changes the
 norm's input from x to P·x, which a LayerNorm cannot see (LN(x − c·1) = LN(x)). A rule that only
 guarantees "zero-mean" without commuting (concatenating separately centered parts along the dim,
-merging per-head dims into a whole-dim requirement, zero padding along the dim) would change the
-model, so those are Breaks. Unknown ops break: never a guess.
+centering each head when the merged heads must be zero-mean jointly, zero padding along the dim)
+would change the model, so those are Breaks. A question may also be asked jointly over a block of
+dims (features split and permuted by layout ops); only layout rules answer those. Unknown ops
+break: never a guess.
 """
 from __future__ import annotations
 
