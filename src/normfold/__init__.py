@@ -16,8 +16,8 @@ from .nn import FusedAddRMSNorm, RMSNorm
 from .ops import layer_norm, rms_norm
 
 # Imported eagerly (torch only): the function ``fold`` must shadow the subpackage ``normfold.fold``.
-from .fold import (FoldError, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze, fold,
-                   verify)
+from .fold import (FoldError, FoldPlan, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze,
+                   fold, verify)
 
 __version__ = "0.1.0"
 
@@ -35,7 +35,7 @@ _LAZY_MODULES = {"cbwc": "normfold.train.cbwc", "hf": "normfold.hf", "train": "n
 
 __all__ = [
     "ops", "nn", "rms_norm", "layer_norm", "RMSNorm", "FusedAddRMSNorm",
-    "analyze", "fold", "verify", "FoldReport", "NormEntry", "VerifyResult", "FoldError", "FoldVerificationError",
+    "analyze", "fold", "verify", "FoldPlan", "FoldReport", "NormEntry", "VerifyResult", "FoldError", "FoldVerificationError",
     *_LAZY, *_LAZY_MODULES,
 ]
 
