@@ -100,11 +100,8 @@ def _engine_version() -> str:
 def _markdown(args, results, repros, elapsed) -> str:
     import torch
 
-    total = collections.Counter()
-    for r in results:
-        total[r.status] += 1
-        for n in r.norms:
-            total[n.verdict] += 1
+    status = collections.Counter(r.status for r in results)
+    verdicts = collections.Counter(n.verdict for r in results for n in r.norms)
     num_ln = sum(len(r.norms) for r in results)
     misses = collections.Counter(_miss_category(n.engine_reason) for r in results for n in r.norms
                                  if n.verdict == "missed")
@@ -121,13 +118,13 @@ def _markdown(args, results, repros, elapsed) -> str:
         "| quantity | count |",
         "|---|---|",
         f"| models | {len(results)} |",
-        f"| models with a wrong claim | {total['wrong']} |",
-        f"| models where the engine crashed | {total['crash']} |",
+        f"| models with a wrong claim or changed outputs | {status['wrong']} |",
+        f"| models where the engine crashed | {status['crash']} |",
         f"| LayerNorms judged | {num_ln} |",
-        f"| folded (claimed foldable, outputs equal ≤ 1e-9, RMSNorm input zero-mean) | {total['folded']} |",
-        f"| wrong claims (claimed foldable, a property fails) | {sum(r.count('wrong') for r in results)} |",
-        f"| refusals confirmed by brute force | {total['confirmed']} |",
-        f"| missed folds (refused, but brute-force centering folds it) | {total['missed']} |",
+        f"| folded (claimed foldable, outputs equal ≤ 1e-9, RMSNorm input zero-mean) | {verdicts['folded']} |",
+        f"| wrong claims (claimed foldable, a property fails) | {verdicts['wrong']} |",
+        f"| refusals confirmed by brute force | {verdicts['confirmed']} |",
+        f"| missed folds (refused, but brute-force centering folds it) | {verdicts['missed']} |",
         "",
         "A *missed* fold is a gap, not a bug: the engine refuses only what its exact rules cannot prove.",
         "Brute force: centre every linear-map parameter (Linear, Conv, Embedding, added parameter tables,"

@@ -397,14 +397,15 @@ def _center(t: Tensor, dim: int, group: int | None) -> Tensor:
 
 
 class _Recorder:
-    """Forward pre-hook that keeps the last input of one module."""
+    """Forward pre-hook that keeps a copy of the last input of one module (a copy: a later in-place op
+    may overwrite the tensor itself; clone() keeps the autograd link)."""
 
     def __init__(self, module: nn.Module):
         self.value = None
         self.handle = module.register_forward_pre_hook(self)
 
     def __call__(self, module, inputs):
-        self.value = inputs[0]
+        self.value = inputs[0].clone()
 
 
 @dataclass
@@ -473,8 +474,10 @@ def check_spec(spec: Spec) -> SeedResult:
     if not outputs_equal and not any(n.verdict == "wrong" for n in result.norms):
         result.status = "wrong"  # an affine-only fold changed the model
         result.detail = result.detail or f"outputs changed (max rel {result.max_rel_error:.2e}) with no norm claimed foldable"
-    if any(n.verdict == "wrong" for n in result.norms):
+    wrong = [f"{n.path}: {n.detail}" for n in result.norms if n.verdict == "wrong"]
+    if wrong:
         result.status = "wrong"
+        result.detail = result.detail or "; ".join(wrong)
     return result
 
 
