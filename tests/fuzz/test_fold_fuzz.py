@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from fold_fuzz import (BATCH, TIME, Block, FuzzModel, Spec, _aliases_input, _brute_force, _judge_claim, _smaller,
-                       check_seed, check_spec, generate, make_inputs)
+from fold_fuzz import (BATCH, TIME, Block, FuzzModel, Spec, _aliases_input, _brute_force, _judge_claim, _Recorder,
+                       _smaller, check_seed, check_spec, generate, make_inputs)
 
 SEEDS_PER_CHUNK = 10
 CHUNKS = 4  # 40 models: about 15-40 s on a busy 2-core CPU
@@ -118,6 +118,20 @@ def test_checker_flags_a_claim_whose_rmsnorm_input_is_not_zero_mean():
     inputs = [make_inputs(spec, k) for k in range(2)]
     verdict = _judge_claim(model, "b1", inputs, outputs_equal=True, rel=0.0)
     assert verdict.verdict == "wrong" and "zero-mean" in verdict.detail
+
+
+def test_recorded_norm_input_survives_a_later_in_place_op():
+    """The checker judges what the norm saw, not what an in-place op wrote into that tensor afterwards."""
+    spec = _spec([Block("linear", (0,), 8, {"bias": True}),
+                  Block("norm", (1,), 8, {"kind": "layer_norm_plain", "groups": 1}),
+                  Block("in_place", (1,), 8, {"kind": "relu"})], (2, 3))
+    model = FuzzModel(spec).double().eval()
+    recorder = _Recorder(model.b1)
+    ids, x = make_inputs(spec, 0)
+    with torch.no_grad():
+        seen = model.b0(x)
+        model(ids, x)
+    assert (seen < 0).any() and torch.equal(recorder.value, seen)
 
 
 def test_brute_force_treats_each_tied_name_on_its_own():
