@@ -37,7 +37,6 @@ from ._common import as_batches, call, first_tensor, norm_modules, rows
 
 OutputFn = Callable[[nn.Module, object], Tensor]
 
-_STATUSES = ("exact", "approximate", "kept")
 _MAX_PRODUCER_CANDIDATES = 2  # linears executed just before a norm that are probed as its producer
 
 

@@ -19,7 +19,6 @@ and the math is a pure function, as in the exact fold's plan.
 from __future__ import annotations
 
 import copy
-import operator
 from dataclasses import asdict, dataclass
 
 import torch
