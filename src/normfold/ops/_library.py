@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from . import _reference_backend
+from . import _cpu, _reference_backend
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _warned: set[str] = set()
@@ -44,8 +44,6 @@ def _warn_once(key: str, message: str) -> None:
 
 
 def _cpu_backend() -> ModuleType | None:
-    from . import _cpu
-
     if _cpu.kernel_available():
         return _cpu
     _warn_once("cpu", f"normfold: the fused C++ CPU kernel is unavailable ({_cpu.build_error()}); "
@@ -94,10 +92,16 @@ def _none_if_empty(t: Tensor) -> Tensor | None:
 
 
 # ---------------------------------------------------------------- forward
+def _run_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None, eps: float,
+             offset: float, is_rms: bool) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
+    """The chosen backend's forward on contiguous inputs: (y, s | None, mean | None, rstd)."""
+    x, residual = x.contiguous(), None if residual is None else residual.contiguous()
+    return select_backend(x, residual).norm_fwd(x, weight, bias, residual, eps, offset, is_rms)
+
+
 def _norm_fwd_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
                    eps: float, offset: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    x, residual = x.contiguous(), None if residual is None else residual.contiguous()
-    y, s, mean, rstd = select_backend(x, residual).norm_fwd(x, weight, bias, residual, eps, offset, is_rms)
+    y, s, mean, rstd = _run_fwd(x, weight, bias, residual, eps, offset, is_rms)
     return y, _or_empty(s, x), _or_empty(mean, rstd), rstd
 
 
@@ -235,5 +239,5 @@ def norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor
     elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual)):
         y, s, _, _ = _EagerNorm.apply(x, weight, bias, residual, eps, offset, is_rms)
     else:
-        y, s, _, _ = _norm_fwd_impl(x, weight, bias, residual, eps, offset, is_rms)
+        y, s, _, _ = _run_fwd(x, weight, bias, residual, eps, offset, is_rms)
     return y, (s if residual is not None else None)
