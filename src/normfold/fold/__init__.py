@@ -26,38 +26,76 @@ _verify = verify  # ``fold``'s keyword ``verify`` shadows the function inside it
 _FLOAT64_TOLERANCE = 1e-9  # relative error allowed between original and folded outputs in float64
 
 
-def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True) -> FoldReport:
+def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
+            fold_batchnorm: bool = True) -> FoldReport:
     """Report, for every norm of ``model``, whether it can become an RMSNorm and why (model untouched).
 
     ``example_inputs``: a tuple of positional arguments or a dict of keyword arguments
     (e.g. ``{"input_ids": ids, "use_cache": False}``); what the model returns for them are its outputs.
     ``fold_affine``: plan to move γ/β into the linear layers that read a norm. ``precompute``: a
     LayerNorm applied straight to an embedding lookup is baked into the table (the norm disappears).
+    ``fold_batchnorm``: eval-mode BatchNorms right after a Linear/Conv are planned to merge into it
+    first (``report.batchnorms`` says which and why not).
     """
+    return _analyze(model, example_inputs, fold_affine=fold_affine, precompute=precompute,
+                    fold_batchnorm=fold_batchnorm)[0]
+
+
+def _analyze(model, example_inputs, *, fold_affine, precompute, fold_batchnorm):
+    """(report, model with its BatchNorms folded, BatchNorm steps): BatchNorms merge first, so a
+    Linear → BatchNorm → LayerNorm chain is analysed as the Linear → LayerNorm it becomes."""
     from .analysis import analyze_captured
     from .graph import capture
 
-    captured = capture(model, example_inputs)
-    entries, plan, untied = analyze_captured(model, captured, fold_affine=fold_affine, precompute=precompute)
-    return FoldReport(entries, plan, untied)
+    base, bn_steps, bn_entries = model, [], []
+    if fold_batchnorm and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        from ..lab.batchnorm import apply_batchnorm_folds, plan_batchnorm_folds
+
+        bn_steps, bn_entries = plan_batchnorm_folds(model, example_inputs)
+        if bn_steps:
+            base = apply_batchnorm_folds(copy.deepcopy(model), bn_steps)
+    captured = capture(base, example_inputs)
+    entries, plan, untied = analyze_captured(base, captured, fold_affine=fold_affine, precompute=precompute)
+    report = FoldReport(entries, plan, untied, batchnorms=bn_entries)
+    return report, base, bn_steps
 
 
 def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
-         verify: bool = True):
+         fold_batchnorm: bool = True, verify: bool = True, approximate: bool = False, calibration=None,
+         min_cosine: float = 0.999, output_fn=None):
     """Return ``(folded_copy, report)``: foldable LayerNorms become RMSNorms, outputs unchanged.
 
     With ``verify=True`` the plan is also applied to a float64 copy and compared with ``model`` in
     float64 (so the transform is judged, not the final rounding to the model's dtype, which is
     reported separately); ``FoldVerificationError`` is raised (nothing returned) if the relative
     error exceeds 1e-9. ``report.verification`` holds the numbers.
+
+    ``approximate=True`` then also replaces norms the exact fold cannot touch, choosing and
+    correcting them on ``calibration`` batches while every output row keeps a cosine similarity
+    ≥ ``min_cosine`` to the original (``normfold.lab.approximate_fold``; ``output_fn`` picks the
+    rows compared, e.g. ``normfold.lab.mean_pooled`` for sentence embeddings). The result is no
+    longer exact: ``report.approximate`` holds the measured change, ``report.num_approximate`` the count.
     """
+    from .graph import split_example_inputs
     from .transform import apply_plan
 
-    report = analyze(model, example_inputs, fold_affine=fold_affine, precompute=precompute)
-    folded = apply_plan(copy.deepcopy(model), report.plan)
+    split_example_inputs(example_inputs)  # TypeError on a wrong type, before any work
+    if approximate:
+        if calibration is None:
+            raise ValueError("approximate=True needs calibration=[batch, ...] (inputs like example_inputs)")
+        if isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float)) or not 0.0 < min_cosine <= 1.0:
+            raise ValueError(f"min_cosine must be a number in (0, 1], got {min_cosine!r}")
+    report, base, bn_steps = _analyze(model, example_inputs, fold_affine=fold_affine, precompute=precompute,
+                                      fold_batchnorm=fold_batchnorm)
+    folded = apply_plan(copy.deepcopy(base), report.plan)
     if verify:
         rms_paths = [s.path for s in report.plan.swap if s.to == "RMSNorm"]
-        exact = apply_plan(copy.deepcopy(model).to(torch.float64), report.plan)
+        exact = copy.deepcopy(model).to(torch.float64)
+        if bn_steps:
+            from ..lab.batchnorm import apply_batchnorm_folds
+
+            exact = apply_batchnorm_folds(exact, bn_steps)
+        exact = apply_plan(exact, report.plan)
         result = _verify(model, folded, example_inputs, tolerance=_FLOAT64_TOLERANCE, rms_norm_paths=rms_paths,
                          folded_exact=exact)
         report.verification = result
@@ -65,6 +103,11 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
             raise FoldVerificationError(
                 f"folded model differs from the original: float64 max relative error {result.max_rel_error:.3e} "
                 f"> {_FLOAT64_TOLERANCE:.0e}\n{report}")
+    if approximate:
+        from ..lab.approximate import approximate_fold
+
+        folded, report.approximate = approximate_fold(model, folded, report, calibration, min_cosine=min_cosine,
+                                                      output_fn=output_fn)
     return folded, report
 
 

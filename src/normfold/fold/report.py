@@ -52,6 +52,8 @@ class FoldReport:
     plan: FoldPlan = field(default_factory=FoldPlan)
     untied: list[str] = field(default_factory=list)   # "lm_head.weight (copy of transformer.wte.weight)"
     verification: VerifyResult | None = None
+    batchnorms: list = field(default_factory=list)     # normfold.lab.BatchNormEntry per BatchNorm module
+    approximate: object | None = None                  # normfold.lab.ApproximateReport when fold(approximate=True)
 
     @property
     def num_norms(self) -> int:
@@ -65,6 +67,15 @@ class FoldReport:
     def num_affine_folded(self) -> int:
         return sum(e.affine_folded for e in self.norms)
 
+    @property
+    def num_batchnorms_folded(self) -> int:
+        return sum(e.folded for e in self.batchnorms)
+
+    @property
+    def num_approximate(self) -> int:
+        """Norms replaced approximately (``fold(approximate=True)``); 0 for an exact fold."""
+        return 0 if self.approximate is None else self.approximate.num_approximate
+
     def to_dict(self) -> dict:
         return {
             "num_norms": self.num_norms,
@@ -74,6 +85,9 @@ class FoldReport:
             "untied": list(self.untied),
             "plan": self.plan.to_dict(),
             "verification": None if self.verification is None else self.verification.to_dict(),
+            "batchnorms": [asdict(e) for e in self.batchnorms],
+            "num_approximate": self.num_approximate,
+            "approximate": None if self.approximate is None else self.approximate.to_dict(),
         }
 
     def __str__(self) -> str:
@@ -86,6 +100,10 @@ class FoldReport:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
         if self.untied:
             lines.append("untied: " + ", ".join(self.untied))
+        for e in self.batchnorms:
+            lines.append(f"BatchNorm {e.path}: {'folded' if e.folded else 'kept'} ({e.reason})")
         if self.verification is not None:
             lines.append(str(self.verification))
+        if self.approximate is not None:
+            lines.append(str(self.approximate))
         return "\n".join(lines)
