@@ -45,8 +45,9 @@ def _analyze(model, example_inputs, *, fold_affine, precompute, fold_batchnorm):
     """(report, model with its BatchNorms folded, BatchNorm steps): BatchNorms merge first, so a
     Linear → BatchNorm → LayerNorm chain is analysed as the Linear → LayerNorm it becomes."""
     from .analysis import analyze_captured
-    from .graph import capture
+    from .graph import capture, check_model_and_inputs
 
+    check_model_and_inputs(model, example_inputs)
     base, bn_steps, bn_entries = model, [], []
     if fold_batchnorm and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         from ..lab.batchnorm import apply_batchnorm_folds, plan_batchnorm_folds
@@ -76,10 +77,10 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     rows compared, e.g. ``normfold.lab.mean_pooled`` for sentence embeddings). The result is no
     longer exact: ``report.approximate`` holds the measured change, ``report.num_approximate`` the count.
     """
-    from .graph import split_example_inputs
+    from .graph import check_model_and_inputs
     from .transform import apply_plan
 
-    split_example_inputs(example_inputs)  # TypeError on a wrong type, before any work
+    check_model_and_inputs(model, example_inputs)  # TypeError before any work
     if approximate:
         if calibration is None:
             raise ValueError("approximate=True needs calibration=[batch, ...] (inputs like example_inputs)")

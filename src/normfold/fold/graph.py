@@ -48,11 +48,17 @@ class Captured:
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # FQN -> every FQN of the same tensor
 
 
-def capture(model: nn.Module, example_inputs) -> Captured:
-    """``torch.export`` the model in eval mode (non-strict) and index its placeholders."""
+def check_model_and_inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
+    """TypeError, before any work, unless ``model`` is a module and the inputs a tuple or dict."""
     args, kwargs = split_example_inputs(example_inputs)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return args, kwargs
+
+
+def capture(model: nn.Module, example_inputs) -> Captured:
+    """``torch.export`` the model in eval mode (non-strict) and index its placeholders."""
+    args, kwargs = check_model_and_inputs(model, example_inputs)
     with eval_mode(model), torch.no_grad():
         try:
             ep = torch.export.export(model, args, kwargs, strict=False)
