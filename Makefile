@@ -31,6 +31,7 @@ test: venv
 	TRITON_INTERPRET=1 TRITON_DEFAULT_FP_FUSION=1 $(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS) tests
 
 bench: venv
+	$(PY) -m normfold.ops.build
 	$(PY) benchmarks/bench_norm.py
 
 # CUDA machines only: kernel correctness vs the fp64 reference and timings vs torch (tables in benchmarks/results/)
