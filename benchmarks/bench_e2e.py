@@ -82,18 +82,24 @@ def main(argv=None) -> int:
                                    "rounds": args.rounds}.items() if v}
     config = BenchConfig(**{**config.__dict__, **overrides, "compile": args.compile})
     out = args.out or RESULTS / ("e2e_quick" if args.quick else "e2e")
-    rows = []
+    command = "python benchmarks/bench_e2e.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    rows, failed = [], []
     for name in args.models:
         start = time.perf_counter()
-        model = build(name, args.layers, args.quick)
-        rows += bench_model(model, config, name=name, progress=lambda s: print(f"  {s}", flush=True))
+        try:
+            model = build(name, args.layers, args.quick)
+            rows += bench_model(model, config, name=name, progress=lambda s: print(f"  {s}", flush=True))
+        except Exception as exc:  # one model that cannot run must not lose the others' results
+            failed.append(name)
+            print(f"{name}: FAILED {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            continue
         print(f"{name}: {time.perf_counter() - start:.0f} s", flush=True)
-    command = "python benchmarks/bench_e2e.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+        write_results(rows, out, command=command, plot=False)  # partial results survive an interrupted run
     for path in write_results(rows, out, command=command, plot=not args.no_plot):
         print(f"wrote {path}")
     if not args.no_ops:
         write_ops(out.with_name(out.name + "_ops.md"), command, quick=args.quick)
-    return 0
+    return 1 if failed else 0
     return 0
 
 

@@ -110,8 +110,9 @@ def prepare_contenders(model: nn.Module, example_inputs) -> tuple[dict[str, nn.M
 def _cache_argument(model: nn.Module) -> str | None:
     """The forward's KV-cache keyword (transformers 5 says ``cache``, 4 ``past_key_values``), None if none."""
     params = _forward_params(model)
-    if "input_ids" not in params or not hasattr(model, "config"):
-        return None
+    can_generate = getattr(model, "can_generate", None)
+    if "input_ids" not in params or not (callable(can_generate) and can_generate()):
+        return None  # encoders (BERT) take a cache argument for cross-attention but return none
     return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
