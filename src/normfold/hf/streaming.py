@@ -73,12 +73,15 @@ class Checkpoint:
             self.files[name] = keys
             self.file_of.update(dict.fromkeys(keys, name))
         self.bytes_read = 0
+        self.read_seconds = 0.0
 
     def read(self, key: str) -> torch.Tensor:
         safe_open = require("safetensors").safe_open
+        t0 = time.perf_counter()
         with safe_open(self.folder / self.file_of[key], framework="pt") as f:
             t = f.get_tensor(key).clone()  # own memory: nothing keeps the file mapped
         self.bytes_read += t.numel() * t.element_size()
+        self.read_seconds += time.perf_counter() - t0
         return t
 
 
@@ -234,6 +237,7 @@ class _Rewrite:
             self.groups[find(k)].add(k)
         self.group_of = {k: find(k) for k in touched}
         self.norm_values = {k: checkpoint.read(k) for k in sorted(self.norm_params)}
+        self.math_seconds = 0.0  # in the worker thread: overlaps the writing
 
     def output_meta(self, key: str) -> tuple[str, list[int]]:
         """(safetensors dtype, shape) of an output key."""
@@ -260,6 +264,7 @@ class _Rewrite:
             return {key: self._cast(key, self.checkpoint.read(key))}
         keys = self.groups[self.group_of[key]]
         vals = {k: self.checkpoint.read(k) for k in keys if k in self.checkpoint.meta}
+        t0 = time.perf_counter()
         for new, src in self.untie:  # first: the copy keeps the original values
             if new in keys:
                 vals[new] = vals[src].clone()
@@ -276,6 +281,7 @@ class _Rewrite:
             if k in self.fill:
                 dtype, shape = self.checkpoint.meta[k]
                 vals[k] = torch.full(shape, self.fill[k], dtype=_FROM_ST[dtype])
+        self.math_seconds += time.perf_counter() - t0
         return {k: self._cast(k, v) for k, v in vals.items()}
 
     def _cast(self, key: str, t: torch.Tensor) -> torch.Tensor:
@@ -406,7 +412,8 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
                      for s in report.plan.swap if s.to == "RMSNorm"],
             fold_affine=fold_affine, saved_dtype=dtype or _stored_dtype(model_dir),
             streaming={"bytes_read": checkpoint.bytes_read, "bytes_written": written,
-                       "plan_seconds": round(t_plan, 2), "seconds": round(time.perf_counter() - t0, 2)},
+                       "plan_seconds": round(t_plan, 2), "read_seconds": round(checkpoint.read_seconds, 2),
+                       "math_seconds": round(rewrite.math_seconds, 2), "seconds": round(time.perf_counter() - t0, 2)},
         )
         write_report_files(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
