@@ -96,6 +96,15 @@ def test_decode_step_reuses_a_cache_cropped_back_to_the_prefill():
             assert out.cache.get_seq_length() == 6
 
 
+def test_only_models_that_generate_get_a_decode_workload():
+    from normfold.bench import _cache_argument
+
+    bert = transformers.BertModel(transformers.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                                          intermediate_size=64, vocab_size=100))
+    assert _cache_argument(bert) is None  # its forward takes `cache` (cross-attention) but returns none
+    assert _cache_argument(_tiny_gpt2()) == "cache"
+
+
 def test_decode_prefill_is_clipped_one_short_of_the_position_limit():
     from normfold.bench import _decode_call
 
