@@ -91,10 +91,12 @@ def test_checker_confirms_a_refusal_after_a_nonlinearity():
     assert [n.verdict for n in result.norms] == ["confirmed"]
 
 
-def test_checker_finds_the_fold_hidden_behind_a_feature_permutation():
-    """A view/transpose/reshape that permutes features keeps a zero mean: the engine refuses, the brute force folds."""
-    spec = _spec([Block("linear", (0,), 8, {"bias": True}), Block("interleave", (1,), 8),
-                  Block("norm", (2,), 8, {"kind": "layer_norm", "groups": 1})], (3,))
+def test_checker_finds_a_fold_the_rules_cannot_see():
+    """relu(h) − (relu(h) − h) is h: the LN input is a centerable linear output, which no op-by-op rule can
+    prove (relu breaks); the brute force finds the fold and counts it as missed."""
+    spec = _spec([Block("linear", (0,), 8, {"bias": True}), Block("act", (1,), 8, {"fn": "relu"}),
+                  Block("sub", (2, 1), 8), Block("sub", (2, 3), 8),
+                  Block("norm", (4,), 8, {"kind": "layer_norm", "groups": 1})], (5,))
     result = check_spec(spec)
     assert [n.verdict for n in result.norms] == ["missed"]
     assert "b0.weight" in result.norms[0].detail
