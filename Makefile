@@ -34,6 +34,10 @@ bench: venv
 	$(PY) -m normfold.ops.build
 	$(PY) benchmarks/bench_norm.py
 
+# random-architecture fuzzing of the fold engine (make fuzz N=5000); record in benchmarks/results/fuzz.md
+fuzz: venv
+	nice -n 10 $(PY) benchmarks/fuzz_fold.py --n $(N)
+
 # CUDA machines only: kernel correctness vs the fp64 reference and timings vs torch (tables in benchmarks/results/)
 gpu-check:
 	bash benchmarks/gpu_check.sh
