@@ -81,6 +81,9 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     from .transform import apply_plan
 
     check_model_and_inputs(model, example_inputs)  # TypeError before any work
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise FoldError("fold needs the model's weights, but some are on the meta device: load them first "
+                        "(analyze works on a meta model; normfold.hf folds checkpoints shard by shard)")
     if approximate:
         if calibration is None:
             raise ValueError("approximate=True needs calibration=[batch, ...] (inputs like example_inputs)")

@@ -124,6 +124,11 @@ def _norm_types():
     return layer_norms, rms_norms
 
 
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or getattr(module, "_backward_pre_hooks", None))
+
+
 def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
     """Norm calls grouped by the module that owns them, in graph order; then RMSNorm modules the
     graph shows no norm op for (e.g. a decomposed implementation)."""
@@ -152,6 +157,8 @@ def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
         if path is None:
             path = f"{module_path(node) or '<root>'}:{node.name}"
         reason = "already an RMSNorm" if call.is_rms else ""
+        if module is not None and _has_hooks(module):  # a swap would silently drop them: keep it, say why
+            module, reason = None, "kept: the module carries hooks, which replacing it would drop"
         norms.setdefault(path, _Norm(path, kind, [], module, reason=reason)).calls.append(call)
     for path, m in model.named_modules():
         if isinstance(m, rms_norm_types) and path in called and path not in norms:
@@ -206,7 +213,7 @@ def _walk_norms(walker: _Walker, norms: list[_Norm]) -> None:
         if norm.kind != "LayerNorm" or norm.precompute is not None:
             continue
         if norm.module is None:
-            norm.reason = "functional layer_norm: no nn.LayerNorm module to replace"
+            norm.reason = norm.reason or "functional layer_norm: no nn.LayerNorm module to replace"
             continue
         reasons = []
         for call in norm.calls:

@@ -7,15 +7,24 @@ import torch
 from torch import Tensor, nn
 
 from ..ops import layer_norm, rms_norm
+from ..ops._checks import check_finite_number
 
 
 def _as_shape(normalized_shape) -> tuple[int, ...]:
     if isinstance(normalized_shape, numbers.Integral):
-        return (int(normalized_shape),)
-    shape = tuple(int(d) for d in normalized_shape)
+        shape = (int(normalized_shape),)
+    else:
+        shape = tuple(int(d) for d in normalized_shape)
     if len(shape) != 1:
         raise ValueError(f"normfold norms normalize the last dimension only: normalized_shape must be an int or a 1-tuple, got {shape}")
+    if shape[0] <= 0:
+        raise ValueError(f"normalized_shape must be a positive size, got {shape[0]}")
     return shape
+
+
+def _as_eps(eps) -> float:
+    check_finite_number("eps", eps, positive=True)
+    return float(eps)
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +37,7 @@ class RMSNorm(nn.Module):
                  bias: bool = False, offset: float = 0.0, device=None, dtype=None) -> None:
         super().__init__()
         self.normalized_shape = _as_shape(normalized_shape)
-        self.eps = float(eps)
+        self.eps = _as_eps(eps)
         self.elementwise_affine = bool(elementwise_affine)
         self.offset = float(offset)
         factory = {"device": device, "dtype": dtype}
@@ -76,7 +85,7 @@ class LayerNorm(nn.Module):
                  device=None, dtype=None) -> None:
         super().__init__()
         self.normalized_shape = _as_shape(normalized_shape)
-        self.eps = float(eps)
+        self.eps = _as_eps(eps)
         self.elementwise_affine = bool(elementwise_affine)
         factory = {"device": device, "dtype": dtype}
         if self.elementwise_affine:

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 
-def _check_finite_number(name: str, value, *, positive: bool) -> None:
+def check_finite_number(name: str, value, *, positive: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or (positive and value <= 0):
         expected = "a finite number > 0" if positive else "a finite number"
@@ -32,8 +32,8 @@ def check_norm_args(
     n = x.shape[-1]
     if n == 0:
         raise ValueError(f"the normalized (last) dimension must be non-empty, got x.shape={tuple(x.shape)}")
-    _check_finite_number("eps", eps, positive=True)
-    _check_finite_number("offset", offset, positive=False)
+    check_finite_number("eps", eps, positive=True)
+    check_finite_number("offset", offset, positive=False)
     for name, p in (("weight", weight), ("bias", bias)):
         if p is None:
             continue
