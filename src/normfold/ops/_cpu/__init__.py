@@ -54,7 +54,7 @@ def _cflags() -> list[str]:
 def build_dir() -> Path:
     """Where this source / torch / CPU combination is built."""
     key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_cflags()).encode())
-    root = Path(os.environ.get("NORMFOLD_CACHE_DIR", Path.home() / ".cache" / "normfold")) / "cpp"
+    root = Path(os.environ.get("NORMFOLD_CACHE_DIR") or Path.home() / ".cache" / "normfold") / "cpp"  # "" = unset
     return root / f"norm_cpu_{key.hexdigest()[:16]}"
 
 
