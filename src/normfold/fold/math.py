@@ -1,11 +1,18 @@
 """Pure tensor math of folding: no modules, usable on checkpoint tensors one at a time.
 
-Both functions compute in float64 and cast back to the input dtype.
+Each computes in ``compute_dtype(t)`` and casts back to the input dtype.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+def compute_dtype(t: Tensor) -> torch.dtype:
+    """float64 for float32/float64 storage (results correctly rounded to float32); float32 for
+    16-bit storage, whose rounding (≥ 2⁻¹¹ relative) dwarfs float32's 2⁻²⁴, at half the memory
+    traffic and a fraction of the time on checkpoints of billions of half-precision weights."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else torch.float64
 
 
 def center(t: Tensor, dim: int, group: int | None = None) -> Tensor:
@@ -16,7 +23,7 @@ def center(t: Tensor, dim: int, group: int | None = None) -> Tensor:
     """
     if not -t.dim() <= dim < t.dim():
         raise ValueError(f"dim must be in [{-t.dim()}, {t.dim()}) for a {t.dim()}-D tensor, got {dim}")
-    x = t.detach().to(torch.float64)
+    x = t.detach().to(compute_dtype(t))
     if group is None:
         return (x - x.mean(dim, keepdim=True)).to(t.dtype)
     n = x.shape[dim]
@@ -44,14 +51,15 @@ def fold_affine_into_consumer(weight: Tensor, bias: Tensor | None, gamma: Tensor
             raise ValueError(f"{name} must have shape ({n_in},) to match the weight's input dim, got {tuple(v.shape)}")
     if bias is not None and bias.shape != (n_out,):
         raise ValueError(f"bias must have shape ({n_out},), got {tuple(bias.shape)}")
-    w = weight.detach().to(torch.float64)
+    dtype = compute_dtype(weight)
+    w = weight.detach().to(dtype)
     w_io = w if in_dim == 0 else w.t()  # (in, out)
-    new_b = None if bias is None else bias.detach().to(torch.float64)
+    new_b = None if bias is None else bias.detach().to(dtype)
     if beta is not None:
-        shift = beta.detach().to(torch.float64) @ w_io  # βᵀW: (out,)
+        shift = beta.detach().to(dtype) @ w_io  # βᵀW: (out,)
         new_b = shift if new_b is None else new_b + shift
     if gamma is not None:
-        w_io = w_io * gamma.detach().to(torch.float64)[:, None]  # diag(γ)·W in (in, out) layout
+        w_io = w_io * gamma.detach().to(dtype)[:, None]  # diag(γ)·W in (in, out) layout
     new_w = w_io if in_dim == 0 else w_io.t()
     out_dtype = bias.dtype if bias is not None else weight.dtype
     return new_w.to(weight.dtype).contiguous(), None if new_b is None else new_b.to(out_dtype)
@@ -60,11 +68,12 @@ def fold_affine_into_consumer(weight: Tensor, bias: Tensor | None, gamma: Tensor
 def layer_norm_rows(table: Tensor, gamma: Tensor | None, beta: Tensor | None, eps: float) -> Tensor:
     """LayerNorm of every row of an embedding table: LN(W)[idx] = LN(W[idx]), so a norm applied
     right after a lookup can be precomputed into the table."""
-    x = table.detach().to(torch.float64)
+    dtype = compute_dtype(table)
+    x = table.detach().to(dtype)
     centered = x - x.mean(-1, keepdim=True)
     y = centered * torch.rsqrt(centered.square().mean(-1, keepdim=True) + eps)
     if gamma is not None:
-        y = y * gamma.detach().to(torch.float64)
+        y = y * gamma.detach().to(dtype)
     if beta is not None:
-        y = y + beta.detach().to(torch.float64)
+        y = y + beta.detach().to(dtype)
     return y.to(table.dtype)

@@ -259,7 +259,7 @@ class _Rewrite:
 
     def compute(self, key: str) -> dict[str, torch.Tensor]:
         """New values for every key of ``key``'s group, in the checkpoint's dtype (the math runs
-        in float64 on slices of at most :data:`_CHUNK` elements, then rounds once per step)."""
+        in ``fold.math.compute_dtype`` on slices of at most :data:`_CHUNK` elements, then rounds once per step)."""
         if key not in self.group_of:
             return {key: self._cast(key, self.checkpoint.read(key))}
         keys = self.groups[self.group_of[key]]
@@ -288,7 +288,7 @@ class _Rewrite:
         return t.to(_FROM_ST[self.output_meta(key)[0]])
 
 
-_CHUNK = 1 << 22  # elements per slice of the float64 math: 32 MB, so a 50k x 4k table never exists in float64
+_CHUNK = 1 << 22  # elements per slice of the math (at most 32 MB in float64), so a whole table never exists in the compute dtype
 
 
 def _slices(t: torch.Tensor, keep_dim: int):
