@@ -97,7 +97,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if path.suffix == ".json":
         return _flatten(json.loads(path.read_text()))
     if path.suffix == ".toml":
-        import tomllib
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10: the same parser as a package
+            import tomli as tomllib
 
         return _flatten(tomllib.loads(path.read_text()))
     raise ValueError(f"config file must end in .json or .toml, got {path.name!r}")
