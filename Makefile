@@ -12,7 +12,7 @@ STAMP := $(VENV)/.normfold-installed
 PYTEST_ARGS ?=
 N ?= 2000
 
-.PHONY: venv demo test fuzz bench gpu-check clean
+.PHONY: venv demo test fuzz bench bench-e2e bench-fold-large default-model gpu-check gpu-e2e clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,19 @@ bench: venv
 	$(PY) -m normfold.ops.build
 	$(PY) benchmarks/bench_norm.py
 
+# original vs folded vs folded+fused models, interleaved (benchmarks/results/e2e.*)
+bench-e2e: venv
+	$(PY) -m normfold.ops.build
+	$(PY) benchmarks/bench_e2e.py --threads 1
+
+# a 13 GB OPT-6.7B-shaped fp16 checkpoint folded shard by shard (needs ~30 GB free disk)
+bench-fold-large: venv
+	nice -n 10 $(PY) benchmarks/bench_fold_large.py
+
+# retrain the bundled default model (deterministic, ~4 minutes on 2 idle cores)
+default-model: venv
+	nice -n 10 $(PY) scripts/train_default_model.py
+
 # random-architecture fuzzing of the fold engine (make fuzz N=5000); record in benchmarks/results/fuzz.md
 fuzz: venv
 	nice -n 10 $(PY) benchmarks/fuzz_fold.py --n $(N)
@@ -41,6 +54,10 @@ fuzz: venv
 # CUDA machines only: kernel correctness vs the fp64 reference and timings vs torch (tables in benchmarks/results/)
 gpu-check:
 	bash benchmarks/gpu_check.sh
+
+# CUDA machines only: folded vs original models end to end (fp16, batch 1/8, seq 128-4096)
+gpu-e2e:
+	bash benchmarks/gpu_e2e.sh
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -199,7 +199,7 @@ def write_results(out: Path, rows: list[dict], summary: dict, command: str) -> N
         "",
         f"- fold / (read + write once): **{s['time_ratio']:.2f}x** (target <= {TIME_TARGET_RATIO}x): "
         f"{'met' if s['time_ratio'] <= TIME_TARGET_RATIO else 'NOT met'}",
-        f"- inside the fold: planning {s['plan_seconds']:.0f} s, reading {s['read_seconds']:.0f} s and float64 math "
+        f"- inside the fold: planning {s['plan_seconds']:.0f} s, reading {s['read_seconds']:.0f} s and the math "
         f"{s['math_seconds']:.0f} s (both in a worker thread that overlaps the writing)",
         f"- fold peak RSS: **{s['fold_rss_gb']:.2f} GB** (target <= {RSS_TARGET_GB} GB): "
         f"{'met' if s['fold_rss_gb'] <= RSS_TARGET_GB else 'NOT met'}",
@@ -213,8 +213,8 @@ def write_results(out: Path, rows: list[dict], summary: dict, command: str) -> N
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {machine()}; run at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, on a shared machine "
-        "(timings are indicative).",
+        f"Machine: {machine()}; run at {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; "
+        f"load average at the end: {' '.join(f'{v:.1f}' for v in os.getloadavg())}.",
     ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 

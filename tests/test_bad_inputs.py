@@ -224,9 +224,7 @@ def _damaged_copy(source, tmp_path, how: str):
 
 @pytest.mark.parametrize("how", [
     "truncated", "garbage", "no_weights", "no_config",
-    pytest.param("bad_config", marks=pytest.mark.xfail(
-        strict=True, reason="hf (engineer D): hf/folder.py _checkpoint_dtype json.loads config.json outside "
-               "CheckpointError: an invalid config.json escapes `normfold fold` as a JSONDecodeError traceback")),
+    "bad_config",
 ])
 def test_cli_fold_of_a_corrupt_checkpoint_exits_2_with_one_clear_line(how, tiny_bert_dir, tmp_path, capsys):
     from normfold.cli import main

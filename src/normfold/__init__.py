@@ -27,11 +27,17 @@ _LAZY = {
     "from_pretrained": "normfold.hf",
     # training
     "cbwc_": "normfold.train.cbwc",
+    # faster folded models
+    "fuse_residual_norms": "normfold.fold.fuse",
     # lab
     "inspect": "normfold.lab",
+    "check": "normfold.lab",
+    "approximate_fold": "normfold.lab",
+    "fold_batchnorms": "normfold.lab",
 }
 # public submodules reachable as attributes (``normfold.cbwc.bake_``)
-_LAZY_MODULES = {"cbwc": "normfold.train.cbwc", "hf": "normfold.hf", "train": "normfold.train", "lab": "normfold.lab"}
+_LAZY_MODULES = {"cbwc": "normfold.train.cbwc", "hf": "normfold.hf", "train": "normfold.train", "lab": "normfold.lab",
+                 "bench": "normfold.bench"}
 
 __all__ = [
     "ops", "nn", "rms_norm", "layer_norm", "RMSNorm", "FusedAddRMSNorm",

@@ -122,3 +122,38 @@ def test_approximate_options_are_checked_before_any_work(kwargs, message, monkey
     monkeypatch.setattr(graph, "capture", lambda *a, **k: pytest.fail("captured before checking options"))
     with pytest.raises(ValueError, match=message):
         normfold.fold(PostLN().eval(), (torch.randn(2, 5, 8),), **kwargs)
+
+
+class PreLN(nn.Module):
+    """Two Pre-LN norms; the residual add ``h = h + y`` feeds ln2 directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(8, 16)
+        self.fc = nn.Linear(16, 16)
+        self.ln1 = nn.LayerNorm(16)
+        self.ln2 = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):  # (B, T, 8)
+        h = self.emb(x)
+        y = self.fc(self.ln1(h))
+        h = h + y
+        return self.head(self.ln2(h))
+
+
+def test_fuse_runs_the_residual_add_with_the_norm_it_feeds():
+    torch.manual_seed(0)
+    model = PreLN().eval()
+    folded, report = normfold.fold(model, (torch.randn(2, 5, 8),), fuse=True)
+    assert report.num_foldable == 2
+    assert [p.norm for p in report.fuse.fused] == ["ln2"] and "ln1" in report.fuse.skipped
+    assert report.fuse.verification.ok
+    x = torch.randn(3, 5, 8)
+    torch.testing.assert_close(folded(x), model(x), rtol=1e-5, atol=1e-5)
+    assert report.to_dict()["fuse"]["fused"][0]["norm"] == "ln2"
+
+
+def test_fuse_is_off_by_default():
+    _, report = normfold.fold(PreLN().eval(), (torch.randn(2, 5, 8),))
+    assert report.fuse is None

@@ -62,8 +62,8 @@ def _analyze(model, example_inputs, *, fold_affine, precompute, fold_batchnorm):
 
 
 def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
-         fold_batchnorm: bool = True, verify: bool = True, approximate: bool = False, calibration=None,
-         min_cosine: float = 0.999, output_fn=None):
+         fold_batchnorm: bool = True, verify: bool = True, fuse: bool = False, approximate: bool = False,
+         calibration=None, min_cosine: float = 0.999, output_fn=None):
     """Return ``(folded_copy, report)``: foldable LayerNorms become RMSNorms, outputs unchanged.
 
     With ``verify=True`` the plan is also applied to a float64 copy and compared with ``model`` in
@@ -76,6 +76,9 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     ≥ ``min_cosine`` to the original (``normfold.lab.approximate_fold``; ``output_fn`` picks the
     rows compared, e.g. ``normfold.lab.mean_pooled`` for sentence embeddings). The result is no
     longer exact: ``report.approximate`` holds the measured change, ``report.num_approximate`` the count.
+
+    ``fuse=True`` (opt-in, inference only) then runs each residual add that feeds a new RMSNorm
+    together with it in one kernel call (``normfold.fold.fuse``); ``report.fuse`` says which.
     """
     from .graph import check_model_and_inputs
     from .transform import apply_plan
@@ -107,6 +110,10 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
             raise FoldVerificationError(
                 f"folded model differs from the original: float64 max relative error {result.max_rel_error:.3e} "
                 f"> {_FLOAT64_TOLERANCE:.0e}\n{report}")
+    if fuse:
+        from .fuse import fuse_residual_norms
+
+        folded, report.fuse = fuse_residual_norms(folded, example_inputs, inplace=True, verify=verify)
     if approximate:
         from ..lab.approximate import approximate_fold
 

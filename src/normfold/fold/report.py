@@ -54,6 +54,7 @@ class FoldReport:
     verification: VerifyResult | None = None
     batchnorms: list = field(default_factory=list)     # normfold.lab.BatchNormEntry per BatchNorm module
     approximate: object | None = None                  # normfold.lab.ApproximateReport when fold(approximate=True)
+    fuse: object | None = None                         # normfold.fold.fuse.FuseReport when fold(fuse=True)
 
     @property
     def num_norms(self) -> int:
@@ -88,6 +89,7 @@ class FoldReport:
             "batchnorms": [asdict(e) for e in self.batchnorms],
             "num_approximate": self.num_approximate,
             "approximate": None if self.approximate is None else self.approximate.to_dict(),
+            "fuse": None if self.fuse is None else self.fuse.to_dict(),
         }
 
     def __str__(self) -> str:

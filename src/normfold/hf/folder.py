@@ -38,7 +38,13 @@ def _noop(_: str) -> None:
 
 def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
     """The dtype the folder's config records (float32 when it says nothing)."""
-    config = json.loads((model_dir / "config.json").read_text())
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{path} is not a readable JSON config: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(config).__name__}")
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return DTYPES.get(str(name).replace("torch.", ""), torch.float32)
 

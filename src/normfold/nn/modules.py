@@ -27,19 +27,15 @@ def _as_eps(eps) -> float:
     return float(eps)
 
 
-class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x², -1) + eps) · (offset + weight) + bias.
+class _LastDimNorm(nn.Module):
+    """What both norms hold: the normalized size, eps, and optional γ (``weight``) and β (``bias``)
+    Parameters, named as in torch so state dicts are interchangeable."""
 
-    ``bias=True`` holds a LayerNorm's β after folding; ``offset=1.0`` is Gemma's (1 + w).
-    """
-
-    def __init__(self, normalized_shape, eps: float = 1e-6, elementwise_affine: bool = True,
-                 bias: bool = False, offset: float = 0.0, device=None, dtype=None) -> None:
+    def __init__(self, normalized_shape, eps, elementwise_affine, bias, device, dtype) -> None:
         super().__init__()
         self.normalized_shape = _as_shape(normalized_shape)
         self.eps = _as_eps(eps)
         self.elementwise_affine = bool(elementwise_affine)
-        self.offset = float(offset)
         factory = {"device": device, "dtype": dtype}
         if self.elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
@@ -47,6 +43,18 @@ class RMSNorm(nn.Module):
         else:
             self.register_parameter("weight", None)
             self.register_parameter("bias", None)
+
+
+class RMSNorm(_LastDimNorm):
+    """y = x / sqrt(mean(x², -1) + eps) · (offset + weight) + bias.
+
+    ``bias=True`` holds a LayerNorm's β after folding; ``offset=1.0`` is Gemma's (1 + w).
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-6, elementwise_affine: bool = True,
+                 bias: bool = False, offset: float = 0.0, device=None, dtype=None) -> None:
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
+        self.offset = float(offset)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -74,7 +82,7 @@ class FusedAddRMSNorm(RMSNorm):
         return rms_norm(x, self.weight, self.bias, self.eps, residual=residual, offset=self.offset)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(_LastDimNorm):
     """Drop-in ``torch.nn.LayerNorm`` over the last dimension, on the fused kernel.
 
     Same constructor, attributes and state-dict keys as torch's; only a 1-D
@@ -83,17 +91,7 @@ class LayerNorm(nn.Module):
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
                  device=None, dtype=None) -> None:
-        super().__init__()
-        self.normalized_shape = _as_shape(normalized_shape)
-        self.eps = _as_eps(eps)
-        self.elementwise_affine = bool(elementwise_affine)
-        factory = {"device": device, "dtype": dtype}
-        if self.elementwise_affine:
-            self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
-            self.bias = nn.Parameter(torch.empty(self.normalized_shape, **factory)) if bias else None
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
