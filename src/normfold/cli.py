@@ -2,6 +2,7 @@
 
     normfold analyze [MODEL_DIR]                      per-norm table (default: the bundled model)
     normfold fold [MODEL_DIR] -o OUT_DIR [--json]     fold, verify in float64, write OUT_DIR
+        [--approximate --calibration FILE [--min-cosine 0.999]]   also replace the other norms, within a cosine bar
     normfold verify ORIG_DIR FOLDED_DIR               compare a folded folder with its original
     normfold demo                                     fold the bundled model into a temp folder
 
@@ -71,9 +72,12 @@ def _print_norm_table(report: dict) -> None:
     table.add_column("input zero-mean?")
     table.add_column("γ/β")
     table.add_column("why (for a kept norm: the op that breaks zero mean)")
+    approximate = set(report.get("approximate_norms", ()))  # --approximate: replaced, but not exactly
     for r in rows:
-        table.add_row(r["path"], "[green]yes: RMSNorm[/green]" if r["folded"] else "[yellow]no: LayerNorm kept[/yellow]",
-                      "folded into next layer" if r["affine_folded"] else "kept", r["reason"])
+        result = ("[green]yes: RMSNorm[/green]" if r["folded"] else
+                  "[magenta]no: RMSNorm, approximate[/magenta]" if r["path"] in approximate else
+                  "[yellow]no: LayerNorm kept[/yellow]")
+        table.add_row(r["path"], result, "folded into next layer" if r["affine_folded"] else "kept", r["reason"])
     _console().print(table)
 
 
@@ -104,7 +108,7 @@ def _print_verification(ver: dict) -> None:
 def _json_report(report: dict) -> dict:
     """What ``--json`` prints: the counts, the per-norm entries and the verification figures."""
     keys = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype",
-            "streaming")
+            "streaming", "num_approximate", "calibration_min_cosine", "approximate")
     return {k: report[k] for k in keys if k in report}
 
 
@@ -135,11 +139,12 @@ def _run_fold(args) -> int:
     if not args.output:
         raise UsageError("fold needs an output folder: -o OUT_DIR")
     model_dir = _model_dir(args)
+    approximate = _approximate_options(args, model_dir)
     # sharded checkpoints are streamed: never loaded whole, checked block by block
     fold_fn = fold_and_check if args.stream or is_sharded(model_dir) else fold_folder
     with _progress(not args.json) as step:
         report = fold_fn(model_dir, args.output, fold_affine=not args.no_fold_affine, dtype=args.dtype,
-                         overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step)
+                         overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step, **approximate)
     if not report["verification"]["ok"]:
         if not args.json:
             _print_verification(report["verification"])
@@ -151,7 +156,35 @@ def _run_fold(args) -> int:
         _print_norm_table(report)
         _print_verification(report["verification"])
         _console().print(f"wrote [bold]{report['out_dir']}[/bold]")
+    _warn_if_approximate(report)
     return EXIT_OK
+
+
+def _approximate_options(args, model_dir: Path) -> dict:
+    """fold_folder's keywords for ``--approximate``; UsageError for a bad combination, before any loading."""
+    if not args.approximate:
+        if args.calibration is not None or args.min_cosine is not None:
+            raise UsageError("--calibration and --min-cosine only apply with --approximate")
+        return {}
+    from .hf.streaming import is_sharded
+
+    if args.calibration is None:
+        raise UsageError("--approximate needs --calibration FILE (one sentence per line)")
+    min_cosine = 0.999 if args.min_cosine is None else args.min_cosine
+    if not 0.0 < min_cosine <= 1.0:
+        raise UsageError(f"--min-cosine must be in (0, 1], got {min_cosine}")
+    if args.stream or is_sharded(model_dir):
+        raise UsageError("--approximate needs the whole model in memory: not available with --stream or sharded folders")
+    return {"calibration_file": args.calibration, "min_cosine": min_cosine}
+
+
+def _warn_if_approximate(report: dict) -> None:
+    """The approximate-fold warning, on stderr (so --json stdout stays JSON)."""
+    from .hf.folder import approximate_warning
+
+    warning = approximate_warning(report)
+    if warning:
+        _console(stderr=True).print(f"[bold yellow]warning:[/bold yellow] {warning}")
 
 
 def _run_verify(args) -> int:
@@ -166,6 +199,8 @@ def _run_verify(args) -> int:
         print(json.dumps({"verification": ver}, indent=2, default=str))
     else:
         _print_verification(ver)
+    if not ver["ok"] and ver.get("why"):
+        print(f"normfold: verification failed, {ver['why']}", file=sys.stderr)
     return EXIT_OK if ver["ok"] else EXIT_VERIFY_FAILED
 
 
@@ -209,6 +244,14 @@ def add_commands(subparsers) -> None:
     p.add_argument("--stream", action="store_true",
                    help="rewrite the safetensors shard by shard without loading the model "
                         "(automatic for sharded folders); verifies sampled blocks")
+    p.add_argument("--approximate", action="store_true",
+                   help="also replace the norms the exact fold cannot touch, within --min-cosine on the calibration "
+                        "sentences (not exact: load the result with normfold.from_pretrained)")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="UTF-8 text, one calibration sentence per line (tokenized with the folder's tokenizer)")
+    p.add_argument("--min-cosine", type=float, metavar="X",
+                   help="lowest cosine similarity allowed between original and result outputs (default 0.999); "
+                        "sentence encoders are compared on mean-pooled embeddings")
     common(p)
     p.set_defaults(run=_run_fold)
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from .io import (DTYPES, REPORT_JSON, CheckpointError, atomic_output_dir, check_model_dir, example_inputs_for,
-                 from_pretrained, load_model, save_folded, stock_compatible_plan, stock_parameter_shapes,
-                 swapped_norms)
+from .io import (DTYPES, REPORT_JSON, CheckpointError, atomic_output_dir, calibration_batches, check_model_dir,
+                 example_inputs_for, from_pretrained, is_sentence_encoder, load_model, load_tokenizer,
+                 read_calibration_file, save_folded, stock_compatible_plan, stock_parameter_shapes, swapped_norms)
 from .picture import draw_zero_mean_graph
 from .report import norm_rows, render_markdown
 
@@ -63,16 +63,29 @@ def analyze_folder(model_dir: str | os.PathLike, *, trust_remote_code: bool = Fa
 
 def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
                 dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
+                calibration_file: str | os.PathLike | None = None, min_cosine: float = 0.999,
                 step: Step = _noop) -> dict[str, Any]:
     """Fold a folder, verify in float64, and write OUT_DIR only if the verification passes.
 
     The model is folded in float32 (upcast from a half-precision checkpoint) and saved in
     ``dtype`` (default: the checkpoint's own). A failed verification raises
     ``FoldVerificationError`` and leaves no OUT_DIR.
+
+    ``calibration_file`` (one sentence per line, tokenized with the folder's own tokenizer) turns
+    on approximate folding after the exact fold (``normfold.lab.approximate_fold``): norms the exact
+    fold cannot touch become corrected RMSNorms while every output row keeps a cosine ≥
+    ``min_cosine`` on the calibration sentences. Such norms are listed in the report under
+    ``"approximate"`` and only :func:`normfold.from_pretrained` rebuilds them.
     """
     model_dir = check_model_dir(model_dir)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    sentences = tokenizer = None
+    if calibration_file is not None:  # every user error before the model is loaded
+        if isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float)) or not 0.0 < min_cosine <= 1.0:
+            raise CheckpointError(f"min cosine must be a number in (0, 1], got {min_cosine!r}")
+        sentences = read_calibration_file(calibration_file)
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     save_dtype = DTYPES[dtype] if dtype else _checkpoint_dtype(model_dir)
     with atomic_output_dir(out_dir, overwrite=overwrite, protect=(model_dir,)) as tmp:
         step("loading")
@@ -80,13 +93,51 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         step("folding and verifying in float64")
         folded, report = fold_for_stock(model, example_inputs_for(model), fold_affine=fold_affine)
         out = report.to_dict()
+        approx = None
+        if sentences is not None:
+            folded, approx = _approximate(model, folded, report, tokenizer, sentences, min_cosine, step)
         out.update(model=_describe(model, model_dir), swapped=swapped_norms(folded), fold_affine=fold_affine,
                    saved_dtype=str(save_dtype).replace("torch.", ""))
+        if approx is not None:
+            out.update(_approximate_summary(approx, out["swapped"]))
         step("saving")
         save_folded(folded, tmp, dtype=save_dtype)
         write_report_files(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
+
+
+def _approximate(model, folded, report, tokenizer, sentences: list[str], min_cosine: float, step: Step):
+    """``approximate_fold`` on the calibration sentences; sentence encoders are compared on
+    mean-pooled embeddings, every other model on its token outputs."""
+    from ..lab.approximate import approximate_fold, mean_pooled
+
+    batches = calibration_batches(model, tokenizer, sentences)
+    output_fn = mean_pooled if is_sentence_encoder(model) else None
+    return approximate_fold(model, folded, report, batches, min_cosine=min_cosine, output_fn=output_fn,
+                            progress=lambda message: step(f"approximate: {message}"))
+
+
+def _approximate_summary(approx, swapped: list[dict[str, Any]]) -> dict[str, Any]:
+    """Report keys of an approximate fold; marks each ``swapped`` entry exact or approximate."""
+    replaced = {e.path for e in approx.entries if e.status == "approximate"}
+    for entry in swapped:
+        entry["approximate"] = entry["path"] in replaced
+    calibration = approx.calibration
+    return {"approximate": approx.to_dict(), "num_approximate": approx.num_approximate,
+            "approximate_norms": sorted(replaced),
+            "calibration_min_cosine": None if calibration is None else calibration.min_cosine}
+
+
+def approximate_warning(report: dict[str, Any]) -> str | None:
+    """The one-line warning for a folder with approximately replaced norms (None when there are none)."""
+    n = report.get("num_approximate") or 0
+    if not n:
+        return None
+    cos = report.get("calibration_min_cosine")
+    cos_text = "n/a" if cos is None else f"{cos:.6f}"
+    return (f"{n} norm{'s' if n != 1 else ''} replaced approximately; min cosine {cos_text} on the calibration set; "
+            "load with normfold.from_pretrained (stock transformers would rebuild them as LayerNorms)")
 
 
 def fold_for_stock(model, example_inputs, *, fold_affine: bool = True):
@@ -131,16 +182,37 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
     report = json.loads((Path(folded_dir) / REPORT_JSON).read_text())
     tolerance = SAVED_TOLERANCE.get(report.get("saved_dtype"), SAVED_TOLERANCE["float32"])
     step("verifying in float64")
-    rms_paths = [s["path"] for s in report["swapped"]]
-    return verify(original, folded, example_inputs_for(original), tolerance=tolerance,
-                  rms_norm_paths=rms_paths).to_dict()
+    # approximate RMSNorms read inputs that are not zero-mean: only the exact ones are checked for it
+    rms_paths = [s["path"] for s in report["swapped"] if not s.get("approximate")]
+    result = verify(original, folded, example_inputs_for(original), tolerance=tolerance,
+                    rms_norm_paths=rms_paths).to_dict()
+    warning = approximate_warning(report)
+    if warning and not result["ok"]:
+        result["why"] = (f"expected: the folder was folded with --approximate ({warning.split(';')[0]}, "
+                         f"min cosine {report.get('calibration_min_cosine')} on the calibration set), "
+                         "so it cannot match the original within the exact bound")
+    return result
 
 
 def write_report_files(report: dict[str, Any], out_dir: Path) -> None:
     """``normfold_report.json``, ``normfold_report.md`` and the zero-mean graph picture."""
     (out_dir / REPORT_JSON).write_text(json.dumps(report, indent=2, default=str) + "\n")
-    (out_dir / REPORT_MD).write_text(render_markdown(report, picture=PICTURE))
+    markdown = render_markdown(report, picture=PICTURE)
+    warning = approximate_warning(report)
+    if warning:
+        approx = report["approximate"]
+        lines = ["", "## Approximate replacements: NOT exact", "", f"**Warning: {warning}.**", "",
+                 "| norm | status | min cosine alone (corrected) | min cosine alone (plain) | correction |",
+                 "|---|---|---|---|---|"]
+        lines += [f"| `{e['path']}` | {e['status']} | {_cos(e['cosine_alone'])} | {_cos(e['cosine_alone_naive'])} | "
+                  f"{e['correction'] or e['reason']} |" for e in approx["entries"]]
+        markdown += "\n".join(lines) + "\n"
+    (out_dir / REPORT_MD).write_text(markdown)
     draw_zero_mean_graph(norm_rows(report), out_dir / PICTURE, title=report["model"]["architecture"])
+
+
+def _cos(value: float | None) -> str:
+    return "-" if value is None else f"{value:.6f}"
 
 
 def _describe(model, model_dir) -> dict[str, Any]:

@@ -166,6 +166,85 @@ def example_inputs_for(model_or_config, batch: int = 2, seq: int = 16, *, seed: 
     return inputs
 
 
+# ------------------------------------------------------------------------------- calibration text
+
+CALIBRATION_BATCH = 16  # sentences per calibration batch: small enough for CPU memory, large enough to be fast
+CALIBRATION_MAX_TOKENS = 128  # longer sentences are truncated: calibration needs typical tokens, not long contexts
+
+
+def read_calibration_file(path: str | os.PathLike) -> list[str]:
+    """The non-blank lines of a UTF-8 text file, one calibration sentence each."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"calibration file not found: {path}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"calibration file {path} is not readable UTF-8 text: {_first_line(err)}") from err
+    sentences = [line.strip() for line in lines if line.strip()]
+    if not sentences:
+        raise CheckpointError(f"calibration file {path} is empty: expected one sentence per line")
+    return sentences
+
+
+# a folder holds a tokenizer when it has one of these (transformers 5 otherwise builds an empty one from config.json)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+                    "spiece.model", "sentencepiece.bpe.model")
+
+
+def load_tokenizer(model_dir: str | os.PathLike, *, trust_remote_code: bool = False):
+    """The folder's own tokenizer (offline), or CheckpointError when the folder has none."""
+    transformers = require("transformers")
+    path = check_model_dir(model_dir)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise CheckpointError(f"no tokenizer in {path} (needed to tokenize the calibration file): expected one of "
+                              f"{', '.join(_TOKENIZER_FILES)}")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                               trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"no usable tokenizer in {path} (needed to tokenize the calibration file): "
+                              f"{_first_line(err)}") from err
+    if tokenizer is None or not callable(tokenizer):
+        raise CheckpointError(f"no usable tokenizer in {path} (needed to tokenize the calibration file)")
+    return tokenizer
+
+
+def calibration_batches(model: nn.Module, tokenizer, sentences: list[str],
+                        batch_size: int = CALIBRATION_BATCH) -> list[dict[str, Any]]:
+    """The sentences tokenized in padded batches, as keyword inputs ``model`` accepts."""
+    params = inspect.signature(type(model).forward).parameters
+    text = getattr(model.config, "get_text_config", lambda: model.config)()
+    max_len = min(v for v in (getattr(text, "max_position_embeddings", None), getattr(text, "n_positions", None),
+                              CALIBRATION_MAX_TOKENS) if v)
+    if tokenizer.pad_token is None:  # e.g. GPT-2: pad with EOS, the attention mask hides it
+        tokenizer.pad_token = tokenizer.eos_token
+    batches = []
+    for start in range(0, len(sentences), batch_size):
+        encoded = tokenizer(sentences[start:start + batch_size], padding=True, truncation=True, max_length=max_len,
+                            return_tensors="pt")
+        batch = {k: v for k, v in encoded.items() if k in params}  # (B, T) each
+        if "use_cache" in params:
+            batch["use_cache"] = False
+        batches.append(batch)
+    return batches
+
+
+def is_sentence_encoder(model: nn.Module) -> bool:
+    """A bare encoder backbone (what ``AutoModel`` builds for BERT-like configs): no LM head, its
+    token states are pooled into sentence embeddings, so its outputs are compared mean-pooled."""
+    transformers = require("transformers")
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    try:
+        backbone = transformers.AutoModel._model_mapping[type(config)]
+        transformers.AutoModelForMaskedLM._model_mapping[type(config)]  # an encoder family
+    except (KeyError, ValueError):
+        return False
+    return type(model) is backbone
+
+
 # ----------------------------------------------------------------------------------------- saving
 
 @contextlib.contextmanager
@@ -269,7 +348,9 @@ def save_folded(folded: nn.Module, out_dir: Path, *, dtype: torch.dtype | None =
 def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                     trust_remote_code: bool = False) -> nn.Module:
     """Load a folder written by ``normfold fold`` and swap in :class:`normfold.nn.RMSNorm` where
-    the fold did (the ``"swapped"`` list of ``normfold_report.json``)."""
+    the fold did (the ``"swapped"`` list of ``normfold_report.json``), approximate replacements
+    (``--approximate``, marked ``"approximate": true``) included: stock transformers would load
+    those as LayerNorms, which is a different model."""
     path = check_model_dir(path)
     report_file = path / REPORT_JSON
     if not report_file.is_file():

@@ -1,0 +1,142 @@
+"""``normfold fold --approximate --calibration FILE``: a tiny random BERT with its own WordPiece tokenizer."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from normfold.cli import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, main
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("rich")
+
+MIN_COSINE = 0.9  # low enough that random weights let some Post-LN norms go
+_WORDS = ("the a cat dog sat ran on under mat house big small red blue fast slow and with tree "
+          "bird sang sky river flows over stone green old new").split()
+
+
+@pytest.fixture(scope="module")
+def bert_dir(tmp_path_factory):
+    """A 2-layer, hidden-32 random BertModel folder with a WordPiece tokenizer built offline."""
+    root = tmp_path_factory.mktemp("approx_bert")
+    vocab = root / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS]) + "\n")
+    folder = root / "bert"
+    tokenizer = transformers.BertTokenizerFast(vocab_file=str(vocab))
+    config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=64, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.BertModel(config)
+    with torch.no_grad():  # non-trivial γ/β, as a trained model has
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0.0, 0.1)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sentences():
+    gen = torch.Generator().manual_seed(0)
+    return [" ".join(_WORDS[i] for i in torch.randint(0, len(_WORDS), (int(n),), generator=gen))
+            for n in torch.randint(3, 9, (20,), generator=gen)]
+
+
+@pytest.fixture
+def calibration(tmp_path, sentences):
+    path = tmp_path / "calibration.txt"
+    path.write_text("\n\n".join(sentences) + "\n\n", encoding="utf-8")  # blank lines are skipped
+    return path
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _embeddings(model, tokenizer, sentences):
+    from normfold.lab import mean_pooled
+
+    batch = dict(tokenizer(sentences, padding=True, return_tensors="pt"))
+    with torch.no_grad():
+        return mean_pooled(model, batch)  # (N, C)
+
+
+def test_approximate_fold_replaces_norms_and_from_pretrained_rebuilds_them(capsys, tmp_path, bert_dir, calibration,
+                                                                           sentences):
+    out_dir = tmp_path / "out"
+    code, out, err = _run(capsys, "fold", bert_dir, "-o", out_dir, "--approximate", "--calibration", calibration,
+                          "--min-cosine", MIN_COSINE, "--json")
+    assert code == EXIT_OK, err
+    report = json.loads(out)  # stdout stays pure JSON; the warning goes to stderr
+    assert report["num_approximate"] >= 1
+    assert report["calibration_min_cosine"] >= MIN_COSINE
+    assert f"{report['num_approximate']} norm" in err and "normfold.from_pretrained" in err
+
+    saved = json.loads((out_dir / "normfold_report.json").read_text())
+    approximate = {e["path"] for e in saved["swapped"] if e["approximate"]}
+    assert len(approximate) == saved["num_approximate"] == report["num_approximate"]
+    assert "NOT exact" in (out_dir / "normfold_report.md").read_text()
+
+    import normfold
+    from normfold.nn import RMSNorm
+
+    reloaded = normfold.from_pretrained(out_dir)
+    assert all(isinstance(reloaded.get_submodule(p), RMSNorm) for p in approximate)
+    stock = transformers.BertModel.from_pretrained(out_dir)  # what stock transformers rebuilds: LayerNorms there
+    assert not any(isinstance(stock.get_submodule(p), RMSNorm) for p in approximate)
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(bert_dir, local_files_only=True)
+    original = transformers.BertModel.from_pretrained(bert_dir, attn_implementation="eager").eval()
+    cos = torch.nn.functional.cosine_similarity(_embeddings(original, tokenizer, sentences).double(),
+                                                _embeddings(reloaded, tokenizer, sentences).double(), dim=-1)
+    assert cos.min().item() >= MIN_COSINE - 1e-4  # float32 save/reload rounding on top of the measured cosine
+    assert cos.min().item() == pytest.approx(report["calibration_min_cosine"], abs=1e-4)
+
+    # verify compares against the exact bound: it fails, and says the report is approximate
+    code, _, err = _run(capsys, "verify", bert_dir, out_dir)
+    assert code == EXIT_VERIFY_FAILED
+    assert "--approximate" in err and len(err.strip().splitlines()) == 1
+
+
+def _refused(capsys, *argv):
+    code, _, err = _run(capsys, "fold", *argv)
+    assert code == EXIT_USAGE
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("normfold: error:")
+    return lines[0]
+
+
+def test_approximate_without_calibration_is_refused(capsys, tmp_path, bert_dir):
+    assert "--calibration" in _refused(capsys, bert_dir, "-o", tmp_path / "out", "--approximate")
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibration_without_approximate_is_refused(capsys, tmp_path, bert_dir, calibration):
+    assert "--approximate" in _refused(capsys, bert_dir, "-o", tmp_path / "out", "--calibration", calibration)
+
+
+@pytest.mark.parametrize("min_cosine", [0, -0.5, 1.5])
+def test_min_cosine_outside_zero_one_is_refused(capsys, tmp_path, bert_dir, calibration, min_cosine):
+    line = _refused(capsys, bert_dir, "-o", tmp_path / "out", "--approximate", "--calibration", calibration,
+                    "--min-cosine", min_cosine)
+    assert "(0, 1]" in line
+
+
+def test_missing_or_empty_calibration_file_is_refused(capsys, tmp_path, bert_dir):
+    assert "not found" in _refused(capsys, bert_dir, "-o", tmp_path / "out", "--approximate", "--calibration",
+                                   tmp_path / "missing.txt")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n\n", encoding="utf-8")
+    assert "empty" in _refused(capsys, bert_dir, "-o", tmp_path / "out", "--approximate", "--calibration", empty)
+    assert not (tmp_path / "out").exists()
+
+
+def test_folder_without_tokenizer_is_refused(capsys, tmp_path, tiny_dirs, calibration):
+    line = _refused(capsys, tiny_dirs["bert"], "-o", tmp_path / "out", "--approximate", "--calibration", calibration)
+    assert "tokenizer" in line
+    assert not (tmp_path / "out").exists()
