@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from normfold.bench import cpu_model
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "benchmarks" / "results" / "fold_large"
 RSS_TARGET_GB = 3.0
@@ -166,14 +168,7 @@ def run_phase_in_child(name: str, argv: list[str], work: Path) -> dict:
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, {platform.system()} {platform.release()}, torch {torch.__version__}"
 

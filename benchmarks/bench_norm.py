@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from normfold.bench import cpu_model
 from torch import nn
 
 import normfold
@@ -177,14 +179,7 @@ def target_checks(rows: list[Row]) -> list[tuple[str, float, float]]:
 
 
 def machine() -> dict[str, str]:
-    model = platform.processor() or "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model()
     load = " ".join(f"{v:.1f}" for v in os.getloadavg()) if hasattr(os, "getloadavg") else "n/a"
     return {
         "cpu": model,

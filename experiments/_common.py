@@ -12,6 +12,8 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from normfold.bench import cpu_model
+
 from normfold.train import resolve_config, train
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -24,14 +26,7 @@ def run(out_dir: Path, **values: Any) -> dict[str, Any]:
 
 
 def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (f"{cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
             f"Python {platform.python_version()}; 1-min load average at the end: {load:.1f}")

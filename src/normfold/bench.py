@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
+import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -26,6 +28,17 @@ CONTENDERS = ("original", "folded", "fused")
 _NORM_LABEL = "normfold_bench::norm"
 _FORWARD_LABEL = "normfold_bench::forward"
 
+
+
+def cpu_model() -> str:
+    """The processor's marketing name (Linux /proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 @dataclass(frozen=True)
 class BenchConfig:
@@ -340,8 +353,6 @@ def bench_model(model: nn.Module, config: BenchConfig = BenchConfig(), *, name: 
 def write_results(rows: list[BenchRow], stem, *, command: str, plot: bool = True) -> list:
     """``stem``.csv, ``stem``.md (with the command and the machine) and ``stem``.png; returns the paths."""
     import csv
-    import os
-    import platform
     from pathlib import Path
 
     stem = Path(stem)
@@ -354,7 +365,7 @@ def write_results(rows: list[BenchRow], stem, *, command: str, plot: bool = True
         writer.writerows(flat)
     from .ops import cpu_kernel_available
 
-    machine = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} "
+    machine = (f"{cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} "
                f"torch threads, load average {os.getloadavg()[0]:.1f} at the end, torch {torch.__version__}, "
                f"Python {platform.python_version()}, fused C++ CPU kernel "
                f"{'loaded' if cpu_kernel_available() else 'UNAVAILABLE (reference fallback)'}")

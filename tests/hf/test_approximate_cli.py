@@ -80,7 +80,11 @@ def test_approximate_fold_replaces_norms_and_from_pretrained_rebuilds_them(capsy
     saved = json.loads((out_dir / "normfold_report.json").read_text())
     approximate = {e["path"] for e in saved["swapped"] if e["approximate"]}
     assert len(approximate) == saved["num_approximate"] == report["num_approximate"]
-    assert "NOT exact" in (out_dir / "normfold_report.md").read_text()
+    markdown = (out_dir / "normfold_report.md").read_text()
+    assert "NOT exact" in markdown and "RMSNorm (approximate)" in markdown
+    copied = transformers.AutoTokenizer.from_pretrained(out_dir, local_files_only=True)  # the tokenizer came along
+    assert copied("the cat sat")["input_ids"] == \
+        transformers.AutoTokenizer.from_pretrained(bert_dir, local_files_only=True)("the cat sat")["input_ids"]
 
     import normfold
     from normfold.nn import RMSNorm
@@ -140,3 +144,4 @@ def test_folder_without_tokenizer_is_refused(capsys, tmp_path, tiny_dirs, calibr
     line = _refused(capsys, tiny_dirs["bert"], "-o", tmp_path / "out", "--approximate", "--calibration", calibration)
     assert "tokenizer" in line
     assert not (tmp_path / "out").exists()
+

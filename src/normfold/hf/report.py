@@ -31,7 +31,12 @@ def render_markdown(report: dict[str, Any], *, picture: str | None = None) -> st
     if picture:
         lines += [f"![zero-mean graph]({picture})", ""]
     lines += ["| norm | result | γ/β | why |", "|---|---|---|---|"]
-    lines += [f"| `{r['path']}` | {'RMSNorm' if r['folded'] else 'LayerNorm kept'} | "
+    approximate = set(report.get("approximate_norms", ()))
+
+    def result(r) -> str:
+        return "RMSNorm" if r["folded"] else "RMSNorm (approximate)" if r["path"] in approximate else "LayerNorm kept"
+
+    lines += [f"| `{r['path']}` | {result(r)} | "
               f"{'folded into next layer' if r['affine_folded'] else 'kept'} | {r['reason']} |" for r in rows]
     if report.get("untied"):
         lines += ["", "Untied: " + "; ".join(report["untied"])]
