@@ -105,8 +105,8 @@ mean cross-entropy (nats/byte) on {setup['eval_iters']} fixed validation batches
 
 Setup: `{json.dumps(setup)}`.
 Command: `{command_line()}` (wall time {clock}).
-Machine: {machine()}. Other engineers' jobs shared this machine during the run: timings are noisy;
-compare them only within this table (runs alternate between variants), and rerun on a quiet machine.
+Machine: {machine()}. Runs alternate between variants, so load drifts hit all of them alike;
+compare timings only within this table, and read a large ± as load from other work during those runs.
 
 Variants that compute the same function from the same initial weights give the same losses:
 layernorm = layernorm_handrolled = cbwc_rmsnorm (CBWC is exact), and the three RMSNorm
