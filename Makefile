@@ -43,7 +43,7 @@ bench-e2e: venv
 bench-fold-large: venv
 	nice -n 10 $(PY) benchmarks/bench_fold_large.py
 
-# retrain the bundled default model (deterministic, ~4 minutes on 2 idle cores)
+# retrain the bundled default model (deterministic; 250 steps, ~13 minutes measured on a shared 2-core machine)
 default-model: venv
 	nice -n 10 $(PY) scripts/train_default_model.py
 
