@@ -7,12 +7,22 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from . import _library
+from torch.compiler import is_compiling
+
+from . import _cpu, _library
 from ._checks import check_norm_args, check_out
 
 
 def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, residual: Tensor | None,
           offset: float, out: Tensor | None, is_rms: bool) -> Tensor | tuple[Tensor, Tensor]:
+    # Eager CPU inference: one C++ call checks that everything is plain and runs the kernel
+    # (~2 µs instead of ~8 µs of Python around it; what a batch-1 decode step is made of).
+    # None means "not plain": the full path below checks, raises, traces or records autograd.
+    kernel = _cpu._module  # None until the first full-path call has built / loaded it
+    if kernel is not None and out is None and not is_compiling():
+        result = kernel.norm_fwd_eager(x, weight, bias, residual, eps, offset, is_rms)
+        if result is not None:
+            return result
     check_norm_args(x, weight, bias, eps, residual, offset)
     if out is not None:
         check_out(out, x, (x, weight, bias, residual))

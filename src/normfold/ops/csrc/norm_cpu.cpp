@@ -23,9 +23,13 @@
 //            summed after the parallel loop.
 #include <torch/extension.h>
 
+#include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <cmath>
 #include <type_traits>
@@ -127,7 +131,7 @@ inline acc_t<T> make_s_scalar(const T* x, const T* r, T* s_out, int64_t i) {
   }
 }
 
-template <typename T, bool kResidual, bool kBias>
+template <typename T, bool kResidual, bool kWeight, bool kBias>
 void forward_rows(const T* x, const T* res, const acc_t<T>* scale, const acc_t<T>* bias, T* y, T* s_out,
                   acc_t<T>* mean_out, acc_t<T>* rstd_out, int64_t M, int64_t N, acc_t<T> eps, bool is_rms) {
   using A = acc_t<T>;
@@ -171,20 +175,22 @@ void forward_rows(const T* x, const T* res, const acc_t<T>* scale, const acc_t<T
       const A var = is_rms ? sq / A(N) : std::max<A>(sq / A(N) - mean_d * mean_d, A(0));
       const A mean = is_rms ? A(0) : shift + mean_d;
       const A rstd = A(1) / std::sqrt(var + eps);
-      if (!is_rms) mean_out[row] = mean;
-      rstd_out[row] = rstd;
+      if (mean_out) mean_out[row] = mean;  // the statistics are kept only for a backward
+      if (rstd_out) rstd_out[row] = rstd;
       // sweep 2: y = (s − mean)·rstd·scale + bias (subtracting first keeps a constant row exact)
       const V vr(rstd), vmean(mean);
       i = 0;
       for (; i + K <= N; i += K) {
         V s = load_acc((kResidual ? sr : xr) + i);
-        V out = (s - vmean) * vr * V::loadu(scale + i);
+        V out = (s - vmean) * vr;
+        if constexpr (kWeight) out = out * V::loadu(scale + i);
         if constexpr (kBias) out = out + V::loadu(bias + i);
         store_out(yr + i, out, stream);
       }
       for (; i < N; ++i) {
         A s = A((kResidual ? sr : xr)[i]);
-        A out = (s - mean) * rstd * scale[i];
+        A out = (s - mean) * rstd;
+        if constexpr (kWeight) out *= scale[i];
         if constexpr (kBias) out += bias[i];
         yr[i] = T(out);
       }
@@ -262,12 +268,23 @@ void backward_rows(const T* dy, const T* ds, const T* s, const acc_t<T>* scale, 
 
 at::ScalarType acc_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
-// scale = offset + weight (1 without a weight), in the accumulation dtype, contiguous.
+// t itself when it already is a contiguous tensor of dtype `acc` (no copy), else a converted copy.
+at::Tensor as_acc(const at::Tensor& t, at::ScalarType acc) {
+  return t.scalar_type() == acc && t.is_contiguous() ? t : t.to(acc).contiguous();
+}
+
+// scale = offset + weight in the accumulation dtype, contiguous; None without a weight.
+c10::optional<at::Tensor> forward_scale(const c10::optional<at::Tensor>& weight, double offset, at::ScalarType acc) {
+  if (!weight.has_value()) return c10::nullopt;
+  auto w = as_acc(*weight, acc);
+  return offset == 0.0 ? w : w + offset;
+}
+
+// The backward's scale: as forward_scale, but ones without a weight.
 at::Tensor make_scale(const c10::optional<at::Tensor>& weight, double offset, int64_t n, const at::Tensor& x) {
   auto acc = acc_type(x.scalar_type());
   if (!weight.has_value()) return at::ones({n}, x.options().dtype(acc));
-  auto w = weight->to(acc).contiguous();
-  return offset == 0.0 ? w : w + offset;
+  return *forward_scale(weight, offset, acc);
 }
 
 void check_2d(const at::Tensor& t, const char* name, const at::Tensor& x) {
@@ -276,7 +293,116 @@ void check_2d(const at::Tensor& t, const char* name, const at::Tensor& x) {
               t.scalar_type(), " ", t.sizes(), t.is_contiguous() ? "" : " (non-contiguous)");
 }
 
+// Run forward_rows over M rows of N for contiguous x, residual, y, s (all of x's dtype and element
+// count); weight/bias any floating dtype of shape (N,). mean/rstd (acc dtype, M) may be null.
+void launch_forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                    const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& residual, double eps,
+                    double offset, bool is_rms, at::Tensor& y, c10::optional<at::Tensor>& s, void* mean,
+                    void* rstd, int64_t M, int64_t N) {
+  if (M == 0) return;
+  const auto acc = acc_type(x.scalar_type());
+  const c10::optional<at::Tensor> scale = forward_scale(weight, offset, acc);
+  c10::optional<at::Tensor> bias_acc;
+  if (bias.has_value()) bias_acc = as_acc(*bias, acc);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "normfold_norm_fwd", [&] {
+    using A = acc_t<scalar_t>;
+    const scalar_t* res = residual.has_value() ? residual->const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* s_ptr = s.has_value() ? s->data_ptr<scalar_t>() : nullptr;
+    const A* scale_ptr = scale.has_value() ? scale->const_data_ptr<A>() : nullptr;
+    const A* bias_ptr = bias_acc.has_value() ? bias_acc->const_data_ptr<A>() : nullptr;
+    auto run = [&](auto has_residual, auto has_weight, auto has_bias) {
+      forward_rows<scalar_t, decltype(has_residual)::value, decltype(has_weight)::value,
+                   decltype(has_bias)::value>(x.const_data_ptr<scalar_t>(), res, scale_ptr, bias_ptr,
+                                              y.data_ptr<scalar_t>(), s_ptr, static_cast<A*>(mean),
+                                              static_cast<A*>(rstd), M, N, static_cast<A>(eps), is_rms);
+    };
+    using T_ = std::true_type;
+    using F_ = std::false_type;
+    auto with_residual = [&](auto has_weight, auto has_bias) {
+      if (res) run(T_{}, has_weight, has_bias);
+      else run(F_{}, has_weight, has_bias);
+    };
+    if (scale_ptr && bias_ptr) with_residual(T_{}, T_{});
+    else if (scale_ptr) with_residual(T_{}, F_{});
+    else if (bias_ptr) with_residual(F_{}, T_{});
+    else with_residual(F_{}, F_{});
+  });
+}
+
+// ---------------------------------------------------------------- eager inference entry
+// Tensors that may be handed straight to the kernel: a torch.Tensor or Parameter (no subclass),
+// strided, on the CPU, and carrying none of the dispatch keys that give a tensor other semantics.
+bool plain_cpu_tensor(PyObject* obj, at::Tensor& out) {
+  if (!THPVariable_CheckExact(obj)) return false;
+  out = THPVariable_Unpack(obj);
+  static const c10::DispatchKeySet kOther({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
+                                           c10::DispatchKey::Conjugate, c10::DispatchKey::Negative,
+                                           c10::DispatchKey::ZeroTensor, c10::DispatchKey::FuncTorchBatched,
+                                           c10::DispatchKey::FuncTorchGradWrapper});
+  return out.layout() == at::kStrided && out.device().is_cpu() && !out.key_set().has_any(kOther);
+}
+
+// A Python float that is finite (and > 0 when asked).
+bool plain_float(PyObject* obj, bool positive, double& out) {
+  if (!PyFloat_Check(obj)) return false;
+  out = PyFloat_AS_DOUBLE(obj);
+  return std::isfinite(out) && (!positive || out > 0.0);
+}
+
+bool is_kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
+
 }  // namespace
+
+// The functional API's shortcut for eager calls that need no autograd: one C++ call that checks
+// the arguments are plain (tensors, dtypes, shapes, numbers) and runs the kernel, allocating only
+// the outputs (no mean/rstd). Returns y, (y, s) with a residual, or None for anything it does not
+// take — then the caller goes the full way, which also raises the errors for bad arguments.
+py::object norm_fwd_eager(py::handle x_obj, py::handle weight_obj, py::handle bias_obj, py::handle residual_obj,
+                          py::handle eps_obj, py::handle offset_obj, bool is_rms) {
+  at::Tensor x;
+  double eps, offset;
+  if (!plain_cpu_tensor(x_obj.ptr(), x) || !is_kernel_dtype(x.scalar_type()) || x.dim() == 0 ||
+      !plain_float(eps_obj.ptr(), true, eps) || !plain_float(offset_obj.ptr(), false, offset))
+    return py::none();
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
+      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode))
+    return py::none();
+  const int64_t N = x.size(-1);
+  const bool grad = at::GradMode::is_enabled();
+  if (N == 0 || (grad && x.requires_grad())) return py::none();
+  c10::optional<at::Tensor> params[2];  // weight, bias
+  PyObject* param_objs[2] = {weight_obj.ptr(), bias_obj.ptr()};
+  for (int k = 0; k < 2; ++k) {
+    if (param_objs[k] == Py_None) continue;
+    at::Tensor p;
+    if (!plain_cpu_tensor(param_objs[k], p) || !p.is_floating_point() || p.dim() != 1 || p.size(0) != N ||
+        (grad && p.requires_grad()))
+      return py::none();
+    params[k] = std::move(p);
+  }
+  c10::optional<at::Tensor> residual;
+  if (residual_obj.ptr() != Py_None) {
+    at::Tensor r;
+    if (!plain_cpu_tensor(residual_obj.ptr(), r) || r.scalar_type() != x.scalar_type() ||
+        r.sizes() != x.sizes() || (grad && r.requires_grad()))
+      return py::none();
+    residual = r.is_contiguous() ? r : r.contiguous();
+  }
+  if (!x.is_contiguous()) x = x.contiguous();
+  const int64_t M = N ? x.numel() / N : 0;
+  at::Tensor y = at::detail::empty_cpu(x.sizes(), x.scalar_type());
+  c10::optional<at::Tensor> s;
+  if (residual.has_value()) s = at::Tensor(at::detail::empty_cpu(x.sizes(), x.scalar_type()));
+  {
+    // let other Python threads run while a large norm computes; tiny ones keep the GIL (cheaper)
+    c10::optional<py::gil_scoped_release> no_gil;
+    if (M * N >= (int64_t(1) << 16)) no_gil.emplace();
+    launch_forward(x, params[0], params[1], residual, eps, offset, is_rms, y, s, nullptr, nullptr, M, N);
+  }
+  if (!s.has_value()) return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
+  return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y))),
+                        py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(*s))));
+}
 
 std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at::Tensor> norm_fwd(
     const at::Tensor& x, const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
@@ -293,31 +419,11 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at:
     s = residual_out.has_value() ? *residual_out : at::empty_like(x);
     check_2d(*s, "residual_out", x);
   }
-  at::Tensor scale = make_scale(weight, offset, N, x);
-  c10::optional<at::Tensor> bias_acc;
-  if (bias.has_value()) bias_acc = bias->to(acc).contiguous();
   c10::optional<at::Tensor> mean;
   if (!is_rms) mean = at::empty({M}, x.options().dtype(acc));
   at::Tensor rstd = at::empty({M}, x.options().dtype(acc));
-  if (M == 0) return {y, s, mean, rstd};
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "normfold_norm_fwd", [&] {
-    using A = acc_t<scalar_t>;
-    const scalar_t* res = residual.has_value() ? residual->const_data_ptr<scalar_t>() : nullptr;
-    scalar_t* s_ptr = s.has_value() ? s->data_ptr<scalar_t>() : nullptr;
-    A* mean_ptr = mean.has_value() ? mean->data_ptr<A>() : nullptr;
-    const A* bias_ptr = bias_acc.has_value() ? bias_acc->const_data_ptr<A>() : nullptr;
-    auto run = [&](auto has_residual, auto has_bias) {
-      forward_rows<scalar_t, decltype(has_residual)::value, decltype(has_bias)::value>(
-          x.const_data_ptr<scalar_t>(), res, scale.const_data_ptr<A>(), bias_ptr, y.data_ptr<scalar_t>(), s_ptr,
-          mean_ptr, rstd.data_ptr<A>(), M, N, static_cast<A>(eps), is_rms);
-    };
-    using T_ = std::true_type;
-    using F_ = std::false_type;
-    if (res && bias_ptr) run(T_{}, T_{});
-    else if (res) run(T_{}, F_{});
-    else if (bias_ptr) run(F_{}, T_{});
-    else run(F_{}, F_{});
-  });
+  launch_forward(x, weight, bias, residual, eps, offset, is_rms, y, s,
+                 mean.has_value() ? mean->data_ptr() : nullptr, rstd.data_ptr(), M, N);
   return {y, s, mean, rstd};
 }
 
@@ -364,6 +470,7 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>> nor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "normfold fused CPU norms";
+  m.def("norm_fwd_eager", &norm_fwd_eager, "eager no-autograd forward, or None where the full path is needed");
   m.def("norm_fwd", &norm_fwd, "fused RMSNorm/LayerNorm forward", py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("residual"), py::arg("eps"), py::arg("offset"), py::arg("is_rms"), py::arg("out") = py::none(),
         py::arg("residual_out") = py::none(), py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,120 @@
+"""The eager CPU shortcut (``norm_fwd_eager``): taken for plain no-autograd calls, bit-identical to
+the registered op, and declined (None) for everything the full path must see — subclasses,
+autograd, dispatch modes, vmap, dtypes and numbers it does not take, and every bad input, which
+must still raise the full path's typed errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from normfold.ops import _cpu, layer_norm, rms_norm
+from test_norm_ops import BAD_INPUTS, _X
+
+pytestmark = pytest.mark.skipif(not _cpu.kernel_available(), reason="needs the fused C++ CPU kernel")
+
+
+def _fast(x, weight=None, bias=None, residual=None, eps=1e-5, offset=0.0, is_rms=True):
+    return _cpu._module.norm_fwd_eager(x, weight, bias, residual, eps, offset, is_rms)
+
+
+def _args(shape=(3, 5, 33), dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    n = shape[-1]
+    x = torch.randn(*shape, generator=g).to(dtype)
+    return x, (1 + 0.3 * torch.randn(n, generator=g)).to(dtype), torch.randn(n, generator=g).to(dtype), \
+        torch.randn(*shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+@pytest.mark.parametrize("options", ["plain", "weight", "weight+bias", "residual", "all+offset", "noncontig"])
+def test_shortcut_is_bit_identical_to_the_registered_op(dtype, is_rms, options):
+    x, w, b, r = _args(dtype=dtype)
+    weight = w if options in ("weight", "weight+bias", "all+offset") else None
+    bias = b if options in ("weight+bias", "all+offset") else None
+    residual = r if options in ("residual", "all+offset") else None
+    offset = 0.25 if options == "all+offset" and is_rms else 0.0
+    if options == "noncontig":
+        x = x.transpose(0, 1)
+    with torch.no_grad():
+        fast = _fast(x, weight, bias, residual, 1e-5, offset, is_rms)
+        n = x.shape[-1]
+        r2d = None if residual is None else residual.reshape(-1, n)
+        y, s, _, _ = torch.ops.normfold.norm_fwd(x.reshape(-1, n), weight, bias, r2d, 1e-5, offset, is_rms)
+    y_fast = fast if residual is None else fast[0]
+    assert y_fast.shape == x.shape and y_fast.dtype == x.dtype and y_fast.is_contiguous()
+    assert y_fast.reshape(-1, n).equal(y)
+    if residual is not None:
+        assert fast[1].shape == x.shape and fast[1].reshape(-1, n).equal(s)
+
+
+def test_public_api_returns_the_shortcut_result_and_empty_rows_work():
+    x, w, b, r = _args()
+    with torch.no_grad():
+        assert rms_norm(x, w, b).equal(_fast(x, w, b, eps=1e-6))
+        y, s = layer_norm(x, w, b, residual=r)
+        y2, s2 = _fast(x, w, b, r, is_rms=False)
+        assert y.equal(y2) and s.equal(s2)
+        empty = torch.randn(0, 4, 16)
+        assert _fast(empty).shape == (0, 4, 16) and rms_norm(empty).shape == (0, 4, 16)
+
+
+class _PassThrough(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def test_shortcut_declines_what_the_full_path_must_handle():
+    x, w, b, r = _args()
+    declined = {
+        "x needs grad": lambda: _fast(x.clone().requires_grad_(), w),
+        "weight needs grad": lambda: _fast(x, torch.nn.Parameter(w.clone())),
+        "residual needs grad": lambda: _fast(x, residual=r.clone().requires_grad_()),
+    }
+    for name, call in declined.items():
+        assert call() is None, name
+    with torch.no_grad():
+        assert _fast(x, torch.nn.Parameter(w.clone())) is not None  # a Parameter is fine without grad
+        declined = {
+            "tensor subclass": lambda: _fast(x.as_subclass(_Sub), w),
+            "float64": lambda: _fast(x.double()),
+            "integer x": lambda: _fast(x.long()),
+            "0-d x": lambda: _fast(torch.tensor(1.0)),
+            "empty last dim": lambda: _fast(torch.ones(3, 0)),
+            "meta device": lambda: _fast(x.to("meta")),
+            "residual of another dtype": lambda: _fast(x, residual=r.bfloat16()),
+            "residual of another shape": lambda: _fast(x, residual=r[:1]),
+            "weight of wrong size": lambda: _fast(x, w[:-1]),
+            "weight of wrong rank": lambda: _fast(x, w.expand(2, -1)),
+            "integer weight": lambda: _fast(x, w.int()),
+            "weight not a tensor": lambda: _fast(x, [1.0] * 33),
+            "int eps": lambda: _fast(x, eps=1),
+            "zero eps": lambda: _fast(x, eps=0.0),
+            "nan eps": lambda: _fast(x, eps=math.nan),
+            "inf offset": lambda: _fast(x, offset=math.inf),
+            "string eps": lambda: _fast(x, eps="1e-5"),
+            "sparse x": lambda: _fast(torch.eye(4).to_sparse()),
+        }
+        for name, call in declined.items():
+            assert call() is None, name
+        with _PassThrough():
+            assert _fast(x, w) is None
+        seen_under_vmap = []
+        torch.vmap(lambda row: seen_under_vmap.append(_fast(row, w)) or row)(x)
+        assert seen_under_vmap == [None]
+
+
+@pytest.mark.parametrize("fn", [rms_norm, layer_norm], ids=["rms", "ln"])
+@pytest.mark.parametrize("kwargs,exc,message", BAD_INPUTS, ids=[m for _, _, m in BAD_INPUTS])
+def test_bad_input_still_raises_once_the_shortcut_is_live(fn, kwargs, exc, message):
+    kwargs = dict(kwargs)
+    x = kwargs.pop("x", _X)
+    with torch.no_grad(), pytest.raises(exc, match=message):
+        fn(x, **kwargs)
