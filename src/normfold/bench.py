@@ -48,6 +48,9 @@ class BenchConfig:
     seqs: tuple[int, ...] = (1, 128, 1024)     # 1 = a decode step with KV cache; 128 / 1024 = prefill
     prefill: int = 128                         # tokens in the cache before a timed decode step
     rounds: int = 30                           # interleaved rounds; each contender runs once per round
+    shape_budget_s: float = 60.0               # timing seconds per shape at most: slow shapes (seq 1024,
+                                               # batch 8) get fewer rounds, so a full grid fits in an hour
+    min_rounds: int = 8                        # ... but never fewer than this (a CI needs several pairs)
     warmup: int = 3                            # untimed calls per contender and shape (caches, allocator, compile)
     min_round_s: float = 0.0                   # repeat a call inside one timing until this long (tiny models)
     compile: bool = False                      # also torch.compile every contender (default inductor backend)
@@ -62,9 +65,11 @@ class BenchConfig:
             values = getattr(self, name)
             if not values or any(not isinstance(v, int) or v < 1 for v in values):
                 raise ValueError(f"{name} must be positive ints, got {values!r}")
-        for name in ("rounds", "prefill", "bootstrap"):
+        for name in ("rounds", "min_rounds", "prefill", "bootstrap"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.shape_budget_s <= 0:
+            raise ValueError(f"shape_budget_s must be > 0, got {self.shape_budget_s}")
         if self.warmup < 0 or self.profile_iters < 1:
             raise ValueError(f"warmup must be >= 0 and profile_iters >= 1, got {self.warmup}, {self.profile_iters}")
         if not 0 < self.confidence < 1:
@@ -158,7 +163,11 @@ def _workloads(model: nn.Module, config: BenchConfig):
 
 def _plain_call(inputs: dict):
     def make(m: nn.Module):
-        return (lambda: m(**inputs)), (lambda: None)
+        # A prefill as generation runs it: logits for the last position only, where the model offers
+        # that (transformers' ``logits_to_keep``); otherwise the vocabulary projection of every
+        # position (50k × 768 per token for GPT-2) would be most of what is timed.
+        kwargs = dict(inputs, logits_to_keep=1) if "logits_to_keep" in _forward_params(m) else inputs
+        return (lambda: m(**kwargs)), (lambda: None)
     return make
 
 
@@ -197,12 +206,17 @@ def _time_interleaved(calls: dict, config: BenchConfig) -> dict[str, list[float]
     names = list(calls)
     times: dict[str, list[float]] = {n: [] for n in names}
     with torch.no_grad():
+        round_s = 0.0  # one call of every contender, from the last warm-up call
         for name in names:
             call, reset = calls[name]
-            for _ in range(config.warmup):
+            for _ in range(max(config.warmup, 1)):
+                start = time.perf_counter()
                 call()
+                elapsed = time.perf_counter() - start
                 reset()
-        for r in range(config.rounds):
+            round_s += max(elapsed, config.min_round_s)
+        rounds = min(config.rounds, max(config.min_rounds, int(config.shape_budget_s / max(round_s, 1e-9))))
+        for r in range(rounds):
             for name in names[r % len(names):] + names[:r % len(names)]:
                 call, reset = calls[name]
                 total, n = 0.0, 0
