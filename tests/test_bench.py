@@ -52,7 +52,8 @@ def test_interval_widens_with_noise():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"batches": ()}, "batches"), ({"seqs": (0,)}, "seqs"), ({"rounds": 0}, "rounds"),
-    ({"confidence": 1.0}, "confidence"), ({"warmup": -1}, "warmup"),
+    ({"confidence": 1.0}, "confidence"), ({"warmup": -1}, "warmup"), ({"min_rounds": 0}, "min_rounds"),
+    ({"shape_budget_s": 0.0}, "shape_budget_s"),
 ])
 def test_bad_config_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -94,6 +95,44 @@ def test_decode_step_reuses_a_cache_cropped_back_to_the_prefill():
             assert out.cache.get_seq_length() == 7  # the prefill plus the timed token
             reset()
             assert out.cache.get_seq_length() == 6
+
+
+def test_only_hidden_width_adds_count_as_residual_adds():
+    from torch.profiler import profile
+
+    from normfold.bench import _is_residual_add, _norm_widths
+
+    model = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32))
+    widths = _norm_widths([model])
+    assert widths == {16}
+    h, r, wide = torch.randn(2, 3, 16), torch.randn(2, 3, 16), torch.randn(2, 3, 32)
+    with profile(record_shapes=True) as prof:
+        h + r        # a residual add: counted
+        wide + wide  # an activation's add at another width: not counted
+        h + 1.0      # a scalar add: not counted
+    adds = [e for e in prof.events() if e.name == "aten::add"]
+    assert [_is_residual_add(e, widths) for e in adds] == [True, False, False]
+
+
+def test_slow_shapes_get_fewer_rounds_but_never_below_the_minimum():
+    from normfold.bench import _time_interleaved
+
+    calls = {"a": (lambda: None, lambda: None), "b": (lambda: sum(range(20000)), lambda: None)}
+    fast = _time_interleaved(calls, replace(QUICK, rounds=12, min_rounds=2, shape_budget_s=60.0))
+    assert all(len(t) == 12 for t in fast.values())
+    slow = _time_interleaved(calls, replace(QUICK, rounds=12, min_rounds=3, shape_budget_s=1e-6))
+    assert all(len(t) == 3 for t in slow.values())
+
+
+def test_prefill_asks_for_last_position_logits_only():
+    from normfold.bench import _plain_call
+    from normfold.hf.io import example_inputs_for
+
+    model = _tiny_gpt2()
+    inputs = example_inputs_for(model, batch=2, seq=5)
+    call, _ = _plain_call(inputs)(model)
+    with torch.no_grad():
+        assert call().logits.shape[:2] == (2, 1)
 
 
 def test_only_models_that_generate_get_a_decode_workload():

@@ -8,8 +8,10 @@ rotates every round) so that load drifts hit all of them alike. Each row reports
 medians with their interquartile range, and the speed ratio original/contender (> 1 = faster)
 with a bootstrap confidence interval. ``seq = 1`` is a decode step: one token after a prefill of
 ``BenchConfig.prefill`` tokens with the KV cache (the cache is cropped back after every step, outside
-the timed region). The profiler pass reports the share of forward time spent in norms
-(LayerNorm / RMSNorm modules and fused add+norm calls) plus ``aten::add``.
+the timed region). The profiler pass reports the forward time spent in norms (LayerNorm /
+RMSNorm module calls and fused add+norm calls, Python included) plus residual adds: ``aten::add``
+of two hidden-width tensors (last dimension = a norm's width), so an activation's internal adds
+(GPT-2's tanh GELU has two per layer) do not count.
 """
 from __future__ import annotations
 
@@ -92,8 +94,8 @@ class BenchRow:
     iqr_ms: dict = field(default_factory=dict)       # contender -> (q1, q3)
     ratio: dict = field(default_factory=dict)        # contender -> original median / contender median
     ratio_ci: dict = field(default_factory=dict)     # contender -> (low, high)
-    norm_share: dict = field(default_factory=dict)   # contender -> fraction of forward time in norms + aten::add
-    norm_ms: dict = field(default_factory=dict)      # contender -> ms per forward in norms + aten::add
+    norm_share: dict = field(default_factory=dict)   # contender -> fraction of forward time in norms + residual adds
+    norm_ms: dict = field(default_factory=dict)      # contender -> ms per forward in norms + residual adds
 
     def flat(self) -> dict:
         """One CSV row: scalar columns per contender."""
@@ -288,14 +290,30 @@ def _label_norms(models):
             h.remove()
 
 
-def _norm_share(call, reset, iters: int) -> tuple[float, float]:
-    """Median over profiled forwards of (share of the forward's time in norms + aten::add, ms in them).
+def _norm_widths(models) -> set[int]:
+    """The normalized sizes of every norm in ``models``: residual streams have these widths."""
+    from .nn import LayerNorm as NfLayerNorm
+    from .nn import RMSNorm
+
+    return {int(sub.normalized_shape[-1]) for m in models for sub in m.modules()
+            if isinstance(sub, (nn.LayerNorm, nn.RMSNorm, NfLayerNorm, RMSNorm)) and sub.normalized_shape}
+
+
+def _is_residual_add(event, widths: set[int]) -> bool:
+    """An ``aten::add`` of two tensors whose last dimension is a residual-stream width."""
+    shapes = [s for s in (event.input_shapes or []) if s]
+    return (event.name == "aten::add" and len(shapes) >= 2 and len(shapes[0]) >= 2 and len(shapes[1]) >= 2
+            and shapes[0][-1] == shapes[1][-1] and shapes[0][-1] in widths)
+
+
+def _norm_share(call, reset, iters: int, widths: set[int]) -> tuple[float, float]:
+    """Median over profiled forwards of (share of the forward's time in norms + residual adds, ms in them).
 
     Medians, not sums: on a shared machine one forward can be descheduled inside any op.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(iters):
             with record_function(_FORWARD_LABEL):
                 call()
@@ -307,7 +325,7 @@ def _norm_share(call, reset, iters: int) -> tuple[float, float]:
             total_us[event.id] = event.cpu_time_total
             continue
         # norms never call aten::add, so an add inside a norm label is not counted twice
-        if event.name == _NORM_LABEL or (event.name == "aten::add" and _ancestor(event, _NORM_LABEL) is None):
+        if event.name == _NORM_LABEL or (_is_residual_add(event, widths) and _ancestor(event, _NORM_LABEL) is None):
             forward = _ancestor(event, _FORWARD_LABEL)
             if forward is not None:
                 spent_us[forward.id] = spent_us.get(forward.id, 0.0) + event.cpu_time_total
@@ -357,9 +375,10 @@ def bench_model(model: nn.Module, config: BenchConfig = BenchConfig(), *, name: 
                                                 confidence=config.confidence, seed=config.seed)
                     row.ratio[c], row.ratio_ci[c] = point, (low, high)
             if config.profile and mode == "eager":
+                widths = _norm_widths(models.values())
                 with _label_norms(models.values()):
                     for c, (call, reset) in calls.items():
-                        row.norm_share[c], row.norm_ms[c] = _norm_share(call, reset, config.profile_iters)
+                        row.norm_share[c], row.norm_ms[c] = _norm_share(call, reset, config.profile_iters, widths)
             rows.append(row)
     return rows
 
@@ -386,14 +405,20 @@ def write_results(rows: list[BenchRow], stem, *, command: str, plot: bool = True
     lines = [f"# End-to-end: original vs folded vs folded+fused", "", f"command: `{command}`", "",
              f"machine: {machine}", "",
              "speedup = original median / contender median (> 1 is faster), [95% bootstrap CI]; "
-             "norm+add = profiler share of forward CPU time in norms and aten::add", "",
-             "| model | mode | batch | seq | original ms | folded | fused | norm+add share orig → fused |",
-             "|---|---|---|---|---|---|---|---|"]
+             "norm+add = profiler: forward CPU time in norm calls and residual adds (aten::add of two "
+             "hidden-width tensors), its share of the forward, and how much of it fusing cut", "",
+             "| model | mode | batch | seq | original ms | folded | fused | norm+add share orig → fused "
+             "| norm+add ms orig → fused (cut) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         cells = [f"{r.ratio[c]:.3f} [{r.ratio_ci[c][0]:.3f}, {r.ratio_ci[c][1]:.3f}]" for c in ("folded", "fused")]
         share = (f"{r.norm_share['original']:.1%} → {r.norm_share['fused']:.1%}" if r.norm_share else "n/a")
+        spent = "n/a"
+        if r.norm_ms and r.norm_ms["original"] > 0:
+            o, f = r.norm_ms["original"], r.norm_ms["fused"]
+            spent = f"{o:.3f} → {f:.3f} ({1 - f / o:.0%})"
         lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.kind} {r.seq} | {r.median_ms['original']:.3f} | "
-                     f"{cells[0]} | {cells[1]} | {share} |")
+                     f"{cells[0]} | {cells[1]} | {share} | {spent} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     paths = [stem.with_suffix(".csv"), stem.with_suffix(".md")]
     if plot:

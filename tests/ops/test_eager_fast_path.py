@@ -118,3 +118,14 @@ def test_bad_input_still_raises_once_the_shortcut_is_live(fn, kwargs, exc, messa
     x = kwargs.pop("x", _X)
     with torch.no_grad(), pytest.raises(exc, match=message):
         fn(x, **kwargs)
+
+
+def test_shortcut_shows_in_the_profiler_as_one_op_per_call():
+    from torch.profiler import profile
+
+    x, w, b, r = _args()
+    with torch.no_grad(), profile(record_shapes=True) as prof:
+        rms_norm(x, w)
+        layer_norm(x, w, b, residual=r)
+    events = [(e.name, e.input_shapes[0]) for e in prof.events() if e.name.startswith("normfold::")]
+    assert events == [("normfold::rms_norm", list(x.shape)), ("normfold::layer_norm", list(x.shape))]
