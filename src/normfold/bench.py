@@ -378,7 +378,10 @@ def bench_model(model: nn.Module, config: BenchConfig = BenchConfig(), *, name: 
                 widths = _norm_widths(models.values())
                 with _label_norms(models.values()):
                     for c, (call, reset) in calls.items():
-                        row.norm_share[c], row.norm_ms[c] = _norm_share(call, reset, config.profile_iters, widths)
+                        # a quarter of the shape's budget at most, but 3 forwards for a median
+                        budget_iters = int(config.shape_budget_s / 4 / len(calls) / max(statistics.median(times[c]), 1e-9))
+                        iters = max(3, min(config.profile_iters, budget_iters))
+                        row.norm_share[c], row.norm_ms[c] = _norm_share(call, reset, iters, widths)
             rows.append(row)
     return rows
 
