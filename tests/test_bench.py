@@ -60,6 +60,30 @@ def test_bad_config_is_refused(kwargs, match):
         BenchConfig(**kwargs)
 
 
+def _row_with(fused_ci, control_ci=None):
+    from normfold.bench import BenchRow
+
+    row = BenchRow("m", "eager", 1, 1, "decode")
+    row.ratio_ci["fused"] = fused_ci
+    if control_ci is not None:
+        row.ratio_ci["control"] = control_ci
+    return row
+
+
+@pytest.mark.parametrize("fused_ci, control_ci, expected", [
+    ((1.02, 1.05), (0.99, 1.01), "faster"),
+    ((0.95, 0.98), (0.99, 1.01), "slower"),
+    ((0.95, 0.98), (0.93, 1.02), "within noise"),   # the A/A copy moved as far: noise, not the fold
+    ((1.02, 1.05), (1.00, 1.06), "within noise"),
+    ((0.97, 1.03), None, "within noise"),
+    ((1.01, 1.03), None, "faster"),                 # without a control the band is just 1
+])
+def test_verdict_compares_the_fused_interval_with_the_noise_band(fused_ci, control_ci, expected):
+    from normfold.bench import verdict
+
+    assert verdict(_row_with(fused_ci, control_ci)) == expected
+
+
 def test_unequal_timings_are_refused():
     with pytest.raises(ValueError, match="same non-zero number"):
         ratio_ci([1.0, 2.0], [1.0], resamples=10, confidence=0.9)
@@ -75,9 +99,9 @@ def quick_rows():
 def test_quick_run_measures_decode_and_prefill_for_every_contender(quick_rows):
     assert [(r.kind, r.batch, r.seq) for r in quick_rows] == [("decode", 1, 1), ("prefill", 1, 16)]
     for row in quick_rows:
-        assert set(row.median_ms) == {"original", "folded", "fused"}
+        assert set(row.median_ms) == {"original", "control", "folded", "fused"}
         assert all(v > 0 for v in row.median_ms.values())
-        for c in ("folded", "fused"):
+        for c in ("control", "folded", "fused"):
             low, high = row.ratio_ci[c]
             assert low <= row.ratio[c] <= high
         assert all(0 < share <= 1 for share in row.norm_share.values())
@@ -142,6 +166,15 @@ def test_only_models_that_generate_get_a_decode_workload():
                                                           intermediate_size=64, vocab_size=100))
     assert _cache_argument(bert) is None  # its forward takes `cache` (cross-attention) but returns none
     assert _cache_argument(_tiny_gpt2()) == "cache"
+
+
+def test_prefill_lengths_past_the_position_limit_are_measured_once():
+    from normfold.bench import _workloads
+
+    shapes = [(b, t, kind) for b, t, kind, _ in _workloads(_tiny_gpt2(), replace(QUICK, batches=(1, 2),
+                                                                                 seqs=(1, 16, 64, 128, 1024)))]
+    assert shapes == [(1, 1, "decode"), (1, 16, "prefill"), (1, 64, "prefill"),
+                      (2, 1, "decode"), (2, 16, "prefill"), (2, 64, "prefill")]
 
 
 def test_decode_prefill_is_clipped_one_short_of_the_position_limit():

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from torch import nn
 
-CONTENDERS = ("original", "folded", "fused")
+CONTENDERS = ("original", "control", "folded", "fused")
 _NORM_LABEL = "normfold_bench::norm"
 _FORWARD_LABEL = "normfold_bench::forward"
 
@@ -56,6 +56,9 @@ class BenchConfig:
     warmup: int = 3                            # untimed calls per contender and shape (caches, allocator, compile)
     min_round_s: float = 0.0                   # repeat a call inside one timing until this long (tiny models)
     compile: bool = False                      # also torch.compile every contender (default inductor backend)
+    control: bool = True                       # time a deep copy of the original too (A/A): same math, its
+                                               # own memory; its ratio shows this run's noise, which the
+                                               # bootstrap CI (sampling noise only) does not
     profile: bool = True                       # torch.profiler pass for the norm + add share
     profile_iters: int = 9                     # profiled forwards per contender and shape (median taken)
     bootstrap: int = 2000                      # resamples for the ratio's confidence interval
@@ -106,6 +109,8 @@ class BenchRow:
             if c != "original":
                 out[f"{c}_speedup"] = round(self.ratio[c], 4)
                 out[f"{c}_ci_low"], out[f"{c}_ci_high"] = (round(v, 4) for v in self.ratio_ci[c])
+            if c == "fused" and "fused" in self.ratio_ci:
+                out["fused_verdict"] = verdict(self)
             if c in self.norm_share:
                 out[f"{c}_norm_add_share"] = round(self.norm_share[c], 4)
                 out[f"{c}_norm_add_ms"] = round(self.norm_ms[c], 4)
@@ -114,8 +119,11 @@ class BenchRow:
 
 # ------------------------------------------------------------------------------------ contenders
 
-def prepare_contenders(model: nn.Module, example_inputs) -> tuple[dict[str, nn.Module], dict]:
-    """``{"original", "folded", "fused"}`` models (eval mode) and what fold / fuse reported."""
+def prepare_contenders(model: nn.Module, example_inputs, *, control: bool = True) -> tuple[dict[str, nn.Module], dict]:
+    """``{"original", "control", "folded", "fused"}`` models (eval mode) and what fold / fuse reported.
+
+    ``control`` is a deep copy of the original (left out with ``control=False``).
+    """
     from .fold import fold
     from .fold.fuse import fuse_residual_norms
 
@@ -124,7 +132,11 @@ def prepare_contenders(model: nn.Module, example_inputs) -> tuple[dict[str, nn.M
     fused, fuse_report = fuse_residual_norms(folded, example_inputs)
     info = {"num_norms": fold_report.num_norms, "num_rms": sum(e.foldable for e in fold_report.norms),
             "num_fused": len(fuse_report.fused)}
-    return {"original": model, "folded": folded.eval(), "fused": fused.eval()}, info
+    contenders = {"original": model}
+    if control:
+        contenders["control"] = copy.deepcopy(model).eval()
+    contenders.update(folded=folded.eval(), fused=fused.eval())
+    return contenders, info
 
 
 def _cache_argument(model: nn.Module) -> str | None:
@@ -154,13 +166,17 @@ def _workloads(model: nn.Module, config: BenchConfig):
         return
     causal = _cache_argument(model) is not None
     for b in config.batches:
+        seen = set()  # lengths past the model's position limit are clipped to it: measure each once
         for t in config.seqs:
             if t == 1:
                 if causal:
                     yield b, 1, "decode", _decode_call(model, b, config)
                 continue
             inputs = example_inputs_for(model, batch=b, seq=t, seed=config.seed)
-            yield b, inputs["input_ids"].shape[-1], "prefill", _plain_call(inputs)
+            length = inputs["input_ids"].shape[-1]
+            if length not in seen:
+                seen.add(length)
+                yield b, length, "prefill", _plain_call(inputs)
 
 
 def _plain_call(inputs: dict):
@@ -232,6 +248,21 @@ def _time_interleaved(calls: dict, config: BenchConfig) -> dict[str, list[float]
                         break
                 times[name].append(total / n)
     return times
+
+
+def verdict(row: BenchRow, contender: str = "fused") -> str:
+    """``faster`` / ``slower`` when the contender's CI clears the noise band, else ``within noise``.
+
+    The band is the A/A control's CI widened to include 1 (just 1 without a control).
+    """
+    low, high = row.ratio_ci[contender]
+    band_low, band_high = row.ratio_ci.get("control", (1.0, 1.0))
+    band_low, band_high = min(band_low, 1.0), max(band_high, 1.0)
+    if low > band_high:
+        return "faster"
+    if high < band_low:
+        return "slower"
+    return "within noise"
 
 
 def ratio_ci(base: list[float], other: list[float], *, resamples: int, confidence: float,
@@ -354,7 +385,8 @@ def bench_model(model: nn.Module, config: BenchConfig = BenchConfig(), *, name: 
         raise TypeError(f"config must be a BenchConfig, got {type(config).__name__}")
     name = name or type(model).__name__
     if contenders is None:
-        contenders, _ = prepare_contenders(model, example_inputs_for(model, batch=2, seq=8, seed=config.seed))
+        contenders, _ = prepare_contenders(model, example_inputs_for(model, batch=2, seq=8, seed=config.seed),
+                                           control=config.control)
     modes = [("eager", contenders)]
     if config.compile:
         modes.append(("compile", {k: torch.compile(m) for k, m in contenders.items()}))
@@ -378,6 +410,8 @@ def bench_model(model: nn.Module, config: BenchConfig = BenchConfig(), *, name: 
                 widths = _norm_widths(models.values())
                 with _label_norms(models.values()):
                     for c, (call, reset) in calls.items():
+                        if c == "control":  # the original's copy: same numbers, not worth the time
+                            continue
                         # a quarter of the shape's budget at most, but 3 forwards for a median
                         budget_iters = int(config.shape_budget_s / 4 / len(calls) / max(statistics.median(times[c]), 1e-9))
                         iters = max(3, min(config.profile_iters, budget_iters))
@@ -408,20 +442,24 @@ def write_results(rows: list[BenchRow], stem, *, command: str, plot: bool = True
     lines = [f"# End-to-end: original vs folded vs folded+fused", "", f"command: `{command}`", "",
              f"machine: {machine}", "",
              "speedup = original median / contender median (> 1 is faster), [95% bootstrap CI]; "
+             "control = a deep copy of the original timed alongside (A/A): how far this run's noise moves "
+             "a ratio; fused vs noise = `faster` / `slower` when the fused CI clears the control's CI (widened to "
+             "include 1), else `within noise`; "
              "norm+add = profiler: forward CPU time in norm calls and residual adds (aten::add of two "
              "hidden-width tensors), its share of the forward, and how much of it fusing cut", "",
-             "| model | mode | batch | seq | original ms | folded | fused | norm+add share orig → fused "
-             "| norm+add ms orig → fused (cut) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| model | mode | batch | seq | original ms | control (A/A) | folded | fused | fused vs noise "
+             "| norm+add share orig → fused | norm+add ms orig → fused (cut) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [f"{r.ratio[c]:.3f} [{r.ratio_ci[c][0]:.3f}, {r.ratio_ci[c][1]:.3f}]" for c in ("folded", "fused")]
+        cells = [f"{r.ratio[c]:.3f} [{r.ratio_ci[c][0]:.3f}, {r.ratio_ci[c][1]:.3f}]" if c in r.ratio else "n/a"
+                 for c in ("control", "folded", "fused")]
         share = (f"{r.norm_share['original']:.1%} → {r.norm_share['fused']:.1%}" if r.norm_share else "n/a")
         spent = "n/a"
         if r.norm_ms and r.norm_ms["original"] > 0:
             o, f = r.norm_ms["original"], r.norm_ms["fused"]
             spent = f"{o:.3f} → {f:.3f} ({1 - f / o:.0%})"
         lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.kind} {r.seq} | {r.median_ms['original']:.3f} | "
-                     f"{cells[0]} | {cells[1]} | {share} | {spent} |")
+                     f"{cells[0]} | {cells[1]} | {cells[2]} | {verdict(r)} | {share} | {spent} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     paths = [stem.with_suffix(".csv"), stem.with_suffix(".md")]
     if plot:
@@ -439,12 +477,14 @@ def _plot(rows: list[BenchRow], path):
 
     labels = [f"{r.model}\n{r.mode} b{r.batch} {r.kind[0]}{r.seq}" for r in rows]
     fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows)), 4))
-    width = 0.38
-    for k, c in enumerate(("folded", "fused")):
-        xs = [i + (k - 0.5) * width for i in range(len(rows))]
+    shown = [c for c in ("control", "folded", "fused") if all(c in r.ratio for r in rows)]
+    width = 0.8 / len(shown)
+    colors = {"control": "0.7", "folded": "tab:blue", "fused": "tab:orange"}
+    for k, c in enumerate(shown):
+        xs = [i + (k - (len(shown) - 1) / 2) * width for i in range(len(rows))]
         ys = [r.ratio[c] for r in rows]
         err = [[y - r.ratio_ci[c][0] for y, r in zip(ys, rows)], [r.ratio_ci[c][1] - y for y, r in zip(ys, rows)]]
-        ax.bar(xs, ys, width, yerr=err, capsize=2, label=c)
+        ax.bar(xs, ys, width, yerr=err, capsize=2, color=colors[c], label="control (A/A copy)" if c == "control" else c)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
     ax.set_ylabel("speedup over original (median, 95% CI)")
@@ -513,7 +553,7 @@ def _run_bench(args) -> int:
                  if r.norm_share else "")
         print(f"{r.mode:7s} batch {r.batch:2d} {r.kind:7s} {r.seq:5d}  original {r.median_ms['original']:9.3f} ms  "
               + "  ".join(f"{c} {r.ratio[c]:.3f}x [{r.ratio_ci[c][0]:.3f}, {r.ratio_ci[c][1]:.3f}]"
-                          for c in ("folded", "fused")) + share)
+                          for c in ("control", "folded", "fused") if c in r.ratio) + f"  ({verdict(r)})" + share)
     if args.out:
         import shlex
         import sys

@@ -20,12 +20,14 @@ from normfold.ops.reference import layer_norm_ref
 class _Toy(nn.Module):
     """ln_a reads a linear only (exactly correctable); ln_b is Post-LN: ln_b(h + f(h)), h = ln_a(...)."""
 
-    def __init__(self, share_f_output: bool = False):
+    def __init__(self, share_f_output: bool = False, seed: int = 0):
         super().__init__()
         self.share_f_output = share_f_output
-        self.inp, self.f, self.head = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 4)
-        self.ln_a, self.ln_b = nn.LayerNorm(16), nn.LayerNorm(16)
-        with torch.no_grad():  # non-zero-mean norm inputs: what makes a plain RMSNorm wrong
+        with torch.random.fork_rng(), torch.no_grad():  # the same weights whatever ran before (test order)
+            torch.manual_seed(seed)
+            self.inp, self.f, self.head = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+            self.ln_a, self.ln_b = nn.LayerNorm(16), nn.LayerNorm(16)
+            # non-zero-mean norm inputs: what makes a plain RMSNorm wrong
             self.inp.bias.add_(3.0)
             self.ln_a.bias.add_(1.5)
             self.ln_a.weight.uniform_(0.5, 1.5)
@@ -129,7 +131,8 @@ def test_min_cosine_holds_on_calibration_and_statuses_follow_it():
     loose, loose_report = approximate_fold(model, model, None, _batches(), min_cosine=0.5)
     assert loose_report.num_approximate == 2 and loose_report.num_kept == 0
     assert isinstance(loose.ln_a, RMSNorm) and isinstance(loose.ln_b, RMSNorm)
-    strict, strict_report = approximate_fold(model, model, None, _batches(), min_cosine=1 - 1e-12)
+    # ln_a's correction is exact up to fp32 rounding (1 − cos ≈ 1e-13…2e-12 over seeds); ln_b's ≤ 0.997
+    strict, strict_report = approximate_fold(model, model, None, _batches(), min_cosine=1 - 1e-9)
     assert strict_report.num_approximate == 1 and strict_report.num_kept == 1  # only ln_a is exact
     for report in (loose_report, strict_report):
         assert report.calibration.min_cosine >= report.min_cosine

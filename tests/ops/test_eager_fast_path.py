@@ -16,8 +16,8 @@ from test_norm_ops import BAD_INPUTS, _X
 pytestmark = pytest.mark.skipif(not _cpu.kernel_available(), reason="needs the fused C++ CPU kernel")
 
 
-def _fast(x, weight=None, bias=None, residual=None, eps=1e-5, offset=0.0, is_rms=True):
-    return _cpu._module.norm_fwd_eager(x, weight, bias, residual, eps, offset, is_rms)
+def _fast(x, weight=None, bias=None, residual=None, eps=1e-5, offset=0.0, is_rms=True, out=None):
+    return _cpu._module.norm_fwd_eager(x, weight, bias, residual, eps, offset, is_rms, out)
 
 
 def _args(shape=(3, 5, 33), dtype=torch.float32, seed=0):
@@ -62,6 +62,24 @@ def test_public_api_returns_the_shortcut_result_and_empty_rows_work():
         assert _fast(empty).shape == (0, 4, 16) and rms_norm(empty).shape == (0, 4, 16)
 
 
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_shortcut_writes_out_in_place_and_returns_the_callers_tensor(with_residual):
+    x, w, b, r = _args((64, 300))
+    residual = r if with_residual else None
+    buf = torch.full_like(x, math.nan)
+    with torch.no_grad():
+        expected = rms_norm(x, w, b, residual=residual)
+        got = _fast(x, w, b, residual, 1e-6, 0.0, True, buf)
+        public = rms_norm(x, w, b, residual=residual, out=torch.empty_like(x))
+    y = got[0] if with_residual else got
+    assert y is buf
+    for e, g in ((expected, got), (expected, public)):
+        if with_residual:
+            assert e[0].equal(g[0]) and e[1].equal(g[1])
+        else:
+            assert e.equal(g)
+
+
 class _PassThrough(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
@@ -101,6 +119,10 @@ def test_shortcut_declines_what_the_full_path_must_handle():
             "inf offset": lambda: _fast(x, offset=math.inf),
             "string eps": lambda: _fast(x, eps="1e-5"),
             "sparse x": lambda: _fast(torch.eye(4).to_sparse()),
+            "out of another dtype": lambda: _fast(x, out=torch.empty_like(x).bfloat16()),
+            "out of another shape": lambda: _fast(x, out=torch.empty(3, 5, 34)),
+            "non-contiguous out": lambda: _fast(x, out=torch.empty(5, 3, 33).transpose(0, 1)),
+            "out not a tensor": lambda: _fast(x, out=[0.0]),
         }
         for name, call in declined.items():
             assert call() is None, name
@@ -129,3 +151,16 @@ def test_shortcut_shows_in_the_profiler_as_one_op_per_call():
         layer_norm(x, w, b, residual=r)
     events = [(e.name, e.input_shapes[0]) for e in prof.events() if e.name.startswith("normfold::")]
     assert events == [("normfold::rms_norm", list(x.shape)), ("normfold::layer_norm", list(x.shape))]
+
+
+def test_jit_trace_records_the_norm_instead_of_baking_in_its_output():
+    from normfold.nn import RMSNorm
+
+    norm = RMSNorm(33, bias=True)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+        traced = torch.jit.trace(norm, torch.randn(4, 33))
+        fresh = torch.randn(4, 33)
+        assert traced(fresh).equal(norm(fresh))
+    assert "normfold::norm_fwd" in str(traced.graph)

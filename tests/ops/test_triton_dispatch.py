@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 from normfold import ops  # noqa: E402
-from normfold.ops import _library  # noqa: E402
+from normfold.ops import _library, functional  # noqa: E402
 from normfold.ops._triton import selfcheck  # noqa: E402
 from normfold.ops._triton.selfcheck import Case  # noqa: E402
 
@@ -37,6 +37,7 @@ def triton_backend(monkeypatch):
         return original(x, residual)
 
     monkeypatch.setattr(_library, "select_backend", select)
+    monkeypatch.setattr(functional, "_eager_cpu_shortcut", False)  # CPU tensors would skip select_backend
     return calls
 
 

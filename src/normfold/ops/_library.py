@@ -215,8 +215,8 @@ class _EagerNorm(torch.autograd.Function):
 
 
 def _plain_eager(x: Tensor) -> bool:
-    """True outside torch.compile / export / any dispatch mode: the backend may be called directly."""
-    return (type(x) is Tensor and not torch.compiler.is_compiling()
+    """True outside torch.compile / export / jit.trace / any dispatch mode: the backend may be called directly."""
+    return (type(x) is Tensor and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
             and _get_current_dispatch_mode() is None)
 
 

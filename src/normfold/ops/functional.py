@@ -12,6 +12,10 @@ from torch.compiler import is_compiling
 from . import _cpu, _library
 from ._checks import check_norm_args, check_out
 
+# False routes every call through the registered ops and ``_library.select_backend`` (tests that
+# substitute a backend switch the shortcut off).
+_eager_cpu_shortcut = True
+
 
 def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, residual: Tensor | None,
           offset: float, out: Tensor | None, is_rms: bool) -> Tensor | tuple[Tensor, Tensor]:
@@ -19,8 +23,8 @@ def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, res
     # (~2 µs instead of ~8 µs of Python around it; what a batch-1 decode step is made of).
     # None means "not plain": the full path below checks, raises, traces or records autograd.
     kernel = _cpu._module  # None until the first full-path call has built / loaded it
-    if kernel is not None and out is None and not is_compiling():
-        result = kernel.norm_fwd_eager(x, weight, bias, residual, eps, offset, is_rms)
+    if kernel is not None and _eager_cpu_shortcut and not is_compiling():
+        result = kernel.norm_fwd_eager(x, weight, bias, residual, eps, offset, is_rms, out)
         if result is not None:
             return result
     check_norm_args(x, weight, bias, eps, residual, offset)

@@ -22,6 +22,7 @@
 //            dweight += dy·x̂, dbias += dy into this thread's partial row; partial rows are
 //            summed after the parallel loop.
 #include <torch/extension.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 
 #include <ATen/EmptyTensor.h>
 #include <ATen/Parallel.h>
@@ -358,16 +359,17 @@ bool is_kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHal
 
 // The functional API's shortcut for eager calls that need no autograd: one C++ call that checks
 // the arguments are plain (tensors, dtypes, shapes, numbers) and runs the kernel, allocating only
-// the outputs (no mean/rstd). Returns y, (y, s) with a residual, or None for anything it does not
-// take — then the caller goes the full way, which also raises the errors for bad arguments.
+// the outputs (no mean/rstd) or writing into ``out``. Returns y, (y, s) with a residual, or None
+// for anything it does not take — then the caller goes the full way, which also raises the errors
+// for bad arguments.
 py::object norm_fwd_eager(py::handle x_obj, py::handle weight_obj, py::handle bias_obj, py::handle residual_obj,
-                          py::handle eps_obj, py::handle offset_obj, bool is_rms) {
+                          py::handle eps_obj, py::handle offset_obj, bool is_rms, py::handle out_obj) {
   at::Tensor x;
   double eps, offset;
   if (!plain_cpu_tensor(x_obj.ptr(), x) || !is_kernel_dtype(x.scalar_type()) || x.dim() == 0 ||
       !plain_float(eps_obj.ptr(), true, eps) || !plain_float(offset_obj.ptr(), false, offset))
     return py::none();
-  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 ||
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || torch::jit::tracer::isTracing() ||
       c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode))
     return py::none();
   const int64_t N = x.size(-1);
@@ -391,11 +393,20 @@ py::object norm_fwd_eager(py::handle x_obj, py::handle weight_obj, py::handle bi
       return py::none();
     residual = r.is_contiguous() ? r : r.contiguous();
   }
+  // out= : written in place when it is a plain contiguous tensor of x's shape and dtype
+  c10::optional<at::Tensor> out;
+  if (out_obj.ptr() != Py_None) {
+    at::Tensor o;
+    if (!plain_cpu_tensor(out_obj.ptr(), o) || o.scalar_type() != x.scalar_type() || o.sizes() != x.sizes() ||
+        !o.is_contiguous() || (grad && o.requires_grad()))
+      return py::none();
+    out = std::move(o);
+  }
   // visible to torch.profiler as one op, like the registered op the full path calls (free when off)
   RECORD_FUNCTION(is_rms ? "normfold::rms_norm" : "normfold::layer_norm", std::vector<c10::IValue>({x}));
   if (!x.is_contiguous()) x = x.contiguous();
   const int64_t M = N ? x.numel() / N : 0;
-  at::Tensor y = at::detail::empty_cpu(x.sizes(), x.scalar_type());
+  at::Tensor y = out.has_value() ? *out : at::Tensor(at::detail::empty_cpu(x.sizes(), x.scalar_type()));
   c10::optional<at::Tensor> s;
   if (residual.has_value()) s = at::Tensor(at::detail::empty_cpu(x.sizes(), x.scalar_type()));
   {
@@ -403,11 +414,12 @@ py::object norm_fwd_eager(py::handle x_obj, py::handle weight_obj, py::handle bi
     c10::optional<py::gil_scoped_release> no_gil;
     if (M * N >= (int64_t(1) << 16)) no_gil.emplace();
     launch_forward(x, params[0], params[1], residual, eps, offset, is_rms, y, s, nullptr, nullptr, M, N,
-                   /*out_given=*/false);
+                   out.has_value());
   }
-  if (!s.has_value()) return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
-  return py::make_tuple(py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y))),
-                        py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(*s))));
+  py::object y_obj = out.has_value() ? py::reinterpret_borrow<py::object>(out_obj)  // the caller's own object
+                                     : py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
+  if (!s.has_value()) return y_obj;
+  return py::make_tuple(y_obj, py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(*s))));
 }
 
 std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at::Tensor> norm_fwd(
@@ -476,7 +488,9 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>> nor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "normfold fused CPU norms";
-  m.def("norm_fwd_eager", &norm_fwd_eager, "eager no-autograd forward, or None where the full path is needed");
+  m.def("norm_fwd_eager", &norm_fwd_eager, "eager no-autograd forward, or None where the full path is needed",
+        py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("eps"), py::arg("offset"),
+        py::arg("is_rms"), py::arg("out") = py::none());
   m.def("norm_fwd", &norm_fwd, "fused RMSNorm/LayerNorm forward", py::arg("x"), py::arg("weight"), py::arg("bias"),
         py::arg("residual"), py::arg("eps"), py::arg("offset"), py::arg("is_rms"), py::arg("out") = py::none(),
         py::arg("residual_out") = py::none(), py::call_guard<py::gil_scoped_release>());
