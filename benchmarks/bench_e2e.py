@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from normfold.bench import QUICK, BenchConfig, bench_model, bench_ops, write_results
+from normfold.bench import QUICK, BenchConfig, bench_model, bench_ops, plot_rows, read_rows, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = ("default", "gpt2", "opt", "bloom", "vit", "minilm")
@@ -74,7 +74,11 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=None, help="output stem (default benchmarks/results/e2e)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-ops", action="store_true", help="skip the single-op table (STEM_ops.md)")
+    parser.add_argument("--replot", type=Path, metavar="STEM", help="only redraw STEM.png from STEM.csv")
     args = parser.parse_args(argv)
+    if args.replot:
+        print(f"wrote {plot_rows(read_rows(args.replot.with_suffix('.csv')), args.replot.with_suffix('.png'))}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     config = QUICK if args.quick else BenchConfig()

@@ -196,6 +196,18 @@ def test_results_are_written_as_csv_markdown_and_png(quick_rows, tmp_path):
     assert "command: `pytest`" in text and "fused C++ CPU kernel" in text
 
 
+def test_csv_reads_back_into_the_rows_it_was_written_from(quick_rows, tmp_path):
+    from normfold.bench import plot_rows, read_rows
+
+    paths = write_results(quick_rows, tmp_path / "e2e", command="pytest", plot=False)
+    back = read_rows(paths[0])
+    assert [(r.model, r.batch, r.seq, r.kind) for r in back] == [(r.model, r.batch, r.seq, r.kind) for r in quick_rows]
+    for got, want in zip(back, quick_rows):
+        assert got.ratio == pytest.approx(want.ratio, abs=1e-4)
+        assert got.ratio_ci.keys() == want.ratio_ci.keys() and got.norm_ms == pytest.approx(want.norm_ms, abs=1e-4)
+    assert plot_rows(back, tmp_path / "again.png").stat().st_size > 0
+
+
 def test_bench_command_runs_on_a_folder(tmp_path):
     model = _tiny_gpt2()
     model.save_pretrained(tmp_path / "model")

@@ -463,11 +463,36 @@ def write_results(rows: list[BenchRow], stem, *, command: str, plot: bool = True
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     paths = [stem.with_suffix(".csv"), stem.with_suffix(".md")]
     if plot:
-        paths.append(_plot(rows, stem.with_suffix(".png")))
+        paths.append(plot_rows(rows, stem.with_suffix(".png")))
     return paths
 
 
-def _plot(rows: list[BenchRow], path):
+def read_rows(path) -> list[BenchRow]:
+    """The rows of a CSV written by ``write_results`` (medians, ratios, CIs, norm shares)."""
+    import csv
+    from pathlib import Path
+
+    rows = []
+    with open(Path(path)) as fh:
+        for rec in csv.DictReader(fh):
+            row = BenchRow(rec["model"], rec["mode"], int(rec["batch"]), int(rec["seq"]), rec["kind"])
+            for c in CONTENDERS:
+                if not rec.get(f"{c}_median_ms"):
+                    continue
+                row.median_ms[c] = float(rec[f"{c}_median_ms"])
+                row.iqr_ms[c] = (float(rec[f"{c}_q1_ms"]), float(rec[f"{c}_q3_ms"]))
+                if c != "original":
+                    row.ratio[c] = float(rec[f"{c}_speedup"])
+                    row.ratio_ci[c] = (float(rec[f"{c}_ci_low"]), float(rec[f"{c}_ci_high"]))
+                if rec.get(f"{c}_norm_add_share"):
+                    row.norm_share[c] = float(rec[f"{c}_norm_add_share"])
+                    row.norm_ms[c] = float(rec[f"{c}_norm_add_ms"])
+            rows.append(row)
+    return rows
+
+
+def plot_rows(rows: list[BenchRow], path):
+    """Bar chart of every contender's speed-up with its CI (PNG at ``path``); needs matplotlib."""
     try:
         import matplotlib
     except ImportError as exc:
@@ -484,8 +509,12 @@ def _plot(rows: list[BenchRow], path):
         xs = [i + (k - (len(shown) - 1) / 2) * width for i in range(len(rows))]
         ys = [r.ratio[c] for r in rows]
         err = [[y - r.ratio_ci[c][0] for y, r in zip(ys, rows)], [r.ratio_ci[c][1] - y for y, r in zip(ys, rows)]]
-        ax.bar(xs, ys, width, yerr=err, capsize=2, color=colors[c], label="control (A/A copy)" if c == "control" else c)
+        # bars grow from 1 (no change) so that a few percent either way is visible
+        ax.bar(xs, [y - 1 for y in ys], width, bottom=1.0, yerr=err, capsize=2, color=colors[c],
+               label="control (A/A copy)" if c == "control" else c)
     ax.axhline(1.0, color="black", linewidth=0.8)
+    extremes = [v for r in rows for c in shown for v in r.ratio_ci[c]]
+    ax.set_ylim(min(extremes + [1.0]) - 0.02, max(extremes + [1.0]) + 0.02)
     ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
     ax.set_ylabel("speedup over original (median, 95% CI)")
     ax.legend()

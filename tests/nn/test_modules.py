@@ -119,12 +119,26 @@ def test_torch_compile_fullgraph_matches_eager_forward_and_backward():
 
 
 @pytest.mark.slow
-def test_torch_compile_inductor_calls_the_op_and_matches_eager():
-    """Inductor (the default backend) lowers the opaque op to a call; kept tiny: compiling is slow here."""
-    norm, x = RMSNorm(32), torch.randn(4, 32)
-    compiled = torch.compile(norm, fullgraph=True)
+def test_torch_compile_inductor_inlines_small_norms_and_calls_the_op_for_large_ones():
+    """Small static shapes become plain math Inductor fuses (no ~17 µs op call per norm at decode);
+    large ones call the fused kernel. Kept to two shapes: compiling is slow here."""
+    from torch.profiler import profile
+
+    norm = RMSNorm(256)
     with torch.no_grad():
-        torch.testing.assert_close(compiled(x), norm(x), rtol=0, atol=0)
+        norm.weight.normal_()
+    compiled = torch.compile(norm, fullgraph=True, dynamic=False)
+    small, large = torch.randn(4, 256), torch.randn(256, 256)  # 1,024 and 65,536 elements
+    with torch.no_grad():
+        compiled(small), compiled(large)  # compile both before profiling
+        with profile() as prof_small:
+            y_small = compiled(small)
+        with profile() as prof_large:
+            y_large = compiled(large)
+    ops_called = [{e.name for e in p.events() if e.name.startswith("normfold::")} for p in (prof_small, prof_large)]
+    assert ops_called == [set(), {"normfold::norm_fwd"}]
+    torch.testing.assert_close(y_small, norm(small), rtol=1e-5, atol=1e-5)
+    assert y_large.equal(norm(large))
 
 
 def test_torch_export_shows_one_normfold_op_per_norm_and_matches_eager():

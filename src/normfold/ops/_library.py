@@ -214,6 +214,23 @@ class _EagerNorm(torch.autograd.Function):
     backward = staticmethod(_backward_via(_norm_bwd_impl))
 
 
+# Under torch.compile (not export), calls up to this many elements are written as plain math (the
+# reference) that Inductor fuses into its generated code: a compiled graph would otherwise call the
+# opaque op through the dispatcher and its Python implementation, ~17 µs a call, more than the
+# whole norm at decode sizes ((1..32, N)). Larger calls keep the op: the fused kernel beats
+# Inductor's loop there (benchmarks/results/bench_norm.md, "compiled RMSNorm").
+_COMPILE_INLINE_MAX_ELEMENTS = 32768
+
+
+def _inline_for_compile(x: Tensor) -> bool:
+    """True while torch.compile (not torch.export) traces a small 2-D ``x`` with static shape."""
+    exporting = getattr(torch.compiler, "is_exporting", lambda: False)
+    if not torch.compiler.is_compiling() or exporting():
+        return False
+    m, n = x.shape
+    return isinstance(m, int) and isinstance(n, int) and m * n <= _COMPILE_INLINE_MAX_ELEMENTS
+
+
 def _plain_eager(x: Tensor) -> bool:
     """True outside torch.compile / export / jit.trace / any dispatch mode: the backend may be called directly."""
     return (type(x) is Tensor and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
@@ -225,11 +242,15 @@ def norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor
          residual_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
     """(y, s) for 2-D ``x`` (s is None without residual); arguments already checked.
 
-    Traced code (torch.compile, torch.export, dispatch modes) goes through the registered ops;
+    Traced code (torch.compile, torch.export, dispatch modes) goes through the registered ops,
+    except small static shapes under torch.compile, which become plain math for Inductor;
     plain eager calls skip their dispatch overhead (~20 µs a call, as much as the kernel itself
     at (1024, 384)) and run the same implementations directly.
     """
     eager = _plain_eager(x)
+    if not eager and out is None and _inline_for_compile(x):
+        y, s, _, _ = _reference_backend.norm_fwd(x, weight, bias, residual, eps, offset, is_rms)
+        return y, s
     if out is not None:
         (_norm_fwd_out_impl if eager else norm_fwd_out)(x, weight, bias, residual, eps, offset, is_rms, out,
                                                           residual_out)
