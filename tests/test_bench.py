@@ -243,3 +243,14 @@ def test_gpu_e2e_dry_run_times_every_contender_and_writes_tables(tmp_path):
     assert {r["mode"] for r in rows} == {"eager", "compile", "compile+cuda graphs"}
     assert all(r["fused_speedup"] and not r["failures"] for r in rows)
     assert "cuda graph: needs a CUDA device" in (tmp_path / "gpu_e2e.md").read_text()
+
+
+def test_compiled_contenders_get_room_under_dynamos_recompile_limit():
+    from normfold.bench import _room_for_every_contender
+
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    before = getattr(config, name)
+    with _room_for_every_contender(4):
+        assert getattr(config, name) >= 64  # 4 models share one forward's limit
+    assert getattr(config, name) == before

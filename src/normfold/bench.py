@@ -391,32 +391,54 @@ def bench_model(model: nn.Module, config: BenchConfig = BenchConfig(), *, name: 
     if config.compile:
         modes.append(("compile", {k: torch.compile(m) for k, m in contenders.items()}))
     rows = []
-    for mode, models in modes:
-        for batch, seq, kind, make in _workloads(contenders["original"], config):
-            if progress:
-                progress(f"{name} {mode} batch {batch} {kind} {seq}")
-            calls = {k: make(m) for k, m in models.items()}
-            times = _time_interleaved(calls, config)
-            row = BenchRow(name, mode, batch, seq, kind)
-            for c, ts in times.items():
-                q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-                row.median_ms[c] = statistics.median(ts) * 1e3
-                row.iqr_ms[c] = (q[0] * 1e3, q[2] * 1e3)
-                if c != "original":
-                    point, low, high = ratio_ci(times["original"], ts, resamples=config.bootstrap,
-                                                confidence=config.confidence, seed=config.seed)
-                    row.ratio[c], row.ratio_ci[c] = point, (low, high)
-            if config.profile and mode == "eager":
-                widths = _norm_widths(models.values())
-                with _label_norms(models.values()):
-                    for c, (call, reset) in calls.items():
-                        if c == "control":  # the original's copy: same numbers, not worth the time
-                            continue
-                        # a quarter of the shape's budget at most, but 3 forwards for a median
-                        budget_iters = int(config.shape_budget_s / 4 / len(calls) / max(statistics.median(times[c]), 1e-9))
-                        iters = max(3, min(config.profile_iters, budget_iters))
-                        row.norm_share[c], row.norm_ms[c] = _norm_share(call, reset, iters, widths)
-            rows.append(row)
+    with _room_for_every_contender(len(contenders)):
+        for mode, models in modes:
+            rows += _bench_mode(name, mode, models, contenders["original"], config, progress)
+    return rows
+
+
+@contextlib.contextmanager
+def _room_for_every_contender(count: int):
+    """Raise Dynamo's per-function recompile limit while the compiled contenders run.
+
+    The contenders share their classes' forward code, so each one's graphs (prefill, decode, every
+    batch) count against one limit (8): with four models the last one compiled would hit it and
+    silently run eagerly, which measured as a 2.3× "slowdown" of folded+fused.
+    """
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    with config.patch(**{name: max(getattr(config, name), 16 * count)}):
+        yield
+
+
+def _bench_mode(name, mode, models, original, config, progress) -> list[BenchRow]:
+    """One row per workload of ``original`` for ``models`` run in ``mode`` ("eager" or "compile")."""
+    rows = []
+    for batch, seq, kind, make in _workloads(original, config):
+        if progress:
+            progress(f"{name} {mode} batch {batch} {kind} {seq}")
+        calls = {k: make(m) for k, m in models.items()}
+        times = _time_interleaved(calls, config)
+        row = BenchRow(name, mode, batch, seq, kind)
+        for c, ts in times.items():
+            q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
+            row.median_ms[c] = statistics.median(ts) * 1e3
+            row.iqr_ms[c] = (q[0] * 1e3, q[2] * 1e3)
+            if c != "original":
+                point, low, high = ratio_ci(times["original"], ts, resamples=config.bootstrap,
+                                            confidence=config.confidence, seed=config.seed)
+                row.ratio[c], row.ratio_ci[c] = point, (low, high)
+        if config.profile and mode == "eager":
+            widths = _norm_widths(models.values())
+            with _label_norms(models.values()):
+                for c, (call, reset) in calls.items():
+                    if c == "control":  # the original's copy: same numbers, not worth the time
+                        continue
+                    # a quarter of the shape's budget at most, but 3 forwards for a median
+                    budget_iters = int(config.shape_budget_s / 4 / len(calls) / max(statistics.median(times[c]), 1e-9))
+                    iters = max(3, min(config.profile_iters, budget_iters))
+                    row.norm_share[c], row.norm_ms[c] = _norm_share(call, reset, iters, widths)
+        rows.append(row)
     return rows
 
 
