@@ -288,10 +288,8 @@ def _label_norms(models):
     from torch.autograd.profiler import record_function
 
     from . import ops
-    from .nn import LayerNorm as NfLayerNorm
-    from .nn import RMSNorm
 
-    norm_types = (nn.LayerNorm, nn.RMSNorm, NfLayerNorm, RMSNorm)
+    norm_types = _norm_types()
     open_labels: list = []
     handles = []
 
@@ -323,11 +321,16 @@ def _label_norms(models):
 
 def _norm_widths(models) -> set[int]:
     """The normalized sizes of every norm in ``models``: residual streams have these widths."""
+    return {int(sub.normalized_shape[-1]) for m in models for sub in m.modules()
+            if isinstance(sub, _norm_types()) and sub.normalized_shape}
+
+
+def _norm_types() -> tuple[type, ...]:
+    """The norm modules the profiler pass labels: torch's and normfold's LayerNorm / RMSNorm."""
     from .nn import LayerNorm as NfLayerNorm
     from .nn import RMSNorm
 
-    return {int(sub.normalized_shape[-1]) for m in models for sub in m.modules()
-            if isinstance(sub, (nn.LayerNorm, nn.RMSNorm, NfLayerNorm, RMSNorm)) and sub.normalized_shape}
+    return (nn.LayerNorm, nn.RMSNorm, NfLayerNorm, RMSNorm)
 
 
 def _is_residual_add(event, widths: set[int]) -> bool:
