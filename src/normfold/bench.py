@@ -305,16 +305,20 @@ def _label_norms(models):
         for sub in m.modules():
             if isinstance(sub, norm_types):
                 handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
-    plain = ops.rms_norm
+    plain = {name: getattr(ops, name) for name in ("rms_norm", "layer_norm")}
 
-    def labelled_rms_norm(*args, **kwargs):  # fused add+norm calls bypass the module (see fold.fuse)
-        with record_function(_NORM_LABEL):
-            return plain(*args, **kwargs)
-    ops.rms_norm = labelled_rms_norm
+    def labelled(function):  # fused add+norm calls bypass the module (see fold.fuse)
+        def call(*args, **kwargs):
+            with record_function(_NORM_LABEL):
+                return function(*args, **kwargs)
+        return call
+    for name, function in plain.items():
+        setattr(ops, name, labelled(function))
     try:
         yield
     finally:
-        ops.rms_norm = plain
+        for name, function in plain.items():
+            setattr(ops, name, function)
         for h in handles:
             h.remove()
 
@@ -343,7 +347,11 @@ def _is_residual_add(event, widths: set[int]) -> bool:
 def _norm_share(call, reset, iters: int, widths: set[int]) -> tuple[float, float]:
     """Median over profiled forwards of (share of the forward's time in norms + residual adds, ms in them).
 
-    Medians, not sums: on a shared machine one forward can be descheduled inside any op.
+    A norm call's time is that of the ops it ran (its label's children: ``aten::layer_norm``,
+    ``normfold::rms_norm``, or a hand-written norm's pow / mean / rsqrt ...), not the label's own
+    span, which also holds the profiling hooks' cost (measured 10-70 µs per call) that no
+    unprofiled forward pays. Medians, not sums: on a shared machine one forward can be
+    descheduled inside any op.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -359,10 +367,15 @@ def _norm_share(call, reset, iters: int, widths: set[int]) -> tuple[float, float
             total_us[event.id] = event.cpu_time_total
             continue
         # norms never call aten::add, so an add inside a norm label is not counted twice
-        if event.name == _NORM_LABEL or (_is_residual_add(event, widths) and _ancestor(event, _NORM_LABEL) is None):
-            forward = _ancestor(event, _FORWARD_LABEL)
-            if forward is not None:
-                spent_us[forward.id] = spent_us.get(forward.id, 0.0) + event.cpu_time_total
+        if event.name == _NORM_LABEL:
+            op_us = sum(child.cpu_time_total for child in event.cpu_children)
+        elif _is_residual_add(event, widths) and _ancestor(event, _NORM_LABEL) is None:
+            op_us = event.cpu_time_total
+        else:
+            continue
+        forward = _ancestor(event, _FORWARD_LABEL)
+        if forward is not None:
+            spent_us[forward.id] = spent_us.get(forward.id, 0.0) + op_us
     shares = [spent_us.get(i, 0.0) / t for i, t in total_us.items() if t > 0]
     spent = [spent_us.get(i, 0.0) / 1000 for i in total_us]
     return (statistics.median(shares) if shares else float("nan")), (statistics.median(spent) if spent else 0.0)

@@ -1,4 +1,4 @@
-"""fuse_residual_norms: residual adds fused into the folded RMSNorms they feed, behind the float64 verify gate."""
+"""fuse_residual_norms: residual adds fused into the norms they feed, behind the float64 verify gate."""
 from __future__ import annotations
 
 import pytest
@@ -41,6 +41,19 @@ class BiasAddBlock(nn.Module):
     def forward(self, x):
         h = x + self.shift
         return self.norm(h)
+
+
+class PostNormBlock(nn.Module):
+    """Post-LN, the add written inside the call (BERT's ``self.LayerNorm(hidden_states + input_tensor)``)."""
+
+    def __init__(self, width: int = 8, shift: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.shift = nn.Parameter(torch.randn(width)) if shift else None
+
+    def forward(self, x):
+        return self.norm(self.lin(x) + (x if self.shift is None else self.shift))
 
 
 class SuperBlock(ResidualBlock):
@@ -104,6 +117,38 @@ def test_fused_equals_unfused_in_float64_for_any_shape(batch, seq, width):
         torch.testing.assert_close(fused(x)[0], block(x)[0], rtol=1e-12, atol=1e-12)
 
 
+def test_inline_add_into_a_torch_layer_norm_is_fused_and_bypasses_the_module():
+    torch.manual_seed(0)
+    block = PostNormBlock().eval()
+    nn.init.normal_(block.norm.weight)
+    nn.init.normal_(block.norm.bias)
+    x = _x(3, 5, 8)
+    fused, report = fuse_residual_norms(block, (x,))
+    assert [(p.norm, p.add) for p in report.fused] == [("norm", "self.norm(self.lin(x) + (x if self.shift is None else self.shift))")]
+    assert report.skipped == {} and report.verification.max_rel_error <= 1e-9
+    calls = []
+    fused.norm.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-5)
+    assert calls == []
+
+
+def test_inline_add_that_broadcasts_falls_back_to_the_module_exactly():
+    block = PostNormBlock(shift=True).eval()
+    x = _x(4, 8)
+    fused, report = fuse_residual_norms(block, (x,))
+    assert len(report.fused) == 1  # rewritten; the helper refuses the (N,) operand at run time
+    with torch.no_grad():
+        assert torch.equal(fused(x), block(x))
+
+
+def test_layer_norms_false_considers_only_rms_norms():
+    fused, report = fuse_residual_norms(PostNormBlock().eval(), (_x(2, 8),), layer_norms=False)
+    assert report.fused == [] and report.skipped == {} and "forward" not in vars(fused)
+    with pytest.raises(ValueError, match="normfold RMSNorm modules"):
+        fuse_residual_norms(PostNormBlock().eval(), (_x(2, 8),), norm_paths=["norm"], layer_norms=False)
+
+
 # ------------------------------------------------------------------------------ refusals
 
 def test_norm_with_hooks_is_skipped_and_reported():
@@ -132,7 +177,7 @@ def test_a_wrong_fused_op_fails_the_verify_gate(monkeypatch):
     def wrong(norm, a, b):
         h = a + b
         return norm(h) * 1.001, h
-    monkeypatch.setattr(fuse_module, "_add_rms_norm", wrong)
+    monkeypatch.setattr(fuse_module, "_add_norm", wrong)
     with pytest.raises(FoldVerificationError, match="fused model differs"):
         fuse_residual_norms(ResidualBlock().eval(), (_x(2, 8),))
 
@@ -168,13 +213,27 @@ def test_gpt2_fused_decode_with_kv_cache_matches_folded(zoo):
 
 
 @pytest.mark.parametrize("name, reason", [("opt_pre_ln", "no add in OPTDecoderLayer.forward feeds it"),
-                                          ("bloom", "has no `name = a + b` statement")])
+                                          ("bloom", "has no `name = a + b` statement nor `self.<norm>(a + b)`")])
 def test_models_without_a_direct_add_to_norm_are_left_alone_and_reported(zoo, name, reason):
     folded, fused, report = _fuse_zoo(zoo, name)
     rms = [path for path, m in folded.folded.named_modules() if isinstance(m, RMSNorm)]
     assert report.fused == [] and sorted(report.skipped) == sorted(rms)
     assert any(reason in why for why in report.skipped.values())
     assert report.verification.ok
+
+
+@pytest.mark.parametrize("name", ["bert", "minilm"])
+def test_post_ln_encoders_fuse_every_layer_norm(zoo, name):
+    model = zoo.model(name)
+    inputs = zoo.inputs(name, seed=0)
+    fused, report = fuse_residual_norms(model, inputs)
+    norms = [path for path, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
+    assert sorted(p.norm for p in report.fused) == sorted(norms) and report.skipped == {}
+    assert report.verification.ok
+    fresh = zoo.inputs(name, seed=1)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(**fresh).last_hidden_state, model(**fresh).last_hidden_state,
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_bundled_model_fuses_and_passes_float64_verify():

@@ -77,8 +77,9 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     rows compared, e.g. ``normfold.lab.mean_pooled`` for sentence embeddings). The result is no
     longer exact: ``report.approximate`` holds the measured change, ``report.num_approximate`` the count.
 
-    ``fuse=True`` (opt-in, inference only) then runs each residual add that feeds a new RMSNorm
-    together with it in one kernel call (``normfold.fold.fuse``); ``report.fuse`` says which.
+    ``fuse=True`` (opt-in, inference only) then runs each residual add that feeds a new RMSNorm, or
+    a LayerNorm the fold kept (post-LN), together with it in one kernel call (``normfold.fold.fuse``);
+    ``report.fuse`` says which.
     """
     from .graph import check_model_and_inputs
     from .transform import apply_plan

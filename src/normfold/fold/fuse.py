@@ -1,20 +1,24 @@
-"""Fuse residual adds into the RMSNorms they feed: ``h = a + b; y = norm(h)`` becomes one kernel call.
+"""Fuse residual adds into the norms they feed: ``h = a + b; y = norm(h)`` becomes one kernel call.
 
     fused, report = fuse_residual_norms(folded_model, example_inputs)
 
-normfold's ``rms_norm(a, residual=b)`` returns ``(y, h)`` with ``h = a + b``: one pass over the
-row instead of an add pass and a norm pass. The add sits in the *parent's* forward
+normfold's ``rms_norm(a, residual=b)`` (and ``layer_norm``) returns ``(y, h)`` with ``h = a + b``:
+one pass over the row instead of an add pass and a norm pass. The norms are normfold ``RMSNorm``s
+(what ``normfold.fold`` made) and the LayerNorms it left (post-LN models such as BERT, where the
+add feeds the norm directly). The add sits in the *parent's* forward
 (``GPT2Block.forward``: ``hidden_states = attn_output + residual; ...; self.ln_2(hidden_states)``),
 so the rewrite is done on that forward, per module instance, keeping the user's classes:
 
-1. **Candidates** (source, per parent class): every statement ``NAME = A + B`` and every call
-   ``self.<norm>(NAME)`` of a child that is a normfold ``RMSNorm``.
+1. **Candidates** (source, per parent class): every statement ``NAME = A + B``, every call
+   ``self.<norm>(NAME)`` and every call ``self.<norm>(A + B)`` of a child norm.
 2. **Probe** (one eager run on ``example_inputs``): an instrumented forward records which add's
-   result object each norm call actually received. Only observed pairs are fused, so a norm in an
-   untaken branch (OPT's post-LN ``if``) never costs an extra norm.
-3. **Rewrite**: a paired add becomes ``y_i, NAME = _add_rms_norm(self.<norm>, A, B); h_i = NAME``
+   result object each ``self.<norm>(NAME)`` call actually received. Only observed pairs are fused,
+   so a norm in an untaken branch (OPT's post-LN ``if``) never costs an extra norm. An inline
+   ``self.<norm>(A + B)`` needs no probe: its add feeds the norm by construction.
+3. **Rewrite**: a paired add becomes ``y_i, NAME = _add_norm(self.<norm>, A, B); h_i = NAME``
    and the norm call becomes ``y_i if NAME is h_i else self.<norm>(NAME)``. The identity test keeps
    every other path exact (a branch that reassigns ``NAME`` falls back to the plain norm call).
+   An inline call becomes ``_norm_of_sum(self.<norm>, A, B)``.
 
 The result is checked with ``normfold.verify`` in float64 (≤ 1e-9) before it is returned. The
 generated forward is an instance attribute: ``torch.compile`` traces it, ``state_dict`` and
@@ -35,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import ops
+from ..nn import RMSNorm
 from .errors import FoldVerificationError
 from .graph import eval_mode, split_example_inputs
 
@@ -47,13 +52,13 @@ class FusedPair:
     """One add in ``parent``'s forward fused into the call of its child norm ``norm``."""
 
     parent: str      # module path of the module whose forward was rewritten
-    norm: str        # module path of the RMSNorm
-    add: str         # the source of the add statement ("hidden_states = attn_output + residual")
+    norm: str        # module path of the norm (RMSNorm or LayerNorm)
+    add: str         # the source of the add ("hidden_states = attn_output + residual", "self.ln(h + x)")
 
 
 @dataclass
 class FuseReport:
-    """What ``fuse_residual_norms`` fused, and for every other RMSNorm why not."""
+    """What ``fuse_residual_norms`` fused, and for every other candidate norm why not."""
 
     fused: list[FusedPair] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)   # norm path -> reason
@@ -64,25 +69,27 @@ class FuseReport:
         return {"fused": [asdict(p) for p in self.fused], "skipped": dict(self.skipped), "verification": ver}
 
     def __str__(self) -> str:
-        lines = [f"fused {len(self.fused)} residual add(s) into RMSNorms, {len(self.skipped)} RMSNorm(s) left alone"]
+        lines = [f"fused {len(self.fused)} residual add(s) into norms, {len(self.skipped)} norm(s) left alone"]
         lines += [f"  fused   {p.norm}  <-  {p.add}" for p in self.fused]
         lines += [f"  skipped {path}: {why}" for path, why in self.skipped.items()]
         return "\n".join(lines)
 
 
-def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, verify: bool = True,
-                        inplace: bool = False) -> tuple[nn.Module, FuseReport]:
-    """Return ``(fused_model, report)``: residual adds feeding normfold RMSNorms run fused with them.
+def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, layer_norms: bool = True,
+                        verify: bool = True, inplace: bool = False) -> tuple[nn.Module, FuseReport]:
+    """Return ``(fused_model, report)``: residual adds feeding the model's norms run fused with them.
 
-    ``norm_paths``: the RMSNorms to consider (default: every ``normfold.nn.RMSNorm`` in the model,
-    e.g. the ones ``normfold.fold`` created). ``example_inputs`` as for ``normfold.fold`` (a tuple of
-    positional or a dict of keyword arguments); they drive the probe and the float64 check.
-    With ``verify=True``, ``FoldVerificationError`` is raised if outputs differ by more than 1e-9.
+    ``norm_paths``: the norms to consider (default: every ``normfold.nn.RMSNorm`` in the model, e.g.
+    the ones ``normfold.fold`` created, and with ``layer_norms=True`` every torch / normfold
+    ``LayerNorm``: the ones folding left, which normfold's LayerNorm kernel then runs).
+    ``example_inputs`` as for ``normfold.fold`` (a tuple of positional or a dict of keyword
+    arguments); they drive the probe and the float64 check. With ``verify=True``,
+    ``FoldVerificationError`` is raised if outputs differ by more than 1e-9.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = split_example_inputs(example_inputs)
-    norms = _candidate_norms(model, norm_paths)
+    norms = _candidate_norms(model, norm_paths, layer_norms)
     fused = model if inplace else copy.deepcopy(model)
     report = FuseReport()
     by_parent: dict[str, list[str]] = {}
@@ -115,13 +122,16 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, ve
     for parent_path, rewrite in rewrites.items():
         parent = fused.get_submodule(parent_path)
         pairs = rewrite.observed_pairs()
+        fused_norms = {rewrite.calls[j].norm for _, j in pairs} | {site.norm for site in rewrite.inline}
         for name in by_parent[parent_path]:
-            if name not in {rewrite.calls[j].norm for _, j in pairs}:
+            if name not in fused_norms:
                 report.skipped[_join(parent_path, name)] = rewrite.why_not(name)
-        if pairs:
+        if pairs or rewrite.inline:
             parent.forward = types.MethodType(rewrite.fused_function(pairs), parent)
             report.fused += [FusedPair(parent_path, _join(parent_path, rewrite.calls[j].norm), rewrite.adds[i].source)
                              for i, j in pairs]
+            report.fused += [FusedPair(parent_path, _join(parent_path, site.norm), site.source)
+                             for site in rewrite.inline]
 
     if verify:
         from .verify import verify as verify_models
@@ -137,13 +147,21 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, ve
 
 # ------------------------------------------------------------------------------ runtime helpers
 
-def _add_rms_norm(norm: nn.Module, a, b):
+def _add_norm(norm: nn.Module, a, b):
     """``(norm(a + b), a + b)`` in one fused call; ``(None, a + b)`` when the operands do not fit it."""
     if (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.dtype == b.dtype
             and a.device == b.device and a.dim() > 0 and a.shape[-1] == norm.normalized_shape[0]):
-        # looked up on the module at call time, so a profiler (normfold.bench) can label these calls
-        return ops.rms_norm(a, norm.weight, norm.bias, norm.eps, residual=b, offset=norm.offset)
+        # ops.* looked up at call time, so a profiler (normfold.bench) can label these calls
+        if isinstance(norm, RMSNorm):
+            return ops.rms_norm(a, norm.weight, norm.bias, norm.eps, residual=b, offset=norm.offset)
+        return ops.layer_norm(a, norm.weight, norm.bias, norm.eps, residual=b)
     return None, a + b
+
+
+def _norm_of_sum(norm: nn.Module, a, b):
+    """``norm(a + b)`` for an inline ``self.<norm>(a + b)``: fused where the operands fit."""
+    y, s = _add_norm(norm, a, b)
+    return norm(s) if y is None else y
 
 
 class _Probe:
@@ -175,12 +193,20 @@ class _CallSite:
     arg: str         # the variable passed
 
 
+@dataclass
+class _InlineSite:
+    node: ast.Call   # self.<norm>(A + B)
+    norm: str
+    source: str
+
+
 class _Rewrite:
     """The parsed forward of one parent module and the functions generated from it."""
 
     def __init__(self, function, tree: ast.FunctionDef, adds: list[_AddSite], calls: list[_CallSite],
-                 self_name: str) -> None:
+                 inline: list[_InlineSite], self_name: str) -> None:
         self.function, self.tree, self.adds, self.calls, self.self_name = function, tree, adds, calls, self_name
+        self.inline = inline
         self.probe = _Probe()
         self.wrappers: list = []  # decorators around the forward, outermost first
 
@@ -208,27 +234,29 @@ class _Rewrite:
             return None, f"{function.__qualname__} is not a plain method"
         tree.decorator_list = []
         self_name = tree.args.args[0].arg
-        adds, calls = [], []
+        adds, calls, inline = [], [], []
         for node in _walk_body(tree):
             if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                    and isinstance(node.value, ast.BinOp) and isinstance(node.value.op, ast.Add)):
+                    and _is_add(node.value)):
                 adds.append(_AddSite(node, node.targets[0].id, ast.unparse(node)))
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == self_name
-                    and node.func.attr in norm_names and len(node.args) == 1 and not node.keywords
-                    and isinstance(node.args[0], ast.Name)):
-                calls.append(_CallSite(node, node.func.attr, node.args[0].id))
-        if not adds:
-            return None, f"{function.__qualname__} has no `name = a + b` statement"
-        if not calls:
+                    and node.func.attr in norm_names and len(node.args) == 1 and not node.keywords):
+                if isinstance(node.args[0], ast.Name):
+                    calls.append(_CallSite(node, node.func.attr, node.args[0].id))
+                elif _is_add(node.args[0]):
+                    inline.append(_InlineSite(node, node.func.attr, ast.unparse(node)))
+        if not adds and not inline:
+            return None, f"{function.__qualname__} has no `name = a + b` statement nor `self.<norm>(a + b)` call"
+        if not calls and not inline:
             return None, f"{function.__qualname__} never calls the norm as self.<norm>(name)"
-        rewrite = cls(function, tree, adds, calls, self_name)
+        rewrite = cls(function, tree, adds, calls, inline, self_name)
         rewrite.wrappers = wrappers
         return rewrite, ""
 
     def why_not(self, norm: str) -> str:
         if not any(c.norm == norm for c in self.calls):
-            return f"{self.function.__qualname__} never calls it as self.{norm}(name)"
+            return f"{self.function.__qualname__} never calls it as self.{norm}(name) or self.{norm}(a + b)"
         return (f"no add in {self.function.__qualname__} feeds it directly on the example inputs "
                 "(its input comes from another module's forward, or is reshaped after the add)")
 
@@ -282,6 +310,7 @@ class _Rewrite:
             call_pairs.setdefault(id(self.calls[j].node), []).append(i)
         self_name = self.self_name
         call_norm = {i: self.calls[j].norm for i, j in pairs}
+        inline = {id(site.node) for site in self.inline}
 
         class Fuse(ast.NodeTransformer):
             def visit_Assign(self, node):
@@ -291,12 +320,17 @@ class _Rewrite:
                     return node
                 name = node.targets[0].id
                 a, b = ast.unparse(node.value.left), ast.unparse(node.value.right)
-                return ast.parse(f"_nf_y{i}, {name} = _nf_add_rms_norm({self_name}.{call_norm[i]}, ({a}), ({b}))\n"
+                return ast.parse(f"_nf_y{i}, {name} = _nf_add_norm({self_name}.{call_norm[i]}, ({a}), ({b}))\n"
                                  f"_nf_h{i} = {name}").body
 
             def visit_Call(self, node):
-                add_indices = call_pairs.get(mapping.get(id(node), -1))
+                original = mapping.get(id(node), -1)
+                add_indices = call_pairs.get(original)
                 self.generic_visit(node)
+                if original in inline:
+                    add = node.args[0]
+                    return ast.parse(f"_nf_norm_of_sum({ast.unparse(node.func)}, ({ast.unparse(add.left)}), "
+                                     f"({ast.unparse(add.right)}))", mode="eval").body
                 if add_indices is None:
                     return node
                 arg = node.args[0].id
@@ -309,7 +343,7 @@ class _Rewrite:
         init = "\n".join(f"_nf_y{i} = _nf_h{i} = None" for i, _ in pairs)
         start = _first_statement(tree)
         tree.body[start:start] = ast.parse(init).body
-        return self._compile(tree, {"_nf_add_rms_norm": _add_rms_norm})
+        return self._compile(tree, {"_nf_add_norm": _add_norm, "_nf_norm_of_sum": _norm_of_sum})
 
     def _compile(self, tree: ast.FunctionDef, helpers: dict):
         """Compile ``tree`` in the original module's globals; ``helpers`` reach it as closure variables.
@@ -361,6 +395,10 @@ def _rewrap(wrappers: list, original, new):
     return inner_new
 
 
+def _is_add(node: ast.AST) -> bool:
+    return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)
+
+
 def _walk_body(tree: ast.FunctionDef):
     """Nodes of the function body in a fixed order, not entering nested functions, lambdas or classes."""
     stack = list(reversed(tree.body))
@@ -383,18 +421,20 @@ def _first_statement(tree: ast.FunctionDef) -> int:
 
 # ------------------------------------------------------------------------------ which norms
 
-def _candidate_norms(model: nn.Module, norm_paths) -> list[str]:
-    from ..nn import FusedAddRMSNorm, RMSNorm
+def _candidate_norms(model: nn.Module, norm_paths, layer_norms: bool) -> list[str]:
+    from ..nn import FusedAddRMSNorm, LayerNorm
 
+    kinds = (RMSNorm, nn.LayerNorm, LayerNorm) if layer_norms else (RMSNorm,)
     found = [path for path, m in model.named_modules()
-             if isinstance(m, RMSNorm) and not isinstance(m, FusedAddRMSNorm) and path]
+             if isinstance(m, kinds) and not isinstance(m, FusedAddRMSNorm) and path]
     if norm_paths is None:
         return found
     norm_paths = list(norm_paths)
     unknown = [p for p in norm_paths if p not in found]
     if unknown:
-        raise ValueError(f"norm_paths must name normfold RMSNorm modules of the model; not found: {unknown} "
-                         f"(RMSNorms present: {found})")
+        kind = "normfold RMSNorm or LayerNorm" if layer_norms else "normfold RMSNorm"
+        raise ValueError(f"norm_paths must name {kind} modules of the model; not found: {unknown} "
+                         f"(present: {found})")
     return norm_paths
 
 
