@@ -53,7 +53,8 @@ def _cflags() -> list[str]:
 
 def build_dir() -> Path:
     """Where this source / torch / CPU combination is built."""
-    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join(_cflags()).encode())
+    sources = b"".join(path.read_bytes() for path in sorted(_SOURCE.parent.iterdir()) if path.suffix in (".cpp", ".h"))
+    key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(_cflags()).encode())
     root = Path(os.environ.get("NORMFOLD_CACHE_DIR") or Path.home() / ".cache" / "normfold") / "cpp"  # "" = unset
     return root / f"norm_cpu_{key.hexdigest()[:16]}"
 

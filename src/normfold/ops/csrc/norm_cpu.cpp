@@ -36,6 +36,8 @@
 #include <cmath>
 #include <type_traits>
 
+#include "output_cache.h"
+
 namespace {
 
 using at::vec::Vectorized;
@@ -406,9 +408,9 @@ py::object norm_fwd_eager(py::handle x_obj, py::handle weight_obj, py::handle bi
   RECORD_FUNCTION(is_rms ? "normfold::rms_norm" : "normfold::layer_norm", std::vector<c10::IValue>({x}));
   if (!x.is_contiguous()) x = x.contiguous();
   const int64_t M = N ? x.numel() / N : 0;
-  at::Tensor y = out.has_value() ? *out : at::Tensor(at::detail::empty_cpu(x.sizes(), x.scalar_type()));
+  at::Tensor y = out.has_value() ? *out : normfold::empty_output(x);
   c10::optional<at::Tensor> s;
-  if (residual.has_value()) s = at::Tensor(at::detail::empty_cpu(x.sizes(), x.scalar_type()));
+  if (residual.has_value()) s = normfold::empty_output(x);
   {
     // let other Python threads run while a large norm computes; tiny ones keep the GIL (cheaper)
     c10::optional<py::gil_scoped_release> no_gil;
@@ -430,11 +432,11 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at:
   const int64_t M = x.size(0), N = x.size(1);
   auto acc = acc_type(x.scalar_type());
   if (residual.has_value()) check_2d(*residual, "residual", x);
-  at::Tensor y = out.has_value() ? *out : at::empty_like(x);
+  at::Tensor y = out.has_value() ? *out : normfold::empty_output(x);
   check_2d(y, "out", x);
   c10::optional<at::Tensor> s;
   if (residual.has_value()) {
-    s = residual_out.has_value() ? *residual_out : at::empty_like(x);
+    s = residual_out.has_value() ? *residual_out : normfold::empty_output(x);
     check_2d(*s, "residual_out", x);
   }
   c10::optional<at::Tensor> mean;
@@ -458,7 +460,7 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>> nor
   auto rstd_acc = rstd.to(acc).contiguous();
   auto mean_acc = is_rms ? at::Tensor() : mean->to(acc).contiguous();
   at::Tensor scale = make_scale(weight, offset, N, s);
-  at::Tensor dx = at::empty_like(s);
+  at::Tensor dx = normfold::empty_output(s);
   // one partial row of dweight / dbias per thread, reduced after the loop
   const int64_t threads = at::get_num_threads();
   at::Tensor dw_partial, db_partial;
@@ -488,6 +490,9 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>> nor
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "normfold fused CPU norms";
+  m.def("cpu_cache_info", [] { return normfold::OutputCache::instance().info(); },
+        "(cached bytes, cached blocks, hits, misses, limit bytes) of the output-buffer cache");
+  m.def("empty_cpu_cache", [] { normfold::OutputCache::instance().empty(); }, "free every cached output buffer");
   m.def("norm_fwd_eager", &norm_fwd_eager, "eager no-autograd forward, or None where the full path is needed",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("eps"), py::arg("offset"),
         py::arg("is_rms"), py::arg("out") = py::none());
