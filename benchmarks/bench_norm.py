@@ -194,6 +194,8 @@ def machine() -> dict[str, str]:
         # every allocating contender at 4096×4096 (≈ 20 ms of 25 for ours) and shrink ~30× with it
         "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "unset"),
         "transparent_hugepage": _thp_mode(),
+        # normfold's CPU outputs recycle freed blocks (0 = off: every allocating call faults like torch's)
+        "normfold CPU output cache": f"{normfold.ops.cpu_cache_info().limit_bytes >> 20} MiB",
     }
 
 
