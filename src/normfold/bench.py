@@ -483,8 +483,9 @@ def write_results(rows: list[BenchRow], stem, *, command: str, plot: bool = True
              "control = a deep copy of the original timed alongside (A/A): how far this run's noise moves "
              "a ratio; fused vs noise = `faster` / `slower` when the fused CI clears the control's CI (widened to "
              "include 1), else `within noise`; "
-             "norm+add = profiler: forward CPU time in norm calls and residual adds (aten::add of two "
-             "hidden-width tensors), its share of the forward, and how much of it fusing cut", "",
+             "norm+add = profiler: forward CPU time in the ops norm calls run (aten::layer_norm, normfold::rms_norm, "
+             "...; not the module call around them) and in residual adds (aten::add of two hidden-width "
+             "tensors), its share of the forward, and how much of it fusing cut", "",
              "| model | mode | batch | seq | original ms | control (A/A) | folded | fused | fused vs noise "
              "| norm+add share orig → fused | norm+add ms orig → fused (cut) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
