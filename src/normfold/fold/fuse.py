@@ -7,18 +7,22 @@ one pass over the row instead of an add pass and a norm pass. The norms are norm
 (what ``normfold.fold`` made) and the LayerNorms it left (post-LN models such as BERT, where the
 add feeds the norm directly). The add sits in the *parent's* forward
 (``GPT2Block.forward``: ``hidden_states = attn_output + residual; ...; self.ln_2(hidden_states)``),
-so the rewrite is done on that forward, per module instance, keeping the user's classes:
+or in the forward of the module before it (the add ending block *i* feeds ``ln_1`` of block
+*i + 1*), so the rewrite is done on those forwards, per module instance, keeping the user's classes:
 
-1. **Candidates** (source, per parent class): every statement ``NAME = A + B``, every call
-   ``self.<norm>(NAME)`` and every call ``self.<norm>(A + B)`` of a child norm.
-2. **Probe** (one eager run on ``example_inputs``): an instrumented forward records which add's
-   result object each ``self.<norm>(NAME)`` call actually received. Only observed pairs are fused,
-   so a norm in an untaken branch (OPT's post-LN ``if``) never costs an extra norm. An inline
-   ``self.<norm>(A + B)`` needs no probe: its add feeds the norm by construction.
-3. **Rewrite**: a paired add becomes ``y_i, NAME = _add_norm(self.<norm>, A, B); h_i = NAME``
-   and the norm call becomes ``y_i if NAME is h_i else self.<norm>(NAME)``. The identity test keeps
-   every other path exact (a branch that reassigns ``NAME`` falls back to the plain norm call).
-   An inline call becomes ``_norm_of_sum(self.<norm>, A, B)``.
+1. **Candidates** (source, per class of a module that holds a norm): every statement
+   ``NAME = A + B``, every call ``self.<norm>(NAME)`` and every call ``self.<norm>(A + B)``.
+2. **Probe** (one eager run on ``example_inputs``): instrumented forwards record, model-wide,
+   which add's result object each ``self.<norm>(NAME)`` call actually received. Only observed
+   pairs are fused, so a norm in an untaken branch (OPT's post-LN ``if``) never costs an extra
+   norm. An inline ``self.<norm>(A + B)`` needs no probe: its add feeds the norm by construction.
+3. **Rewrite**, in the same forward: a paired add becomes
+   ``y_i, NAME = _add_norm(self.<norm>, A, B); h_i = NAME`` and the norm call becomes
+   ``y_i if NAME is h_i else self.<norm>(NAME)``. The identity test keeps every other path exact
+   (a branch that reassigns ``NAME`` falls back to the plain norm call). An inline call becomes
+   ``_norm_of_sum(self.<norm>, A, B)``. Across forwards: the add computes the other module's norm
+   too and leaves ``(NAME, y)`` in a ``_Handoff``; that module's norm call takes ``y`` only if its
+   argument *is* ``NAME``, and runs the norm otherwise.
 
 The result is checked with ``normfold.verify`` in float64 (≤ 1e-9) before it is returned. The
 generated forward is an instance attribute: ``torch.compile`` traces it, ``state_dict`` and
@@ -101,7 +105,8 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
         else:
             by_parent.setdefault(parent_path, []).append(name)
 
-    # probe: instrumented forwards record which add result each norm call received
+    # probe: instrumented forwards record which add result each norm call received, model-wide
+    probe = _Probe()
     rewrites: dict[str, _Rewrite] = {}
     for parent_path, names in by_parent.items():
         parent = fused.get_submodule(parent_path)
@@ -111,7 +116,7 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
                 report.skipped[_join(parent_path, name)] = reason
             continue
         rewrites[parent_path] = rewrite
-        parent.forward = types.MethodType(rewrite.probe_function(), parent)
+        parent.forward = types.MethodType(rewrite.probe_function(probe, parent_path), parent)
     try:
         with eval_mode(fused), torch.no_grad():
             fused(*args, **kwargs)
@@ -119,19 +124,32 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
         for parent_path in rewrites:
             del fused.get_submodule(parent_path).forward
 
+    plans = {path: _FusePlan() for path in rewrites}
+    for (add_parent, i), (call_parent, j) in probe.observed_pairs():
+        if add_parent == call_parent:
+            plans[add_parent].local.append((i, j))
+        else:  # the add ends one module's forward, the norm starts another's (GPT-2: block i -> block i+1)
+            handoff = _Handoff()
+            norm = fused.get_submodule(call_parent).get_submodule(rewrites[call_parent].calls[j].norm)
+            plans[add_parent].outgoing[i] = (handoff, norm)
+            plans[call_parent].incoming[j] = handoff
     for parent_path, rewrite in rewrites.items():
-        parent = fused.get_submodule(parent_path)
-        pairs = rewrite.observed_pairs()
-        fused_norms = {rewrite.calls[j].norm for _, j in pairs} | {site.norm for site in rewrite.inline}
+        parent, plan = fused.get_submodule(parent_path), plans[parent_path]
+        fused_norms = ({rewrite.calls[j].norm for _, j in plan.local} | {site.norm for site in rewrite.inline}
+                       | {rewrite.calls[j].norm for j in plan.incoming})
         for name in by_parent[parent_path]:
             if name not in fused_norms:
                 report.skipped[_join(parent_path, name)] = rewrite.why_not(name)
-        if pairs or rewrite.inline:
-            parent.forward = types.MethodType(rewrite.fused_function(pairs), parent)
-            report.fused += [FusedPair(parent_path, _join(parent_path, rewrite.calls[j].norm), rewrite.adds[i].source)
-                             for i, j in pairs]
-            report.fused += [FusedPair(parent_path, _join(parent_path, site.norm), site.source)
-                             for site in rewrite.inline]
+        if plan.local or plan.outgoing or plan.incoming or rewrite.inline:
+            parent.forward = types.MethodType(rewrite.fused_function(parent, plan), parent)
+        report.fused += [FusedPair(parent_path, _join(parent_path, rewrite.calls[j].norm), rewrite.adds[i].source)
+                         for i, j in plan.local]
+        report.fused += [FusedPair(parent_path, _join(parent_path, site.norm), site.source)
+                         for site in rewrite.inline]
+    for (add_parent, i), (call_parent, j) in probe.observed_pairs():
+        if add_parent != call_parent:
+            report.fused.append(FusedPair(add_parent, _join(call_parent, rewrites[call_parent].calls[j].norm),
+                                          rewrites[add_parent].adds[i].source))
 
     if verify:
         from .verify import verify as verify_models
@@ -164,17 +182,64 @@ def _norm_of_sum(norm: nn.Module, a, b):
     return norm(s) if y is None else y
 
 
-class _Probe:
-    """Per-instance record of (add site, norm call site) pairs seen during the probe run."""
+class _Handoff:
+    """A norm's output computed early, by the fused add at the end of another module's forward.
+
+    The add's module ``put``s ``(h, norm(h))``; the norm's module calls ``norm(module, x)``, which
+    returns the early output only when ``x`` is that very ``h`` (identity, so any other path, and a
+    model reused after an exception, stays exact) and otherwise runs the norm.
+    """
+
+    __slots__ = ("pending",)
 
     def __init__(self) -> None:
-        self.pairs: list[tuple[int, int]] = []
+        self.pending = None
 
-    def note(self, call_index: int, value, seen: dict):
-        for add_index, result in seen.items():
-            if result is value and (add_index, call_index) not in self.pairs:
-                self.pairs.append((add_index, call_index))
+    def put(self, h, y) -> None:
+        self.pending = None if y is None else (h, y)
+
+    def norm(self, module: nn.Module, x):
+        pending, self.pending = self.pending, None
+        if pending is not None and pending[0] is x:
+            return pending[1]
+        return module(x)
+
+
+@dataclass
+class _FusePlan:
+    """What one parent's fused forward does: pairs inside it, adds handed on, norms handed to."""
+
+    local: list[tuple[int, int]] = field(default_factory=list)           # (add index, call index)
+    outgoing: dict[int, tuple[_Handoff, nn.Module]] = field(default_factory=dict)   # add index -> (handoff, norm)
+    incoming: dict[int, _Handoff] = field(default_factory=dict)          # call index -> handoff
+
+
+class _Probe:
+    """Model-wide record, during the probe run, of which add's result each norm call received."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, int], object] = {}   # (parent path, add index) -> its latest result
+        self.pairs: list[tuple[tuple[str, int], tuple[str, int]]] = []
+
+    def saw(self, parent: str, add_index: int, value) -> None:
+        self.seen[(parent, add_index)] = value
+
+    def note(self, parent: str, call_index: int, value):
+        for add, result in self.seen.items():
+            pair = (add, (parent, call_index))
+            if result is value and pair not in self.pairs:
+                self.pairs.append(pair)
         return value
+
+    def observed_pairs(self) -> list[tuple[tuple[str, int], tuple[str, int]]]:
+        """((parent, add index), (parent, call index)) pairs; an add or a call joins one pair at most (first seen)."""
+        used_adds, used_calls, pairs = set(), set(), []
+        for add, call in self.pairs:
+            if add not in used_adds and call not in used_calls:
+                pairs.append((add, call))
+                used_adds.add(add)
+                used_calls.add(call)
+        return pairs
 
 
 # ------------------------------------------------------------------------------ source rewriting
@@ -207,7 +272,6 @@ class _Rewrite:
                  inline: list[_InlineSite], self_name: str) -> None:
         self.function, self.tree, self.adds, self.calls, self.self_name = function, tree, adds, calls, self_name
         self.inline = inline
-        self.probe = _Probe()
         self.wrappers: list = []  # decorators around the forward, outermost first
 
     @classmethod
@@ -246,10 +310,9 @@ class _Rewrite:
                     calls.append(_CallSite(node, node.func.attr, node.args[0].id))
                 elif _is_add(node.args[0]):
                     inline.append(_InlineSite(node, node.func.attr, ast.unparse(node)))
-        if not adds and not inline:
-            return None, f"{function.__qualname__} has no `name = a + b` statement nor `self.<norm>(a + b)` call"
-        if not calls and not inline:
-            return None, f"{function.__qualname__} never calls the norm as self.<norm>(name)"
+        if not adds and not calls and not inline:
+            return None, (f"{function.__qualname__} has no `name = a + b` statement and never calls the norm as "
+                          "self.<norm>(name) or self.<norm>(a + b)")
         rewrite = cls(function, tree, adds, calls, inline, self_name)
         rewrite.wrappers = wrappers
         return rewrite, ""
@@ -257,22 +320,12 @@ class _Rewrite:
     def why_not(self, norm: str) -> str:
         if not any(c.norm == norm for c in self.calls):
             return f"{self.function.__qualname__} never calls it as self.{norm}(name) or self.{norm}(a + b)"
-        return (f"no add in {self.function.__qualname__} feeds it directly on the example inputs "
-                "(its input comes from another module's forward, or is reshaped after the add)")
-
-    def observed_pairs(self) -> list[tuple[int, int]]:
-        """(add index, call index) pairs; an add or a call joins at most one pair (first seen)."""
-        used_adds, used_calls, pairs = set(), set(), []
-        for i, j in self.probe.pairs:
-            if i not in used_adds and j not in used_calls:
-                pairs.append((i, j))
-                used_adds.add(i)
-                used_calls.add(j)
-        return pairs
+        return ("no `name = a + b` result reaches it unchanged on the example inputs (its input is reshaped or "
+                "scaled after the add, or added by a function call or in a module that holds no norm)")
 
     # the two generated functions -------------------------------------------------------------
-    def probe_function(self):
-        """The forward with ``seen[i] = NAME`` after each add and ``probe.note(j, NAME, seen)`` per norm call."""
+    def probe_function(self, probe: _Probe, key: str):
+        """The forward with ``probe.saw(key, i, NAME)`` after each add and ``probe.note(key, j, NAME)`` per norm call."""
         tree = copy.deepcopy(self.tree)
         adds = {id(a.node): i for i, a in enumerate(self.adds)}
         calls = {id(c.node): j for j, c in enumerate(self.calls)}
@@ -284,7 +337,7 @@ class _Rewrite:
                 i = adds.get(mapping.get(id(node), -1))
                 if i is None:
                     return node
-                record = ast.parse(f"_nf_seen[{i}] = {node.targets[0].id}").body[0]
+                record = ast.parse(f"_nf_probe.saw(_nf_key, {i}, {node.targets[0].id})").body[0]
                 return [node, record]
 
             def visit_Call(self, node):
@@ -293,17 +346,22 @@ class _Rewrite:
                 if j is None:
                     return node
                 arg = node.args[0].id
-                node.args[0] = ast.parse(f"_nf_probe.note({j}, {arg}, _nf_seen)", mode="eval").body
+                node.args[0] = ast.parse(f"_nf_probe.note(_nf_key, {j}, {arg})", mode="eval").body
                 return node
 
         tree = Instrument().visit(tree)
-        tree.body.insert(_first_statement(tree), ast.parse("_nf_seen = {}").body[0])
-        return self._compile(tree, {"_nf_probe": self.probe})
+        return self._compile(tree, {"_nf_probe": probe, "_nf_key": key})
 
-    def fused_function(self, pairs: list[tuple[int, int]]):
-        """The forward with each paired add fused into its norm call (identity-guarded)."""
+    def fused_function(self, parent: nn.Module, plan: _FusePlan):
+        """The forward with each paired add fused into its norm call (identity-guarded).
+
+        Handed-on adds reach their norm and handoff through attributes of the instance
+        (``self._nf_targets``, ``self._nf_handoffs``), not closure cells, so ``copy.deepcopy`` of the
+        model gives the copy's forward the copy's norms.
+        """
         tree = copy.deepcopy(self.tree)
         mapping = {id(new): id(old) for new, old in zip(_walk_body(tree), list(_walk_body(self.tree)))}
+        pairs = plan.local
         add_pair = {id(self.adds[i].node): i for i, _ in pairs}
         call_pairs: dict[int, list[int]] = {}
         for i, j in pairs:
@@ -311,15 +369,25 @@ class _Rewrite:
         self_name = self.self_name
         call_norm = {i: self.calls[j].norm for i, j in pairs}
         inline = {id(site.node) for site in self.inline}
+        outgoing = {id(self.adds[i].node): (k, i) for k, i in enumerate(plan.outgoing)}
+        incoming = {id(self.calls[j].node): k for k, j in enumerate(plan.incoming)}
+        parent.__dict__["_nf_targets"] = [norm for _, norm in plan.outgoing.values()]  # plain attributes:
+        parent.__dict__["_nf_handoffs"] = [h for h, _ in plan.outgoing.values()]       # not submodules
+        parent.__dict__["_nf_handoffs_in"] = list(plan.incoming.values())
 
         class Fuse(ast.NodeTransformer):
             def visit_Assign(self, node):
-                i = add_pair.get(mapping.get(id(node), -1))
+                original = mapping.get(id(node), -1)
+                i = add_pair.get(original)
                 self.generic_visit(node)
-                if i is None:
+                if i is None and original not in outgoing:
                     return node
                 name = node.targets[0].id
                 a, b = ast.unparse(node.value.left), ast.unparse(node.value.right)
+                if i is None:  # handed on to a norm in another module's forward
+                    k, i = outgoing[original]
+                    return ast.parse(f"_nf_y{i}, {name} = _nf_add_norm({self_name}._nf_targets[{k}], ({a}), ({b}))\n"
+                                     f"{self_name}._nf_handoffs[{k}].put({name}, _nf_y{i})").body
                 return ast.parse(f"_nf_y{i}, {name} = _nf_add_norm({self_name}.{call_norm[i]}, ({a}), ({b}))\n"
                                  f"_nf_h{i} = {name}").body
 
@@ -331,6 +399,9 @@ class _Rewrite:
                     add = node.args[0]
                     return ast.parse(f"_nf_norm_of_sum({ast.unparse(node.func)}, ({ast.unparse(add.left)}), "
                                      f"({ast.unparse(add.right)}))", mode="eval").body
+                if original in incoming:
+                    return ast.parse(f"{self_name}._nf_handoffs_in[{incoming[original]}].norm("
+                                     f"{ast.unparse(node.func)}, {node.args[0].id})", mode="eval").body
                 if add_indices is None:
                     return node
                 arg = node.args[0].id
