@@ -128,7 +128,7 @@ def test_torch_compile_inductor_inlines_small_norms_and_calls_the_op_for_large_o
     with torch.no_grad():
         norm.weight.normal_()
     compiled = torch.compile(norm, fullgraph=True, dynamic=False)
-    small, large = torch.randn(4, 256), torch.randn(256, 256)  # 1,024 and 65,536 elements
+    small, large = torch.randn(4, 256), torch.randn(2048, 256)  # 1,024 and 524,288 elements
     with torch.no_grad():
         compiled(small), compiled(large)  # compile both before profiling
         with profile() as prof_small:
