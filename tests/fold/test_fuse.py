@@ -83,6 +83,28 @@ class PreNormStack(nn.Module):
         return self.norm_f(x)
 
 
+class AddOutput(nn.Module):
+    """Holds no norm but ends with the residual add (ViT's ViTOutput)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h, x):
+        out = self.lin(h) + x
+        return out
+
+
+class OutputBlock(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.norm = RMSNorm(width)
+        self.output = AddOutput(width)
+
+    def forward(self, x):
+        return self.output(self.norm(x), x)
+
+
 def _stack(seed: int = 0) -> PreNormStack:
     torch.manual_seed(seed)
     stack = PreNormStack().eval()
@@ -200,6 +222,18 @@ def test_the_add_ending_one_block_is_fused_into_the_norm_starting_the_next():
     with torch.no_grad():
         torch.testing.assert_close(fused(x), stack(x), rtol=1e-5, atol=1e-5)
     assert calls == []  # both norms got the output computed with the add
+
+
+def test_an_add_in_a_module_that_holds_no_norm_is_fused_into_the_next_norm():
+    stack = _stack()
+    stack.blocks = nn.ModuleList(OutputBlock() for _ in range(2))
+    x = _x(2, 3, 8)
+    fused, report = fuse_residual_norms(stack, (x,))
+    assert {(p.parent, p.norm) for p in report.fused} == {("blocks.0.output", "blocks.1.norm"),
+                                                        ("blocks.1.output", "norm_f")}
+    assert "forward" in vars(fused.blocks[0].output) and "forward" not in vars(fused.blocks[0].output.lin)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), stack(x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_block_called_on_its_own_falls_back_to_its_plain_norm_exactly():

@@ -116,6 +116,15 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
                 report.skipped[_join(parent_path, name)] = reason
             continue
         rewrites[parent_path] = rewrite
+    # modules that hold no norm may end with the add a norm elsewhere takes (ViT's ViTOutput)
+    norm_set = set(norms)
+    for path, module in fused.named_modules():
+        if path not in by_parent and path not in norm_set and inspect.isfunction(type(module).forward):
+            rewrite, _ = _Rewrite.parse(module, [])
+            if rewrite is not None and rewrite.adds:
+                rewrites[path] = rewrite
+    for parent_path, rewrite in rewrites.items():
+        parent = fused.get_submodule(parent_path)
         parent.forward = types.MethodType(rewrite.probe_function(probe, parent_path), parent)
     try:
         with eval_mode(fused), torch.no_grad():
@@ -137,7 +146,7 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
         parent, plan = fused.get_submodule(parent_path), plans[parent_path]
         fused_norms = ({rewrite.calls[j].norm for _, j in plan.local} | {site.norm for site in rewrite.inline}
                        | {rewrite.calls[j].norm for j in plan.incoming})
-        for name in by_parent[parent_path]:
+        for name in by_parent.get(parent_path, []):
             if name not in fused_norms:
                 report.skipped[_join(parent_path, name)] = rewrite.why_not(name)
         if plan.local or plan.outgoing or plan.incoming or rewrite.inline:
@@ -321,7 +330,7 @@ class _Rewrite:
         if not any(c.norm == norm for c in self.calls):
             return f"{self.function.__qualname__} never calls it as self.{norm}(name) or self.{norm}(a + b)"
         return ("no `name = a + b` result reaches it unchanged on the example inputs (its input is reshaped or "
-                "scaled after the add, or added by a function call or in a module that holds no norm)")
+                "scaled after the add, or added by a function call)")
 
     # the two generated functions -------------------------------------------------------------
     def probe_function(self, probe: _Probe, key: str):
