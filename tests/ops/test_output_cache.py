@@ -101,6 +101,33 @@ def test_the_limit_comes_from_normfold_cpu_cache_mb(limit_mb, cached, hits):
     assert out.stdout.split() == [str(cached), str(hits), str(int(limit_mb) << 20)]
 
 
+_FORK_CHILD = """
+import os, torch
+from normfold import ops
+x = torch.randn(512, 1024)
+del_me = ops.rms_norm(x)
+del del_me                      # the parent keeps one block
+assert ops.cpu_cache_info().cached_blocks == 1
+pid = os.fork()
+if pid == 0:
+    torch.set_num_threads(1)    # as DataLoader workers do: libgomp cannot run a parallel region after a fork
+    info = ops.cpu_cache_info()
+    ok = info.cached_bytes == 0 and info.cached_blocks == 0
+    for _ in range(3):          # the child's cache works from scratch
+        ops.rms_norm(x)
+    ok = ok and ops.cpu_cache_info().cached_blocks == 1
+    os._exit(0 if ok else 1)
+_, status = os.waitpid(pid, 0)
+print(os.waitstatus_to_exitcode(status), ops.cpu_cache_info().cached_blocks)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_starts_with_an_empty_working_cache_and_the_parent_keeps_its_own():
+    out = subprocess.run([sys.executable, "-c", _FORK_CHILD], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.split() == ["0", "1"]
+
+
 def test_info_is_all_zeros_without_the_kernel(monkeypatch):
     monkeypatch.setattr(_cpu, "_module", None)
     assert ops.cpu_cache_info() == ops.CpuCacheInfo(0, 0, 0, 0, 0)

@@ -13,13 +13,18 @@
 // being freed, up to a byte limit (NORMFOLD_CPU_CACHE_MB, default 256; 0 turns the cache off).
 // Past the limit the oldest kept blocks are freed. empty() frees them all (normfold.ops.empty_cpu_cache).
 // The singleton is never destroyed, so tensors that die during interpreter shutdown still find it.
+// A forked child starts with an empty cache and a fresh lock (another thread may have held the
+// parent's at the fork); the blocks the parent kept stay the parent's.
 #pragma once
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 
+#include <pthread.h>
+
 #include <cstdlib>
 #include <deque>
+#include <new>
 #include <iterator>
 #include <mutex>
 #include <string>
@@ -34,7 +39,11 @@ class OutputCache final : public c10::Allocator {
   static constexpr size_t kAlignment = 64;  // as c10's CPU allocator
 
   static OutputCache& instance() {
-    static OutputCache* cache = new OutputCache();  // leaked on purpose: see the header comment
+    static OutputCache* cache = [] {
+      auto* c = new OutputCache();  // leaked on purpose: see the header comment
+      pthread_atfork(nullptr, nullptr, &after_fork_in_child);
+      return c;
+    }();
     return *cache;
   }
 
@@ -101,6 +110,13 @@ class OutputCache final : public c10::Allocator {
   }
 
   static void release(void* ctx) { instance().put(static_cast<Block*>(ctx)); }
+
+  static void after_fork_in_child() {
+    OutputCache& c = instance();
+    new (&c.mu_) std::mutex();            // the old one may be locked by a thread that no longer exists
+    new (&c.free_) std::deque<Block>();   // and the list mid-update: forget it (its memory is a copy)
+    c.cached_ = 0;
+  }
 
   void put(Block* block) {
     const Block b = *block;
