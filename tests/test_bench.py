@@ -173,6 +173,24 @@ def test_fused_layer_norm_calls_that_bypass_the_module_are_counted():
     assert ops.layer_norm is plain  # the labelling wrapper is removed on exit
 
 
+def test_profiling_alternates_the_contenders_round_by_round(monkeypatch):
+    import normfold.bench as bench
+
+    order = []
+
+    def fake_profile(call, reset, iters, widths):
+        order.append(call)
+        return [(0.5, 1.0)] * iters
+    monkeypatch.setattr(bench, "_profiled_forwards", fake_profile)
+    config = replace(QUICK, seqs=(16,), rounds=2, profile_iters=5, control=False)
+    (row,) = bench_model(_tiny_gpt2(), config, name="tiny")
+    contenders = set(order)
+    assert len(contenders) == 3 and len(order) == 15  # original, folded, fused; 5 rounds of one forward each
+    assert all(set(order[i:i + 3]) == contenders for i in range(0, 15, 3))
+    assert order[0] != order[3]  # each round starts with another contender
+    assert row.norm_ms == {"original": 1.0, "folded": 1.0, "fused": 1.0}
+
+
 def test_slow_shapes_get_fewer_rounds_but_never_below_the_minimum():
     from normfold.bench import _time_interleaved
 

@@ -347,11 +347,24 @@ def _is_residual_add(event, widths: set[int]) -> bool:
 def _norm_share(call, reset, iters: int, widths: set[int]) -> tuple[float, float]:
     """Median over profiled forwards of (share of the forward's time in norms + residual adds, ms in them).
 
+    Medians, not sums: on a shared machine one forward can be descheduled inside any op.
+    """
+    return _medians(_profiled_forwards(call, reset, iters, widths))
+
+
+def _medians(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    shares = [share for share, _ in samples if share == share]  # drop NaN (a forward of zero length)
+    spent = [ms for _, ms in samples]
+    return (statistics.median(shares) if shares else float("nan")), (statistics.median(spent) if spent else 0.0)
+
+
+def _profiled_forwards(call, reset, iters: int, widths: set[int]) -> list[tuple[float, float]]:
+    """(share of the forward's time in norms + residual adds, ms in them) for each of ``iters`` forwards.
+
     A norm call's time is that of the ops it ran (its label's children: ``aten::layer_norm``,
     ``normfold::rms_norm``, or a hand-written norm's pow / mean / rsqrt ...), not the label's own
     span, which also holds the profiling hooks' cost (measured 10-70 µs per call) that no
-    unprofiled forward pays. Medians, not sums: on a shared machine one forward can be
-    descheduled inside any op.
+    unprofiled forward pays.
     """
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -376,9 +389,8 @@ def _norm_share(call, reset, iters: int, widths: set[int]) -> tuple[float, float
         forward = _ancestor(event, _FORWARD_LABEL)
         if forward is not None:
             spent_us[forward.id] = spent_us.get(forward.id, 0.0) + op_us
-    shares = [spent_us.get(i, 0.0) / t for i, t in total_us.items() if t > 0]
-    spent = [spent_us.get(i, 0.0) / 1000 for i in total_us]
-    return (statistics.median(shares) if shares else float("nan")), (statistics.median(spent) if spent else 0.0)
+    return [(spent_us.get(i, 0.0) / t if t > 0 else float("nan"), spent_us.get(i, 0.0) / 1000)
+            for i, t in total_us.items()]
 
 
 def _ancestor(event, label: str):
@@ -446,14 +458,18 @@ def _bench_mode(name, mode, models, original, config, progress) -> list[BenchRow
                 row.ratio[c], row.ratio_ci[c] = point, (low, high)
         if config.profile and mode == "eager":
             widths = _norm_widths(models.values())
+            profiled = [c for c in calls if c != "control"]  # the original's copy: same numbers
+            # a quarter of the shape's budget at most, but 5 forwards for a median (3 proved erratic
+            # at shapes whose ops run at DRAM bandwidth)
+            slowest = max(statistics.median(times[c]) for c in profiled)
+            iters = max(5, min(config.profile_iters, int(config.shape_budget_s / 4 / len(calls) / max(slowest, 1e-9))))
+            samples: dict[str, list] = {c: [] for c in profiled}
             with _label_norms(models.values()):
-                for c, (call, reset) in calls.items():
-                    if c == "control":  # the original's copy: same numbers, not worth the time
-                        continue
-                    # a quarter of the shape's budget at most, but 3 forwards for a median
-                    budget_iters = int(config.shape_budget_s / 4 / len(calls) / max(statistics.median(times[c]), 1e-9))
-                    iters = max(3, min(config.profile_iters, budget_iters))
-                    row.norm_share[c], row.norm_ms[c] = _norm_share(call, reset, iters, widths)
+                for r in range(iters):  # one profiled forward per contender per round, rotating, like the timing
+                    for c in profiled[r % len(profiled):] + profiled[:r % len(profiled)]:
+                        samples[c] += _profiled_forwards(*calls[c], 1, widths)
+            for c, forwards in samples.items():
+                row.norm_share[c], row.norm_ms[c] = _medians(forwards)
         rows.append(row)
     return rows
 
