@@ -149,26 +149,26 @@ class _SlowWrapperLayerNorm(torch.nn.LayerNorm):
 
 
 def test_norm_time_is_the_ops_a_norm_runs_not_the_span_around_them():
-    from normfold.bench import _label_norms, _norm_share
+    from normfold.bench import _label_norms, _medians, _profiled_forwards
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), _SlowWrapperLayerNorm(16)).eval()
     x = torch.randn(4, 16)
     with _label_norms([model]):
-        share, norm_ms = _norm_share(lambda: model(x), lambda: None, iters=3, widths={16})
+        share, norm_ms = _medians(_profiled_forwards(lambda: model(x), lambda: None, iters=3, widths={16}))
     assert 0 < norm_ms < 1.0  # aten::layer_norm on (4, 16) takes microseconds, the sleep 5 ms
     assert share < 0.2
 
 
 def test_fused_layer_norm_calls_that_bypass_the_module_are_counted():
     from normfold import ops
-    from normfold.bench import _label_norms, _norm_share
+    from normfold.bench import _label_norms, _medians, _profiled_forwards
 
     norm = torch.nn.LayerNorm(16)
     h, r = torch.randn(64, 16), torch.randn(64, 16)
     plain = ops.layer_norm
     with _label_norms([torch.nn.Sequential(norm)]):
-        _, norm_ms = _norm_share(lambda: ops.layer_norm(h, norm.weight, norm.bias, residual=r),
-                                 lambda: None, iters=3, widths={16})
+        _, norm_ms = _medians(_profiled_forwards(lambda: ops.layer_norm(h, norm.weight, norm.bias, residual=r),
+                                                 lambda: None, iters=3, widths={16}))
     assert norm_ms > 0
     assert ops.layer_norm is plain  # the labelling wrapper is removed on exit
 

@@ -235,7 +235,7 @@ def _time_interleaved(calls: dict, config: BenchConfig) -> dict[str, list[float]
             round_s += max(elapsed, config.min_round_s)
         rounds = min(config.rounds, max(config.min_rounds, int(config.shape_budget_s / max(round_s, 1e-9))))
         for r in range(rounds):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in _rotated(names, r):
                 call, reset = calls[name]
                 total, n = 0.0, 0
                 while True:  # the reset (KV cache crop) stays outside the timed region
@@ -248,6 +248,11 @@ def _time_interleaved(calls: dict, config: BenchConfig) -> dict[str, list[float]
                         break
                 times[name].append(total / n)
     return times
+
+
+def _rotated(names: list[str], r: int) -> list[str]:
+    """``names`` starting at position ``r`` (mod its length): round r's order, so no contender always goes first."""
+    return names[r % len(names):] + names[:r % len(names)]
 
 
 def verdict(row: BenchRow, contender: str = "fused") -> str:
@@ -344,15 +349,11 @@ def _is_residual_add(event, widths: set[int]) -> bool:
             and shapes[0][-1] == shapes[1][-1] and shapes[0][-1] in widths)
 
 
-def _norm_share(call, reset, iters: int, widths: set[int]) -> tuple[float, float]:
-    """Median over profiled forwards of (share of the forward's time in norms + residual adds, ms in them).
+def _medians(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """(median share, median ms) over profiled forwards.
 
     Medians, not sums: on a shared machine one forward can be descheduled inside any op.
     """
-    return _medians(_profiled_forwards(call, reset, iters, widths))
-
-
-def _medians(samples: list[tuple[float, float]]) -> tuple[float, float]:
     shares = [share for share, _ in samples if share == share]  # drop NaN (a forward of zero length)
     spent = [ms for _, ms in samples]
     return (statistics.median(shares) if shares else float("nan")), (statistics.median(spent) if spent else 0.0)
@@ -466,7 +467,7 @@ def _bench_mode(name, mode, models, original, config, progress) -> list[BenchRow
             samples: dict[str, list] = {c: [] for c in profiled}
             with _label_norms(models.values()):
                 for r in range(iters):  # one profiled forward per contender per round, rotating, like the timing
-                    for c in profiled[r % len(profiled):] + profiled[:r % len(profiled)]:
+                    for c in _rotated(profiled, r):
                         samples[c] += _profiled_forwards(*calls[c], 1, widths)
             for c, forwards in samples.items():
                 row.norm_share[c], row.norm_ms[c] = _medians(forwards)

@@ -138,10 +138,11 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
         if add_parent == call_parent:
             plans[add_parent].local.append((i, j))
         else:  # the add ends one module's forward, the norm starts another's (GPT-2: block i -> block i+1)
-            handoff = _Handoff()
-            norm = fused.get_submodule(call_parent).get_submodule(rewrites[call_parent].calls[j].norm)
-            plans[add_parent].outgoing[i] = (handoff, norm)
+            handoff, norm_name = _Handoff(), rewrites[call_parent].calls[j].norm
+            plans[add_parent].outgoing[i] = (handoff, fused.get_submodule(call_parent).get_submodule(norm_name))
             plans[call_parent].incoming[j] = handoff
+            report.fused.append(FusedPair(add_parent, _join(call_parent, norm_name),
+                                          rewrites[add_parent].adds[i].source))
     for parent_path, rewrite in rewrites.items():
         parent, plan = fused.get_submodule(parent_path), plans[parent_path]
         fused_norms = ({rewrite.calls[j].norm for _, j in plan.local} | {site.norm for site in rewrite.inline}
@@ -155,10 +156,6 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
                          for i, j in plan.local]
         report.fused += [FusedPair(parent_path, _join(parent_path, site.norm), site.source)
                          for site in rewrite.inline]
-    for (add_parent, i), (call_parent, j) in probe.observed_pairs():
-        if add_parent != call_parent:
-            report.fused.append(FusedPair(add_parent, _join(call_parent, rewrites[call_parent].calls[j].norm),
-                                          rewrites[add_parent].adds[i].source))
 
     if verify:
         from .verify import verify as verify_models
