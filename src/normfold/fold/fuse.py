@@ -331,7 +331,7 @@ class _Rewrite:
 
     # the two generated functions -------------------------------------------------------------
     def probe_function(self, probe: _Probe, key: str):
-        """The forward with ``probe.saw(key, i, NAME)`` after each add and ``probe.note(key, j, NAME)`` per norm call."""
+        """The forward with ``probe.saw(key, i, NAME)`` after each add, ``probe.note(key, j, NAME)`` per norm call."""
         tree = copy.deepcopy(self.tree)
         adds = {id(a.node): i for i, a in enumerate(self.adds)}
         calls = {id(c.node): j for j, c in enumerate(self.calls)}
