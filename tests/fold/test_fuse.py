@@ -105,6 +105,39 @@ class OutputBlock(nn.Module):
         return self.output(self.norm(x), x)
 
 
+class ReshapedResidualBlock(nn.Module):
+    """OPT's layout: the sum is flattened to rows before the norm; an in-place change or a slice may follow."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.norm = RMSNorm(width)
+
+    def forward(self, x, scale_in_place: bool = False, first_row: bool = False):
+        h = self.lin(x) + x
+        h = h.reshape(-1, h.size(-1))  # (B*T, C)
+        if scale_in_place:
+            h.mul_(2)
+        if first_row:
+            h = h[:1]
+        return self.norm(h)
+
+
+class ViewEndBlock(nn.Module):
+    """Ends with OPT's ``(residual + h).view(shape)``: the next block's norm takes the view."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.norm = RMSNorm(width)
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        shape = x.shape
+        rows = x.reshape(-1, x.size(-1))
+        out = (rows + self.lin(self.norm(rows))).view(shape)
+        return out
+
+
 def _stack(seed: int = 0) -> PreNormStack:
     torch.manual_seed(seed)
     stack = PreNormStack().eval()
@@ -205,6 +238,64 @@ def test_layer_norms_false_considers_only_rms_norms():
     assert report.fused == [] and report.skipped == {} and "forward" not in vars(fused)
     with pytest.raises(ValueError, match="normfold RMSNorm modules"):
         fuse_residual_norms(PostNormBlock().eval(), (_x(2, 8),), norm_paths=["norm"], layer_norms=False)
+
+
+def test_a_sum_reshaped_to_rows_is_fused_and_in_place_changes_or_slices_fall_back_exactly():
+    torch.manual_seed(0)
+    block = ReshapedResidualBlock().eval()
+    nn.init.normal_(block.norm.weight)
+    x = _x(2, 3, 8)
+    fused, report = fuse_residual_norms(block, (x,))
+    assert [p.norm for p in report.fused] == ["norm"] and report.verification.ok
+    calls = []
+    fused.norm.register_forward_hook(lambda *_: calls.append(1))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), block(x), rtol=1e-6, atol=1e-6)
+        assert calls == []  # the view of the sum took the fused output
+        # h changed in place after the add (its version moved): the early output is stale, so not used
+        assert torch.equal(fused(x, scale_in_place=True), block(x, scale_in_place=True))
+        # a view of part of the rows is not the sum's rows
+        assert torch.equal(fused(x, first_row=True), block(x, first_row=True))
+    assert calls == [1, 1]
+
+
+def test_a_block_ending_with_a_view_of_the_sum_hands_it_to_the_next_norm():
+    stack = _stack()
+    stack.blocks = nn.ModuleList(ViewEndBlock() for _ in range(2))
+    x = _x(2, 3, 8)
+    fused, report = fuse_residual_norms(stack, (x,))
+    assert {(p.parent, p.norm) for p in report.fused} == {("blocks.0", "blocks.1.norm"), ("blocks.1", "norm_f")}
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), stack(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("make_x, taken", [
+    (lambda h: h, True),
+    (lambda h: h.view(-1, h.shape[-1]), True),
+    (lambda h: h.view(-1, h.shape[-1])[1:], False),        # fewer rows
+    (lambda h: h.view(-1)[: h.shape[-1]].view(1, -1), False),
+    (lambda h: h.transpose(0, 1), False),                   # not contiguous
+    (lambda h: h.view(h.shape[0], -1, 2), False),           # other row length
+    (lambda h: h.clone(), False),                           # same values, other tensor
+    (lambda h: h.add_(0), False),                           # modified in place
+])
+def test_the_early_output_is_taken_only_for_the_sum_or_a_view_of_all_its_rows(make_x, taken):
+    norm = RMSNorm(4)
+    h = _x(3, 2, 4)
+    y = norm(h)
+    pending = fuse_module._pending(h, y)
+    sentinel = torch.zeros(())
+    out = fuse_module._norm_from(pending, lambda x: sentinel, make_x(h))
+    assert (out is not sentinel) == taken
+    if taken:
+        torch.testing.assert_close(out, norm(make_x(h)), rtol=0, atol=0)
+
+
+def test_a_view_of_other_rows_of_the_same_memory_is_not_taken_for_the_sum():
+    big = _x(4, 4)
+    h, x = big[:3], big[1:]  # same base, same shape, rows shifted by one
+    pending = fuse_module._pending(h, RMSNorm(4)(h))
+    assert torch.equal(fuse_module._norm_from(pending, RMSNorm(4), x), RMSNorm(4)(x))
 
 
 # ------------------------------------------------------------------------------ adds handed across modules
@@ -334,12 +425,18 @@ def test_bloom_whose_adds_are_function_calls_is_left_alone_and_reported(zoo):
     assert report.verification.ok
 
 
-def test_opt_fuses_only_the_add_that_reaches_a_norm_unreshaped(zoo):
-    # OPTDecoderLayer ends with `(residual + h).view(shape)`: the next layer's norm gets a view, not the sum
+def test_opt_fuses_every_norm_through_its_reshapes(zoo):
+    # OPTDecoderLayer flattens the sum before final_layer_norm and ends with `(residual + h).view(shape)`
     folded, fused, report = _fuse_zoo(zoo, "opt_pre_ln")
-    assert [(p.parent, p.norm) for p in report.fused] == [("model.decoder", "model.decoder.layers.0.self_attn_layer_norm")]
-    assert "model.decoder.layers.1.self_attn_layer_norm" in report.skipped
-    assert report.verification.ok
+    pairs = {p.norm: p.parent for p in report.fused}
+    layers = "model.decoder.layers"
+    assert pairs == {f"{layers}.0.self_attn_layer_norm": "model.decoder", f"{layers}.0.final_layer_norm": f"{layers}.0",
+                     f"{layers}.1.self_attn_layer_norm": f"{layers}.0", f"{layers}.1.final_layer_norm": f"{layers}.1",
+                     "model.decoder.final_layer_norm": f"{layers}.1"}
+    assert report.skipped == {} and report.verification.ok and report.verification.max_rel_error <= 1e-9
+    with torch.no_grad():
+        torch.testing.assert_close(fused(**folded.fresh_inputs).logits, folded.folded(**folded.fresh_inputs).logits,
+                                   rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["bert", "minilm"])
@@ -369,8 +466,9 @@ def test_bundled_model_fuses_and_passes_float64_verify():
     assert report.verification.ok and report.verification.max_rel_error <= 1e-9
 
 
-def test_fused_gpt2_compiles_without_graph_breaks(zoo):
-    folded, fused, _ = _fuse_zoo(zoo, "gpt2")
+@pytest.mark.parametrize("name", ["gpt2", "opt_pre_ln"])
+def test_fused_model_compiles_without_graph_breaks(zoo, name):
+    folded, fused, _ = _fuse_zoo(zoo, name)
     torch._dynamo.reset()
     compiled = torch.compile(fused, fullgraph=True, backend="eager")
     with torch.no_grad():

@@ -11,18 +11,21 @@ or in the forward of the module before it (the add ending block *i* feeds ``ln_1
 *i + 1*), so the rewrite is done on those forwards, per module instance, keeping the user's classes:
 
 1. **Candidates** (source, per class of a module that holds a norm): every statement
-   ``NAME = A + B``, every call ``self.<norm>(NAME)`` and every call ``self.<norm>(A + B)``.
+   ``NAME = A + B`` or ``NAME = (A + B).view(...)`` / ``.reshape(...)``, every call
+   ``self.<norm>(NAME)`` and every call ``self.<norm>(A + B)``.
 2. **Probe** (one eager run on ``example_inputs``): instrumented forwards record, model-wide,
-   which add's result object each ``self.<norm>(NAME)`` call actually received. Only observed
+   which add's result each ``self.<norm>(NAME)`` call actually received: the result object itself
+   or a contiguous view of all its rows (OPT flattens the sum to 2-D before its norm). Only observed
    pairs are fused, so a norm in an untaken branch (OPT's post-LN ``if``) never costs an extra
    norm. An inline ``self.<norm>(A + B)`` needs no probe: its add feeds the norm by construction.
 3. **Rewrite**, in the same forward: a paired add becomes
-   ``y_i, NAME = _add_norm(self.<norm>, A, B); h_i = NAME`` and the norm call becomes
-   ``y_i if NAME is h_i else self.<norm>(NAME)``. The identity test keeps every other path exact
-   (a branch that reassigns ``NAME`` falls back to the plain norm call). An inline call becomes
-   ``_norm_of_sum(self.<norm>, A, B)``. Across forwards: the add computes the other module's norm
-   too and leaves ``(NAME, y)`` in a ``_Handoff``; that module's norm call takes ``y`` only if its
-   argument *is* ``NAME``, and runs the norm otherwise.
+   ``y_i, NAME = _add_norm(self.<norm>, A, B)`` and keeps ``(NAME, y_i, NAME's version)``; the norm
+   call becomes ``_norm_from(kept, self.<norm>, NAME)``, which returns ``y_i`` (reshaped like its
+   argument) only when the argument is that sum or a view of all its rows, not modified in place
+   since, and otherwise runs the norm: a branch that reassigns, slices or scales ``NAME`` stays
+   exact. An inline call becomes ``_norm_of_sum(self.<norm>, A, B)``. Across forwards: the add
+   computes the other module's norm too and leaves what it keeps in a ``_Handoff``, which that
+   module's norm call checks the same way.
 
 The result is checked with ``normfold.verify`` in float64 (≤ 1e-9) before it is returned. The
 generated forward is an instance attribute: ``torch.compile`` traces it, ``state_dict`` and
@@ -188,12 +191,51 @@ def _norm_of_sum(norm: nn.Module, a, b):
     return norm(s) if y is None else y
 
 
+def _pending(h, y):
+    """What a fused add leaves for its norm call: ``(h, y, h's version)``, or None when it did not fuse.
+
+    The version counter (shared by every view of ``h``) tells whether ``h`` was modified in place
+    since; torch.compile cannot guard on it, so compiled code relies on the identity tests alone.
+    """
+    if y is None:
+        return None
+    return h, y, None if torch.compiler.is_compiling() else h._version
+
+
+def _norm_from(pending, norm: nn.Module, x):
+    """The early output when ``x`` is the fused add's result, unmodified, else ``norm(x)``.
+
+    ``x`` may be the result itself or a contiguous view of exactly its rows (OPT reshapes the
+    residual stream to 2-D between the add and the norm: ``h.reshape(-1, h.size(-1))``); the norm
+    acts on rows, so the early output reshaped the same way is ``norm(x)``.
+    """
+    if pending is not None:
+        h, y, version = pending
+        unchanged = version is None or torch.compiler.is_compiling() or x._version == version
+        if (x is h or _same_rows(x, h)) and unchanged:
+            return y if y.shape == x.shape else y.reshape(x.shape)  # the sum may have been viewed
+    return norm(x)
+
+
+def _same_rows(x, h) -> bool:
+    """True when ``x`` and ``h`` are contiguous views of all of one tensor's memory, rows of one length.
+
+    Covering the whole base (instead of comparing storage offsets, which torch.compile cannot trace)
+    makes the two the same memory in the same row-major order.
+    """
+    if not isinstance(x, Tensor) or not isinstance(h, Tensor) or x._base is None:
+        return False
+    base = h if h._base is None else h._base
+    return (x._base is base and x.numel() == h.numel() == base.numel() and x.dim() > 0 and h.dim() > 0
+            and x.shape[-1] == h.shape[-1] and x.is_contiguous() and h.is_contiguous() and base.is_contiguous())
+
+
 class _Handoff:
     """A norm's output computed early, by the fused add at the end of another module's forward.
 
     The add's module ``put``s ``(h, norm(h))``; the norm's module calls ``norm(module, x)``, which
-    returns the early output only when ``x`` is that very ``h`` (identity, so any other path, and a
-    model reused after an exception, stays exact) and otherwise runs the norm.
+    returns the early output only when ``x`` is that ``h`` (or a view of its rows), unmodified, so
+    any other path, and a model reused after an exception, stays exact; otherwise it runs the norm.
     """
 
     __slots__ = ("pending",)
@@ -202,13 +244,11 @@ class _Handoff:
         self.pending = None
 
     def put(self, h, y) -> None:
-        self.pending = None if y is None else (h, y)
+        self.pending = _pending(h, y)
 
     def norm(self, module: nn.Module, x):
         pending, self.pending = self.pending, None
-        if pending is not None and pending[0] is x:
-            return pending[1]
-        return module(x)
+        return _norm_from(pending, module, x)
 
 
 @dataclass
@@ -233,7 +273,7 @@ class _Probe:
     def note(self, parent: str, call_index: int, value):
         for add, result in self.seen.items():
             pair = (add, (parent, call_index))
-            if result is value and pair not in self.pairs:
+            if (result is value or _same_rows(value, result)) and pair not in self.pairs:
                 self.pairs.append(pair)
         return value
 
@@ -252,7 +292,8 @@ class _Probe:
 
 @dataclass
 class _AddSite:
-    node: ast.Assign
+    node: ast.Assign   # NAME = A + B, or NAME = (A + B).view(...) / .reshape(...)
+    add: ast.BinOp
     target: str
     source: str
 
@@ -307,8 +348,8 @@ class _Rewrite:
         adds, calls, inline = [], [], []
         for node in _walk_body(tree):
             if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
-                    and _is_add(node.value)):
-                adds.append(_AddSite(node, node.targets[0].id, ast.unparse(node)))
+                    and _add_in(node.value) is not None):
+                adds.append(_AddSite(node, _add_in(node.value), node.targets[0].id, ast.unparse(node)))
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == self_name
                     and node.func.attr in norm_names and len(node.args) == 1 and not node.keywords):
@@ -317,7 +358,8 @@ class _Rewrite:
                 elif _is_add(node.args[0]):
                     inline.append(_InlineSite(node, node.func.attr, ast.unparse(node)))
         if not adds and not calls and not inline:
-            return None, (f"{function.__qualname__} has no `name = a + b` statement and never calls the norm as "
+            return None, (f"{function.__qualname__} has no `name = a + b` (or `(a + b).view(...)`) statement and "
+                          "never calls the norm as "
                           "self.<norm>(name) or self.<norm>(a + b)")
         rewrite = cls(function, tree, adds, calls, inline, self_name)
         rewrite.wrappers = wrappers
@@ -326,8 +368,8 @@ class _Rewrite:
     def why_not(self, norm: str) -> str:
         if not any(c.norm == norm for c in self.calls):
             return f"{self.function.__qualname__} never calls it as self.{norm}(name) or self.{norm}(a + b)"
-        return ("no `name = a + b` result reaches it unchanged on the example inputs (its input is reshaped or "
-                "scaled after the add, or added by a function call)")
+        return ("no `name = a + b` result reaches it unchanged on the example inputs (its input is scaled or "
+                "copied after the add, or added by a function call)")
 
     # the two generated functions -------------------------------------------------------------
     def probe_function(self, probe: _Probe, key: str):
@@ -369,9 +411,8 @@ class _Rewrite:
         mapping = {id(new): id(old) for new, old in zip(_walk_body(tree), list(_walk_body(self.tree)))}
         pairs = plan.local
         add_pair = {id(self.adds[i].node): i for i, _ in pairs}
-        call_pairs: dict[int, list[int]] = {}
-        for i, j in pairs:
-            call_pairs.setdefault(id(self.calls[j].node), []).append(i)
+        call_pair = {id(self.calls[j].node): i for i, j in pairs}  # observed_pairs: one add per call
+        assert len(call_pair) == len(pairs)
         self_name = self.self_name
         call_norm = {i: self.calls[j].norm for i, j in pairs}
         inline = {id(site.node) for site in self.inline}
@@ -388,18 +429,23 @@ class _Rewrite:
                 self.generic_visit(node)
                 if i is None and original not in outgoing:
                     return node
-                name = node.targets[0].id
-                a, b = ast.unparse(node.value.left), ast.unparse(node.value.right)
                 if i is None:  # handed on to a norm in another module's forward
                     k, i = outgoing[original]
-                    return ast.parse(f"_nf_y{i}, {name} = _nf_add_norm({self_name}._nf_targets[{k}], ({a}), ({b}))\n"
-                                     f"{self_name}._nf_handoffs[{k}].put({name}, _nf_y{i})").body
-                return ast.parse(f"_nf_y{i}, {name} = _nf_add_norm({self_name}.{call_norm[i]}, ({a}), ({b}))\n"
-                                 f"_nf_h{i} = {name}").body
+                    norm, keep = f"{self_name}._nf_targets[{k}]", f"{self_name}._nf_handoffs[{k}].put"
+                else:
+                    norm, keep = f"{self_name}.{call_norm[i]}", f"_nf_p{i} = _nf_pending"
+                name, add = node.targets[0].id, _add_in(node.value)
+                fused = f"_nf_add_norm({norm}, ({ast.unparse(add.left)}), ({ast.unparse(add.right)}))"
+                if add is node.value:
+                    code = f"_nf_y{i}, {name} = {fused}"
+                else:  # NAME = (A + B).view(...): the view is taken of the fused op's sum
+                    node.value.func.value = ast.Name(f"_nf_s{i}", ast.Load())
+                    code = f"_nf_y{i}, _nf_s{i} = {fused}\n{name} = {ast.unparse(node.value)}"
+                return ast.parse(f"{code}\n{keep}({name}, _nf_y{i})").body
 
             def visit_Call(self, node):
                 original = mapping.get(id(node), -1)
-                add_indices = call_pairs.get(original)
+                i = call_pair.get(original)
                 self.generic_visit(node)
                 if original in inline:
                     add = node.args[0]
@@ -408,19 +454,17 @@ class _Rewrite:
                 if original in incoming:
                     return ast.parse(f"{self_name}._nf_handoffs_in[{incoming[original]}].norm("
                                      f"{ast.unparse(node.func)}, {node.args[0].id})", mode="eval").body
-                if add_indices is None:
+                if i is None:
                     return node
-                arg = node.args[0].id
-                expr = ast.unparse(node)
-                for i in add_indices:
-                    expr = f"(_nf_y{i} if {arg} is _nf_h{i} and _nf_y{i} is not None else {expr})"
-                return ast.parse(expr, mode="eval").body
+                return ast.parse(f"_nf_norm_from(_nf_p{i}, {ast.unparse(node.func)}, {node.args[0].id})",
+                                 mode="eval").body
 
         tree = Fuse().visit(tree)
-        init = "\n".join(f"_nf_y{i} = _nf_h{i} = None" for i, _ in pairs)
+        init = "\n".join(f"_nf_p{i} = None" for i, _ in pairs)
         start = _first_statement(tree)
         tree.body[start:start] = ast.parse(init).body
-        return self._compile(tree, {"_nf_add_norm": _add_norm, "_nf_norm_of_sum": _norm_of_sum})
+        return self._compile(tree, {"_nf_add_norm": _add_norm, "_nf_norm_of_sum": _norm_of_sum,
+                                    "_nf_pending": _pending, "_nf_norm_from": _norm_from})
 
     def _compile(self, tree: ast.FunctionDef, helpers: dict):
         """Compile ``tree`` in the original module's globals; ``helpers`` reach it as closure variables.
@@ -474,6 +518,16 @@ def _rewrap(wrappers: list, original, new):
 
 def _is_add(node: ast.AST) -> bool:
     return isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add)
+
+
+def _add_in(value: ast.AST) -> ast.BinOp | None:
+    """The add of ``A + B`` or of ``(A + B).view(...)`` / ``.reshape(...)`` (OPT's layer end), else None."""
+    if _is_add(value):
+        return value
+    if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute) and value.func.attr in ("view", "reshape")
+            and _is_add(value.func.value)):
+        return value.func.value
+    return None
 
 
 def _walk_body(tree: ast.FunctionDef):
