@@ -104,12 +104,11 @@ def main(argv=None) -> int:
     if not args.no_ops:
         write_ops(out.with_name(out.name + "_ops.md"), command, quick=args.quick)
     return 1 if failed else 0
-    return 0
 
 
 def write_ops(path: Path, command: str, quick: bool) -> None:
     """Per-call µs of the norm as each variant runs it (the decode-size overhead question)."""
-    shapes = ((1, 768), (8, 768)) if quick else ((1, 768), (8, 768), (128, 768), (1024, 768))
+    shapes = ((1, 768), (8, 768)) if quick else ((1, 768), (8, 768), (128, 768), (1024, 768), (4096, 768))
     rows = bench_ops(shapes, rounds=10 if quick else 300)
     keys = list(rows[0])
     lines = ["# One norm call, µs (median of interleaved rounds)", "", f"command: `{command}`", "",

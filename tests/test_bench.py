@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from normfold import ops
 from normfold.bench import QUICK, BenchConfig, add_commands, bench_model, ratio_ci, write_results
 
 REPO = Path(__file__).resolve().parents[1]
@@ -286,7 +287,9 @@ def test_bench_e2e_quick_runs_end_to_end(tmp_path):
           str(tmp_path / "e2e_quick"), "--no-plot"], tmp_path)
     rows = list(csv.DictReader(open(tmp_path / "e2e_quick.csv")))
     assert {(r["model"], r["kind"]) for r in rows} == {("gpt2", "decode"), ("gpt2", "prefill"), ("vit", "image")}
-    assert "| (1, 768) |" in (tmp_path / "e2e_quick_ops.md").read_text()
+    ops_table = (tmp_path / "e2e_quick_ops.md").read_text()
+    assert "| (1, 768) |" in ops_table
+    assert ("fused_sum_cached_us" in ops_table) == ops.cpu_kernel_available()
 
 
 def test_gpu_e2e_dry_run_times_every_contender_and_writes_tables(tmp_path):

@@ -588,11 +588,12 @@ def bench_ops(shapes=((1, 768), (8, 768), (128, 768), (1024, 768)), *, rounds: i
 
     ``layer_norm``: aten LayerNorm with γ, β (the original); ``rms_norm``: normfold weightless RMSNorm
     (folded); ``add+layer_norm`` / ``add+rms_norm``: with the residual add in front; ``fused``:
-    ``rms_norm(x, residual=r)``. Interleaved rounds of ``inner`` calls each, medians reported.
+    ``rms_norm(x, residual=r)``; ``fused_sum_cached``: the same with the sum never streamed (in this
+    loop it stays in cache, unlike in a model). Interleaved rounds of ``inner`` calls each, medians.
     """
     import torch.nn.functional as F
 
-    from .ops import rms_norm
+    from .ops import _cpu, rms_norm
 
     rows = []
     for m, n in shapes:
@@ -606,18 +607,22 @@ def bench_ops(shapes=((1, 768), (8, 768), (128, 768), (1024, 768)), *, rounds: i
             "add+rms_norm": lambda: rms_norm(x + r, None, None, 1e-5),
             "fused": lambda: rms_norm(x, None, None, 1e-5, residual=r),
         }
+        if _cpu.kernel_available():
+            ops["fused_sum_cached"] = ops["fused"]
         times = {k: [] for k in ops}
         with torch.no_grad():
-            for op in ops.values():
-                for _ in range(inner):
-                    op()
             names = list(ops)
-            for i in range(rounds):
-                for k in names[i % len(names):] + names[:i % len(names)]:
+            for i in range(-1, rounds):  # round -1 warms up
+                for k in _rotated(names, max(i, 0)):
+                    previous = _cpu.set_stream_sum_bytes(2**63 - 1) if k == "fused_sum_cached" else None
                     start = time.perf_counter()
                     for _ in range(inner):
                         ops[k]()
-                    times[k].append((time.perf_counter() - start) / inner * 1e6)
+                    elapsed = time.perf_counter() - start
+                    if previous is not None:
+                        _cpu.set_stream_sum_bytes(previous)
+                    if i >= 0:
+                        times[k].append(elapsed / inner * 1e6)
         rows.append({"shape": f"({m}, {n})", **{f"{k}_us": round(statistics.median(v), 3) for k, v in times.items()}})
     return rows
 

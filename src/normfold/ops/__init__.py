@@ -6,7 +6,9 @@ Triton kernels, float64 and other devices the pure-PyTorch reference.
 On CPU the kernel's outputs of 256 KiB or more come from a bounded cache of freed buffers
 (``NORMFOLD_CPU_CACHE_MB``, default 256, 0 = off): a freed large block would otherwise go
 back to the OS and cost page faults when the next norm asks for it. See ``cpu_cache_info``
-and ``empty_cpu_cache``.
+and ``empty_cpu_cache``. A float32 residual sum of 1 MiB or more is written with streaming
+stores (``NORMFOLD_STREAM_SUM_KB``, default 1024, 0 = never): a model reads it only after the
+next sublayer, when it would have left the cache anyway.
 """
 from typing import NamedTuple
 

@@ -99,6 +99,14 @@ def kernel_available() -> bool:
     return load() is not None
 
 
+def set_stream_sum_bytes(nbytes: int) -> int:
+    """Stream residual sums of at least ``nbytes`` (see norm_cpu.cpp); returns the previous threshold."""
+    module = load()
+    if module is None:
+        raise RuntimeError(f"the fused CPU kernel is not available: {_error}")
+    return module.set_stream_sum_bytes(nbytes)
+
+
 def build_error() -> str | None:
     """Why the kernel could not be built, or None."""
     return _error

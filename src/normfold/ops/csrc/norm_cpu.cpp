@@ -8,6 +8,8 @@
 //   sweep 1  s = x (+ residual): added in acc_t, rounded to T and stored when there is a
 //            residual; accumulate Σd and Σd² with d = s − c.
 //   sweep 2  read s again (x, or the stored s) from cache, write y = (s − mean)·rstd·scale + bias.
+//            A large float s is not stored in sweep 1 but recomputed here from x and the residual
+//            (still in L1) and streamed out (see stream_sum_bytes).
 // The norm sees the rounded s it returns, so the backward (which only has the stored s) agrees
 // with the forward exactly.
 // Statistics: one-pass shifted sums. RMSNorm uses c = 0: rstd = 1/sqrt(Σs²/N + eps).
@@ -33,7 +35,10 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/core/impl/TorchDispatchModeTLS.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <limits>
 #include <type_traits>
 
 #include "output_cache.h"
@@ -97,6 +102,30 @@ inline bool can_stream(const T* y, int64_t M, int64_t N, bool out_given) {
          reinterpret_cast<uintptr_t>(y) % align == 0 && (N * int64_t(sizeof(T))) % align == 0;
 }
 
+// The residual sum s (the stream a pre-norm model carries to its next add) is streamed when it is at
+// least NORMFOLD_STREAM_SUM_KB KiB (default 1024; 0 = never). Its next reader is the add after the
+// next sublayer, whose weights and activations (megabytes) evict it from cache first, so caching it
+// only costs a read-for-ownership and pushes out lines the sublayer needs. y is not streamed: the
+// next matmul reads it at once. Measured in GPT-2 (768 wide, batch 8 × 128, one thread): the fused
+// add + norm time per forward 9.0–10.5 → 7.7–8.1 ms; a hot loop over one (1024, 768) call, where s
+// would have stayed in L3, is 10–25% slower streamed (benchmarks/results/e2e_ops.md).
+std::atomic<int64_t>& stream_sum_bytes() {
+  static std::atomic<int64_t> bytes([] {
+    const char* env = std::getenv("NORMFOLD_STREAM_SUM_KB");
+    const long long kb = env ? std::atoll(env) : 1024;
+    return kb > 0 ? int64_t(kb) << 10 : std::numeric_limits<int64_t>::max();
+  }());
+  return bytes;
+}
+
+template <typename T>
+inline bool can_stream_sum(const T* s, int64_t M, int64_t N) {
+  constexpr int64_t align = sizeof(Vectorized<acc_t<T>>);
+  const int64_t threshold = stream_sum_bytes().load(std::memory_order_relaxed);
+  return std::is_same_v<T, float> && M * N * int64_t(sizeof(T)) >= threshold &&
+         reinterpret_cast<uintptr_t>(s) % align == 0 && (N * int64_t(sizeof(T))) % align == 0;
+}
+
 inline void stream_fence(bool streamed) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if (streamed) _mm_sfence();  // make this thread's streaming stores visible before returning
@@ -115,10 +144,12 @@ inline A hsum(const Vectorized<A>& v) {
 // Rows per parallel chunk: enough elements that a chunk outweighs the threading overhead.
 inline int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(n, 1)); }
 
-// s = round_T(x + residual), stored, for one vector; or x alone.
+// s = round_T(x + residual), stored (unless s_out is null: float only, where rounding is a no-op),
+// for one vector; or x alone.
 template <typename T, bool kResidual>
 inline Vectorized<acc_t<T>> make_s(const T* x, const T* r, T* s_out, int64_t i) {
   if constexpr (kResidual) {
+    if (s_out == nullptr) return load_acc(x + i) + load_acc(r + i);
     store_acc(s_out + i, load_acc(x + i) + load_acc(r + i));
     return load_acc(s_out + i);  // the rounded value, back from L1
   } else {
@@ -145,11 +176,13 @@ void forward_rows(const T* x, const T* res, const acc_t<T>* scale, const acc_t<T
   using V = Vectorized<A>;
   constexpr int64_t K = V::size();
   const bool stream = can_stream(y, M, N, out_given);
+  const bool stream_s = kResidual && can_stream_sum(s_out, M, N);
   at::parallel_for(0, M, grain_rows(N), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const T* xr = x + row * N;
       const T* rr = kResidual ? res + row * N : nullptr;
       T* sr = kResidual ? s_out + row * N : nullptr;
+      T* sr1 = stream_s ? nullptr : sr;  // sweep 1 stores s unless sweep 2 streams it
       T* yr = y + row * N;
       const A shift = is_rms ? A(0) : make_s_scalar<T, kResidual>(xr, rr, sr, 0);
       const V c(shift);
@@ -157,16 +190,16 @@ void forward_rows(const T* x, const T* res, const acc_t<T>* scale, const acc_t<T
       V sum0(0), sum1(0), sum2(0), sum3(0), sq0(0), sq1(0), sq2(0), sq3(0);
       int64_t i = 0;
       for (; i + 4 * K <= N; i += 4 * K) {
-        V d0 = make_s<T, kResidual>(xr, rr, sr, i) - c;
-        V d1 = make_s<T, kResidual>(xr, rr, sr, i + K) - c;
-        V d2 = make_s<T, kResidual>(xr, rr, sr, i + 2 * K) - c;
-        V d3 = make_s<T, kResidual>(xr, rr, sr, i + 3 * K) - c;
+        V d0 = make_s<T, kResidual>(xr, rr, sr1, i) - c;
+        V d1 = make_s<T, kResidual>(xr, rr, sr1, i + K) - c;
+        V d2 = make_s<T, kResidual>(xr, rr, sr1, i + 2 * K) - c;
+        V d3 = make_s<T, kResidual>(xr, rr, sr1, i + 3 * K) - c;
         sum0 = sum0 + d0; sum1 = sum1 + d1; sum2 = sum2 + d2; sum3 = sum3 + d3;
         sq0 = at::vec::fmadd(d0, d0, sq0); sq1 = at::vec::fmadd(d1, d1, sq1);
         sq2 = at::vec::fmadd(d2, d2, sq2); sq3 = at::vec::fmadd(d3, d3, sq3);
       }
       for (; i + K <= N; i += K) {
-        V d = make_s<T, kResidual>(xr, rr, sr, i) - c;
+        V d = make_s<T, kResidual>(xr, rr, sr1, i) - c;
         sum0 = sum0 + d;
         sq0 = at::vec::fmadd(d, d, sq0);
       }
@@ -188,7 +221,13 @@ void forward_rows(const T* x, const T* res, const acc_t<T>* scale, const acc_t<T
       const V vr(rstd), vmean(mean);
       i = 0;
       for (; i + K <= N; i += K) {
-        V s = load_acc((kResidual ? sr : xr) + i);
+        V s;
+        if (stream_s) {  // the sum again from x and r, still in L1, and streamed out with y
+          s = load_acc(xr + i) + load_acc(rr + i);
+          store_out(sr + i, s, true);
+        } else {
+          s = load_acc((kResidual ? sr : xr) + i);
+        }
         V out = (s - vmean) * vr;
         if constexpr (kWeight) out = out * V::loadu(scale + i);
         if constexpr (kBias) out = out + V::loadu(bias + i);
@@ -202,7 +241,7 @@ void forward_rows(const T* x, const T* res, const acc_t<T>* scale, const acc_t<T
         yr[i] = T(out);
       }
     }
-    stream_fence(stream);
+    stream_fence(stream || stream_s);
   });
 }
 
@@ -492,6 +531,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "normfold fused CPU norms";
   m.def("cpu_cache_info", [] { return normfold::OutputCache::instance().info(); },
         "(cached bytes, cached blocks, hits, misses, limit bytes) of the output-buffer cache");
+  m.def("set_stream_sum_bytes", [](int64_t bytes) { return stream_sum_bytes().exchange(bytes); },
+        "stream residual sums of at least this many bytes (returns the previous threshold)");
   m.def("empty_cpu_cache", [] { normfold::OutputCache::instance().empty(); }, "free every cached output buffer");
   m.def("norm_fwd_eager", &norm_fwd_eager, "eager no-autograd forward, or None where the full path is needed",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("eps"), py::arg("offset"),
