@@ -278,6 +278,7 @@ def test_a_block_ending_with_a_view_of_the_sum_hands_it_to_the_next_norm():
     (lambda h: h.view(h.shape[0], -1, 2), False),           # other row length
     (lambda h: h.clone(), False),                           # same values, other tensor
     (lambda h: h.add_(0), False),                           # modified in place
+    (lambda h: None, False),                                # not a tensor
 ])
 def test_the_early_output_is_taken_only_for_the_sum_or_a_view_of_all_its_rows(make_x, taken):
     norm = RMSNorm(4)
@@ -417,12 +418,19 @@ def test_gpt2_fused_decode_with_kv_cache_matches_folded(zoo):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 
-def test_bloom_whose_adds_are_function_calls_is_left_alone_and_reported(zoo):
-    folded, fused, report = _fuse_zoo(zoo, "bloom")  # residual = dropout_add(x, residual, ...)
+@pytest.mark.parametrize("name", ["bloom", "falcon_sequential"])
+def test_adds_inside_a_helper_function_are_inlined_and_fused(zoo, name):
+    # BLOOM and Falcon add the residual in `dropout_add(x, residual, prob, training)`
+    folded, fused, report = _fuse_zoo(zoo, name)
     rms = [path for path, m in folded.folded.named_modules() if isinstance(m, RMSNorm)]
-    assert report.fused == [] and sorted(report.skipped) == sorted(rms)
-    assert all("no `name = a + b` result reaches it unchanged" in why for why in report.skipped.values())
-    assert report.verification.ok
+    assert all("dropout_add(" in p.add and "out = residual + out" in p.add for p in report.fused)
+    first = next(path for path in rms if ".h.0." in path and "input_layernorm" in path)
+    assert sorted(p.norm for p in report.fused) == sorted(set(rms) - {first})  # the first takes no add
+    assert "no `name = a + b` result reaches it" in report.skipped[first]
+    assert report.verification.ok and report.verification.max_rel_error <= 1e-9
+    with torch.no_grad():
+        torch.testing.assert_close(fused(**folded.fresh_inputs).logits, folded.folded(**folded.fresh_inputs).logits,
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_opt_fuses_every_norm_through_its_reshapes(zoo):
@@ -466,7 +474,7 @@ def test_bundled_model_fuses_and_passes_float64_verify():
     assert report.verification.ok and report.verification.max_rel_error <= 1e-9
 
 
-@pytest.mark.parametrize("name", ["gpt2", "opt_pre_ln"])
+@pytest.mark.parametrize("name", ["gpt2", "opt_pre_ln", "bloom"])
 def test_fused_model_compiles_without_graph_breaks(zoo, name):
     folded, fused, _ = _fuse_zoo(zoo, name)
     torch._dynamo.reset()

@@ -12,7 +12,8 @@ or in the forward of the module before it (the add ending block *i* feeds ``ln_1
 
 1. **Candidates** (source, per class of a module that holds a norm): every statement
    ``NAME = A + B`` or ``NAME = (A + B).view(...)`` / ``.reshape(...)``, every call
-   ``self.<norm>(NAME)`` and every call ``self.<norm>(A + B)``.
+   ``self.<norm>(NAME)`` and every call ``self.<norm>(A + B)``; small helpers the forward calls
+   (BLOOM's ``dropout_add``) are written out first, so their adds count (``inline.py``).
 2. **Probe** (one eager run on ``example_inputs``): instrumented forwards record, model-wide,
    which add's result each ``self.<norm>(NAME)`` call actually received: the result object itself
    or a contiguous view of all its rows (OPT flattens the sum to 2-D before its norm). Only observed
@@ -49,6 +50,7 @@ from .. import ops
 from ..nn import RMSNorm
 from .errors import FoldVerificationError
 from .graph import eval_mode, split_example_inputs
+from .inline import inline_helper_calls
 
 _FLOAT64_TOLERANCE = 1e-9
 _CHECKPOINT_WRAPPER = "forward_with_checkpointing"  # transformers' GradientCheckpointingLayer wrapper
@@ -211,8 +213,8 @@ def _norm_from(pending, norm: nn.Module, x):
     """
     if pending is not None:
         h, y, version = pending
-        unchanged = version is None or torch.compiler.is_compiling() or x._version == version
-        if (x is h or _same_rows(x, h)) and unchanged:
+        if (x is h or _same_rows(x, h)) and (version is None or torch.compiler.is_compiling()
+                                              or x._version == version):
             return y if y.shape == x.shape else y.reshape(x.shape)  # the sum may have been viewed
     return norm(x)
 
@@ -293,7 +295,6 @@ class _Probe:
 @dataclass
 class _AddSite:
     node: ast.Assign   # NAME = A + B, or NAME = (A + B).view(...) / .reshape(...)
-    add: ast.BinOp
     target: str
     source: str
 
@@ -345,11 +346,12 @@ class _Rewrite:
             return None, f"{function.__qualname__} is not a plain method"
         tree.decorator_list = []
         self_name = tree.args.args[0].arg
+        from_helpers = inline_helper_calls(tree, function.__globals__)  # BLOOM's dropout_add(x, residual, ...)
         adds, calls, inline = [], [], []
         for node in _walk_body(tree):
             if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
                     and _add_in(node.value) is not None):
-                adds.append(_AddSite(node, _add_in(node.value), node.targets[0].id, ast.unparse(node)))
+                adds.append(_AddSite(node, node.targets[0].id, from_helpers.get(id(node), ast.unparse(node))))
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == self_name
                     and node.func.attr in norm_names and len(node.args) == 1 and not node.keywords):
@@ -359,8 +361,7 @@ class _Rewrite:
                     inline.append(_InlineSite(node, node.func.attr, ast.unparse(node)))
         if not adds and not calls and not inline:
             return None, (f"{function.__qualname__} has no `name = a + b` (or `(a + b).view(...)`) statement and "
-                          "never calls the norm as "
-                          "self.<norm>(name) or self.<norm>(a + b)")
+                          "never calls the norm as self.<norm>(name) or self.<norm>(a + b)")
         rewrite = cls(function, tree, adds, calls, inline, self_name)
         rewrite.wrappers = wrappers
         return rewrite, ""
@@ -369,7 +370,7 @@ class _Rewrite:
         if not any(c.norm == norm for c in self.calls):
             return f"{self.function.__qualname__} never calls it as self.{norm}(name) or self.{norm}(a + b)"
         return ("no `name = a + b` result reaches it unchanged on the example inputs (its input is scaled or "
-                "copied after the add, or added by a function call)")
+                "copied after the add, or added by a function that cannot be inlined)")
 
     # the two generated functions -------------------------------------------------------------
     def probe_function(self, probe: _Probe, key: str):

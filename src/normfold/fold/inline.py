@@ -1,0 +1,160 @@
+"""Inline small helper functions into a parsed ``forward``, so the adds inside them become visible.
+
+BLOOM and Falcon add their residuals through a module-level helper,
+
+    def dropout_add(x, residual, prob, training):
+        out = F.dropout(x, p=prob, training=training)
+        out = residual + out
+        return out
+
+called as ``output = dropout_add(h, residual, self.hidden_dropout, self.training)``. Written out in
+place, with the helper's locals renamed apart, the call becomes statements of the caller, and the add
+``out = residual + out`` a statement that ``fuse_residual_norms`` can pair with the norm it feeds.
+
+Only helpers that inline to the same computation are taken: a plain function defined in the caller's
+module (same globals, so its global names mean the same), no closure or decorators, fixed positional
+or keyword parameters, each one given by the call, and a body of single-name assignments ending in
+one ``return``. Its global names must not be locals of the caller. Anything else stays a call.
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import inspect
+import textwrap
+import types
+
+_PREFIX = "_nf_in"
+
+
+def inline_helper_calls(tree: ast.FunctionDef, module_globals: dict) -> dict[int, str]:
+    """Replace, in place, each ``NAME = helper(...)`` statement of ``tree`` that may be inlined.
+
+    Returns ``{id(assignment): description}`` for the add statements that came from helpers (the
+    description names the call and the helper's own line, for reports).
+    """
+    caller_locals = _local_names(tree)
+    described: dict[int, str] = {}
+    counter = [0]
+
+    def rewrite(statements: list[ast.stmt]) -> list[ast.stmt]:
+        out = []
+        for stmt in statements:
+            for name in ("body", "orelse", "finalbody"):
+                if isinstance(getattr(stmt, name, None), list) and not isinstance(
+                        stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    setattr(stmt, name, rewrite(getattr(stmt, name)))
+            for handler in getattr(stmt, "handlers", []):
+                handler.body = rewrite(handler.body)
+            inlined = _inline(stmt, module_globals, caller_locals, f"{_PREFIX}{counter[0]}_", described)
+            if inlined is None:
+                out.append(stmt)
+            else:
+                counter[0] += 1
+                out += inlined
+        return out
+
+    tree.body = rewrite(tree.body)
+    return described
+
+
+def _inline(stmt: ast.stmt, module_globals: dict, caller_locals: set[str], prefix: str,
+            described: dict[int, str]) -> list[ast.stmt] | None:
+    """The statements replacing ``stmt`` (``NAME = helper(...)``), or None when it is not inlined."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
+            and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Name)):
+        return None
+    call = stmt.value
+    helper = module_globals.get(call.func.id)
+    definition = _inlinable_definition(helper, module_globals)
+    if definition is None or call.func.id in caller_locals:
+        return None
+    params = [a.arg for a in definition.args.args]
+    bound = _bind(call, params)
+    body = definition.body[1:] if _is_docstring(definition.body[0]) else definition.body
+    helper_locals = set(params) | {s.targets[0].id for s in body[:-1]}
+    helper_globals = {n.id for s in body for n in ast.walk(s) if isinstance(n, ast.Name)} - helper_locals
+    if bound is None or helper_globals & caller_locals:
+        return None
+
+    class Rename(ast.NodeTransformer):
+        def visit_Name(self, node):
+            return ast.copy_location(ast.Name(prefix + node.id, node.ctx), node) if node.id in helper_locals else node
+
+    out = [ast.Assign([ast.Name(prefix + p, ast.Store())], value) for p, value in bound.items()]
+    call_source = ast.unparse(stmt)
+    for s in body[:-1]:
+        renamed = Rename().visit(_copy(s))
+        if isinstance(s.value, ast.BinOp) and isinstance(s.value.op, ast.Add):
+            described[id(renamed)] = f"{call_source}  ({call.func.id}: {ast.unparse(s)})"
+        out.append(renamed)
+    out.append(ast.Assign([stmt.targets[0]], Rename().visit(_copy(body[-1].value))))
+    return [ast.copy_location(s, stmt) for s in out]
+
+
+def _inlinable_definition(helper, module_globals: dict) -> ast.FunctionDef | None:
+    """The parsed definition of ``helper`` when it is a helper that may be inlined (see module docstring)."""
+    if not isinstance(helper, types.FunctionType) or helper.__globals__ is not module_globals:
+        return None
+    if helper.__code__.co_freevars or hasattr(helper, "__wrapped__"):
+        return None
+    try:
+        definition = ast.parse(textwrap.dedent(inspect.getsource(helper))).body[0]
+    except (OSError, TypeError, SyntaxError):
+        return None
+    if not isinstance(definition, ast.FunctionDef) or definition.decorator_list:
+        return None
+    args = definition.args
+    if args.posonlyargs or args.vararg or args.kwonlyargs or args.kwarg:
+        return None
+    body = definition.body[1:] if _is_docstring(definition.body[0]) else definition.body
+    if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
+        return None
+    if not all(isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
+               for s in body[:-1]):
+        return None
+    if not any(isinstance(s.value, ast.BinOp) and isinstance(s.value.op, ast.Add) for s in body[:-1]):
+        return None  # nothing a fusion could use
+    if any(isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Yield, ast.YieldFrom, ast.Await,
+                          ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)) for s in body for n in ast.walk(s)):
+        return None  # own scopes or control flow inside an expression
+    return definition
+
+
+def _bind(call: ast.Call, params: list[str]) -> dict[str, ast.expr] | None:
+    """Parameter -> argument expression, when the call gives every parameter exactly once, plainly."""
+    if any(isinstance(a, ast.Starred) for a in call.args) or any(k.arg is None for k in call.keywords):
+        return None
+    if len(call.args) > len(params):
+        return None
+    bound = dict(zip(params, call.args))
+    for keyword in call.keywords:
+        if keyword.arg not in params or keyword.arg in bound:
+            return None
+        bound[keyword.arg] = keyword.value
+    if set(bound) != set(params):
+        return None  # a default would be used: not inlined
+    # arguments are evaluated in the call's order: positional first, then keywords as written
+    order = [params[i] for i in range(len(call.args))] + [k.arg for k in call.keywords]
+    return {p: bound[p] for p in order}
+
+
+def _local_names(tree: ast.FunctionDef) -> set[str]:
+    """Every name the function binds: parameters and assignment targets (nested scopes included, to be safe)."""
+    args = tree.args
+    names = {a.arg for a in args.posonlyargs + args.args + args.kwonlyargs}
+    names |= {a.arg for a in (args.vararg, args.kwarg) if a is not None}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+    return names
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
+
+
+def _copy(node):
+    return copy.deepcopy(node)
