@@ -122,21 +122,30 @@ def test_decode_step_reuses_a_cache_cropped_back_to_the_prefill():
             assert out.cache.get_seq_length() == 6
 
 
-def test_only_hidden_width_adds_count_as_residual_adds():
+def test_only_adds_shaped_like_a_norms_input_count_as_residual_adds():
     from torch.profiler import profile
 
-    from normfold.bench import _is_residual_add, _norm_widths
+    from normfold.bench import _is_residual_add, _norm_rows
+
+    norm_rows = {(2 * 3 * 16, 16)}  # a norm saw (2, 3, 16)
+    h, r, wide = torch.randn(2, 3, 16), torch.randn(2, 3, 16), torch.randn(2, 3, 32)
+    scores, mask = torch.randn(2, 4, 16, 16), torch.randn(2, 1, 16, 16)  # T = hidden size = 16
+    with profile(record_shapes=True) as prof:
+        h + r                                  # a residual add: counted
+        h.view(6, 16) + r.view(6, 16)          # the same rows flattened (OPT): counted
+        torch.randn(1, 3, 16) + h              # broadcast to a norm input's shape (embeddings + positions)
+        wide + wide                            # an activation's add at another width: not counted
+        h + 1.0                                # a scalar add: not counted
+        scores + mask                          # attention scores plus mask, last dim = width: not counted
+    adds = [e for e in prof.events() if e.name == "aten::add"]
+    assert [_is_residual_add(e, norm_rows) for e in adds] == [True, True, True, False, False, False]
+
+    from normfold.bench import _NORM_LABEL, _label_norms
 
     model = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32))
-    widths = _norm_widths([model])
-    assert widths == {16}
-    h, r, wide = torch.randn(2, 3, 16), torch.randn(2, 3, 16), torch.randn(2, 3, 32)
-    with profile(record_shapes=True) as prof:
-        h + r        # a residual add: counted
-        wide + wide  # an activation's add at another width: not counted
-        h + 1.0      # a scalar add: not counted
-    adds = [e for e in prof.events() if e.name == "aten::add"]
-    assert [_is_residual_add(e, widths) for e in adds] == [True, False, False]
+    with _label_norms([model]), profile(record_shapes=True) as prof:
+        model(h)
+    assert _norm_rows(e for e in prof.events() if e.name == _NORM_LABEL) == norm_rows
 
 
 class _SlowWrapperLayerNorm(torch.nn.LayerNorm):
@@ -155,7 +164,7 @@ def test_norm_time_is_the_ops_a_norm_runs_not_the_span_around_them():
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), _SlowWrapperLayerNorm(16)).eval()
     x = torch.randn(4, 16)
     with _label_norms([model]):
-        share, norm_ms = _medians(_profiled_forwards(lambda: model(x), lambda: None, iters=3, widths={16}))
+        share, norm_ms = _medians(_profiled_forwards(lambda: model(x), lambda: None, iters=3))
     assert 0 < norm_ms < 1.0  # aten::layer_norm on (4, 16) takes microseconds, the sleep 5 ms
     assert share < 0.2
 
@@ -169,7 +178,7 @@ def test_fused_layer_norm_calls_that_bypass_the_module_are_counted():
     plain = ops.layer_norm
     with _label_norms([torch.nn.Sequential(norm)]):
         _, norm_ms = _medians(_profiled_forwards(lambda: ops.layer_norm(h, norm.weight, norm.bias, residual=r),
-                                                 lambda: None, iters=3, widths={16}))
+                                                 lambda: None, iters=3))
     assert norm_ms > 0
     assert ops.layer_norm is plain  # the labelling wrapper is removed on exit
 
@@ -179,7 +188,7 @@ def test_profiling_alternates_the_contenders_round_by_round(monkeypatch):
 
     order = []
 
-    def fake_profile(call, reset, iters, widths):
+    def fake_profile(call, reset, iters):
         order.append(call)
         return [(0.5, 1.0)] * iters
     monkeypatch.setattr(bench, "_profiled_forwards", fake_profile)

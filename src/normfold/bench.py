@@ -8,15 +8,17 @@ rotates every round) so that load drifts hit all of them alike. Each row reports
 medians with their interquartile range, and the speed ratio original/contender (> 1 = faster)
 with a bootstrap confidence interval. ``seq = 1`` is a decode step: one token after a prefill of
 ``BenchConfig.prefill`` tokens with the KV cache (the cache is cropped back after every step, outside
-the timed region). The profiler pass reports the forward time spent in norms (LayerNorm /
-RMSNorm module calls and fused add+norm calls, Python included) plus residual adds: ``aten::add``
-of two hidden-width tensors (last dimension = a norm's width), so an activation's internal adds
-(GPT-2's tanh GELU has two per layer) do not count.
+the timed region). The profiler pass reports the forward time spent in the ops norm calls run
+(LayerNorm / RMSNorm module calls and fused add+norm calls) plus residual adds: an ``aten::add``
+whose result has the size and row length of a tensor a norm normalized, so an activation's
+internal adds (GPT-2's tanh GELU has two per layer) and attention scores plus their mask (whose
+last dimension equals the hidden size when the sequence length does) do not count.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import platform
 import statistics
@@ -328,12 +330,6 @@ def _label_norms(models):
             h.remove()
 
 
-def _norm_widths(models) -> set[int]:
-    """The normalized sizes of every norm in ``models``: residual streams have these widths."""
-    return {int(sub.normalized_shape[-1]) for m in models for sub in m.modules()
-            if isinstance(sub, _norm_types()) and sub.normalized_shape}
-
-
 def _norm_types() -> tuple[type, ...]:
     """The norm modules the profiler pass labels: torch's and normfold's LayerNorm / RMSNorm."""
     from .nn import LayerNorm as NfLayerNorm
@@ -342,11 +338,32 @@ def _norm_types() -> tuple[type, ...]:
     return (nn.LayerNorm, nn.RMSNorm, NfLayerNorm, RMSNorm)
 
 
-def _is_residual_add(event, widths: set[int]) -> bool:
-    """An ``aten::add`` of two tensors whose last dimension is a residual-stream width."""
+def _is_residual_add(event, norm_rows: set[tuple[int, int]]) -> bool:
+    """An ``aten::add`` whose result is shaped like a norm's input: the same (elements, row length).
+
+    Matching the whole size, not only the row length, keeps out adds that merely end in the same
+    width, e.g. attention scores (B, H, T, T) plus their mask when T equals the hidden size.
+    """
     shapes = [s for s in (event.input_shapes or []) if s]
-    return (event.name == "aten::add" and len(shapes) >= 2 and len(shapes[0]) >= 2 and len(shapes[1]) >= 2
-            and shapes[0][-1] == shapes[1][-1] and shapes[0][-1] in widths)
+    if event.name != "aten::add" or len(shapes) < 2:
+        return False
+    try:
+        out = torch.broadcast_shapes(tuple(shapes[0]), tuple(shapes[1]))
+    except RuntimeError:
+        return False
+    return (math.prod(out), out[-1]) in norm_rows
+
+
+def _norm_rows(norm_events) -> set[tuple[int, int]]:
+    """(elements, row length) of the tensors the labelled norm calls normalized (their first op's input)."""
+    rows = set()
+    for event in norm_events:
+        for child in event.cpu_children:
+            shape = child.input_shapes[0] if child.input_shapes and child.input_shapes[0] else None
+            if shape:
+                rows.add((math.prod(shape), shape[-1]))
+                break
+    return rows
 
 
 def _medians(samples: list[tuple[float, float]]) -> tuple[float, float]:
@@ -359,7 +376,7 @@ def _medians(samples: list[tuple[float, float]]) -> tuple[float, float]:
     return (statistics.median(shares) if shares else float("nan")), (statistics.median(spent) if spent else 0.0)
 
 
-def _profiled_forwards(call, reset, iters: int, widths: set[int]) -> list[tuple[float, float]]:
+def _profiled_forwards(call, reset, iters: int) -> list[tuple[float, float]]:
     """(share of the forward's time in norms + residual adds, ms in them) for each of ``iters`` forwards.
 
     A norm call's time is that of the ops it ran (its label's children: ``aten::layer_norm``,
@@ -376,6 +393,7 @@ def _profiled_forwards(call, reset, iters: int, widths: set[int]) -> list[tuple[
             reset()
     total_us: dict[int, float] = {}
     spent_us: dict[int, float] = {}
+    norm_rows = _norm_rows(e for e in prof.events() if e.name == _NORM_LABEL)
     for event in prof.events():
         if event.name == _FORWARD_LABEL:
             total_us[event.id] = event.cpu_time_total
@@ -383,7 +401,7 @@ def _profiled_forwards(call, reset, iters: int, widths: set[int]) -> list[tuple[
         # norms never call aten::add, so an add inside a norm label is not counted twice
         if event.name == _NORM_LABEL:
             op_us = sum(child.cpu_time_total for child in event.cpu_children)
-        elif _is_residual_add(event, widths) and _ancestor(event, _NORM_LABEL) is None:
+        elif _is_residual_add(event, norm_rows) and _ancestor(event, _NORM_LABEL) is None:
             op_us = event.cpu_time_total
         else:
             continue
@@ -458,7 +476,6 @@ def _bench_mode(name, mode, models, original, config, progress) -> list[BenchRow
                                             confidence=config.confidence, seed=config.seed)
                 row.ratio[c], row.ratio_ci[c] = point, (low, high)
         if config.profile and mode == "eager":
-            widths = _norm_widths(models.values())
             profiled = [c for c in calls if c != "control"]  # the original's copy: same numbers
             # a quarter of the shape's budget at most, but 5 forwards for a median (3 proved erratic
             # at shapes whose ops run at DRAM bandwidth)
@@ -468,7 +485,7 @@ def _bench_mode(name, mode, models, original, config, progress) -> list[BenchRow
             with _label_norms(models.values()):
                 for r in range(iters):  # one profiled forward per contender per round, rotating, like the timing
                     for c in _rotated(profiled, r):
-                        samples[c] += _profiled_forwards(*calls[c], 1, widths)
+                        samples[c] += _profiled_forwards(*calls[c], 1)
             for c, forwards in samples.items():
                 row.norm_share[c], row.norm_ms[c] = _medians(forwards)
         rows.append(row)
@@ -501,8 +518,8 @@ def write_results(rows: list[BenchRow], stem, *, command: str, plot: bool = True
              "a ratio; fused vs noise = `faster` / `slower` when the fused CI clears the control's CI (widened to "
              "include 1), else `within noise`; "
              "norm+add = profiler: forward CPU time in the ops norm calls run (aten::layer_norm, normfold::rms_norm, "
-             "...; not the module call around them) and in residual adds (aten::add of two hidden-width "
-             "tensors), its share of the forward, and how much of it fusing cut", "",
+             "...; not the module call around them) and in residual adds (aten::add whose result has the size "
+             "and row length of a norm's input), its share of the forward, and how much of it fusing cut", "",
              "| model | mode | batch | seq | original ms | control (A/A) | folded | fused | fused vs noise "
              "| norm+add share orig → fused | norm+add ms orig → fused (cut) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
