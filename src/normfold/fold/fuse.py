@@ -402,7 +402,7 @@ class _Rewrite:
         return self._compile(tree, {"_nf_probe": probe, "_nf_key": key})
 
     def fused_function(self, parent: nn.Module, plan: _FusePlan):
-        """The forward with each paired add fused into its norm call (identity-guarded).
+        """The forward with each paired add fused into its norm call (guarded: see ``_norm_from``).
 
         Handed-on adds reach their norm and handoff through attributes of the instance
         (``self._nf_targets``, ``self._nf_handoffs``), not closure cells, so ``copy.deepcopy`` of the

@@ -107,8 +107,9 @@ inline bool can_stream(const T* y, int64_t M, int64_t N, bool out_given) {
 // next sublayer, whose weights and activations (megabytes) evict it from cache first, so caching it
 // only costs a read-for-ownership and pushes out lines the sublayer needs. y is not streamed: the
 // next matmul reads it at once. Measured in GPT-2 (768 wide, batch 8 × 128, one thread): the fused
-// add + norm time per forward 9.0–10.5 → 7.7–8.1 ms; a hot loop over one (1024, 768) call, where s
-// would have stayed in L3, is 10–25% slower streamed (benchmarks/results/e2e_ops.md).
+// add + norm time per forward 9.0–10.5 → 7.7–8.1 ms. In loops over one call, where s may stay in
+// L3, the sign varies: 482 vs 565 µs at (1024, 768) interleaved (e2e_ops.md), slower in a loop of
+// that call alone.
 std::atomic<int64_t>& stream_sum_bytes() {
   static std::atomic<int64_t> bytes([] {
     const char* env = std::getenv("NORMFOLD_STREAM_SUM_KB");
