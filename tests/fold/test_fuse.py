@@ -123,13 +123,8 @@ class ReshapedResidualBlock(nn.Module):
         return self.norm(h)
 
 
-class ViewEndBlock(nn.Module):
+class ViewEndBlock(PreNormBlock):
     """Ends with OPT's ``(residual + h).view(shape)``: the next block's norm takes the view."""
-
-    def __init__(self, width: int = 8) -> None:
-        super().__init__()
-        self.norm = RMSNorm(width)
-        self.lin = nn.Linear(width, width)
 
     def forward(self, x):
         shape = x.shape
