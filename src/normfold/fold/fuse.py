@@ -50,7 +50,7 @@ from .. import ops
 from ..nn import RMSNorm
 from .errors import FoldVerificationError
 from .graph import eval_mode, split_example_inputs
-from .inline import inline_helper_calls
+from .inline import inline_helper_calls, is_docstring
 
 _FLOAT64_TOLERANCE = 1e-9
 _CHECKPOINT_WRAPPER = "forward_with_checkpointing"  # transformers' GradientCheckpointingLayer wrapper
@@ -346,7 +346,7 @@ class _Rewrite:
             return None, f"{function.__qualname__} is not a plain method"
         tree.decorator_list = []
         self_name = tree.args.args[0].arg
-        from_helpers = inline_helper_calls(tree, function.__globals__)  # BLOOM's dropout_add(x, residual, ...)
+        from_helpers = inline_helper_calls(tree, function.__globals__, _add_in)  # BLOOM's dropout_add(...)
         adds, calls, inline = [], [], []
         for node in _walk_body(tree):
             if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
@@ -544,11 +544,7 @@ def _walk_body(tree: ast.FunctionDef):
 
 def _first_statement(tree: ast.FunctionDef) -> int:
     """Index after the docstring, where generated initialisations go."""
-    body = tree.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        return 1
-    return 0
+    return 1 if tree.body and is_docstring(tree.body[0]) else 0
 
 
 # ------------------------------------------------------------------------------ which norms

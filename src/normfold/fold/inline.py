@@ -23,15 +23,18 @@ import copy
 import inspect
 import textwrap
 import types
+from typing import Callable
 
 _PREFIX = "_nf_in"
 
 
-def inline_helper_calls(tree: ast.FunctionDef, module_globals: dict) -> dict[int, str]:
+def inline_helper_calls(tree: ast.FunctionDef, module_globals: dict, wanted: Callable[[ast.expr], object]
+                        ) -> dict[int, str]:
     """Replace, in place, each ``NAME = helper(...)`` statement of ``tree`` that may be inlined.
 
-    Returns ``{id(assignment): description}`` for the add statements that came from helpers (the
-    description names the call and the helper's own line, for reports).
+    Only helpers with an assignment whose value ``wanted`` accepts (returns something not None:
+    the caller's own test for an add site) are inlined. Returns ``{id(assignment): description}``
+    for those assignments (the description names the call and the helper's own line, for reports).
     """
     caller_locals = _local_names(tree)
     described: dict[int, str] = {}
@@ -46,7 +49,7 @@ def inline_helper_calls(tree: ast.FunctionDef, module_globals: dict) -> dict[int
                     setattr(stmt, name, rewrite(getattr(stmt, name)))
             for handler in getattr(stmt, "handlers", []):
                 handler.body = rewrite(handler.body)
-            inlined = _inline(stmt, module_globals, caller_locals, f"{_PREFIX}{counter[0]}_", described)
+            inlined = _inline(stmt, module_globals, wanted, caller_locals, f"{_PREFIX}{counter[0]}_", described)
             if inlined is None:
                 out.append(stmt)
             else:
@@ -58,20 +61,18 @@ def inline_helper_calls(tree: ast.FunctionDef, module_globals: dict) -> dict[int
     return described
 
 
-def _inline(stmt: ast.stmt, module_globals: dict, caller_locals: set[str], prefix: str,
+def _inline(stmt: ast.stmt, module_globals: dict, wanted, caller_locals: set[str], prefix: str,
             described: dict[int, str]) -> list[ast.stmt] | None:
     """The statements replacing ``stmt`` (``NAME = helper(...)``), or None when it is not inlined."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
             and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Name)):
         return None
     call = stmt.value
-    helper = module_globals.get(call.func.id)
-    definition = _inlinable_definition(helper, module_globals)
-    if definition is None or call.func.id in caller_locals:
+    inlinable = _inlinable(module_globals.get(call.func.id), module_globals, wanted)
+    if inlinable is None or call.func.id in caller_locals:
         return None
-    params = [a.arg for a in definition.args.args]
+    params, body = inlinable
     bound = _bind(call, params)
-    body = definition.body[1:] if _is_docstring(definition.body[0]) else definition.body
     helper_locals = set(params) | {s.targets[0].id for s in body[:-1]}
     helper_globals = {n.id for s in body for n in ast.walk(s) if isinstance(n, ast.Name)} - helper_locals
     if bound is None or helper_globals & caller_locals:
@@ -84,16 +85,16 @@ def _inline(stmt: ast.stmt, module_globals: dict, caller_locals: set[str], prefi
     out = [ast.Assign([ast.Name(prefix + p, ast.Store())], value) for p, value in bound.items()]
     call_source = ast.unparse(stmt)
     for s in body[:-1]:
-        renamed = Rename().visit(_copy(s))
-        if isinstance(s.value, ast.BinOp) and isinstance(s.value.op, ast.Add):
+        renamed = Rename().visit(copy.deepcopy(s))
+        if wanted(s.value) is not None:
             described[id(renamed)] = f"{call_source}  ({call.func.id}: {ast.unparse(s)})"
         out.append(renamed)
-    out.append(ast.Assign([stmt.targets[0]], Rename().visit(_copy(body[-1].value))))
+    out.append(ast.Assign([stmt.targets[0]], Rename().visit(copy.deepcopy(body[-1].value))))
     return [ast.copy_location(s, stmt) for s in out]
 
 
-def _inlinable_definition(helper, module_globals: dict) -> ast.FunctionDef | None:
-    """The parsed definition of ``helper`` when it is a helper that may be inlined (see module docstring)."""
+def _inlinable(helper, module_globals: dict, wanted) -> tuple[list[str], list[ast.stmt]] | None:
+    """``(parameter names, body without docstring)`` of ``helper`` when it may be inlined (module docstring)."""
     if not isinstance(helper, types.FunctionType) or helper.__globals__ is not module_globals:
         return None
     if helper.__code__.co_freevars or hasattr(helper, "__wrapped__"):
@@ -107,18 +108,18 @@ def _inlinable_definition(helper, module_globals: dict) -> ast.FunctionDef | Non
     args = definition.args
     if args.posonlyargs or args.vararg or args.kwonlyargs or args.kwarg:
         return None
-    body = definition.body[1:] if _is_docstring(definition.body[0]) else definition.body
+    body = definition.body[1:] if is_docstring(definition.body[0]) else definition.body
     if not body or not isinstance(body[-1], ast.Return) or body[-1].value is None:
         return None
     if not all(isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
                for s in body[:-1]):
         return None
-    if not any(isinstance(s.value, ast.BinOp) and isinstance(s.value.op, ast.Add) for s in body[:-1]):
-        return None  # nothing a fusion could use
+    if not any(wanted(s.value) is not None for s in body[:-1]):
+        return None  # nothing the caller could use
     if any(isinstance(n, (ast.Lambda, ast.NamedExpr, ast.Yield, ast.YieldFrom, ast.Await,
                           ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)) for s in body for n in ast.walk(s)):
         return None  # own scopes or control flow inside an expression
-    return definition
+    return [a.arg for a in args.args], body
 
 
 def _bind(call: ast.Call, params: list[str]) -> dict[str, ast.expr] | None:
@@ -152,9 +153,6 @@ def _local_names(tree: ast.FunctionDef) -> set[str]:
     return names
 
 
-def _is_docstring(stmt: ast.stmt) -> bool:
+def is_docstring(stmt: ast.stmt) -> bool:
+    """True for a string-constant expression statement (a function's docstring, when first)."""
     return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
-
-
-def _copy(node):
-    return copy.deepcopy(node)

@@ -94,12 +94,13 @@ inline void store_out(T* p, const Vectorized<acc_t<T>>& v, bool stream) {
   store_acc(p, v);
 }
 
-// Streaming stores need vector-aligned rows; everything else falls back to ordinary stores.
+// An (M, N) float output of at least min_bytes may be streamed: streaming stores need
+// vector-aligned rows; everything else falls back to ordinary stores.
 template <typename T>
-inline bool can_stream(const T* y, int64_t M, int64_t N, bool out_given) {
+inline bool can_stream(const T* p, int64_t M, int64_t N, int64_t min_bytes) {
   constexpr int64_t align = sizeof(Vectorized<acc_t<T>>);
-  return out_given && std::is_same_v<T, float> && M * N * int64_t(sizeof(T)) >= kStreamBytes &&
-         reinterpret_cast<uintptr_t>(y) % align == 0 && (N * int64_t(sizeof(T))) % align == 0;
+  return std::is_same_v<T, float> && M * N * int64_t(sizeof(T)) >= min_bytes &&
+         reinterpret_cast<uintptr_t>(p) % align == 0 && (N * int64_t(sizeof(T))) % align == 0;
 }
 
 // The residual sum s (the stream a pre-norm model carries to its next add) is streamed when it is at
@@ -117,14 +118,6 @@ std::atomic<int64_t>& stream_sum_bytes() {
     return kb > 0 ? int64_t(kb) << 10 : std::numeric_limits<int64_t>::max();
   }());
   return bytes;
-}
-
-template <typename T>
-inline bool can_stream_sum(const T* s, int64_t M, int64_t N) {
-  constexpr int64_t align = sizeof(Vectorized<acc_t<T>>);
-  const int64_t threshold = stream_sum_bytes().load(std::memory_order_relaxed);
-  return std::is_same_v<T, float> && M * N * int64_t(sizeof(T)) >= threshold &&
-         reinterpret_cast<uintptr_t>(s) % align == 0 && (N * int64_t(sizeof(T))) % align == 0;
 }
 
 inline void stream_fence(bool streamed) {
@@ -176,8 +169,8 @@ void forward_rows(const T* x, const T* res, const acc_t<T>* scale, const acc_t<T
   using A = acc_t<T>;
   using V = Vectorized<A>;
   constexpr int64_t K = V::size();
-  const bool stream = can_stream(y, M, N, out_given);
-  const bool stream_s = kResidual && can_stream_sum(s_out, M, N);
+  const bool stream = out_given && can_stream(y, M, N, kStreamBytes);
+  const bool stream_s = kResidual && can_stream(s_out, M, N, stream_sum_bytes().load(std::memory_order_relaxed));
   at::parallel_for(0, M, grain_rows(N), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const T* xr = x + row * N;
