@@ -22,3 +22,16 @@ def test_import_needs_only_torch():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_python_dash_m_runs_the_command_line():
+    """``python -m normfold`` is the ``normfold`` command: its help lists the subcommands, exit 0."""
+    done = subprocess.run([sys.executable, "-m", "normfold", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "fold" in done.stdout and "verify" in done.stdout
+
+
+def test_python_dash_m_reports_usage_errors_with_exit_2():
+    done = subprocess.run([sys.executable, "-m", "normfold", "no-such-command"], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "invalid choice" in done.stderr
