@@ -278,6 +278,33 @@ def time_config(dtype, hidden: int, device: str, scale: Scale, timer: Timer, com
 
 # ---------------------------------------------------------------- report
 
+def interpreter_problem() -> str | None:
+    """Why Triton's CPU interpreter cannot run normfold's looped kernels here (None when it can).
+
+    Triton 3.6's interpreter turns a runtime loop bound (``range(0, N, BLOCK)``) into a Python int
+    with ``int(array_of_shape_(1,))``, which NumPy >= 2.4 refuses: every looped kernel then fails
+    in a dry run although the compiled GPU kernels are fine. Probed with one tiny kernel.
+    """
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _runtime_bound_loop(X, N, BLOCK: tl.constexpr):
+        for start in range(0, N, BLOCK):
+            tl.store(X + start + tl.arange(0, BLOCK), tl.zeros([BLOCK], dtype=tl.float32))
+
+    try:
+        _runtime_bound_loop[(1,)](torch.ones(4), 4, BLOCK=2)
+    except Exception as exc:  # InterpreterError wraps the NumPy TypeError
+        import numpy
+
+        return (f"the Triton {triton.__version__} interpreter cannot run a loop with a runtime bound under NumPy "
+                f"{numpy.__version__} ({type(exc).__name__}: {str(exc).strip().splitlines()[-1][:120]}); "
+                "for a dry run on this stack install numpy<2.4 (the GPU run does not use the interpreter)")
+    return None
+
+
 def _environment(device: str, dry_run: bool) -> dict[str, str]:
     import torch
     import triton
@@ -386,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     if args.dry_run:
         device = "cpu"
+        problem = interpreter_problem()
+        if problem:
+            print(f"gpu_check: {problem}", file=sys.stderr)
+            return 2
     elif torch.cuda.is_available():
         device = "cuda"
     else:
