@@ -80,6 +80,28 @@ def test_shortcut_writes_out_in_place_and_returns_the_callers_tensor(with_residu
             assert e.equal(g)
 
 
+def test_shortcut_leaves_out_sharing_memory_with_an_input_to_the_full_path():
+    """A partial overlap (rows written before they are read) or out= the weight goes the full way,
+    which raises; out exactly x or the residual (in place, each element read before it is written)
+    and a disjoint part of one storage stay on the shortcut."""
+    x, w, b, r = _args((4, 33))
+    base, square = torch.randn(5, 33), torch.randn(33, 33)
+    with torch.no_grad():
+        declined = {
+            "out partially overlaps x": lambda: _fast(base[:-1], w, out=base[1:]),
+            "out partially overlaps the residual": lambda: _fast(x, w, residual=base[:-1], out=base[1:]),
+            "out is the weight": lambda: _fast(x[0], w, out=w),
+            "out is the bias": lambda: _fast(x[0], w, b, out=b),
+            "out is x transposed": lambda: _fast(square.t(), out=square),  # the full path copies x first
+        }
+        for name, call in declined.items():
+            assert call() is None, name
+        x_in, r_in = x.clone(), r.clone()
+        assert _fast(x_in, w, b, r_in, out=x_in)[0] is x_in
+        assert _fast(x, w, b, r_in, out=r_in)[0] is r_in
+        assert _fast(base[:2], w, out=base[2:4]) is not None
+
+
 class _PassThrough(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))

@@ -309,6 +309,97 @@ def test_out_is_refused_under_autograd():
         rms_norm(x, out=torch.empty(4, 8))
 
 
+def test_out_that_requires_grad_is_refused_like_torch():
+    """torch refuses to overwrite an out= tensor that requires grad, except under no_grad."""
+    out = torch.zeros(4, 8, requires_grad=True)
+    for fn in (rms_norm, layer_norm):
+        for _ in range(2):  # the second call may take the eager shortcut
+            with pytest.raises(ValueError, match="out= does not support autograd: expected an out tensor that "
+                                                 "does not require grad"):
+                fn(torch.randn(4, 8), out=out)
+    assert out.detach().eq(0).all()
+    with torch.no_grad():
+        x = torch.randn(4, 8)
+        assert rms_norm(x, out=out).equal(rms_norm(x))
+
+
+def _overlap_case(name):
+    """(x, weight, bias, residual, out) with out placed as named; x is 2-D float32 unless the name says."""
+    shape, dtype = ((1024, 4096), torch.float32) if "streaming" in name else ((4, 8), torch.float32)
+    dtype = {"bfloat16": torch.bfloat16, "float64": torch.float64}.get(name.rsplit(", ", 1)[-1], dtype)
+    x, w, b, r = _make(shape, dtype, with_residual=True)
+    base = torch.randn(5, 8)
+    if name == "out partially overlaps x":
+        base[:-1] = x
+        return base[:-1], w, b, r, base[1:]
+    if name == "out partially overlaps the residual":
+        base[:-1] = r
+        return x, w, b, base[:-1], base[1:]
+    if name == "out is x shifted by one element":
+        flat = torch.randn(33)
+        return flat[:32].view(4, 8), w, b, r, flat[1:].view(4, 8)
+    if name == "out is the weight":
+        return x[0], w, b, None, w
+    if name == "out is the bias":
+        return x[0], w, b, None, b
+    if name == "out is x viewed as another dtype":
+        x = x.bfloat16()
+        return x, None, None, x.view(torch.float16), x
+    if name.startswith("out is x"):
+        return x, w, b, r, x
+    if name.startswith("out is the residual"):
+        return x, w, b, r, r
+    if name == "out is a disjoint part of x's storage":
+        base = torch.randn(8, 8)
+        base[:4] = x
+        return base[:4], w, b, r, base[4:]
+    if name == "out is x transposed":  # x is read through a contiguous copy before out is written
+        x, w, b, r = _make((8, 8), dtype, with_residual=True)
+        return x.t(), w, b, r, x
+    if name == "out is another storage":
+        return x, w, b, r, torch.empty_like(x)
+    raise AssertionError(name)
+
+
+OVERLAP_REFUSED = ["out partially overlaps x", "out partially overlaps the residual", "out is x shifted by one element",
+                   "out is the weight", "out is the bias", "out is x viewed as another dtype"]
+OVERLAP_ACCEPTED = ["out is x", "out is x, bfloat16", "out is x, float64", "out is the residual",
+                    "out is the residual, bfloat16", "out is x (streaming sizes)", "out is the residual (streaming sizes)",
+                    "out is a disjoint part of x's storage", "out is x transposed", "out is another storage"]
+
+
+@pytest.mark.parametrize("shortcut", [True, False], ids=["eager-shortcut", "full-path"])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+@pytest.mark.parametrize("case", OVERLAP_REFUSED + OVERLAP_ACCEPTED)
+def test_out_may_share_memory_only_as_exactly_x_or_the_residual(case, is_rms, shortcut, monkeypatch):
+    """out= sharing elements with an input returned garbage (rows written before they were read); now
+    ValueError with the inputs untouched. out exactly x or the residual is in-place normalisation:
+    the same bits as a separate buffer, within the fp64 oracle's tolerance, and s = x + residual
+    from before the write. Streaming sizes take the kernel's non-temporal stores."""
+    from normfold.ops import functional
+
+    monkeypatch.setattr(functional, "_eager_cpu_shortcut", shortcut)
+    fn = _ours(is_rms)
+    fn(torch.randn(2, 8))  # loads the kernel, so the shortcut (when on) is live
+    x, w, b, r, out = _overlap_case(case)
+    inputs = [t for t in (x, w, b, r) if t is not None]
+    before = [t.clone() for t in inputs]
+    if case in OVERLAP_REFUSED:
+        with pytest.raises(ValueError, match="out must not share memory with (x|residual|weight|bias): expected "
+                                             "a separate buffer.*refer to a single memory location"):
+            fn(x, w, b, residual=r, out=out)
+        assert all(t.equal(t0) for t, t0 in zip(inputs, before))
+        return
+    x0, r0 = before[0], before[-1]
+    y_want, s_want = fn(x0, w, b, residual=r0)  # into fresh buffers
+    y, s = fn(x, w, b, residual=r, out=out)
+    assert y is out and y.equal(y_want) and s.equal(s_want)
+    y64, s64 = _oracle(is_rms)(x0.double(), w.double(), b.double(), residual=r0.double())
+    tol = 2 * ATOL[x0.dtype] * max(1.0, y64.abs().max().item())
+    torch.testing.assert_close(y.double(), y64, rtol=0, atol=tol)
+    assert all(t.equal(t0) for t, t0 in zip(inputs, before) if t is not out)
+
+
 # ---------------------------------------------------------------- bad input
 class _RecordOps(TorchDispatchMode):
     def __init__(self):

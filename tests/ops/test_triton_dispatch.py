@@ -92,3 +92,23 @@ def test_public_out_argument_on_the_triton_backend(triton_backend):
     want_y, want_s = ops.rms_norm_ref(x, w, residual=r)
     torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("target", ["x", "residual"])
+def test_out_on_the_triton_backend_may_be_x_or_the_residual_but_not_overlap_them(triton_backend, target):
+    """In place over x / the residual matches the reference; out= one row off refuses before launching."""
+    x, w, r = torch.randn(3, 40, 64), torch.randn(64), torch.randn(3, 40, 64)
+    want_y, want_s = ops.rms_norm_ref(x, w, residual=r)
+    x_in, r_in = x.clone(), r.clone()
+    out = x_in if target == "x" else r_in
+    y, s = ops.rms_norm(x_in, w, residual=r_in, out=out)
+    assert triton_backend and y is out
+    torch.testing.assert_close(y, want_y, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(s, want_s, rtol=0, atol=0)
+    launches = len(triton_backend)
+    base = torch.randn(121, 64)
+    base[:-1] = (x if target == "x" else r).reshape(120, 64)
+    inputs = {"x": x.reshape(120, 64), "residual": r.reshape(120, 64), target: base[:-1]}
+    with pytest.raises(ValueError, match=f"out must not share memory with {target}"):
+        ops.rms_norm(inputs["x"], w, residual=inputs["residual"], out=base[1:])
+    assert len(triton_backend) == launches

@@ -55,16 +55,74 @@ def check_norm_args(
 
 
 def check_out(out: Tensor, x: Tensor, inputs: tuple[Tensor | None, ...]) -> None:
-    """``out`` must match x in shape, dtype and device, and cannot be used under autograd."""
+    """``out`` must match x in shape, dtype and device, and cannot be used under autograd.
+
+    Overlap with the inputs is checked where the buffers the kernel reads and writes are known
+    (``check_out_overlap``, called by the op's implementation).
+    """
     if not isinstance(out, Tensor):
         raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
     if out.shape != x.shape or out.dtype != x.dtype:
         raise ValueError(f"out must have shape {tuple(x.shape)} and dtype {x.dtype}, "
                          f"got shape {tuple(out.shape)} and dtype {out.dtype}")
     _check_same_device("out", out, x)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs):
-        raise ValueError("out= does not support autograd: expected inputs that do not require grad "
-                         "(or torch.no_grad()), got an input with requires_grad=True")
+    if torch.is_grad_enabled():
+        if out.requires_grad:  # torch refuses to overwrite it as well
+            raise ValueError("out= does not support autograd: expected an out tensor that does not require grad "
+                             "(or torch.no_grad()), got out with requires_grad=True")
+        if any(t is not None and t.requires_grad for t in inputs):
+            raise ValueError("out= does not support autograd: expected inputs that do not require grad "
+                             "(or torch.no_grad()), got an input with requires_grad=True")
+
+
+# Inputs that ``out`` may be exactly (in-place normalisation): every backend reads an element of
+# these before it writes that element, and never reads it again afterwards.
+_MAY_BE_OUT = ("x", "residual")
+
+
+def check_out_overlap(out: Tensor, inputs: dict[str, Tensor | None]) -> None:
+    """Raise ValueError when ``out``, the buffer a kernel writes as it goes, shares memory with an input it reads.
+
+    Writing one row while another row (or the weight) is still to be read returns garbage, so such
+    overlap is refused as torch refuses it; ``out`` being exactly x or the residual (same memory,
+    shape, strides and dtype) is in-place normalisation and allowed.
+    """
+    for name, t in inputs.items():
+        if t is None or not _share_elements(out, t) or (name in _MAY_BE_OUT and _same_view(out, t)):
+            continue
+        raise ValueError(
+            f"out must not share memory with {name}: expected a separate buffer"
+            f"{f' or exactly {name} itself' if name in _MAY_BE_OUT else ''}, got out (storage offset "
+            f"{out.storage_offset()}, strides {out.stride()}) overlapping {name} (storage offset "
+            f"{t.storage_offset()}, strides {t.stride()}): some elements of the input and the written-to "
+            "tensor refer to a single memory location; clone() the input or write to another buffer")
+
+
+def _share_elements(a: Tensor, b: Tensor) -> bool:
+    """Whether a and b may share a memory location: same storage and intersecting byte spans.
+
+    Exact for contiguous tensors (what the kernels write and read); two interleaved strided views
+    of one storage count as sharing.
+    """
+    if a.numel() == 0 or b.numel() == 0 or not torch._C._overlaps(a, b):  # _overlaps: same storage
+        return False
+    (a_start, a_end), (b_start, b_end) = _byte_span(a), _byte_span(b)
+    return a_start < b_end and b_start < a_end
+
+
+def _byte_span(t: Tensor) -> tuple[int, int]:
+    """[first, last + 1) byte of t's storage that t covers (torch strides are never negative)."""
+    last = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.storage_offset() * t.element_size(), (last + 1) * t.element_size()
+
+
+def _same_view(a: Tensor, b: Tensor) -> bool:
+    """For a and b on one storage: True when they are the same elements in the same order.
+
+    Offsets, not data pointers, so that meta tensors answer too.
+    """
+    return (a.dtype == b.dtype and a.storage_offset() == b.storage_offset() and a.shape == b.shape
+            and a.stride() == b.stride())
 
 
 def _check_same_device(name: str, t: Tensor, x: Tensor) -> None:

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _cpu, _reference_backend
+from ._checks import check_out_overlap
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _warned: set[str] = set()
@@ -179,6 +180,8 @@ def _norm_fwd_out_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tenso
     # ``out``/``residual_out`` have x's element count in any shape.
     y_buf = out.view(x.shape) if out.is_contiguous() else None
     s_buf = residual_out.view(x.shape) if residual_out is not None and residual_out.is_contiguous() else None
+    if y_buf is not None:  # a temporary (copied into out at the end) cannot clash with the inputs
+        check_out_overlap(y_buf, {"x": x, "residual": residual, "weight": weight, "bias": bias})
     y, s, _, _ = select_backend(x, residual).norm_fwd(x, weight, bias, residual, eps, offset, is_rms,
                                                      out=y_buf, residual_out=s_buf)
     if y_buf is None:

@@ -27,6 +27,7 @@
 #include <torch/csrc/jit/frontend/tracer.h>
 
 #include <ATen/EmptyTensor.h>
+#include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <ATen/cpu/vec/functional.h>
@@ -390,6 +391,16 @@ bool plain_float(PyObject* obj, bool positive, double& out) {
 
 bool is_kernel_dtype(at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; }
 
+// Whether the kernel may write ``out`` while it reads ``input``: yes when they share no memory, or
+// (``exact_ok``: x, the residual) when out is exactly the input (same memory, sizes, strides), since
+// the kernel reads each element before writing it. Anything else (partial overlap, a non-dense
+// view of the same storage) is left to the full path, which raises (``_checks.check_out_overlap``).
+bool out_may_alias(const at::Tensor& out, const at::Tensor& input, bool exact_ok) {
+  if (!out.storage().is_alias_of(input.storage())) return true;
+  const auto status = at::get_overlap_status(out, input);
+  return status == at::MemOverlapStatus::No || (exact_ok && status == at::MemOverlapStatus::Full);
+}
+
 }  // namespace
 
 // The functional API's shortcut for eager calls that need no autograd: one C++ call that checks
@@ -421,8 +432,8 @@ py::object norm_fwd_eager(py::handle x_obj, py::handle weight_obj, py::handle bi
     params[k] = std::move(p);
   }
   c10::optional<at::Tensor> residual;
+  at::Tensor r;  // as given: ``residual`` may be a contiguous copy of it
   if (residual_obj.ptr() != Py_None) {
-    at::Tensor r;
     if (!plain_cpu_tensor(residual_obj.ptr(), r) || r.scalar_type() != x.scalar_type() ||
         r.sizes() != x.sizes() || (grad && r.requires_grad()))
       return py::none();
@@ -433,8 +444,11 @@ py::object norm_fwd_eager(py::handle x_obj, py::handle weight_obj, py::handle bi
   if (out_obj.ptr() != Py_None) {
     at::Tensor o;
     if (!plain_cpu_tensor(out_obj.ptr(), o) || o.scalar_type() != x.scalar_type() || o.sizes() != x.sizes() ||
-        !o.is_contiguous() || (grad && o.requires_grad()))
+        !o.is_contiguous() || (grad && o.requires_grad()) || !out_may_alias(o, x, true) ||
+        (r.defined() && !out_may_alias(o, r, true)))
       return py::none();
+    for (const auto& p : params)
+      if (p.has_value() && !out_may_alias(o, *p, false)) return py::none();
     out = std::move(o);
   }
   // visible to torch.profiler as one op, like the registered op the full path calls (free when off)
