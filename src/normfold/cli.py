@@ -108,7 +108,7 @@ def _print_verification(ver: dict) -> None:
 def _json_report(report: dict) -> dict:
     """What ``--json`` prints: the counts, the per-norm entries and the verification figures."""
     keys = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype",
-            "streaming", "num_approximate", "calibration_min_cosine", "approximate")
+            "streaming", "num_approximate", "calibration_min_cosine", "approximate", "skipped_files")
     return {k: report[k] for k in keys if k in report}
 
 
@@ -157,6 +157,7 @@ def _run_fold(args) -> int:
         _print_verification(report["verification"])
         _console().print(f"wrote [bold]{report['out_dir']}[/bold]")
     _warn_if_approximate(report)
+    _warn_skipped_files(report)
     return EXIT_OK
 
 
@@ -176,6 +177,15 @@ def _approximate_options(args, model_dir: Path) -> dict:
     if args.stream or is_sharded(model_dir):
         raise UsageError("--approximate needs the whole model in memory: not available with --stream or sharded folders")
     return {"calibration_file": args.calibration, "min_cosine": min_cosine}
+
+
+def _warn_skipped_files(report: dict) -> None:
+    """One line on stderr per file of the input folder that was not carried over (a link, a pipe, ...)."""
+    from rich.markup import escape
+
+    for skip in report.get("skipped_files", ()):
+        _console(stderr=True).print(f"[bold yellow]warning:[/bold yellow] not copied from the input folder: "
+                                    f"{escape(skip['path'])} ({skip['reason']})")
 
 
 def _warn_if_approximate(report: dict) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .io import (DTYPES, REPORT_JSON, CheckpointError, atomic_output_dir, calibration_batches, check_model_dir,
-                 example_inputs_for, from_pretrained, is_sentence_encoder, load_model, load_tokenizer,
+                 copy_side_files, example_inputs_for, from_pretrained, is_sentence_encoder, load_model, load_tokenizer,
                  read_calibration_file, save_folded, stock_compatible_plan, stock_parameter_shapes, swapped_norms)
 from .picture import draw_zero_mean_graph
 from .report import norm_rows, render_markdown
@@ -102,23 +102,10 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
             out.update(_approximate_summary(approx, out["swapped"]))
         step("saving")
         save_folded(folded, tmp, dtype=save_dtype)
-        _copy_tokenizer_files(Path(model_dir), tmp)
+        out["skipped_files"] = copy_side_files(model_dir, tmp)
         write_report_files(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
-
-
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", "vocab.json",
-                    "merges.txt", "added_tokens.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
-
-
-def _copy_tokenizer_files(model_dir: Path, out: Path) -> None:
-    """The folded folder is usable like the original: the tokenizer comes along unchanged."""
-    import shutil
-
-    for name in _TOKENIZER_FILES:
-        if (model_dir / name).is_file() and not (out / name).exists():
-            shutil.copy2(model_dir / name, out / name)
 
 
 def _approximate(model, folded, report, tokenizer, sentences: list[str], min_cosine: float, step: Step):

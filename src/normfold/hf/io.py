@@ -13,6 +13,7 @@ import inspect
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator, Mapping
 from importlib import resources
@@ -341,6 +342,136 @@ def save_folded(folded: nn.Module, out_dir: Path, *, dtype: torch.dtype | None =
     if dtype is not None:
         folded.config.dtype = dtype
     folded.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+
+
+# -------------------------------------------------------------------------------------- side files
+
+# Weight files. At the top of the input folder they hold the model being folded; in subfolders, the
+# unfolded model in another format (onnx/, openvino/): never carried over, except with the modules of
+# a sentence-transformers pipeline (2_Dense/), which the fold does not touch.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt", ".onnx", ".onnx_data",
+                   ".gguf", ".tflite", ".ot", ".npz", ".pb", ".pkl", ".pickle")
+
+
+def copy_side_files(source_dir: str | os.PathLike, out_dir: str | os.PathLike) -> list[dict[str, str]]:
+    """Carry every file of ``source_dir`` that is not a weight file over into ``out_dir``, subfolders
+    included (tokenizer, generation config, README, sentence-transformers ``modules.json``,
+    ``1_Pooling/``, ...), so that the folded folder is as usable as the original.
+
+    Copied: regular files inside ``source_dir``. Skipped and returned as ``[{"path", "reason"}]``:
+    links (even to files inside: ``README.md -> ../secret.txt`` must not publish the secret), devices
+    and pipes, hidden folders (``.git``), weight files in subfolders. Skipped silently: the top-level
+    weights and what the fold writes itself (``config.json``, ``*.index.json``, ``normfold_*``); a
+    file already in ``out_dir`` is the fold's own and is kept. Every folder and file is opened relative
+    to its parent's descriptor without following links, so a link swapped in meanwhile is refused too,
+    and nothing is written outside ``out_dir``.
+    """
+    skipped: list[dict[str, str]] = []
+    pipeline = _pipeline_module_folders(Path(source_dir))
+    src_fd = os.open(source_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        dst_fd = os.open(out_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            _copy_folder(src_fd, dst_fd, "", pipeline, skipped)
+        finally:
+            os.close(dst_fd)
+    finally:
+        os.close(src_fd)
+    return skipped
+
+
+def _pipeline_module_folders(source: Path) -> set[str]:
+    """The folders of a sentence-transformers pipeline (``modules.json``: ``1_Pooling``, ``2_Dense``, ...)."""
+    modules_file = source / "modules.json"
+    if modules_file.is_symlink() or not modules_file.is_file():
+        return set()
+    try:
+        paths = {m["path"] for m in json.loads(modules_file.read_text())}
+    except (OSError, UnicodeDecodeError, ValueError, TypeError, KeyError):
+        return set()  # not a pipeline normfold can read: carried over as a plain file
+    return {p for p in paths if isinstance(p, str) and p and os.sep not in p and "/" not in p and p not in (".", "..")}
+
+
+def _copy_folder(src_fd: int, dst_fd: int, rel: str, pipeline: set[str], skipped: list[dict[str, str]],
+                 keep_weights: bool = False) -> int:
+    """Copy the folder at ``src_fd`` into the one at ``dst_fd`` by :func:`copy_side_files`' rules;
+    ``rel`` is its path in the source (``""`` at the top). Returns the number of files copied."""
+    copied = 0
+    with os.scandir(src_fd) as entries:
+        names = sorted(entry.name for entry in entries)
+    for name in names:
+        path = f"{rel}{name}"
+        mode = os.stat(name, dir_fd=src_fd, follow_symlinks=False).st_mode
+        if stat.S_ISLNK(mode):
+            skipped.append({"path": path, "reason": "symbolic link, not followed"})
+        elif stat.S_ISDIR(mode):
+            if name.startswith("."):
+                skipped.append({"path": path + "/", "reason": "hidden folder"})
+                continue
+            copied += _copy_subfolder(src_fd, dst_fd, name, f"{path}/", pipeline, skipped,
+                                      keep_weights or (not rel and name in pipeline))
+        elif not stat.S_ISREG(mode):
+            skipped.append({"path": path, "reason": "not a regular file"})
+        elif not rel and (name == "config.json" or name.endswith(".index.json") or name.startswith("normfold_")):
+            continue  # written by the fold itself
+        elif name.endswith(WEIGHT_SUFFIXES) and not keep_weights:
+            if rel:
+                skipped.append({"path": path, "reason": "weight file of the unfolded model"})
+        else:
+            copied += _copy_file(src_fd, dst_fd, name, path, skipped)
+    return copied
+
+
+def _copy_subfolder(src_fd: int, dst_fd: int, name: str, rel: str, pipeline: set[str],
+                    skipped: list[dict[str, str]], keep_weights: bool) -> int:
+    """:func:`_copy_folder` into ``name`` under ``dst_fd`` (created here, removed again if left empty)."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        sub_src = os.open(name, flags, dir_fd=src_fd)
+    except OSError as err:  # replaced by a link or removed since the listing
+        skipped.append({"path": rel, "reason": f"not readable: {err.strerror}"})
+        return 0
+    try:
+        created = _make_folder(name, dst_fd)
+        sub_dst = os.open(name, flags, dir_fd=dst_fd)
+        try:
+            copied = _copy_folder(sub_src, sub_dst, rel, pipeline, skipped, keep_weights)
+        finally:
+            os.close(sub_dst)
+        if created and not copied:
+            os.rmdir(name, dir_fd=dst_fd)
+        return copied
+    finally:
+        os.close(sub_src)
+
+
+def _make_folder(name: str, dst_fd: int) -> bool:
+    """Create folder ``name`` under ``dst_fd``; False when the fold already made it."""
+    try:
+        os.mkdir(name, dir_fd=dst_fd)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _copy_file(src_fd: int, dst_fd: int, name: str, path: str, skipped: list[dict[str, str]]) -> int:
+    """Copy regular file ``name`` (1) unless it is no longer one, or ``out`` already has it (0)."""
+    try:  # O_NONBLOCK: a pipe swapped in since the listing must not block the open
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=src_fd)
+    except OSError as err:  # ELOOP: a link swapped in since the listing
+        skipped.append({"path": path, "reason": f"not readable: {err.strerror}"})
+        return 0
+    with open(fd, "rb") as source:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            skipped.append({"path": path, "reason": "not a regular file"})
+            return 0
+        try:
+            out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=dst_fd)
+        except FileExistsError:  # written by the fold (generation_config.json): its own version wins
+            return 0
+        with open(out, "wb") as target:
+            shutil.copyfileobj(source, target, 1 << 20)
+    return 1
 
 
 # ---------------------------------------------------------------------------------------- reloading

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import struct
 import time
 from collections import defaultdict, deque
@@ -29,15 +28,14 @@ import torch
 from torch import nn
 
 from ._deps import require
-from .io import (CheckpointError, atomic_output_dir, check_model_dir, example_inputs_for, load_config,
-                 model_class_for, stock_compatible_plan, stock_parameter_shapes, swap_in_rmsnorm)
+from .io import (CheckpointError, atomic_output_dir, check_model_dir, copy_side_files, example_inputs_for,
+                 load_config, model_class_for, stock_compatible_plan, stock_parameter_shapes, swap_in_rmsnorm)
 
 INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
               torch.bool: "BOOL"}
 _FROM_ST = {v: k for k, v in _ST_DTYPES.items()}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".ckpt")
 
 
 # ------------------------------------------------------------------------------------ checkpoint
@@ -400,7 +398,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map},
                                                 indent=2) + "\n")
         _write_config(skeleton.config, tmp, untied=bool(report.plan.untie), dtype=out_dtype)
-        copy_side_files(model_dir, tmp)
+        skipped_files = copy_side_files(model_dir, tmp)
         from .folder import write_report_files
 
         out = report.to_dict()
@@ -410,7 +408,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
             swapped=[{"path": s.path, "normalized_shape": [s.normalized_shape], "eps": s.eps,
                       "weight": s.elementwise_affine, "bias": s.elementwise_affine and s.bias}
                      for s in report.plan.swap if s.to == "RMSNorm"],
-            fold_affine=fold_affine, saved_dtype=dtype or _stored_dtype(model_dir),
+            fold_affine=fold_affine, saved_dtype=dtype or _stored_dtype(model_dir), skipped_files=skipped_files,
             streaming={"bytes_read": checkpoint.bytes_read, "bytes_written": written,
                        "plan_seconds": round(t_plan, 2), "read_seconds": round(checkpoint.read_seconds, 2),
                        "math_seconds": round(rewrite.math_seconds, 2), "seconds": round(time.perf_counter() - t0, 2)},
@@ -426,14 +424,6 @@ def _write_config(config, folder: Path, *, untied: bool, dtype: torch.dtype | No
     if dtype is not None:
         config.dtype = dtype
     config.save_pretrained(folder)
-
-
-def copy_side_files(model_dir: Path, out_dir: Path) -> None:
-    """Tokenizer and other non-weight files, so the folded folder is as usable as the original."""
-    for p in model_dir.iterdir():
-        if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES) and p.name not in (INDEX, "config.json") \
-                and not (out_dir / p.name).exists():
-            shutil.copy2(p, out_dir / p.name)
 
 
 # ---------------------------------------------------------------------------------- block checks
