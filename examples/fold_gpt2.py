@@ -1,14 +1,20 @@
-"""Fold a small random GPT-2 end to end: analyze, fold, verify, save.
+"""Fold a small random GPT-2 end to end: analyze, fold, verify, save, reload.
 
     python examples/fold_gpt2.py            # needs: pip install 'normfold[hf]'
 
 Every LayerNorm of GPT-2 reads the residual stream, which only embeddings and output projections
 write. Centering those producers makes every LayerNorm input zero-mean, so each LayerNorm becomes
 an RMSNorm with the same outputs; γ and β move into the linear layers that read the norms.
+
+ln_f's γ/β move into the LM head, which gets a bias stock GPT-2 does not have: the folded model is
+saved with ``normfold.save_pretrained`` (which warns that ``GPT2LMHeadModel.from_pretrained`` would
+drop it) and reloaded exactly with ``normfold.from_pretrained``. ``normfold fold`` on a folder, or
+``normfold.hf.folder.fold_for_stock``, keeps ln_f's γ/β instead, so stock transformers loads the result.
 """
 from __future__ import annotations
 
 import tempfile
+import warnings
 
 import torch
 
@@ -23,7 +29,7 @@ def main() -> None:
 
     torch.manual_seed(0)
     config = GPT2Config(n_layer=4, n_embd=64, n_head=4, vocab_size=1000, n_positions=128,
-                        bos_token_id=0, eos_token_id=0)
+                        bos_token_id=0, eos_token_id=0, attn_implementation="eager")  # what from_pretrained loads
     model = GPT2LMHeadModel(config).eval()
     with torch.no_grad():  # trained-looking norms: γ ≠ 1, β ≠ 0
         for name, p in model.named_parameters():
@@ -44,9 +50,16 @@ def main() -> None:
     result = normfold.verify(model, folded, longer, tolerance=1e-5)
     print("longer input, stored float32 weights:", result)
 
-    with tempfile.TemporaryDirectory() as out:  # still a GPT2LMHeadModel: save_pretrained works
-        folded.save_pretrained(out)
-        print("saved to", out)
+    with tempfile.TemporaryDirectory() as tmp:
+        with warnings.catch_warnings(record=True) as caught:  # stock GPT-2 has no lm_head.bias: it would be dropped
+            warnings.simplefilter("always")
+            normfold.save_pretrained(folded, f"{tmp}/folded", report=report)
+        for warning in caught:
+            print("warning:", warning.message)
+        reloaded = normfold.from_pretrained(f"{tmp}/folded")  # RMSNorms and lm_head.bias restored
+        with torch.no_grad():
+            diff = (folded(**longer).logits - reloaded(**longer).logits).abs().max().item()
+        print(f"reloaded with normfold.from_pretrained: max abs difference {diff}")
 
 
 if __name__ == "__main__":

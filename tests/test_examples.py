@@ -13,3 +13,5 @@ def test_fold_gpt2_example_folds_every_norm_and_verifies(capsys):
     out = capsys.readouterr().out
     assert "9/9 norms foldable" in out
     assert "verify: OK" in out
+    assert "stock transformers would drop lm_head.bias" in out  # the example says the truth about stock loading
+    assert "reloaded with normfold.from_pretrained: max abs difference 0.0" in out

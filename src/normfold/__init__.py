@@ -25,6 +25,7 @@ __version__ = "0.1.0"
 _LAZY = {
     # Hugging Face folders
     "from_pretrained": "normfold.hf",
+    "save_pretrained": "normfold.hf",
     # training
     "cbwc_": "normfold.train.cbwc",
     # faster folded models

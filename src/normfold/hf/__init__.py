@@ -6,8 +6,8 @@ from __future__ import annotations
 from .folder import analyze_folder, fold_folder, verify_folders
 from .streaming import check_block, fold_checkpoint, verify_by_blocks
 from .io import (CheckpointError, copy_side_files, default_model_path, example_inputs_for, from_pretrained,
-                 load_model, save_folded)
+                 load_model, save_folded, save_pretrained)
 
 __all__ = ["CheckpointError", "analyze_folder", "check_block", "copy_side_files", "default_model_path",
            "example_inputs_for", "fold_checkpoint", "fold_folder", "from_pretrained", "load_model", "save_folded",
-           "verify_by_blocks", "verify_folders"]
+           "save_pretrained", "verify_by_blocks", "verify_folders"]

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from .io import (DTYPES, REPORT_JSON, CheckpointError, atomic_output_dir, calibration_batches, check_model_dir,
-                 copy_side_files, example_inputs_for, from_pretrained, is_sentence_encoder, load_model, load_tokenizer,
-                 read_calibration_file, save_folded, stock_compatible_plan, stock_parameter_shapes, swapped_norms)
+                 copy_side_files, example_inputs_for, folded_layout, from_pretrained, is_sentence_encoder, load_model,
+                 load_tokenizer, read_calibration_file, save_folded, stock_compatible_plan, stock_parameter_shapes)
 from .picture import draw_zero_mean_graph
 from .report import norm_rows, render_markdown
 
@@ -96,7 +96,7 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         approx = None
         if sentences is not None:
             folded, approx = _approximate(model, folded, report, tokenizer, sentences, min_cosine, step)
-        out.update(model=_describe(model, model_dir), swapped=swapped_norms(folded), fold_affine=fold_affine,
+        out.update(model=_describe(model, model_dir), **folded_layout(folded), fold_affine=fold_affine,
                    saved_dtype=str(save_dtype).replace("torch.", ""))
         if approx is not None:
             out.update(_approximate_summary(approx, out["swapped"]))
@@ -125,9 +125,10 @@ def _approximate_summary(approx, swapped: list[dict[str, Any]]) -> dict[str, Any
     for entry in swapped:
         entry["approximate"] = entry["path"] in replaced
     calibration = approx.calibration
+    stock = {"stock_compatible": False} if replaced else {}  # stock transformers rebuilds them as LayerNorms
     return {"approximate": approx.to_dict(), "num_approximate": approx.num_approximate,
             "approximate_norms": sorted(replaced),
-            "calibration_min_cosine": None if calibration is None else calibration.min_cosine}
+            "calibration_min_cosine": None if calibration is None else calibration.min_cosine, **stock}
 
 
 def approximate_warning(report: dict[str, Any]) -> str | None:

@@ -1,0 +1,200 @@
+"""Saving folded models: ``normfold.save_pretrained`` round-trips exactly through
+``normfold.from_pretrained`` (or warns when stock transformers would load another model),
+and reloading refuses weights that lack a tensor the model needs."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+
+import normfold
+from normfold.hf import CheckpointError, example_inputs_for, fold_folder, load_model
+from normfold.hf.folder import fold_for_stock
+from normfold.hf.io import REPORT_JSON
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def _gpt2(seed: int = 0):
+    """A tiny GPT-2 with trained-looking norms, eager attention (what from_pretrained loads)."""
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".ln_" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def _inputs():
+    return {"input_ids": torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1)), "use_cache": False}
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+@pytest.fixture(scope="module")
+def folded_gpt2():
+    """``normfold.fold``'s GPT-2: ln_f's γ/β moved into a created ``lm_head.bias`` stock GPT-2 lacks."""
+    model = _gpt2()
+    folded, report = normfold.fold(model, _inputs())
+    assert folded.lm_head.bias is not None
+    return model, folded, report
+
+
+def _stock_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, UserWarning) and "stock transformers" in str(w.message)]
+
+
+# ------------------------------------------------------------------------------------ round trip
+
+def test_save_pretrained_then_from_pretrained_rebuilds_exactly_the_folded_model(folded_gpt2, tmp_path):
+    _, folded, report = folded_gpt2
+    with pytest.warns(UserWarning, match="lm_head.bias"):
+        record = normfold.save_pretrained(folded, tmp_path / "out", report=report)
+    reloaded = normfold.from_pretrained(tmp_path / "out")
+    inputs = _inputs()
+    assert (_logits(folded, inputs) - _logits(reloaded, inputs)).abs().max().item() == 0.0
+    assert torch.equal(reloaded.lm_head.bias, folded.lm_head.bias)
+    rms = {n for n, m in reloaded.named_modules() if isinstance(m, normfold.RMSNorm)}
+    assert rms == {n for n, m in folded.named_modules() if isinstance(m, normfold.RMSNorm)} and len(rms) == 5
+    saved = json.loads((tmp_path / "out" / REPORT_JSON).read_text())
+    assert saved["extra_parameters"] == [{"name": "lm_head.bias", "shape": [96]}] == record["extra_parameters"]
+    assert saved["stock_compatible"] is False and saved["verification"]["ok"]
+
+
+def test_save_pretrained_warns_because_stock_transformers_loads_a_different_model(folded_gpt2, tmp_path):
+    _, folded, _ = folded_gpt2
+    with pytest.warns(UserWarning, match=r"drop lm_head.bias .*normfold.from_pretrained.*fold_for_stock"):
+        normfold.save_pretrained(folded, tmp_path / "out")
+    stock = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    inputs = _inputs()
+    a, b = _logits(folded, inputs), _logits(stock, inputs)
+    assert ((a - b).abs().max() / a.abs().max()).item() > 1e-3  # what the warning is about
+
+
+def test_stock_compatible_fold_saves_without_warning_and_loads_in_stock_transformers(tmp_path):
+    model = _gpt2()
+    folded, _ = fold_for_stock(model, _inputs())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        record = normfold.save_pretrained(folded, tmp_path / "out")
+    assert not _stock_warnings(caught) and record["stock_compatible"] and not record["extra_parameters"]
+    stock, info = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out", attn_implementation="eager",
+                                                              output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    inputs = _inputs()
+    a, b = _logits(model, inputs), _logits(stock.eval(), inputs)
+    assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5
+    reloaded = normfold.from_pretrained(tmp_path / "out")
+    assert (_logits(folded, inputs) - _logits(reloaded, inputs)).abs().max().item() == 0.0
+
+
+def test_save_pretrained_in_float16_stores_half_weights_and_leaves_the_model_alone(folded_gpt2, tmp_path):
+    _, folded, _ = folded_gpt2
+    dtype_before = folded.config.dtype
+    with pytest.warns(UserWarning):
+        record = normfold.save_pretrained(folded, tmp_path / "out", dtype="float16")
+    state = safetensors_torch.load_file(tmp_path / "out" / "model.safetensors")
+    assert {t.dtype for t in state.values()} == {torch.float16} and "lm_head.bias" in state
+    assert record["saved_dtype"] == "float16" and folded.config.dtype == dtype_before
+    reloaded = normfold.from_pretrained(tmp_path / "out", dtype=torch.float16)
+    assert reloaded.lm_head.bias.dtype == torch.float16
+
+
+def test_a_norm_precomputed_into_the_table_round_trips_as_identity(tmp_path):
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=2, attn_implementation="eager")
+    model = transformers.BloomForCausalLM(config).eval()
+    inputs = {"input_ids": torch.randint(0, 96, (2, 12)), "use_cache": False}
+    folded, report = normfold.fold(model, inputs)
+    assert isinstance(folded.transformer.word_embeddings_layernorm, torch.nn.Identity)
+    with pytest.warns(UserWarning, match="word_embeddings_layernorm as norms"):
+        record = normfold.save_pretrained(folded, tmp_path / "out", report=report)
+    assert record["identity"] == ["transformer.word_embeddings_layernorm"]
+    reloaded = normfold.from_pretrained(tmp_path / "out")
+    assert isinstance(reloaded.transformer.word_embeddings_layernorm, torch.nn.Identity)
+    assert (_logits(folded, inputs) - _logits(reloaded, inputs)).abs().max().item() == 0.0
+
+
+# ---------------------------------------------------------------------------------- refusals
+
+def test_save_pretrained_refuses_what_from_pretrained_could_not_rebuild_and_writes_nothing(folded_gpt2, tmp_path):
+    _, folded, _ = folded_gpt2
+    import copy
+
+    changed = copy.deepcopy(folded)
+    changed.transformer.h[0].mlp.act = torch.nn.ReLU()  # not a fold's change: a stock GPT-2 cannot be made into it
+    with pytest.raises(ValueError, match=r"transformer.h.0.mlp.act is a ReLU"):
+        normfold.save_pretrained(changed, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bad, error", [(torch.nn.Linear(2, 2), TypeError), ({"w": torch.ones(1)}, TypeError)])
+def test_save_pretrained_refuses_a_model_that_is_not_a_hugging_face_model(bad, error, tmp_path):
+    with pytest.raises(error, match="Hugging Face model"):
+        normfold.save_pretrained(bad, tmp_path / "out")
+
+
+def test_save_pretrained_refuses_a_storage_dtype_it_cannot_write(folded_gpt2, tmp_path):
+    _, folded, _ = folded_gpt2
+    with pytest.raises(ValueError, match="dtype must be one of float32, float16, bfloat16.*int8"):
+        normfold.save_pretrained(folded, tmp_path / "out", dtype="int8")
+    with pytest.raises(TypeError, match="FoldReport"):
+        normfold.save_pretrained(folded, tmp_path / "out", report={"swapped": []})
+    assert not (tmp_path / "out").exists()
+
+
+def test_from_pretrained_refuses_weights_without_a_parameter_the_report_lists(folded_gpt2, tmp_path):
+    _, folded, _ = folded_gpt2
+    with pytest.warns(UserWarning):
+        normfold.save_pretrained(folded, tmp_path / "out")
+    state = safetensors_torch.load_file(tmp_path / "out" / "model.safetensors")
+    del state["lm_head.bias"]
+    safetensors_torch.save_file(state, tmp_path / "out" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="lm_head.bias"):
+        normfold.from_pretrained(tmp_path / "out")
+
+
+def test_from_pretrained_refuses_weights_missing_a_stock_tensor(tiny_dirs, tmp_path):
+    out = tmp_path / "folded"
+    fold_folder(tiny_dirs["gpt2"], out)
+    state = safetensors_torch.load_file(out / "model.safetensors")
+    del state["transformer.h.1.mlp.c_fc.weight"]  # stock transformers would initialise it at random, and say so in a log
+    safetensors_torch.save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"lack 1 tensor.*transformer.h.1.mlp.c_fc.weight"):
+        normfold.from_pretrained(out)
+
+
+def test_from_pretrained_refuses_a_report_naming_a_module_the_model_lacks(tiny_dirs, tmp_path):
+    out = tmp_path / "folded"
+    fold_folder(tiny_dirs["gpt2"], out)
+    report = json.loads((out / REPORT_JSON).read_text())
+    report["swapped"][0]["path"] = "transformer.h.7.ln_1"
+    (out / REPORT_JSON).write_text(json.dumps(report))
+    with pytest.raises(CheckpointError, match="names a module"):
+        normfold.from_pretrained(out)
+
+
+def test_save_pretrained_copies_side_files_from_source_dir_and_warns_about_links(tiny_dirs, tmp_path):
+    source = tmp_path / "model"
+    shutil.copytree(tiny_dirs["gpt2"], source)
+    (source / "1_Pooling").mkdir()
+    (source / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    (tmp_path / "secret.txt").write_text("TOKEN=hunter2")
+    os.symlink("../secret.txt", source / "LICENSE")
+    folded, _ = fold_for_stock(load_model(source), example_inputs_for(load_model(source)))
+    with pytest.warns(UserWarning, match=r"not copied from .*: LICENSE \(symbolic link, not followed\)"):
+        record = normfold.save_pretrained(folded, tmp_path / "out", source_dir=source)
+    assert (tmp_path / "out" / "1_Pooling" / "config.json").read_text() == '{"pooling_mode_mean_tokens": true}'
+    assert not os.path.lexists(tmp_path / "out" / "LICENSE")
+    assert record["skipped_files"] == [{"path": "LICENSE", "reason": "symbolic link, not followed"}]
