@@ -532,7 +532,10 @@ def _copy_folder(src_fd: int, dst_fd: int, rel: str, pipeline: set[str], skipped
         names = sorted(entry.name for entry in entries)
     for name in names:
         path = f"{rel}{name}"
-        mode = os.stat(name, dir_fd=src_fd, follow_symlinks=False).st_mode
+        try:
+            mode = os.stat(name, dir_fd=src_fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:  # removed since the listing
+            continue
         if stat.S_ISLNK(mode):
             skipped.append({"path": path, "reason": "symbolic link, not followed"})
         elif stat.S_ISDIR(mode):
