@@ -94,7 +94,10 @@ _FIGURES = {  # verification figure -> how the table names it
 def _print_verification(ver: dict) -> None:
     from rich.table import Table
 
-    where = f" (blocks {', '.join(b['block'] for b in ver['blocks'])}, each alone)" if "blocks" in ver else ""
+    where = ""
+    if "blocks" in ver:  # a streamed fold: checked piece by piece
+        blocks = ", ".join(b["block"] for b in ver["blocks"]) or "none"
+        where = f" (blocks {blocks}; {ver['shell']['block'] if 'shell' in ver else 'no shell'}; each alone)"
     table = Table(title=f"verification{where}: {'[green]passed[/green]' if ver['ok'] else '[red]FAILED[/red]'}",
                   title_justify="left")
     table.add_column("figure")
@@ -134,14 +137,14 @@ def _run_analyze(args) -> int:
 
 def _run_fold(args) -> int:
     from .hf.folder import fold_folder
-    from .hf.streaming import fold_and_check, is_sharded
+    from .hf.streaming import fold_checkpoint, is_sharded
 
     if not args.output:
         raise UsageError("fold needs an output folder: -o OUT_DIR")
     model_dir = _model_dir(args)
     approximate = _approximate_options(args, model_dir)
     # sharded checkpoints are streamed: never loaded whole, checked block by block
-    fold_fn = fold_and_check if args.stream or is_sharded(model_dir) else fold_folder
+    fold_fn = fold_checkpoint if args.stream or is_sharded(model_dir) else fold_folder
     with _progress(not args.json) as step:
         report = fold_fn(model_dir, args.output, fold_affine=not args.no_fold_affine, dtype=args.dtype,
                          overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step, **approximate)

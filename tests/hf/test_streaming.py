@@ -7,20 +7,22 @@ import pytest
 import torch
 
 from normfold.hf import CheckpointError, example_inputs_for, fold_folder, load_model
-from normfold.hf.streaming import (Checkpoint, check_block, fold_and_check, fold_checkpoint, plan_for_checkpoint,
-                                   write_safetensors)
+from normfold.hf.streaming import Checkpoint, check_block, fold_checkpoint, plan_for_checkpoint, write_safetensors
 
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
 
+def _save_sharded(model_dir, folder, max_shard_size: str):
+    load_model(model_dir).save_pretrained(folder, max_shard_size=max_shard_size, safe_serialization=True)
+    assert len(list(folder.glob("*.safetensors"))) > 2
+    return folder
+
+
 @pytest.fixture(scope="module")
 def sharded_opt(tiny_dirs, tmp_path_factory):
     """The tiny OPT saved in ~30 KB shards, so that weights and their biases sit in different files."""
-    folder = tmp_path_factory.mktemp("sharded") / "opt"
-    load_model(tiny_dirs["opt"]).save_pretrained(folder, max_shard_size="30KB", safe_serialization=True)
-    assert len(list(folder.glob("*.safetensors"))) > 2
-    return folder
+    return _save_sharded(tiny_dirs["opt"], tmp_path_factory.mktemp("sharded") / "opt", "30KB")
 
 
 def test_plan_from_uninitialised_storage_equals_plan_from_the_loaded_model(sharded_opt):
@@ -46,7 +48,7 @@ def test_streamed_fold_is_bitwise_the_in_memory_fold(sharded_opt, tmp_path):
 
 
 def test_streamed_fold_loads_in_stock_transformers_with_the_same_outputs(sharded_opt, tmp_path):
-    report = fold_and_check(sharded_opt, tmp_path / "out")
+    report = fold_checkpoint(sharded_opt, tmp_path / "out")
     original = load_model(sharded_opt)
     folded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     inputs = example_inputs_for(original)
@@ -54,6 +56,7 @@ def test_streamed_fold_loads_in_stock_transformers_with_the_same_outputs(sharded
         a, b = original(**inputs).logits, folded(**inputs).logits
     assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5
     assert report["verification"]["ok"] and len(report["verification"]["blocks"]) == 2  # layers 0 and 1
+    assert report["verification"]["shell"]["outputs"] == 1 and report["verification"]["shell"]["stack_entries"] == 1
 
 
 def test_block_check_catches_a_block_that_was_not_folded(sharded_opt, tmp_path):
@@ -101,3 +104,112 @@ def test_math_on_slices_matches_the_math_on_whole_tensors(sharded_opt, tmp_path,
     sliced = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sliced").state_dict()
     for key in whole:
         torch.testing.assert_close(sliced[key], whole[key], rtol=1e-6, atol=1e-7, msg=key)
+
+
+# ------------------------------------------------------------------ verify before publishing
+
+def _leftovers(parent, name):
+    return [p.name for p in parent.iterdir() if p.name.startswith(f".{name}.normfold-")]
+
+
+def _corrupt_the_rewrite(monkeypatch, key, change):
+    """Make the streamed rewrite write ``change(value)`` for ``key``: a wrong fold to be caught."""
+    import normfold.hf.streaming as streaming
+
+    compute = streaming._Rewrite.compute
+
+    def wrong(self, k):
+        values = compute(self, k)
+        return {name: change(v) if name == key else v for name, v in values.items()}
+
+    monkeypatch.setattr(streaming._Rewrite, "compute", wrong)
+
+
+@pytest.fixture(scope="module")
+def sharded_bert(tiny_dirs, tmp_path_factory):
+    """The tiny BERT in ~20 KB shards: only embeddings.LayerNorm folds (Post-LN layers)."""
+    return _save_sharded(tiny_dirs["bert"], tmp_path_factory.mktemp("sharded") / "bert", "20KB")
+
+
+def test_a_sharded_encoder_that_folds_only_its_embedding_norm_verifies_without_any_block(sharded_bert, tmp_path):
+    report = fold_checkpoint(sharded_bert, tmp_path / "out")
+    ver = report["verification"]
+    assert report["num_foldable"] == 1 and [s["path"] for s in report["swapped"]] == ["embeddings.LayerNorm"]
+    assert ver["ok"] and ver["blocks"] == [] and ver["problems"] == []
+    # last_hidden_state and pooler_output compared; the untouched layers compared as copies
+    assert ver["shell"]["outputs"] == 2 and ver["copied_tensors"] > 0
+    original, folded = load_model(sharded_bert), transformers.AutoModel.from_pretrained(tmp_path / "out").eval()
+    inputs = example_inputs_for(original)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(**inputs).last_hidden_state, original(**inputs).last_hidden_state)
+
+
+@pytest.mark.parametrize("key, change", [
+    ("model.decoder.embed_tokens.weight", lambda v: 2 * v),      # stream entering the layers: not P·x
+    ("model.decoder.embed_positions.weight", lambda v: v + 0.1),  # not centered
+    ("lm_head.weight", lambda v: 1.1 * v),                        # the untied head
+    ("model.decoder.final_layer_norm.weight", lambda v: v + 0.2),
+    ("model.decoder.layers.1.fc2.bias", lambda v: v + 0.5),       # a middle block
+])
+def test_a_wrong_streamed_fold_is_refused_and_nothing_is_written(sharded_opt, tmp_path, monkeypatch, key, change):
+    from normfold import FoldVerificationError
+
+    _corrupt_the_rewrite(monkeypatch, key, change)
+    with pytest.raises(FoldVerificationError, match="nothing was written"):
+        fold_checkpoint(sharded_opt, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
+
+
+def test_a_changed_tensor_outside_every_folded_piece_is_refused(sharded_bert, tmp_path, monkeypatch):
+    from normfold import FoldVerificationError
+
+    _corrupt_the_rewrite(monkeypatch, "encoder.layer.1.output.dense.bias", lambda v: v + 0.5)
+    with pytest.raises(FoldVerificationError, match="encoder.layer.1.output.dense.bias"):
+        fold_checkpoint(sharded_bert, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_failed_check_with_overwrite_keeps_the_previous_output(sharded_opt, tmp_path, monkeypatch):
+    from normfold import FoldVerificationError
+
+    out = tmp_path / "out"
+    fold_checkpoint(sharded_opt, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    _corrupt_the_rewrite(monkeypatch, "model.decoder.layers.0.fc2.bias", lambda v: v + 0.5)
+    with pytest.raises(FoldVerificationError):
+        fold_checkpoint(sharded_opt, out, overwrite=True)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and _leftovers(tmp_path, "out") == []
+
+
+def test_the_published_report_holds_the_verification(sharded_opt, tmp_path):
+    fold_checkpoint(sharded_opt, tmp_path / "out")
+    saved = json.loads((tmp_path / "out" / "normfold_report.json").read_text())
+    assert saved["verification"]["ok"] is True and saved["verification"]["num_runs"] == 3
+
+
+# ------------------------------------------------------------------------------- shard names
+
+@pytest.mark.parametrize("shard", ["../moved.safetensors", "ABSOLUTE/moved.safetensors", "sub/moved.safetensors",
+                                   "..", "a\0b"])
+def test_a_shard_name_that_is_not_a_plain_file_name_is_refused_before_anything_is_written(sharded_opt, tmp_path,
+                                                                                          shard):
+    """Shard names become output paths: ``../x`` or an absolute name made the fold rewrite the file it
+    names, outside the output folder (here the moved shard itself, read as input, then rewritten)."""
+    import shutil
+
+    src = tmp_path / "models" / "m"
+    shutil.copytree(sharded_opt, src)
+    shard = shard.replace("ABSOLUTE", str(tmp_path / "elsewhere"))
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"].values()))
+    victim = (src / shard) if "\0" not in shard and shard != ".." else None
+    if victim is not None:
+        victim.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(src / first, victim)
+        before = victim.read_bytes()
+    index["weight_map"] = {k: shard if v == first else v for k, v in index["weight_map"].items()}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="plain file name"):
+        fold_checkpoint(src, tmp_path / "models" / "out")
+    assert victim is None or victim.read_bytes() == before
+    assert not (tmp_path / "models" / "out").exists()

@@ -14,6 +14,7 @@ Peak memory: the largest group in float32 plus the γ/β of all norms.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -28,8 +29,9 @@ import torch
 from torch import nn
 
 from ._deps import require
-from .io import (CheckpointError, atomic_output_dir, check_model_dir, copy_side_files, example_inputs_for,
-                 load_config, model_class_for, stock_compatible_plan, stock_parameter_shapes, swap_in_rmsnorm)
+from .io import (REPORT_JSON, CheckpointError, atomic_output_dir, check_model_dir, copy_side_files,
+                 example_inputs_for, load_config, model_class_for, stock_compatible_plan, stock_parameter_shapes,
+                 swap_in_rmsnorm)
 
 INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -49,7 +51,7 @@ class Checkpoint:
         self.folder = folder
         index = folder / INDEX
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _read_weight_map(index)
         elif (folder / "model.safetensors").is_file():
             weight_map = None
         else:
@@ -81,6 +83,32 @@ class Checkpoint:
         self.bytes_read += t.numel() * t.element_size()
         self.read_seconds += time.perf_counter() - t0
         return t
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    """The index's key -> shard map; CheckpointError unless every shard is a plain file name.
+
+    The names become paths of the output folder: ``../x`` or ``/etc/x`` would write outside it.
+    """
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{index} is not a safetensors index: {str(err).splitlines()[0]}") from err
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: expected a non-empty \"weight_map\" object, got {weight_map!r:.80}")
+    for name in set(weight_map.values()):
+        check_plain_file_name(name, index)
+    return weight_map
+
+
+def check_plain_file_name(name: object, source: Path) -> str:
+    """``name`` when it is a plain file name (no folder part, not ``.``/``..``, not absolute, no NUL),
+    else CheckpointError naming ``source``, the file that listed it."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or "/" in name or "\\" in name \
+            or os.path.isabs(name):
+        raise CheckpointError(f"{source} lists the shard {name!r}: expected a plain file name inside the model folder "
+                              "(no '/', '..', absolute path or NUL)")
+    return name
 
 
 def write_safetensors(path: Path, entries: list[tuple[str, str, list[int]]],
@@ -368,53 +396,75 @@ class _Prefetcher:
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
                     dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
                     step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """Fold a safetensors folder shard by shard into ``out_dir`` without loading the model.
+    """Fold a safetensors folder shard by shard without loading the model, verify the result
+    piece by piece (:func:`verify_by_blocks`), and only then publish it as ``out_dir``.
 
-    Output shards mirror the input shards (same names and keys; an untied copy goes into its
-    source's shard). Returns the report dict (``streaming`` holds bytes and seconds).
+    Everything is written into a temporary sibling of ``out_dir`` (:func:`~normfold.hf.io.atomic_output_dir`):
+    a failed check raises ``FoldVerificationError`` and leaves ``out_dir`` as it was (with
+    ``overwrite``, the previous output stays). Output shards mirror the input shards (same names
+    and keys; an untied copy goes into its source's shard). Returns the report dict
+    (``streaming`` holds bytes and seconds, ``verification`` the checks).
     """
+    from ..fold import FoldVerificationError
+    from .folder import write_report_files
     from .io import DTYPES
 
     model_dir = check_model_dir(model_dir)
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    with atomic_output_dir(out_dir, overwrite=overwrite, protect=(model_dir,)) as tmp:
+        report = _write_folded_checkpoint(model_dir, tmp, fold_affine=fold_affine, dtype=dtype,
+                                          trust_remote_code=trust_remote_code, step=step)
+        report["verification"] = verify_by_blocks(model_dir, tmp, report, dtype=dtype,
+                                                  trust_remote_code=trust_remote_code, step=step)
+        if not report["verification"]["ok"]:
+            raise FoldVerificationError(f"{_failure(report['verification'])}; nothing was written to {out_dir}")
+        step("writing the report")
+        write_report_files(report, tmp)
+    report["out_dir"] = str(Path(out_dir).absolute())
+    return report
+
+
+def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool, dtype: str | None,
+                             trust_remote_code: bool, step: Callable[[str], None]) -> dict[str, Any]:
+    """Plan, then rewrite every shard into ``folder`` (config and side files too); returns the
+    report dict without verification. ``folder`` is private: nothing here is checked yet."""
+    from .io import DTYPES
+
     out_dtype = DTYPES[dtype] if dtype else None
     t0 = time.perf_counter()
-    with atomic_output_dir(out_dir, overwrite=overwrite, protect=(model_dir,)) as tmp:
-        step("planning (no weights loaded)")
-        report, skeleton, checkpoint = plan_for_checkpoint(model_dir, fold_affine=fold_affine,
-                                                          trust_remote_code=trust_remote_code)
-        t_plan = time.perf_counter() - t0
-        rewrite = _Rewrite(report.plan, skeleton, checkpoint, out_dtype)
-        layout = {name: list(keys) for name, keys in checkpoint.files.items()}
-        for new, src in rewrite.new_keys.items():
-            layout[checkpoint.file_of.get(src) or checkpoint.file_of[rewrite.new_keys[src]]].append(new)
-        written, weight_map = 0, {}
-        with _Prefetcher(rewrite, [k for keys in layout.values() for k in keys]) as tensors:
-            for i, (name, keys) in enumerate(layout.items()):
-                step(f"rewriting shard {i + 1}/{len(layout)}")
-                entries = [(k, *rewrite.output_meta(k)) for k in keys]
-                written += write_safetensors(tmp / name, entries, tensors.get)
-                weight_map.update(dict.fromkeys(keys, name))
-        if len(layout) > 1 or (model_dir / INDEX).is_file():
-            (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map},
-                                                indent=2) + "\n")
-        _write_config(skeleton.config, tmp, untied=bool(report.plan.untie), dtype=out_dtype)
-        skipped_files = copy_side_files(model_dir, tmp)
-        from .folder import write_report_files
-
-        out = report.to_dict()
-        out.update(
-            model={"architecture": type(skeleton).__name__, "model_type": skeleton.config.model_type,
-                   "source": str(model_dir.absolute()), "parameters": sum(p.numel() for p in skeleton.parameters())},
-            swapped=[{"path": s.path, "normalized_shape": [s.normalized_shape], "eps": s.eps,
-                      "weight": s.elementwise_affine, "bias": s.elementwise_affine and s.bias}
-                     for s in report.plan.swap if s.to == "RMSNorm"],
-            fold_affine=fold_affine, saved_dtype=dtype or _stored_dtype(model_dir), skipped_files=skipped_files,
-            streaming={"bytes_read": checkpoint.bytes_read, "bytes_written": written,
-                       "plan_seconds": round(t_plan, 2), "read_seconds": round(checkpoint.read_seconds, 2),
-                       "math_seconds": round(rewrite.math_seconds, 2), "seconds": round(time.perf_counter() - t0, 2)},
-        )
-        write_report_files(out, tmp)
-    out["out_dir"] = str(Path(out_dir).absolute())
+    step("planning (no weights loaded)")
+    report, skeleton, checkpoint = plan_for_checkpoint(model_dir, fold_affine=fold_affine,
+                                                      trust_remote_code=trust_remote_code)
+    t_plan = time.perf_counter() - t0
+    rewrite = _Rewrite(report.plan, skeleton, checkpoint, out_dtype)
+    layout = {name: list(keys) for name, keys in checkpoint.files.items()}
+    for new, src in rewrite.new_keys.items():
+        layout[checkpoint.file_of.get(src) or checkpoint.file_of[rewrite.new_keys[src]]].append(new)
+    written, weight_map = 0, {}
+    with _Prefetcher(rewrite, [k for keys in layout.values() for k in keys]) as tensors:
+        for i, (name, keys) in enumerate(layout.items()):
+            step(f"rewriting shard {i + 1}/{len(layout)}")
+            entries = [(k, *rewrite.output_meta(k)) for k in keys]
+            written += write_safetensors(folder / name, entries, tensors.get)
+            weight_map.update(dict.fromkeys(keys, name))
+    if len(layout) > 1 or (model_dir / INDEX).is_file():
+        (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map},
+                                               indent=2) + "\n")
+    _write_config(skeleton.config, folder, untied=bool(report.plan.untie), dtype=out_dtype)
+    skipped_files = copy_side_files(model_dir, folder)
+    out = report.to_dict()
+    out.update(
+        model={"architecture": type(skeleton).__name__, "model_type": skeleton.config.model_type,
+               "source": str(model_dir.absolute()), "parameters": sum(p.numel() for p in skeleton.parameters())},
+        swapped=[{"path": s.path, "normalized_shape": [s.normalized_shape], "eps": s.eps,
+                  "weight": s.elementwise_affine, "bias": s.elementwise_affine and s.bias}
+                 for s in report.plan.swap if s.to == "RMSNorm"],
+        fold_affine=fold_affine, saved_dtype=dtype or _stored_dtype(model_dir), skipped_files=skipped_files,
+        streaming={"bytes_read": checkpoint.bytes_read, "bytes_written": written,
+                   "plan_seconds": round(t_plan, 2), "read_seconds": round(checkpoint.read_seconds, 2),
+                   "math_seconds": round(rewrite.math_seconds, 2), "seconds": round(time.perf_counter() - t0, 2)},
+    )
     return out
 
 
@@ -426,53 +476,169 @@ def _write_config(config, folder: Path, *, untied: bool, dtype: torch.dtype | No
     config.save_pretrained(folder)
 
 
-# ---------------------------------------------------------------------------------- block checks
+# ---------------------------------------------------------------------------------- verification
+#
+# The fold never runs the whole model, so it is proved in pieces, each in float64 and alone. In a
+# folded Pre-LN model the residual stream is the original's with its mean removed: with
+# P = I − 11ᵀ/n, folded stream = P·stream. Hence
+#   blocks: folded_block(P·x) = P·block(x), for every block of a stack (the outermost ModuleList)
+#           that holds a swapped norm;
+#   shell:  the model cut to the first block of each such stack (to no block when there is none)
+#           gives the original's outputs, and the stream entering each stack is P·(the original's);
+#   copies: every other tensor equals the original's in the saved dtype.
+# Together: the stream enters every stack as P·x, each block keeps the relation, so the stack
+# leaves P·y, which the shell's tail (final norm, head) maps to the original output.
+
 
 def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, block_path: str, *,
-                batch: int = 2, seq: int = 16, seed: int = 0, trust_remote_code: bool = False) -> dict[str, float]:
+                swapped: list[dict[str, Any]] | None = None, batch: int = 2, seq: int = 16, seed: int = 0,
+                trust_remote_code: bool = False) -> dict[str, Any]:
     """Compare one residual block of a folded checkpoint with the original, in float64, loading
     only that block's tensors.
 
     The folded residual stream is the original's with its mean removed (P = I − 11ᵀ/n), so for a
     Pre-LN block: folded_block(P·x) = P·block(x). Returns the relative error
     ‖P·block(x) − folded_block(P·x)‖∞ / ‖P·block(x)‖∞ and the worst |mean|/rms of the RMSNorm inputs.
+    ``swapped``: the report's swapped norms (default: read from ``folded_dir``'s report).
     """
     from ..fold.math import center
 
     orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
-    swapped = {s["path"]: s for s in json.loads((folded_dir / "normfold_report.json").read_text())["swapped"]}
-    config = load_config(orig_dir, trust_remote_code=trust_remote_code)
-    cls = model_class_for(config, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        skeleton = cls._from_config(config, attn_implementation="eager")
+    if swapped is None:
+        swapped = json.loads((folded_dir / REPORT_JSON).read_text())["swapped"]
+    skeleton = _meta_skeleton(orig_dir, trust_remote_code)
     prefix = block_path + "."
 
     def load_block(folder: Path, folded: bool) -> nn.Module:
-        block = skeleton.get_submodule(block_path)
-        ckpt = Checkpoint(folder)
-        state = {k[len(prefix):]: ckpt.read(k).double() for k in ckpt.meta if k.startswith(prefix)}
         import copy
 
-        block = copy.deepcopy(block)
+        ckpt = Checkpoint(folder)
+        state = {k[len(prefix):]: ckpt.read(k).double() for k in ckpt.meta if k.startswith(prefix)}
+        block = copy.deepcopy(skeleton.get_submodule(block_path))
         block.load_state_dict(state, strict=True, assign=True)
         block = block.double().eval()
         if folded:
-            for path, entry in swapped.items():
-                if path.startswith(prefix):
-                    swap_in_rmsnorm(block, {**entry, "path": path[len(prefix):]})
+            for entry in swapped:
+                if entry["path"].startswith(prefix):
+                    swap_in_rmsnorm(block, {**entry, "path": entry["path"][len(prefix):]})
         return block
 
     gen = torch.Generator().manual_seed(seed)
-    hidden = skeleton.get_submodule(block_path)
-    width = _block_width(hidden)
+    width = _block_width(skeleton.get_submodule(block_path))
     x = torch.randn(batch, seq, width, generator=gen, dtype=torch.float64)  # (B, T, C)
     with torch.no_grad():
         ref = center(_first(load_block(orig_dir, False)(x)), -1)
         block = load_block(folded_dir, True)
         ratios = _watch_rms_inputs(block)
         out = _first(block(center(x, -1)))
-    err = ((ref - out).abs().max() / ref.abs().max()).item()
-    return {"block": block_path, "max_rel_error": err, "max_input_mean_ratio": max(ratios) if ratios else None}
+    return {"block": block_path, "max_rel_error": _rel_error(ref, out),
+            "max_input_mean_ratio": max(ratios) if ratios else None}
+
+
+def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swapped: list[dict[str, Any]],
+                stacks: list[str], *, seed: int = 0, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Run the model cut to one block per stack (``stacks``: those holding a swapped norm; to no
+    block when empty) from both folders in float64, one after the other, and compare every float
+    output and, at the entry of each stack, the folded stream with P·(the original's).
+
+    This covers what no block check sees: the embeddings (and an embedding norm), the final norm
+    and the head, tied or untied. Returns the worst relative error, what was compared, and the
+    checkpoint keys the folded shell loaded (``keys``).
+    """
+    from ..fold.math import center
+
+    ref, ref_entries, _ = _run_shell(check_model_dir(orig_dir), [], stacks, seed, trust_remote_code)
+    out, entries, keys = _run_shell(check_model_dir(folded_dir), swapped, stacks, seed, trust_remote_code)
+    problems = []
+    if not ref or len(ref) != len(out) or any(a.shape != b.shape for a, b in zip(ref, out)):
+        problems.append(f"the model cut to its first blocks gave {len(ref)} float outputs, the folded one {len(out)} "
+                        "(expected the same number and shapes, at least one)")
+    errors = [_rel_error(a, b) for a, b in zip(ref, out)] if not problems else []
+    for stack in stacks:
+        if stack not in ref_entries or stack not in entries:
+            problems.append(f"the stream entering {stack} was not seen (its first block was never called)")
+        else:
+            errors.append(_rel_error(center(ref_entries[stack], -1), entries[stack]))
+    return {"block": "model cut to its first block" if stacks else "model without its blocks",
+            "max_rel_error": max(errors, default=float("nan")), "outputs": len(out), "stack_entries": len(stacks),
+            "problems": problems, "keys": sorted(keys)}
+
+
+def _meta_skeleton(folder: Path, trust_remote_code: bool) -> nn.Module:
+    """The model of ``folder``'s config on the meta device: structure only, no memory."""
+    config = load_config(folder, trust_remote_code=trust_remote_code)
+    cls = model_class_for(config, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        return cls._from_config(config, attn_implementation="eager")
+
+
+def _run_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str], seed: int,
+               trust_remote_code: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], set[str]]:
+    """Build ``folder``'s model with ``num_hidden_layers`` = 1 (0 without ``stacks``) in float64,
+    load its tensors from the checkpoint, swap in the RMSNorms, and run it on example inputs.
+
+    Returns the float outputs, the stream entering each stack's first block, and the keys loaded.
+    """
+    config = load_config(folder, trust_remote_code=trust_remote_code)
+    config.num_hidden_layers = 1 if stacks else 0
+    cls = model_class_for(config, trust_remote_code=trust_remote_code)
+    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float64).eval()
+    checkpoint, aliases = Checkpoint(folder), _aliases(model)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    state, keys = {}, set()
+    for name in model.state_dict():
+        key = _resolve(name, aliases, checkpoint)
+        if key is None and name in params:
+            raise CheckpointError(f"{folder} has no tensor for {name}")
+        if key is not None:
+            state[name] = checkpoint.read(key).double()
+            keys.add(key)
+    model.load_state_dict(state, strict=False)
+    for entry in swapped:
+        with contextlib.suppress(AttributeError):  # norms of blocks the shell does not hold
+            swap_in_rmsnorm(model, entry)
+    entries: dict[str, torch.Tensor] = {}
+    for stack in stacks:
+        def keep_input(module, args, kwargs, stack=stack):
+            entries[stack] = args[0] if args else kwargs["hidden_states"]
+        with contextlib.suppress(AttributeError):
+            model.get_submodule(f"{stack}.0").register_forward_pre_hook(keep_input, with_kwargs=True)
+    with torch.no_grad():
+        output = model(**example_inputs_for(model, seed=seed))
+    output = output.to_tuple() if hasattr(output, "to_tuple") else output
+    leaves = torch.utils._pytree.tree_leaves(output)
+    floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return floats, entries, keys
+
+
+def _stacks(skeleton: nn.Module, swapped: list[dict[str, Any]]) -> dict[str, int]:
+    """Stack path -> number of blocks, for each outermost ModuleList that holds a swapped norm."""
+    stacks: dict[str, int] = {}
+    for entry in swapped:
+        parts = entry["path"].split(".")
+        for i in range(1, len(parts)):
+            module = skeleton.get_submodule(".".join(parts[:i]))
+            if isinstance(module, nn.ModuleList):
+                stacks[".".join(parts[:i])] = len(module)
+                break
+    return stacks
+
+
+def _check_copies(orig: Checkpoint, folded: Checkpoint, covered: set[str]) -> tuple[int, list[str]]:
+    """Every tensor no other check covers must be the original's, cast to its saved dtype (one
+    tensor in memory at a time). Returns how many were compared and the problems found."""
+    missing = sorted(orig.meta.keys() - folded.meta.keys() - covered)
+    problems = [f"{key}: in the original, missing from the output" for key in missing]
+    compared = 0
+    for key in sorted(folded.meta.keys() - covered):
+        if key not in orig.meta:
+            problems.append(f"{key}: new in the output and checked by nothing")
+            continue
+        value = folded.read(key)
+        if not torch.equal(orig.read(key).to(value.dtype), value):
+            problems.append(f"{key}: differs from the original, though no checked piece holds it")
+        compared += 1
+    return compared, problems
 
 
 def _block_width(block: nn.Module) -> int:
@@ -484,6 +650,12 @@ def _block_width(block: nn.Module) -> int:
 
 def _first(output) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _rel_error(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """‖ref − out‖∞ / ‖ref‖∞ (the absolute error where ref is all zeros)."""
+    scale = ref.abs().max().item() or 1.0
+    return (ref - out).abs().max().item() / scale
 
 
 def _watch_rms_inputs(block: nn.Module) -> list[float]:
@@ -501,56 +673,56 @@ def _watch_rms_inputs(block: nn.Module) -> list[float]:
     return ratios
 
 
-
-
-def fold_and_check(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: str | None = None,
-                   trust_remote_code: bool = False, step: Callable[[str], None] = lambda _: None,
-                   **kwargs) -> dict[str, Any]:
-    """:func:`fold_checkpoint`, then :func:`check_block` on the first, middle and last block.
-
-    ``report["verification"]`` holds the block errors; ``ok`` when each is within the saved
-    dtype's tolerance. (The whole model is never loaded, so it is never run.)
-    """
-    report = fold_checkpoint(model_dir, out_dir, dtype=dtype, trust_remote_code=trust_remote_code, step=step, **kwargs)
-    report["verification"] = verify_by_blocks(model_dir, out_dir, report, dtype=dtype,
-                                              trust_remote_code=trust_remote_code, step=step)
-    (Path(out_dir) / "normfold_report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    return report
-
-
 def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, report: dict[str, Any] | None = None,
                      *, dtype: str | None = None, trust_remote_code: bool = False,
                      step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
-    """:func:`check_block` on the first, middle and last block holding a folded norm; ``ok`` when
-    every error is within the stored dtype's tolerance. Memory: one block in float64."""
+    """Prove a folded checkpoint equal to its original without loading either whole (see the
+    comment above :func:`check_block`): every block of the stacks holding a swapped norm, the
+    shell around them, and every remaining tensor. ``ok`` only when each error is within the
+    stored dtype's tolerance and every tensor of both folders was checked by one of them.
+    Memory: the shell (embeddings, head, one block per stack) in float64, then one block at a time.
+    """
     from .folder import SAVED_TOLERANCE
 
+    orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
     if report is None:
-        report = json.loads((Path(folded_dir) / "normfold_report.json").read_text())
-    checks = []
-    for path in _block_paths(report):
+        report = json.loads((folded_dir / REPORT_JSON).read_text())
+    swapped = report["swapped"]
+    stacks = _stacks(_meta_skeleton(orig_dir, trust_remote_code), swapped)
+    step("checking the embeddings, final norm and head in float64")
+    try:
+        shell = check_shell(orig_dir, folded_dir, swapped, list(stacks), trust_remote_code=trust_remote_code)
+    except Exception as err:  # a model that cannot run cut short: not proved, so not ok
+        shell = {"block": "shell", "max_rel_error": float("nan"), "keys": [],
+                 "problems": [f"could not run the model cut to one block per stack: {str(err).splitlines()[0]}"]}
+    folded = Checkpoint(folded_dir)
+    checks, covered = [], set(shell["keys"])
+    for path in [f"{stack}.{i}" for stack, n in stacks.items() for i in range(n)]:
         step(f"checking {path} in float64")
-        checks.append(check_block(orig_dir, folded_dir, path, trust_remote_code=trust_remote_code))
-    stored = dtype or _stored_dtype(Path(folded_dir))
+        checks.append(check_block(orig_dir, folded_dir, path, swapped=swapped, trust_remote_code=trust_remote_code))
+        covered.update(k for k in folded.meta if k.startswith(path + "."))
+    step("comparing the tensors the fold does not change")
+    copied, problems = _check_copies(Checkpoint(orig_dir), folded, covered)
+    problems = shell["problems"] + problems
+    stored = dtype or _stored_dtype(folded_dir)
     tolerance = SAVED_TOLERANCE.get(stored, SAVED_TOLERANCE["float32"])
-    worst = max((c["max_rel_error"] for c in checks), default=0.0)
+    errors = [c["max_rel_error"] for c in [shell, *checks]]
+    worst = max(errors) if not any(math.isnan(e) for e in errors) else float("nan")
     ratios = [c["max_input_mean_ratio"] for c in checks if c["max_input_mean_ratio"] is not None]
-    return {"ok": bool(checks) and worst <= tolerance, "max_rel_error": worst,
+    return {"ok": not problems and worst <= tolerance, "max_rel_error": worst,
             "max_input_mean_ratio": max(ratios) if ratios else None, "tolerance": tolerance,
-            "num_runs": len(checks), "blocks": checks}
+            "num_runs": len(checks) + 1, "blocks": checks, "shell": {k: v for k, v in shell.items() if k != "keys"},
+            "copied_tensors": copied, "problems": problems}
 
 
-def _block_paths(report: dict[str, Any]) -> list[str]:
-    """First, middle and last residual block that holds a folded norm (``...layers.7``)."""
-    blocks = []
-    for s in report["swapped"]:
-        parts = s["path"].split(".")
-        idx = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-        if idx is not None:
-            path = ".".join(parts[: idx + 1])
-            if path not in blocks:
-                blocks.append(path)
-    return sorted({blocks[0], blocks[len(blocks) // 2], blocks[-1]}, key=blocks.index) if blocks else []
+def _failure(verification: dict[str, Any]) -> str:
+    """One line saying why a verification failed."""
+    if verification["problems"]:
+        return f"float64 check failed: {verification['problems'][0]}"
+    checks = [verification["shell"], *verification["blocks"]]
+    worst = max(checks, key=lambda c: math.inf if math.isnan(c["max_rel_error"]) else c["max_rel_error"])
+    return (f"float64 check failed: {worst['block']} relative error {worst['max_rel_error']:.1e} > tolerance "
+            f"{verification['tolerance']:.1e}")
 
 
 def _stored_dtype(model_dir: Path) -> str:
