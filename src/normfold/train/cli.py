@@ -33,6 +33,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--config", default=None, help="a .json or .toml config file (flat, or with a [model] table)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into a non-empty --out_dir that holds no earlier training run (replaces its files)")
     choices = {"norm": NORMS, "placement": PLACEMENTS, "precision": PRECISIONS}
     keys = parser.add_argument_group("config keys (values are checked by TrainConfig / GPTConfig)")
     for name, default in _config_keys():
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
-    summary = train(config)
+    summary = train(config, overwrite=args.overwrite)
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():

@@ -138,13 +138,44 @@ def estimate_val_loss(model: nn.Module, splits: TokenSplits, config: TrainConfig
     return sum(losses) / len(losses)
 
 
-def train(config: TrainConfig, model: nn.Module | None = None) -> dict[str, Any]:
+def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
+    """``out_dir`` as a Path, or CheckpointError when training would overwrite files it did not write.
+
+    Accepted: a missing or empty folder, a previous run's (it holds ``log.csv``, ``summary.json``
+    or a training ``config.json``), or anything with ``overwrite``. Each rank checks before the
+    process group starts, so no rank has written yet and all of them decide alike.
+    """
+    from ..hf.io import CheckpointError
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"--out_dir must be a folder, got a file: {out}")
+    if overwrite or not out.exists() or not any(out.iterdir()) or _is_training_output(out):
+        return out
+    raise CheckpointError(f"--out_dir {out} is not empty and holds no training run of normfold (no log.csv, "
+                          "summary.json or training config.json); pass --overwrite to write into it anyway")
+
+
+def _is_training_output(folder: Path) -> bool:
+    if (folder / "log.csv").is_file() or (folder / "summary.json").is_file():
+        return True
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(config, dict) and {"model", "out_dir", "max_steps"} <= config.keys()
+
+
+def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: bool = False) -> dict[str, Any]:
     """Train and return a summary (also written to ``out_dir/summary.json`` by rank 0).
+
+    ``out_dir`` must be new, empty or a previous run's unless ``overwrite`` (:func:`check_out_dir`).
 
     The summary holds ``train_losses`` (every step, averaged over ranks), ``val_losses``
     (``(step, loss)`` pairs), ``final_val_loss``, ``tokens_per_s``, ``train_time_s`` and
     ``diverged`` (a non-finite loss stops the run).
     """
+    out_dir = check_out_dir(config.out_dir, overwrite=overwrite)
     dist = _Dist.from_env()
     if dist.enabled and not torch.distributed.is_initialized():
         backend = "nccl" if (config.device != "cpu" and torch.cuda.is_available()) else "gloo"
@@ -152,7 +183,6 @@ def train(config: TrainConfig, model: nn.Module | None = None) -> dict[str, Any]
     device = _device(config, dist)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    out_dir = Path(config.out_dir)
     is_main = dist.rank == 0
     out_dir.mkdir(parents=True, exist_ok=True)
     if is_main:
