@@ -278,3 +278,30 @@ def test_torch_rmsnorm_is_reported_and_affine_folded_only_with_an_explicit_eps(e
     (entry,) = report.norms
     assert (entry.kind, entry.foldable, entry.affine_folded) == ("RMSNorm", False, eps is not None)
     assert report.verification.ok
+
+
+class MultiDimNorm(nn.Module):
+    """A LayerNorm over the last two dims (5, C): one mean and variance per (5, C) slab."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.ln, self.head = nn.Linear(C, C), nn.LayerNorm((5, C)), nn.Linear(C, 3)
+        with torch.no_grad():
+            self.ln.weight.uniform_(0.5, 1.5)
+            self.ln.bias.normal_()
+
+    def forward(self, x):  # (B, 5, C) -> (B, 5, 3)
+        return self.head(self.ln(self.fc(x)))
+
+
+def test_a_layernorm_over_several_dims_is_kept_whole_with_a_reason():
+    model = MultiDimNorm()
+    x = torch.randn(2, 5, C)
+    folded, report = normfold.fold(model, (x,))
+    (entry,) = report.norms
+    assert not entry.foldable and not entry.affine_folded and not report.plan
+    assert entry.reason.startswith(f"kept whole: normalizes over several dims together, (5, {C})")
+    assert "affine kept: γ/β span 2 dims" in entry.reason
+    assert isinstance(folded.ln, nn.LayerNorm) and folded.ln.normalized_shape == (5, C)
+    assert report.verification.ok and torch.equal(folded(x), model(x))

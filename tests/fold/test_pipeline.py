@@ -157,3 +157,23 @@ def test_fuse_runs_the_residual_add_with_the_norm_it_feeds():
 def test_fuse_is_off_by_default():
     _, report = normfold.fold(PreLN().eval(), (torch.randn(2, 5, 8),))
     assert report.fuse is None
+
+
+class OptionalBatchNorm(LinearBatchNormLayerNorm):
+    """The BatchNorm runs only when ``use_bn``: merging it into fc would be wrong for the other call."""
+
+    def forward(self, x, use_bn: bool = True):  # (B, 6)
+        h = self.fc(x)
+        return self.head(self.ln(self.bn(h) if use_bn else h))
+
+
+def test_a_batchnorm_one_example_call_does_not_run_is_kept_naming_that_call():
+    model = OptionalBatchNorm()
+    model.load_state_dict(_bn_model().state_dict())
+    x = torch.randn(4, 6)
+    folded, report = normfold.fold(model.eval(), [(x,), (x, False)])
+    (entry,) = report.batchnorms
+    assert not entry.folded and entry.reason == "not foldable in example call 1: that call does not run it"
+    assert isinstance(folded.bn, nn.BatchNorm1d) and report.verification.ok
+    for args in ((x,), (x, False)):
+        torch.testing.assert_close(folded(*args), model(*args), rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ data), ``math`` (pure tensor functions), ``transform`` (applies a plan to a modu
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from torch import nn
@@ -32,6 +33,9 @@ def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True, preco
 
     ``example_inputs``: a tuple of positional arguments or a dict of keyword arguments
     (e.g. ``{"input_ids": ids, "use_cache": False}``); what the model returns for them are its outputs.
+    The fold is exact for calls that take the same path through the model as the traced one; a
+    list of calls (e.g. one with ``input_ids``, one with ``inputs_embeds``) plans only what is exact
+    for every one of them (``report.traced_calls`` records what was traced).
     ``fold_affine``: plan to move γ/β into the linear layers that read a norm. ``precompute``: a
     LayerNorm applied straight to an embedding lookup is baked into the table (the norm disappears).
     ``fold_batchnorm``: eval-mode BatchNorms right after a Linear/Conv are planned to merge into it
@@ -44,21 +48,39 @@ def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True, preco
 def _analyze(model, example_inputs, *, fold_affine, precompute, fold_batchnorm):
     """(report, model with its BatchNorms folded, BatchNorm steps): BatchNorms merge first, so a
     Linear → BatchNorm → LayerNorm chain is analysed as the Linear → LayerNorm it becomes."""
-    from .analysis import analyze_captured
-    from .graph import capture, check_model_and_inputs
+    from .analysis import analyze_calls
+    from .graph import capture, check_model_and_inputs, describe_call, split_example_inputs
 
-    check_model_and_inputs(model, example_inputs)
+    calls = check_model_and_inputs(model, example_inputs)
     base, bn_steps, bn_entries = model, [], []
     if fold_batchnorm and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-        from ..lab.batchnorm import apply_batchnorm_folds, plan_batchnorm_folds
-
-        bn_steps, bn_entries = plan_batchnorm_folds(model, example_inputs)
+        bn_steps, bn_entries = _plan_batchnorms(model, calls)
         if bn_steps:
+            from ..lab.batchnorm import apply_batchnorm_folds
+
             base = apply_batchnorm_folds(copy.deepcopy(model), bn_steps)
-    captured = capture(base, example_inputs)
-    entries, plan, untied = analyze_captured(base, captured, fold_affine=fold_affine, precompute=precompute)
-    report = FoldReport(entries, plan, untied, batchnorms=bn_entries)
+    captures = [capture(base, call) for call in calls]
+    entries, plan, untied = analyze_calls(base, captures, fold_affine=fold_affine, precompute=precompute)
+    report = FoldReport(entries, plan, untied, batchnorms=bn_entries,
+                        traced_calls=[describe_call(model, *split_example_inputs(call)) for call in calls])
     return report, base, bn_steps
+
+
+def _plan_batchnorms(model, calls):
+    """BatchNorm merges that every call allows (one that a call does not allow is kept, naming it)."""
+    from ..lab.batchnorm import plan_batchnorm_folds
+
+    steps, entries = plan_batchnorm_folds(model, calls[0])
+    for j, call in enumerate(calls[1:], start=1):
+        other_steps, other_entries = plan_batchnorm_folds(model, call)
+        why = {e.path: e.reason for e in other_entries if not e.folded}
+        for i, entry in enumerate(entries):
+            step = next((s for s in steps if s.norm_path == entry.path), None)
+            if step is not None and step not in other_steps:
+                steps.remove(step)
+                entries[i] = dataclasses.replace(entry, folded=False, reason=(
+                    f"not foldable in example call {j}: {why.get(entry.path, 'that call does not run it')}"))
+    return steps, entries
 
 
 def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
@@ -68,8 +90,10 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
 
     With ``verify=True`` the plan is also applied to a float64 copy and compared with ``model`` in
     float64 (so the transform is judged, not the final rounding to the model's dtype, which is
-    reported separately); ``FoldVerificationError`` is raised (nothing returned) if the relative
-    error exceeds 1e-9. ``report.verification`` holds the numbers.
+    reported separately), on every example call; ``FoldVerificationError`` is raised (nothing
+    returned) if the relative error exceeds 1e-9 or the outputs cannot be compared (none, or of
+    different structure). ``report.verification`` holds the numbers. ``example_inputs`` as for
+    :func:`analyze` (one call, or a list of calls: only what is exact for all of them folds).
 
     ``approximate=True`` then also replaces norms the exact fold cannot touch, choosing and
     correcting them on ``calibration`` batches while every output row keeps a cosine similarity
@@ -84,7 +108,7 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     from .graph import check_model_and_inputs
     from .transform import apply_plan
 
-    check_model_and_inputs(model, example_inputs)  # TypeError before any work
+    calls = check_model_and_inputs(model, example_inputs)  # TypeError before any work
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         raise FoldError("fold needs the model's weights, but some are on the meta device: load them first "
                         "(analyze works on a meta model; normfold.hf folds checkpoints shard by shard)")
@@ -104,23 +128,30 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
 
             exact = apply_batchnorm_folds(exact, bn_steps)
         exact = apply_plan(exact, report.plan)
-        result = _verify(model, folded, example_inputs, tolerance=_FLOAT64_TOLERANCE, rms_norm_paths=rms_paths,
-                         folded_exact=exact)
+        result = _verify(model, folded, example_inputs, tolerance=_FLOAT64_TOLERANCE,
+                         rms_norm_paths=rms_paths, folded_exact=exact)
         report.verification = result
         if not result.ok:
-            raise FoldVerificationError(
-                f"folded model differs from the original: float64 max relative error {result.max_rel_error:.3e} "
-                f"> {_FLOAT64_TOLERANCE:.0e}\n{report}")
+            raise FoldVerificationError(f"folded model differs from the original: {_failure(result)}\n{report}")
     if fuse:
         from .fuse import fuse_residual_norms
 
-        folded, report.fuse = fuse_residual_norms(folded, example_inputs, inplace=True, verify=verify)
+        unfused = copy.deepcopy(folded) if verify and len(calls) > 1 else None
+        folded, report.fuse = fuse_residual_norms(folded, calls[0], inplace=True, verify=verify)
+        if unfused is not None:  # fuse checked the first call; the others are checked here
+            result = _verify(unfused, folded, calls[1:], tolerance=_FLOAT64_TOLERANCE)
+            if not result.ok:
+                raise FoldVerificationError(f"fused model differs from the unfused one: {_failure(result)}")
     if approximate:
         from ..lab.approximate import approximate_fold
 
         folded, report.approximate = approximate_fold(model, folded, report, calibration, min_cosine=min_cosine,
                                                       output_fn=output_fn)
     return folded, report
+
+
+def _failure(result: VerifyResult) -> str:
+    return result.why or (f"float64 max relative error {result.max_rel_error:.3e} > {result.tolerance:.0e}")
 
 
 __all__ = ["analyze", "fold", "verify", "FoldReport", "NormEntry", "VerifyResult", "FoldError",

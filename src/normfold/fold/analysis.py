@@ -10,7 +10,9 @@ candidate can invalidate another, so the check runs to a fixpoint.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 from torch import fx, nn
@@ -22,6 +24,7 @@ from .rules import (METADATA_OPS, MULTI_OUTPUT_OPS, Break, Need, NormCall, Requi
                     norm_call)
 
 _aten = torch.ops.aten
+_NOTHING: Mapping[str, str] = MappingProxyType({})
 
 
 def _packet(node: fx.Node):
@@ -98,6 +101,7 @@ class _Norm:
     zero_mean_graph: set[Need] = field(default_factory=set)
     params: frozenset = frozenset()
     affine: list[AffineFoldStep] = field(default_factory=list)
+    forced_keep: bool = False  # kept because another example call cannot fold it (``analyze_calls``)
 
 
 def _effective_users(node: fx.Node):
@@ -176,7 +180,7 @@ def _find_precomputable(norms: list[_Norm], captured: Captured) -> list[UntieSte
     """
     untie = []
     for norm in norms:
-        if norm.kind != "LayerNorm" or norm.module is None or len(norm.calls) != 1:
+        if norm.kind != "LayerNorm" or norm.module is None or len(norm.calls) != 1 or norm.forced_keep:
             continue
         call = norm.calls[0]
         if call.output is not call.node or call.num_dims != 1:  # aten.layer_norm only
@@ -210,7 +214,7 @@ def _find_precomputable(norms: list[_Norm], captured: Captured) -> list[UntieSte
 
 def _walk_norms(walker: _Walker, norms: list[_Norm]) -> None:
     for norm in norms:
-        if norm.kind != "LayerNorm" or norm.precompute is not None:
+        if norm.kind != "LayerNorm" or norm.precompute is not None or norm.forced_keep:
             continue
         if norm.module is None:
             norm.reason = norm.reason or "functional layer_norm: no nn.LayerNorm module to replace"
@@ -218,8 +222,12 @@ def _walk_norms(walker: _Walker, norms: list[_Norm]) -> None:
         reasons = []
         for call in norm.calls:
             x = call.x
-            if call.num_dims != 1 or shape(x) is None:
-                reasons.append(("kept: normalizes over several dims (only the last dim is supported)", ()))
+            if call.num_dims != 1:
+                reasons.append((f"kept whole: normalizes over several dims together, "
+                                f"{tuple(norm.module.normalized_shape)} (only the last dim alone folds)", ()))
+                continue
+            if shape(x) is None:
+                reasons.append(("kept: its input has no static shape in the trace", ()))
                 continue
             root = make_need(x, len(shape(x)) - 1, None)
             result = walker.walk(root)
@@ -358,6 +366,8 @@ def _affine_steps(norm: _Norm, model: nn.Module, captured: Captured,
     call = norm.calls[0]
     if call.weight is None and call.bias is None:
         return [], "no affine"
+    if call.num_dims != 1:  # γ/β span several dims: no per-feature scale to move into a linear layer
+        return [], f"γ/β span {call.num_dims} dims {tuple(norm.module.normalized_shape)}, not one feature dim"
     if call.is_rms and (call.eps is None or not isinstance(norm.module, _norm_types()[1])):
         return [], "RMSNorm without an explicit eps"
     gamma_fqn = _single_use_param(call.weight, captured) if call.weight is not None else None
@@ -417,13 +427,21 @@ def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured, untied):
 
 # --------------------------------------------------------------------------- entry point
 
-def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = True,
-                     precompute: bool = True) -> tuple[list[NormEntry], FoldPlan, list[str]]:
-    """Norm entries, the fold plan and the untied parameters for a captured model."""
+def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = True, precompute: bool = True, *,
+                     kept: Mapping[str, str] = _NOTHING,
+                     affine_kept: Mapping[str, str] = _NOTHING) -> tuple[list[NormEntry], FoldPlan, list[str]]:
+    """Norm entries, the fold plan and the untied parameters for a captured model.
+
+    ``kept``: norm path -> reason, norms that stay LayerNorms whatever this trace says;
+    ``affine_kept``: norm path -> reason, norms whose γ/β stay (``analyze_calls`` sets both).
+    """
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(max(limit, 20000))  # requirement walks recurse once per op along the residual stream
     try:
         norms = _find_norms(model, captured)
+        for norm in norms:
+            if norm.path in kept:
+                norm.forced_keep, norm.reason = True, kept[norm.path]
         precompute_untie = _find_precomputable(norms, captured) if precompute else []
         walker = _Walker(captured, frozenset(n.calls[0].node for n in norms if n.precompute is not None))
         _walk_norms(walker, norms)
@@ -450,6 +468,8 @@ def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = T
             continue
         untied_names = frozenset(f"{u.module_path}.{u.attr}" for u in plan.untie)
         affine, why = _affine_steps(norm, model, captured, untied_names) if fold_affine else ([], "")
+        if affine and norm.path in affine_kept:
+            affine, why = [], affine_kept[norm.path]
         norm.affine = affine
         if affine:
             plan.affine_fold.extend(affine)
@@ -486,3 +506,80 @@ def _centering_steps(foldable: list[_Norm], parents, captured: Captured):
                 untie.append(UntieStep(path, attr, kept[0]))
                 untied.append(f"{other} (copy of {kept[0]})")
     return center, untie, untied
+
+
+# --------------------------------------------------------------------------- several example calls
+
+def analyze_calls(model: nn.Module, captures: list[Captured], fold_affine: bool = True,
+                  precompute: bool = True) -> tuple[list[NormEntry], FoldPlan, list[str]]:
+    """``analyze_captured`` for several traced calls of one model: fold only what is exact for all.
+
+    Each call is analysed; a norm that is not foldable (or not run) in some call, or folds there by
+    centering other tensors, is kept in every call, and γ/β whose fold steps differ between calls
+    stay; the calls are re-analysed with those restrictions (which may drop more norms through
+    closedness) until all agree. Then every call's plan is the same, up to which tied names must be
+    untied: those are merged.
+    """
+    kept: dict[str, str] = {}
+    affine_kept: dict[str, str] = {}
+    while True:
+        results = [analyze_captured(model, c, fold_affine, precompute, kept=kept, affine_kept=affine_kept)
+                   for c in captures]
+        if not _restrict_to_agreement(results, kept, affine_kept):
+            break
+    entries, plan, untied = results[0]
+    known = {e.path for e in entries}
+    for other_entries, other_plan, other_untied in results[1:]:
+        entries += [e for e in other_entries if e.path not in known]
+        known |= {e.path for e in other_entries}
+        plan.untie += [u for u in other_plan.untie if u not in plan.untie]
+        untied += [u for u in other_untied if u not in untied]
+    return entries, plan, untied
+
+
+def _restrict_to_agreement(results, kept: dict[str, str], affine_kept: dict[str, str]) -> bool:
+    """Add to ``kept`` / ``affine_kept`` every norm on which the calls' analyses disagree; True if any."""
+    per_call = [({e.path: e for e in entries}, plan) for entries, plan, _ in results]
+    paths = list(dict.fromkeys(e.path for entries, _, _ in results for e in entries))
+    grown = False
+    for path in paths:
+        if path not in kept:
+            why = _fold_disagreement(path, per_call)
+            if why is not None:
+                kept[path], grown = why, True
+        if path not in affine_kept:
+            steps = [[a for a in plan.affine_fold if a.norm_path == path] for _, plan in per_call]
+            j = next((j for j, s in enumerate(steps) if s != steps[0]), None)
+            if j is not None:
+                affine_kept[path], grown = (f"its γ/β fold into different layers (or none) in example call {j} "
+                                            "than in call 0"), True
+    centers = [set(plan.center) for _, plan in per_call]
+    if not grown and any(c != centers[0] for c in centers):  # not traced to one norm: keep them all
+        for path in paths:
+            if path not in kept and any(by_path.get(path) is not None and by_path[path].foldable
+                                        for by_path, _ in per_call):
+                kept[path], grown = "kept: the example calls need different tensors centered", True
+    return grown
+
+
+def _fold_disagreement(path: str, per_call) -> str | None:
+    """Why ``path`` cannot fold for every call (naming the call), or None when all calls agree."""
+    entries = [by_path.get(path) for by_path, _ in per_call]
+    if not any(e is not None and e.foldable for e in entries):
+        return None
+    for j, entry in enumerate(entries):
+        if entry is None:
+            return f"kept: example call {j} does not run it (the fold is proved for calls that run it)"
+        if not entry.foldable:
+            return f"kept: not foldable in example call {j}: {entry.reason}"
+
+    def how(entry, plan):  # what folding this norm does to the weights in one call
+        centered = {c for c in plan.center if c.fqn in entry.producers}
+        return entry.producers, centered, [p for p in plan.precompute if p.norm_path == path]
+
+    first = how(entries[0], per_call[0][1])
+    for j, (entry, (_, plan)) in enumerate(zip(entries, per_call)):
+        if how(entry, plan) != first:
+            return (f"kept: folds differently in example call {j} than in call 0 (centered "
+                    f"{sorted(entry.producers)} vs {sorted(entries[0].producers)}, or precomputed in only one)")
+    return None

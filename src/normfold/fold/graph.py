@@ -22,8 +22,50 @@ def split_example_inputs(example_inputs) -> tuple[tuple, dict]:
             raise TypeError("example_inputs as a dict must map argument names (str) to values")
         return (), dict(example_inputs)
     raise TypeError(
-        "example_inputs must be a tuple of positional arguments or a dict of keyword arguments, "
-        f"got {type(example_inputs).__name__}")
+        "example_inputs must be a tuple of positional arguments or a dict of keyword arguments "
+        f"(or a list of such calls), got {type(example_inputs).__name__}")
+
+
+def example_calls(example_inputs) -> list:
+    """The example calls as given: ``[example_inputs]`` for one call (a tuple or a dict), the list
+    itself for several (each checked); TypeError / ValueError for anything else."""
+    if not isinstance(example_inputs, list):
+        split_example_inputs(example_inputs)
+        return [example_inputs]
+    if not example_inputs:
+        raise ValueError("example_inputs as a list must hold at least one call (a tuple or a dict), got []")
+    for i, call in enumerate(example_inputs):
+        if not isinstance(call, (tuple, dict)):
+            raise TypeError(f"example call {i}: each call in the list must be a tuple of positional arguments or "
+                            f"a dict of keyword arguments, got {type(call).__name__}")
+        split_example_inputs(call)
+    return list(example_inputs)
+
+
+def split_example_calls(example_inputs) -> list[tuple[tuple, dict]]:
+    """One (args, kwargs) per example call (:func:`example_calls`)."""
+    return [split_example_inputs(call) for call in example_calls(example_inputs)]
+
+
+def describe_call(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, str]:
+    """Argument name -> "tensor (2, 16) int64" or the value's repr: what a traced call was called with."""
+    import inspect
+
+    import torch.utils._pytree as pytree
+
+    try:
+        named = dict(inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):  # no signature, or one the call does not fit: plain positions
+        named = {**{f"args[{i}]": a for i, a in enumerate(args)}, **kwargs}
+    described = {}
+    for name, value in named.items():
+        for path, leaf in pytree.tree_flatten_with_path(value, is_leaf=lambda v: v is None)[0]:
+            if isinstance(leaf, torch.Tensor):
+                text = f"tensor {tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')}"
+            else:
+                text = repr(leaf) if len(repr(leaf)) <= 60 else repr(leaf)[:57] + "..."
+            described[name + pytree.keystr(path)] = text
+    return described
 
 
 @contextlib.contextmanager
@@ -48,17 +90,23 @@ class Captured:
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # FQN -> every FQN of the same tensor
 
 
-def check_model_and_inputs(model: nn.Module, example_inputs) -> tuple[tuple, dict]:
-    """TypeError, before any work, unless ``model`` is a module and the inputs a tuple or dict."""
-    args, kwargs = split_example_inputs(example_inputs)
+def check_model_and_inputs(model: nn.Module, example_inputs) -> list:
+    """TypeError, before any work, unless ``model`` is a module and the inputs a tuple, a dict or a
+    list of them; returns the calls (:func:`example_calls`)."""
+    calls = example_calls(example_inputs)
+    _require_module(model)
+    return calls
+
+
+def _require_module(model) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    return args, kwargs
 
 
 def capture(model: nn.Module, example_inputs) -> Captured:
     """``torch.export`` the model in eval mode (non-strict) and index its placeholders."""
-    args, kwargs = check_model_and_inputs(model, example_inputs)
+    args, kwargs = split_example_inputs(example_inputs)
+    _require_module(model)
     with eval_mode(model), torch.no_grad():
         try:
             ep = torch.export.export(model, args, kwargs, strict=False)

@@ -30,20 +30,26 @@ class VerifyResult:
     max_input_mean_ratio: float | None       # max |mean|/rms of the new RMSNorms' inputs (float64)
     tolerance: float = 1e-9
     num_runs: int = 0
+    tolerance_rule: str = "fixed"  # how `tolerance` was set ("fixed", or the measured rule with its numbers)
+    stored_dtype_own_error: float | None = None  # measured rule: the original's own error in the stored dtype
+    why: str | None = None         # set when the outputs could not be compared (then never ok)
 
     @property
     def ok(self) -> bool:
-        return self.max_rel_error <= self.tolerance
+        return self.why is None and self.max_rel_error <= self.tolerance
 
     def to_dict(self) -> dict:
         return {**asdict(self), "ok": self.ok}
 
     def __str__(self) -> str:
+        if self.why is not None:
+            return f"verify: FAILED over {self.num_runs} inputs: {self.why}"
         mean = "n/a" if self.max_input_mean_ratio is None else f"{self.max_input_mean_ratio:.1e}"
         own = "n/a" if self.model_dtype_max_rel_error is None else f"{self.model_dtype_max_rel_error:.1e}"
+        rule = "" if self.tolerance_rule == "fixed" else f" = {self.tolerance_rule}"
         return (f"verify: {'OK' if self.ok else 'FAILED'} over {self.num_runs} inputs; float64 max rel err "
-                f"{self.max_rel_error:.1e} (tolerance {self.tolerance:.0e}), max abs err {self.max_abs_error:.1e}; "
-                f"model dtype max rel err {own}; RMSNorm inputs max |mean|/rms {mean}")
+                f"{self.max_rel_error:.1e} (tolerance {self.tolerance:.1e}{rule}), max abs err "
+                f"{self.max_abs_error:.1e}; model dtype max rel err {own}; RMSNorm inputs max |mean|/rms {mean}")
 
 
 @dataclass
@@ -55,6 +61,16 @@ class FoldReport:
     batchnorms: list = field(default_factory=list)     # normfold.lab.BatchNormEntry per BatchNorm module
     approximate: object | None = None                  # normfold.lab.ApproximateReport when fold(approximate=True)
     fuse: object | None = None                         # normfold.fold.fuse.FuseReport when fold(fuse=True)
+    traced_calls: list[dict] = field(default_factory=list)  # per example call: argument name -> what it was
+
+    @property
+    def exactness_scope(self) -> str:
+        """What the fold is exact for: the traced call(s), and other calls that take the same path."""
+        n = len(self.traced_calls)
+        which = "the traced call" if n == 1 else f"each of the {n} traced calls"
+        return (f"exact for {which} and for calls that take the same path through the model (same arguments "
+                "given, same branches); another call (e.g. inputs_embeds instead of input_ids, or "
+                "output_hidden_states=True) may differ: pass every kind of call as a list of example inputs")
 
     @property
     def num_norms(self) -> int:
@@ -90,6 +106,8 @@ class FoldReport:
             "num_approximate": self.num_approximate,
             "approximate": None if self.approximate is None else self.approximate.to_dict(),
             "fuse": None if self.fuse is None else self.fuse.to_dict(),
+            "traced_calls": [dict(call) for call in self.traced_calls],
+            "exactness_scope": self.exactness_scope if self.traced_calls else None,
         }
 
     def __str__(self) -> str:
@@ -102,6 +120,10 @@ class FoldReport:
             lines.append("  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4])
         if self.untied:
             lines.append("untied: " + ", ".join(self.untied))
+        for i, call in enumerate(self.traced_calls):
+            lines.append(f"traced call {i}: " + ", ".join(f"{k}={v}" for k, v in call.items()))
+        if self.traced_calls:
+            lines.append(self.exactness_scope)
         for e in self.batchnorms:
             lines.append(f"BatchNorm {e.path}: {'folded' if e.folded else 'kept'} ({e.reason})")
         if self.verification is not None:

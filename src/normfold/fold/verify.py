@@ -1,58 +1,152 @@
-"""Prove a fold: run the original and the folded model on the same inputs and compare outputs."""
+"""Prove a fold: run the original and the folded model on the same inputs and compare outputs.
+
+A comparison that compared nothing, or compared outputs of different structure, is a failure
+(``VerifyResult.why``), never a pass: outputs are flattened as pytrees (tuples, lists, dicts,
+namedtuples, registered pytrees such as Hugging Face ``ModelOutput``) and plain dataclasses by
+their fields, and both sides must give the same names, shapes and kinds of values.
+"""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from .graph import eval_mode, split_example_inputs
+from .graph import eval_mode, split_example_calls
 from .report import VerifyResult
+
+# Weights stored in a low-precision dtype: the folded model's float64 error may be this many times
+# the error the original itself makes when run in that dtype on the same inputs, plus one unit
+# roundoff of the dtype. Measured (bundled GPT-2, tiny GPT-2 and BERT; fp32/fp16/bf16): a correct
+# fold is at most 0.5x the own error; a 1.1x head, a 1.5x MLP weight, a zeroed attention output
+# in a GPT-2 are 10-230x.
+OWN_ERROR_MULTIPLE = 2.0
 
 
 def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: torch.dtype = torch.float64,
-           num_random: int = 2, tolerance: float = 1e-9, seed: int = 0,
-           rms_norm_paths=None, folded_exact: nn.Module | None = None) -> VerifyResult:
-    """Compare outputs on the example inputs and ``num_random`` fresh inputs of the same shapes.
+           num_random: int = 2, tolerance: float | None = None, seed: int = 0, rms_norm_paths=None,
+           folded_exact: nn.Module | None = None, stored_dtype: torch.dtype | None = None) -> VerifyResult:
+    """Compare outputs on the example call(s) and ``num_random`` fresh inputs of the same shapes each.
 
-    Both models run as float64 copies (float inputs cast too); the relative error of each output is
-    ‖a−b‖∞ / ‖a‖∞. The same comparison runs in the model's own dtype. Forward pre-hooks measure
-    how far from zero-mean the inputs of the folded model's RMSNorms at ``rms_norm_paths`` (default:
-    every normfold RMSNorm) are, as max |mean|/rms. ``folded_exact``: the same fold built in float64
-    (``fold`` passes its plan applied to a float64 copy), used for the float64 comparison so that
-    rounding the folded weights to the model's dtype does not count against the transform.
+    ``example_inputs``: a tuple of positional arguments, a dict of keyword arguments, or a list of
+    such calls (each is compared). Both models run as float64 copies (float inputs cast too); the
+    relative error of each output is ‖a−b‖∞ / ‖a‖∞. The same comparison runs in the model's own
+    dtype (reported, not judged). Forward pre-hooks measure how far from zero-mean the inputs of
+    the folded model's RMSNorms at ``rms_norm_paths`` (default: every normfold RMSNorm) are, as max
+    |mean|/rms. ``folded_exact``: the same fold built in float64 (``fold`` passes its plan applied
+    to a float64 copy), used for the float64 comparison so that rounding the folded weights to the
+    model's dtype does not count against the transform.
+
+    ``tolerance`` (default 1e-9): the largest float64 relative error that passes. ``stored_dtype``
+    instead: the folded weights were rounded to that dtype, so the tolerance is measured
+    (:func:`measured_tolerance`) from the original's own error in that dtype on these inputs.
     """
-    args, kwargs = split_example_inputs(example_inputs)
+    calls = split_example_calls(example_inputs)
     if num_random < 0:
         raise ValueError(f"num_random must be >= 0, got {num_random}")
+    if tolerance is not None and stored_dtype is not None:
+        raise ValueError("give tolerance or stored_dtype, not both: with stored_dtype the tolerance is measured")
+    if stored_dtype is not None and (not isinstance(stored_dtype, torch.dtype) or not stored_dtype.is_floating_point):
+        raise TypeError(f"stored_dtype must be a floating torch.dtype, got {stored_dtype!r}")
     generator = torch.Generator().manual_seed(seed)
-    inputs = [(args, kwargs)] + [_random_like((args, kwargs), generator) for _ in range(num_random)]
+    inputs = [run for call in calls for run in [call] + [_random_like(call, generator) for _ in range(num_random)]]
     model_dtype = _float_dtype(original)
 
-    outputs, max_rel, max_abs, mean_ratio = [], 0.0, 0.0, 0.0
     a64, b64 = (_cast_copy(m, dtype) for m in (original, folded if folded_exact is None else folded_exact))
     hooks, ratios = _watch_rms_inputs(b64, rms_norm_paths)
     try:
-        for i, (a, k) in enumerate(inputs):
-            for name, ref, out in _compare(a64, b64, _cast(a, dtype), _cast(k, dtype)):
-                rel, abs_ = _errors(ref, out)
-                outputs.append({"input": i, "name": name, "dtype": str(dtype), "max_abs": abs_, "max_rel": rel,
-                                "argmax_agreement": _argmax_agreement(ref, out)})
-                max_rel, max_abs = max(max_rel, rel), max(max_abs, abs_)
+        outputs, why = _compare_runs(a64, b64, [_cast(run, dtype) for run in inputs], dtype)
     finally:
         for h in hooks:
             h.remove()
+    max_rel = max((o["max_rel"] for o in outputs), default=0.0)
+    max_abs = max((o["max_abs"] for o in outputs), default=0.0)
+
     own_rel = None
-    if model_dtype is not None and model_dtype != dtype:
-        own_rel = 0.0
-        for i, (a, k) in enumerate(inputs):
-            for name, ref, out in _compare(original, folded, a, k):
-                rel, abs_ = _errors(ref, out)
-                outputs.append({"input": i, "name": name, "dtype": str(model_dtype), "max_abs": abs_, "max_rel": rel,
-                                "argmax_agreement": _argmax_agreement(ref, out)})
-                own_rel = max(own_rel, rel)
+    if why is None and model_dtype is not None and model_dtype != dtype:
+        own_outputs, _ = _compare_runs(original, folded, inputs, model_dtype)
+        outputs += own_outputs
+        own_rel = max((o["max_rel"] for o in own_outputs), default=0.0)
+
+    rule, stored_own = "fixed", None
+    if stored_dtype is None:
+        tolerance = 1e-9 if tolerance is None else tolerance
+    elif why is None:
+        stored_own = own_error(original, inputs, stored_dtype, reference=a64, dtype=dtype)
+        tolerance, rule = measured_tolerance(stored_own, stored_dtype)
+    else:
+        tolerance, rule = 0.0, "not measured: the outputs could not be compared"
     return VerifyResult(outputs, max_rel, max_abs, own_rel, max(ratios) if ratios else None,
-                        tolerance=tolerance, num_runs=len(inputs))
+                        tolerance=tolerance, num_runs=len(inputs), tolerance_rule=rule,
+                        stored_dtype_own_error=stored_own, why=why)
+
+
+def measured_tolerance(own_error: float, stored_dtype: torch.dtype) -> tuple[float, str]:
+    """(tolerance, the rule in words) for a model whose weights are stored in ``stored_dtype``.
+
+    tolerance = OWN_ERROR_MULTIPLE · e_own + u, where e_own is the original's own relative error
+    when run in ``stored_dtype`` against its float64 self on the inputs compared (:func:`own_error`)
+    and u = eps/2 is the dtype's unit roundoff (one rounding is always allowed, so a model that
+    happens to compute exactly in the dtype is not held to exactness).
+    """
+    unit_roundoff = torch.finfo(stored_dtype).eps / 2
+    tolerance = OWN_ERROR_MULTIPLE * own_error + unit_roundoff
+    name = _name(stored_dtype)
+    rule = (f"{OWN_ERROR_MULTIPLE:g} x {own_error:.2e} (the original's own error in {name}: run in {name} vs "
+            f"float64 on the same inputs) + {unit_roundoff:.1e} ({name} unit roundoff)")
+    return tolerance, rule
+
+
+def own_error(model: nn.Module, inputs: list[tuple[tuple, dict]], low_dtype: torch.dtype, *,
+              reference: nn.Module | None = None, dtype: torch.dtype = torch.float64) -> float:
+    """Max relative error of ``model`` run in ``low_dtype`` (weights and float inputs cast) against
+    the same model in ``dtype`` (``reference``: that copy, if the caller has one), over ``inputs``.
+
+    Only elements finite in both runs count: where one dtype overflows, or masks with its own
+    finfo.min, there is no rounding error to measure (the judged comparison stays strict there).
+    """
+    reference = _cast_copy(model, dtype) if reference is None else reference
+    low = _cast_copy(model, low_dtype)
+    worst = 0.0
+    for run in inputs:
+        args, kwargs = _cast(run, dtype)
+        ref = _outputs(reference, args, kwargs)
+        args, kwargs = _cast(run, low_dtype)
+        out = _outputs(low, args, kwargs)
+        pairs, why = _pair(ref, out)
+        if why is not None:
+            raise ValueError(f"the model returns different outputs in {_name(low_dtype)} and {_name(dtype)}: {why}")
+        worst = max([worst] + [_errors(r, o, where_finite=True)[0] for _, r, o, _ in pairs])
+    return worst
+
+
+def flatten_outputs(value, prefix: str = "out") -> list[tuple[str, object]]:
+    """(name, leaf) pairs of a nested output, leaves being tensors or other values (None, numbers).
+
+    Pytrees (tuples, lists, dicts, namedtuples, registered classes such as Hugging Face
+    ``ModelOutput``) flatten with ``torch.utils._pytree``; plain dataclasses, which are not
+    pytrees, flatten by their fields.
+    """
+    leaves, _ = pytree.tree_flatten_with_path(value, is_leaf=_is_plain_dataclass)
+    pairs = []
+    for path, leaf in leaves:
+        name = prefix + pytree.keystr(path)
+        if _is_plain_dataclass(leaf):
+            for f in dataclasses.fields(leaf):
+                pairs.extend(flatten_outputs(getattr(leaf, f.name), f"{name}.{f.name}"))
+        else:
+            pairs.append((name, leaf))
+    return pairs
+
+
+def _is_plain_dataclass(value) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type) and type(value) not in pytree.SUPPORTED_NODES
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype | None:
@@ -67,63 +161,101 @@ def _cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 
 def _cast(value, dtype):
-    if isinstance(value, Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast(v, dtype) for v in value)
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
+    """``value`` with every floating tensor cast to ``dtype`` (containers rebuilt as pytrees)."""
+    return pytree.tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
 def _random_like(value, generator):
-    """Fresh values of the same shapes: normal floats, ints in [0, max+1), bools and others copied."""
-    if isinstance(value, Tensor):
-        if value.is_floating_point():
-            return torch.randn(value.shape, generator=generator, dtype=torch.float64).to(value.dtype)
-        if value.dtype != torch.bool and not value.is_complex() and value.numel():
-            high = int(value.max()) + 1
-            low = min(int(value.min()), 0)
-            return torch.randint(low, max(high, low + 1), value.shape, generator=generator, dtype=value.dtype)
-        return value.clone()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_random_like(v, generator) for v in value)
-    if isinstance(value, dict):
-        return {k: _random_like(v, generator) for k, v in value.items()}
-    return value
+    """Fresh values of the same shapes: normal floats, ints in [min(0, lo), hi+1), bools and others copied."""
+    def fresh(t: Tensor) -> Tensor:
+        if t.is_floating_point():
+            return torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.dtype)
+        if t.dtype != torch.bool and not t.is_complex() and t.numel():
+            high, low = int(t.max()) + 1, min(int(t.min()), 0)
+            return torch.randint(low, max(high, low + 1), t.shape, generator=generator, dtype=t.dtype)
+        return t.clone()
+
+    return pytree.tree_map_only(Tensor, fresh, value)
 
 
-def _flatten(value, prefix="out"):
-    """(name, tensor) pairs of a nested output: tuples, lists, dicts, Hugging Face ModelOutput."""
-    if isinstance(value, Tensor):
-        yield prefix, value
-    elif hasattr(value, "items"):
-        for k, v in value.items():
-            yield from _flatten(v, f"{prefix}.{k}")
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _flatten(v, f"{prefix}[{i}]")
+def _outputs(model: nn.Module, args, kwargs) -> list[tuple[str, object]]:
+    with eval_mode(model), torch.no_grad():
+        return flatten_outputs(model(*args, **kwargs))
 
 
-def _compare(a_model, b_model, args, kwargs):
-    with eval_mode(a_model), eval_mode(b_model), torch.no_grad():
-        ref = dict(_flatten(a_model(*args, **kwargs)))
-        out = dict(_flatten(b_model(*args, **kwargs)))
-    if ref.keys() != out.keys():
-        raise ValueError(f"the models return different outputs: {sorted(ref)} vs {sorted(out)}")
-    return [(name, ref[name], out[name]) for name in ref]
+def _compare_runs(a_model, b_model, runs, dtype) -> tuple[list[dict], str | None]:
+    """Per-output error rows over ``runs``, and why the comparison is void (None when it is not)."""
+    rows, compared = [], 0
+    for i, (args, kwargs) in enumerate(runs):
+        pairs, why = _pair(_outputs(a_model, args, kwargs), _outputs(b_model, args, kwargs))
+        if why is not None:
+            return rows, f"input {i}: {why}"
+        for name, ref, out, is_tensor in pairs:
+            rel, abs_ = _errors(ref, out)
+            rows.append({"input": i, "name": name, "dtype": _name(dtype), "max_abs": abs_, "max_rel": rel,
+                         "argmax_agreement": _argmax_agreement(ref, out)})
+            if is_tensor:  # NaN matching NaN proves nothing: only finite (or integer) elements count
+                compared += int(torch.isfinite(ref).sum()) if ref.is_floating_point() else ref.numel()
+    if not compared:
+        names = sorted({r["name"] for r in rows}) or "none"
+        return rows, (f"compared nothing: the outputs hold no finite tensor elements (tensor outputs: {names}); "
+                      "a check that compared nothing cannot pass")
+    return rows, None
 
 
-def _errors(ref: Tensor, out: Tensor) -> tuple[float, float]:
-    if ref.shape != out.shape:
-        return float("inf"), float("inf")
+def _pair(ref: list[tuple[str, object]], out: list[tuple[str, object]]):
+    """([(name, ref tensor, out tensor, was a tensor)], None), or (_, why) when the outputs differ in
+    structure. Numbers compare as tensors (but alone do not make a comparison count); None and
+    strings must be equal; other objects only match in type.
+    """
+    ref_names, out_names = [n for n, _ in ref], [n for n, _ in out]
+    if ref_names != out_names:
+        return [], f"the models return different outputs: original {_short(ref_names)}, folded {_short(out_names)}"
+    pairs = []
+    for (name, a), (_, b) in zip(ref, out):
+        was_tensor = isinstance(a, Tensor)
+        a, b = _as_tensor_if_number(a), _as_tensor_if_number(b)
+        a_tensor, b_tensor = isinstance(a, Tensor), isinstance(b, Tensor)
+        if a_tensor != b_tensor or (not a_tensor and type(a) is not type(b)):
+            return [], f"{name} is a {type(a).__name__} in the original but a {type(b).__name__} in the folded model"
+        if not a_tensor:
+            if (a is None or isinstance(a, str)) and a != b:
+                return [], f"{name} differs: {a!r} vs {b!r}"
+            continue
+        if a.shape != b.shape:
+            return [], f"{name} has shape {tuple(a.shape)} in the original but {tuple(b.shape)} in the folded model"
+        if _kind(a) != _kind(b):
+            return [], f"{name} is {_kind(a)} ({a.dtype}) in the original but {_kind(b)} ({b.dtype}) in the folded model"
+        pairs.append((name, a, b, was_tensor))
+    return pairs, None
+
+
+def _as_tensor_if_number(value):
+    return torch.tensor(value) if isinstance(value, (bool, int, float)) else value
+
+
+def _kind(t: Tensor) -> str:
+    return ("bool" if t.dtype == torch.bool else "complex" if t.is_complex() else
+            "floating" if t.is_floating_point() else "integer")
+
+
+def _short(names: list[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+    return f"[{shown}]"
+
+
+def _errors(ref: Tensor, out: Tensor, *, where_finite: bool = False) -> tuple[float, float]:
+    """(max relative, max absolute) error; inf when inf/nan sit in different places, unless
+    ``where_finite``: then only elements finite in both count."""
     if not ref.is_floating_point():
         bad = float((ref != out).any())
         return bad, bad
     ref, out = ref.double(), out.double()
     finite = torch.isfinite(ref)
-    if not torch.equal(finite, torch.isfinite(out)) or not torch.equal(ref[~finite].nan_to_num(), out[~finite].nan_to_num()):
-        return float("inf"), float("inf")  # inf/nan in different places
+    if where_finite:
+        finite &= torch.isfinite(out)
+    elif not torch.equal(finite, torch.isfinite(out)) or not torch.equal(ref[~finite].nan_to_num(), out[~finite].nan_to_num()):
+        return float("inf"), float("inf")
     if not finite.any():
         return 0.0, 0.0
     diff = (ref[finite] - out[finite]).abs().max().item()
@@ -132,7 +264,7 @@ def _errors(ref: Tensor, out: Tensor) -> tuple[float, float]:
 
 
 def _argmax_agreement(ref: Tensor, out: Tensor) -> float | None:
-    if ref.dim() < 2 or not ref.is_floating_point() or ref.shape != out.shape or not ref.numel():
+    if ref.dim() < 2 or not ref.is_floating_point() or not ref.numel():
         return None
     return (ref.argmax(-1) == out.argmax(-1)).double().mean().item()
 
