@@ -27,6 +27,15 @@ or in the forward of the module before it (the add ending block *i* feeds ``ln_1
    exact. An inline call becomes ``_norm_of_sum(self.<norm>, A, B)``. Across forwards: the add
    computes the other module's norm too and leaves what it keeps in a ``_Handoff``, which that
    module's norm call checks the same way.
+4. **Exact wherever it runs**: torch.compile and inference tensors have no version counter to check.
+   So a pair inside one forward is fused only when the forward's code proves the sum unmodified
+   between the add and the norm (``mutation.py``: no in-place op, augmented or item assignment on
+   it or an alias or view, no call it is passed to); otherwise that norm is skipped with the reason.
+   A handoff is checked by the version counter alone: while compiling or in inference mode the add
+   runs plain and the receiving norm runs as usual (the unfused model's computation).
+
+Source is read from disk; a forward or helper whose file no longer compiles to the code that runs
+(edited since import) is not rewritten (``inline.running_definition``).
 
 The result is checked with ``normfold.verify`` in float64 (≤ 1e-9) before it is returned. The
 generated forward is an instance attribute: ``torch.compile`` traces it, ``state_dict`` and
@@ -39,7 +48,6 @@ from __future__ import annotations
 import ast
 import copy
 import inspect
-import textwrap
 import types
 from dataclasses import asdict, dataclass, field
 
@@ -50,7 +58,8 @@ from .. import ops
 from ..nn import RMSNorm
 from .errors import FoldVerificationError
 from .graph import eval_mode, split_example_inputs
-from .inline import inline_helper_calls, is_docstring
+from .inline import SOURCE_CHANGED, inline_helper_calls, is_docstring, running_definition
+from .mutation import early_output_risk
 
 _FLOAT64_TOLERANCE = 1e-9
 _CHECKPOINT_WRAPPER = "forward_with_checkpointing"  # transformers' GradientCheckpointingLayer wrapper
@@ -122,12 +131,15 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
             continue
         rewrites[parent_path] = rewrite
     # modules that hold no norm may end with the add a norm elsewhere takes (ViT's ViTOutput)
-    norm_set = set(norms)
+    norm_set, unread = set(norms), []   # unread: code left alone because its source changed on disk
     for path, module in fused.named_modules():
         if path not in by_parent and path not in norm_set and inspect.isfunction(type(module).forward):
-            rewrite, _ = _Rewrite.parse(module, [])
+            rewrite, reason = _Rewrite.parse(module, [])
             if rewrite is not None and rewrite.adds:
                 rewrites[path] = rewrite
+            elif SOURCE_CHANGED in reason:
+                unread.append(reason)
+    unread += [why for rewrite in rewrites.values() for why in rewrite.helpers_refused.values()]
     for parent_path, rewrite in rewrites.items():
         parent = fused.get_submodule(parent_path)
         parent.forward = types.MethodType(rewrite.probe_function(probe, parent_path), parent)
@@ -141,7 +153,11 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
     plans = {path: _FusePlan() for path in rewrites}
     for (add_parent, i), (call_parent, j) in probe.observed_pairs():
         if add_parent == call_parent:
-            plans[add_parent].local.append((i, j))
+            risk = rewrites[add_parent].early_output_risk(i, j)
+            if risk:
+                rewrites[add_parent].refused[rewrites[add_parent].calls[j].norm] = risk
+            else:
+                plans[add_parent].local.append((i, j))
         else:  # the add ends one module's forward, the norm starts another's (GPT-2: block i -> block i+1)
             handoff, norm_name = _Handoff(), rewrites[call_parent].calls[j].norm
             plans[add_parent].outgoing[i] = (handoff, fused.get_submodule(call_parent).get_submodule(norm_name))
@@ -154,7 +170,7 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
                        | {rewrite.calls[j].norm for j in plan.incoming})
         for name in by_parent.get(parent_path, []):
             if name not in fused_norms:
-                report.skipped[_join(parent_path, name)] = rewrite.why_not(name)
+                report.skipped[_join(parent_path, name)] = rewrite.why_not(name, sorted(set(unread)))
         if plan.local or plan.outgoing or plan.incoming or rewrite.inline:
             parent.forward = types.MethodType(rewrite.fused_function(parent, plan), parent)
         report.fused += [FusedPair(parent_path, _join(parent_path, rewrite.calls[j].norm), rewrite.adds[i].source)
@@ -197,11 +213,21 @@ def _pending(h, y):
     """What a fused add leaves for its norm call: ``(h, y, h's version)``, or None when it did not fuse.
 
     The version counter (shared by every view of ``h``) tells whether ``h`` was modified in place
-    since; torch.compile cannot guard on it, so compiled code relies on the identity tests alone.
+    since. It is None where it cannot be read: while torch.compile traces (Dynamo cannot guard on
+    it) and for inference tensors (they have none). A pair inside one forward is fused only when
+    the forward's code proves ``h`` unmodified (``mutation.py``), so there the identity test is
+    enough; a handoff across forwards needs the version (``_Handoff``).
     """
     if y is None:
         return None
-    return h, y, None if torch.compiler.is_compiling() else h._version
+    return h, y, _version_of(h)
+
+
+def _version_of(h: Tensor) -> int | None:
+    """``h._version``, or None while compiling or for an inference tensor (no version counter)."""
+    if torch.compiler.is_compiling() or h.is_inference():
+        return None
+    return h._version
 
 
 def _norm_from(pending, norm: nn.Module, x):
@@ -235,9 +261,12 @@ def _same_rows(x, h) -> bool:
 class _Handoff:
     """A norm's output computed early, by the fused add at the end of another module's forward.
 
-    The add's module ``put``s ``(h, norm(h))``; the norm's module calls ``norm(module, x)``, which
-    returns the early output only when ``x`` is that ``h`` (or a view of its rows), unmodified, so
-    any other path, and a model reused after an exception, stays exact; otherwise it runs the norm.
+    The add's module calls ``add(norm, a, b)``; the norm's module calls ``norm(module, x)``, which
+    returns the early output only when ``x`` is that sum (or a view of its rows) and its version
+    counter shows it unmodified since: the caller's code between the two forwards is not analysed,
+    so the version is the proof. Where there is none (torch.compile, inference mode) the add runs
+    alone and the norm runs as usual, which is exactly the unfused model; any other path, and a
+    model reused after an exception, stays exact too.
     """
 
     __slots__ = ("pending",)
@@ -245,11 +274,20 @@ class _Handoff:
     def __init__(self) -> None:
         self.pending = None
 
-    def put(self, h, y) -> None:
-        self.pending = _pending(h, y)
+    def add(self, norm: nn.Module, a, b):
+        """``a + b``, with ``norm(a + b)`` kept for the receiving call when it can be checked there."""
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled():
+            self.pending = None
+            return a + b
+        y, h = _add_norm(norm, a, b)
+        pending = _pending(h, y)
+        self.pending = pending if pending is not None and pending[2] is not None else None
+        return h
 
     def norm(self, module: nn.Module, x):
         pending, self.pending = self.pending, None
+        if torch.compiler.is_compiling():  # an early output left by eager code cannot be checked here
+            return module(x)
         return _norm_from(pending, module, x)
 
 
@@ -321,6 +359,9 @@ class _Rewrite:
         self.function, self.tree, self.adds, self.calls, self.self_name = function, tree, adds, calls, self_name
         self.inline = inline
         self.wrappers: list = []  # decorators around the forward, outermost first
+        self.norm_names: frozenset[str] = frozenset()   # the candidate norms among self's children
+        self.refused: dict[str, str] = {}               # norm -> why its observed pair was not fused
+        self.helpers_refused: dict[str, str] = {}       # helper -> why it was not inlined (source mismatch)
 
     @classmethod
     def parse(cls, parent: nn.Module, norm_names: list[str]) -> tuple["_Rewrite | None", str]:
@@ -337,16 +378,15 @@ class _Rewrite:
         if function.__code__.co_freevars:
             return None, (f"its parent's forward ({function.__qualname__}) uses closure variables "
                           f"{list(function.__code__.co_freevars)} (e.g. super())")
-        try:
-            source = textwrap.dedent(inspect.getsource(function))
-        except (OSError, TypeError):
-            return None, f"the source of {function.__qualname__} is not available"
-        tree = ast.parse(source).body[0]
-        if not isinstance(tree, ast.FunctionDef) or not tree.args.args:
+        tree, mismatch = running_definition(function)
+        if tree is None:
+            return None, mismatch
+        if not tree.args.args:
             return None, f"{function.__qualname__} is not a plain method"
         tree.decorator_list = []
         self_name = tree.args.args[0].arg
-        from_helpers = inline_helper_calls(tree, function.__globals__, _add_in)  # BLOOM's dropout_add(...)
+        helpers_refused: dict[str, str] = {}
+        from_helpers = inline_helper_calls(tree, function.__globals__, _add_in, helpers_refused)  # BLOOM's dropout_add
         adds, calls, inline = [], [], []
         for node in _walk_body(tree):
             if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
@@ -363,14 +403,24 @@ class _Rewrite:
             return None, (f"{function.__qualname__} has no `name = a + b` (or `(a + b).view(...)`) statement and "
                           "never calls the norm as self.<norm>(name) or self.<norm>(a + b)")
         rewrite = cls(function, tree, adds, calls, inline, self_name)
-        rewrite.wrappers = wrappers
+        rewrite.wrappers, rewrite.norm_names = wrappers, frozenset(norm_names)
+        rewrite.helpers_refused = helpers_refused
         return rewrite, ""
 
-    def why_not(self, norm: str) -> str:
+    def early_output_risk(self, add_index: int, call_index: int) -> str:
+        """Why the pair's early output may be stale at the call ('' when the code proves it never is)."""
+        return early_output_risk(self.tree, self.adds[add_index].node, self.calls[call_index].node,
+                                 self.self_name, self.norm_names)
+
+    def why_not(self, norm: str, unread: list[str]) -> str:
+        """Why ``norm`` was not fused; ``unread``: code not rewritten because its source changed on disk."""
+        if norm in self.refused:
+            return self.refused[norm]
         if not any(c.norm == norm for c in self.calls):
             return f"{self.function.__qualname__} never calls it as self.{norm}(name) or self.{norm}(a + b)"
         return ("no `name = a + b` result reaches it unchanged on the example inputs (its input is scaled or "
-                "copied after the add, or added by a function that cannot be inlined)")
+                "copied after the add, or added by a function that cannot be inlined)"
+                + "".join(f"; not rewritten: {why}" for why in unread))
 
     # the two generated functions -------------------------------------------------------------
     def probe_function(self, probe: _Probe, key: str):
@@ -430,19 +480,20 @@ class _Rewrite:
                 self.generic_visit(node)
                 if i is None and original not in outgoing:
                     return node
+                name, add = node.targets[0].id, _add_in(node.value)
+                operands = f"({ast.unparse(add.left)}), ({ast.unparse(add.right)})"
+                sum_name = name if add is node.value else f"_nf_s{i if i is not None else outgoing[original][1]}"
                 if i is None:  # handed on to a norm in another module's forward
                     k, i = outgoing[original]
-                    norm, keep = f"{self_name}._nf_targets[{k}]", f"{self_name}._nf_handoffs[{k}].put"
+                    code = f"{sum_name} = {self_name}._nf_handoffs[{k}].add({self_name}._nf_targets[{k}], {operands})"
+                    keep = ""
                 else:
-                    norm, keep = f"{self_name}.{call_norm[i]}", f"_nf_p{i} = _nf_pending"
-                name, add = node.targets[0].id, _add_in(node.value)
-                fused = f"_nf_add_norm({norm}, ({ast.unparse(add.left)}), ({ast.unparse(add.right)}))"
-                if add is node.value:
-                    code = f"_nf_y{i}, {name} = {fused}"
-                else:  # NAME = (A + B).view(...): the view is taken of the fused op's sum
-                    node.value.func.value = ast.Name(f"_nf_s{i}", ast.Load())
-                    code = f"_nf_y{i}, _nf_s{i} = {fused}\n{name} = {ast.unparse(node.value)}"
-                return ast.parse(f"{code}\n{keep}({name}, _nf_y{i})").body
+                    code = f"_nf_y{i}, {sum_name} = _nf_add_norm({self_name}.{call_norm[i]}, {operands})"
+                    keep = f"\n_nf_p{i} = _nf_pending({name}, _nf_y{i})"
+                if add is not node.value:  # NAME = (A + B).view(...): the view is taken of the sum
+                    node.value.func.value = ast.Name(sum_name, ast.Load())
+                    code += f"\n{name} = {ast.unparse(node.value)}"
+                return ast.parse(code + keep).body
 
             def visit_Call(self, node):
                 original = mapping.get(id(node), -1)

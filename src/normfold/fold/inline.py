@@ -18,23 +18,25 @@ one ``return``. Its global names must not be locals of the caller. Anything else
 """
 from __future__ import annotations
 
+import __future__
 import ast
 import copy
-import inspect
-import textwrap
+import linecache
 import types
 from typing import Callable
 
 _PREFIX = "_nf_in"
 
 
-def inline_helper_calls(tree: ast.FunctionDef, module_globals: dict, wanted: Callable[[ast.expr], object]
-                        ) -> dict[int, str]:
+def inline_helper_calls(tree: ast.FunctionDef, module_globals: dict, wanted: Callable[[ast.expr], object],
+                        refused: dict[str, str] | None = None) -> dict[int, str]:
     """Replace, in place, each ``NAME = helper(...)`` statement of ``tree`` that may be inlined.
 
     Only helpers with an assignment whose value ``wanted`` accepts (returns something not None:
     the caller's own test for an add site) are inlined. Returns ``{id(assignment): description}``
     for those assignments (the description names the call and the helper's own line, for reports).
+    ``refused`` (if given) receives ``{helper name: why}`` for helpers left as calls because their
+    source on disk is not the code that runs.
     """
     caller_locals = _local_names(tree)
     described: dict[int, str] = {}
@@ -49,7 +51,8 @@ def inline_helper_calls(tree: ast.FunctionDef, module_globals: dict, wanted: Cal
                     setattr(stmt, name, rewrite(getattr(stmt, name)))
             for handler in getattr(stmt, "handlers", []):
                 handler.body = rewrite(handler.body)
-            inlined = _inline(stmt, module_globals, wanted, caller_locals, f"{_PREFIX}{counter[0]}_", described)
+            inlined = _inline(stmt, module_globals, wanted, caller_locals, f"{_PREFIX}{counter[0]}_", described,
+                              {} if refused is None else refused)
             if inlined is None:
                 out.append(stmt)
             else:
@@ -62,14 +65,16 @@ def inline_helper_calls(tree: ast.FunctionDef, module_globals: dict, wanted: Cal
 
 
 def _inline(stmt: ast.stmt, module_globals: dict, wanted, caller_locals: set[str], prefix: str,
-            described: dict[int, str]) -> list[ast.stmt] | None:
+            described: dict[int, str], refused: dict[str, str]) -> list[ast.stmt] | None:
     """The statements replacing ``stmt`` (``NAME = helper(...)``), or None when it is not inlined."""
     if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)
             and isinstance(stmt.value, ast.Call) and isinstance(stmt.value.func, ast.Name)):
         return None
     call = stmt.value
     inlinable = _inlinable(module_globals.get(call.func.id), module_globals, wanted)
-    if inlinable is None or call.func.id in caller_locals:
+    if isinstance(inlinable, str):
+        refused[call.func.id] = inlinable
+    if not isinstance(inlinable, tuple) or call.func.id in caller_locals:
         return None
     params, body = inlinable
     bound = _bind(call, params)
@@ -93,17 +98,17 @@ def _inline(stmt: ast.stmt, module_globals: dict, wanted, caller_locals: set[str
     return [ast.copy_location(s, stmt) for s in out]
 
 
-def _inlinable(helper, module_globals: dict, wanted) -> tuple[list[str], list[ast.stmt]] | None:
-    """``(parameter names, body without docstring)`` of ``helper`` when it may be inlined (module docstring)."""
+def _inlinable(helper, module_globals: dict, wanted) -> tuple[list[str], list[ast.stmt]] | str | None:
+    """``(parameter names, body without docstring)`` of ``helper`` when it may be inlined (module docstring);
+    why not when its source is not the running code, None for the other helpers left alone."""
     if not isinstance(helper, types.FunctionType) or helper.__globals__ is not module_globals:
         return None
     if helper.__code__.co_freevars or hasattr(helper, "__wrapped__"):
         return None
-    try:
-        definition = ast.parse(textwrap.dedent(inspect.getsource(helper))).body[0]
-    except (OSError, TypeError, SyntaxError):
-        return None
-    if not isinstance(definition, ast.FunctionDef) or definition.decorator_list:
+    definition, mismatch = running_definition(helper)
+    if definition is None:
+        return mismatch
+    if definition.decorator_list:
         return None
     args = definition.args
     if args.posonlyargs or args.vararg or args.kwonlyargs or args.kwarg:
@@ -151,6 +156,85 @@ def _local_names(tree: ast.FunctionDef) -> set[str]:
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
     return names
+
+
+SOURCE_CHANGED = "does not compile to the code that runs (the file changed since it was imported?)"
+_FUTURE_FLAGS = 0
+for _feature in __future__.all_feature_names:
+    _FUTURE_FLAGS |= getattr(__future__, _feature).compiler_flag
+
+
+def running_definition(function: types.FunctionType) -> tuple[ast.FunctionDef | None, str]:
+    """``(definition, '')`` when ``function``'s source file compiles to the code that runs, else ``(None, why)``.
+
+    Source is read from disk (as ``inspect.getsource`` does); if the file changed since the module
+    was imported, rewriting that text would put code into the model that never ran in this process.
+    So the whole file is parsed and compiled as the module was (its ``from __future__`` flags; the
+    whole file, because how a call compiles depends on the module's imports), the function found in
+    both by its qualified name, and its code object compared with ``function.__code__``
+    (bytecode, constants, names, flags; not line numbers). The definition returned is the tree that
+    was compared.
+    """
+    name, code = function.__qualname__, function.__code__
+    linecache.checkcache(code.co_filename)
+    text = "".join(linecache.getlines(code.co_filename, function.__globals__))
+    path = [part for part in name.split(".") if part != "<locals>"]
+    try:
+        module = ast.parse(text)
+        compiled = compile(module, code.co_filename, "exec", flags=code.co_flags & _FUTURE_FLAGS, dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return None, f"the source of {name} is not available"
+    definition, found = _definition_at(module, path), _code_at(compiled, path)
+    if not text or definition is None or found is None:
+        return None, f"the source of {name} is not available"
+    if not same_code(found, code):
+        return None, f"the source of {name} in {code.co_filename} {SOURCE_CHANGED}"
+    return definition, ""
+
+
+def _definition_at(node: ast.AST, path: list[str]) -> ast.FunctionDef | None:
+    """The one ``def`` reached by following ``path`` (class and function names) down from ``node``."""
+    for i, part in enumerate(path):
+        matches = [n for n in _own_definitions(node) if n.name == part]
+        if len(matches) != 1:
+            return None
+        node = matches[0]
+    return node if isinstance(node, ast.FunctionDef) else None
+
+
+def _own_definitions(node: ast.AST):
+    """Functions and classes defined in ``node``'s own scope (inside ifs, loops, with: not nested defs)."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield child
+        elif isinstance(child, ast.stmt) or isinstance(child, ast.excepthandler):
+            yield from _own_definitions(child)
+
+
+def _code_at(code: types.CodeType, path: list[str]) -> types.CodeType | None:
+    """The one code object reached by following ``path`` through nested code constants."""
+    for part in path:
+        matches = [c for c in code.co_consts if isinstance(c, types.CodeType) and c.co_name == part]
+        if len(matches) != 1:
+            return None
+        code = matches[0]
+    return code
+
+
+def same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    """True when two code objects run the same: bytecode, constants (nested code compared the same way),
+    names, local names, free and cell variables, flags. Line numbers and file names are not compared."""
+    if (a.co_code != b.co_code or a.co_names != b.co_names or a.co_varnames != b.co_varnames
+            or a.co_freevars != b.co_freevars or a.co_cellvars != b.co_cellvars or a.co_flags != b.co_flags
+            or len(a.co_consts) != len(b.co_consts)):
+        return False
+    for x, y in zip(a.co_consts, b.co_consts):
+        if isinstance(x, types.CodeType) or isinstance(y, types.CodeType):
+            if not (isinstance(x, types.CodeType) and isinstance(y, types.CodeType) and same_code(x, y)):
+                return False
+        elif type(x) is not type(y) or repr(x) != repr(y):  # 1 == 1.0, -0.0 == 0.0, nan != nan: not by ==
+            return False
+    return True
 
 
 def is_docstring(stmt: ast.stmt) -> bool:
