@@ -247,3 +247,13 @@ def test_a_fold_killed_at_random_points_leaves_the_old_or_a_verified_new_output(
         assert killed >= trials - 3, f"only {killed} of {trials} trials were killed mid-run"
     finally:
         server.close()
+
+
+def test_without_an_atomic_exchange_the_old_output_is_still_replaced_and_nothing_is_left(tmp_path, monkeypatch):
+    monkeypatch.setattr(io, "_exchange", lambda a, b: False)  # a system without renameat2(RENAME_EXCHANGE)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / REPORT_JSON).write_text("{}")
+    with atomic_output_dir(out, overwrite=True) as tmp:
+        (tmp / "new").write_text("x")
+    assert sorted(p.name for p in out.iterdir()) == ["new"] and [p.name for p in tmp_path.iterdir()] == ["out"]

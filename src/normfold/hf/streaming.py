@@ -8,9 +8,15 @@
    rewritten with the pure functions of ``normfold.fold.math`` and streamed into new shards by a
    writer that needs only one tensor in memory. Tensors that a step ties together (a weight and
    its bias, an untied copy and its source) are processed as one group; the norms' γ/β, which
-   affine folding needs across shards, are read first.
+   affine folding needs across shards, are read first. All of it goes into a locked temporary
+   sibling of the output folder.
+3. Verify, piece by piece in float64 (:func:`verify_by_blocks`): every block of the stacks the
+   fold touched, the model cut to one block per stack (embeddings, final norm, head), and every
+   other tensor as a copy.
+4. Publish: only a verified folder replaces the output, in one atomic exchange.
 
-Peak memory: the largest group in float32 plus the γ/β of all norms.
+Peak memory: the largest group in float32 plus the γ/β of all norms while rewriting; while
+verifying, the model without all but one block per stack in float64, then one block at a time.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ import torch
 from torch import nn
 
 from ._deps import require
-from .io import (REPORT_JSON, CheckpointError, atomic_output_dir, check_model_dir, copy_side_files,
+from .io import (REPORT_JSON, CheckpointError, _first_line, atomic_output_dir, check_model_dir, copy_side_files,
                  example_inputs_for, load_config, model_class_for, stock_compatible_plan, stock_parameter_shapes,
                  swap_in_rmsnorm)
 
@@ -694,16 +700,21 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
         shell = check_shell(orig_dir, folded_dir, swapped, list(stacks), trust_remote_code=trust_remote_code)
     except Exception as err:  # a model that cannot run cut short: not proved, so not ok
         shell = {"block": "shell", "max_rel_error": float("nan"), "keys": [],
-                 "problems": [f"could not run the model cut to one block per stack: {str(err).splitlines()[0]}"]}
+                 "problems": [f"could not run the model cut to one block per stack: {_first_line(err)}"]}
     folded = Checkpoint(folded_dir)
     checks, covered = [], set(shell["keys"])
+    problems = list(shell["problems"])
     for path in [f"{stack}.{i}" for stack, n in stacks.items() for i in range(n)]:
         step(f"checking {path} in float64")
-        checks.append(check_block(orig_dir, folded_dir, path, swapped=swapped, trust_remote_code=trust_remote_code))
+        try:
+            checks.append(check_block(orig_dir, folded_dir, path, swapped=swapped, trust_remote_code=trust_remote_code))
+        except Exception as err:  # e.g. a block that cannot run alone: not proved, so not ok
+            problems.append(f"could not check {path}: {_first_line(err)}")
+            continue
         covered.update(k for k in folded.meta if k.startswith(path + "."))
     step("comparing the tensors the fold does not change")
-    copied, problems = _check_copies(Checkpoint(orig_dir), folded, covered)
-    problems = shell["problems"] + problems
+    copied, copy_problems = _check_copies(Checkpoint(orig_dir), folded, covered)
+    problems += copy_problems
     stored = dtype or _stored_dtype(folded_dir)
     tolerance = SAVED_TOLERANCE.get(stored, SAVED_TOLERANCE["float32"])
     errors = [c["max_rel_error"] for c in [shell, *checks]]
