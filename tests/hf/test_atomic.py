@@ -257,3 +257,13 @@ def test_without_an_atomic_exchange_the_old_output_is_still_replaced_and_nothing
     with atomic_output_dir(out, overwrite=True) as tmp:
         (tmp / "new").write_text("x")
     assert sorted(p.name for p in out.iterdir()) == ["new"] and [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_an_output_next_to_which_nothing_can_be_written_is_a_checkpoint_error(tmp_path, monkeypatch):
+    def read_only_parent(**kwargs):
+        raise PermissionError(13, "Permission denied", kwargs.get("dir"))
+
+    monkeypatch.setattr(io.tempfile, "mkdtemp", read_only_parent)  # root ignores chmod: simulate the refusal
+    with pytest.raises(CheckpointError, match="cannot write a folder next to .*Permission denied"):
+        with atomic_output_dir(tmp_path / "out"):
+            pass

@@ -300,9 +300,12 @@ def atomic_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
     removed by the next run. The output folder gets the umask's permissions, like ``mkdir``.
     """
     out = check_output_dir(out_dir, overwrite=overwrite, protect=protect)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out)
-    tmp, lock = _locked_temporary(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out)
+        tmp, lock = _locked_temporary(out)
+    except OSError as err:  # e.g. a read-only parent: a user error, said before any work
+        raise CheckpointError(f"cannot write a folder next to {out}: {_first_line(err)}") from err
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         try:
