@@ -400,6 +400,28 @@ def test_out_may_share_memory_only_as_exactly_x_or_the_residual(case, is_rms, sh
     assert all(t.equal(t0) for t, t0 in zip(inputs, before) if t is not out)
 
 
+def test_out_overlap_is_refused_inside_a_compiled_graph_too():
+    """Inductor re-inplaces the out= op onto the caller's view: the overlap check lives in the op's
+    implementation, so the compiled call raises instead of writing garbage; out=x stays exact."""
+    torch._dynamo.reset()
+    w = 1 + 0.3 * torch.randn(64)
+
+    def shifted(x, w):
+        rms_norm(x[:-1], w, out=x[1:])
+        return x
+
+    def in_place(x, w):
+        rms_norm(x, w, out=x)
+        return x
+
+    with pytest.raises(ValueError, match="out must not share memory with x"):
+        torch.compile(shifted, fullgraph=True)(torch.randn(9, 64), w)
+    x = torch.randn(9, 64)
+    want = rms_norm_ref(x.double(), w.double())
+    torch.testing.assert_close(torch.compile(in_place, fullgraph=True)(x.clone(), w).double(), want,
+                               rtol=0, atol=1e-5 * want.abs().max().item())
+
+
 # ---------------------------------------------------------------- bad input
 class _RecordOps(TorchDispatchMode):
     def __init__(self):
