@@ -284,8 +284,9 @@ class _Eval:
                 self.consume(element.value if isinstance(element, ast.Starred) else element)
             return self.escaped
         if isinstance(e, ast.Dict):
-            for part in [*e.keys, *e.values]:
-                self.consume(part)
+            for key, value in zip(e.keys, e.values):  # evaluated pair by pair
+                self.consume(key)
+                self.consume(value)
             return self.escaped
         if isinstance(e, (ast.JoinedStr, ast.FormattedValue)):
             for child in ast.iter_child_nodes(e):
