@@ -83,18 +83,18 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
                         stored_dtype_own_error=stored_own, why=why)
 
 
-def measured_tolerance(own_error: float, stored_dtype: torch.dtype) -> tuple[float, str]:
+def measured_tolerance(own: float, stored_dtype: torch.dtype) -> tuple[float, str]:
     """(tolerance, the rule in words) for a model whose weights are stored in ``stored_dtype``.
 
-    tolerance = OWN_ERROR_MULTIPLE · e_own + u, where e_own is the original's own relative error
+    tolerance = OWN_ERROR_MULTIPLE · own + u, where ``own`` is the original's own relative error
     when run in ``stored_dtype`` against its float64 self on the inputs compared (:func:`own_error`)
     and u = eps/2 is the dtype's unit roundoff (one rounding is always allowed, so a model that
     happens to compute exactly in the dtype is not held to exactness).
     """
     unit_roundoff = torch.finfo(stored_dtype).eps / 2
-    tolerance = OWN_ERROR_MULTIPLE * own_error + unit_roundoff
+    tolerance = OWN_ERROR_MULTIPLE * own + unit_roundoff
     name = _name(stored_dtype)
-    rule = (f"{OWN_ERROR_MULTIPLE:g} x {own_error:.2e} (the original's own error in {name}: run in {name} vs "
+    rule = (f"{OWN_ERROR_MULTIPLE:g} x {own:.2e} (the original's own error in {name}: run in {name} vs "
             f"float64 on the same inputs) + {unit_roundoff:.1e} ({name} unit roundoff)")
     return tolerance, rule
 
