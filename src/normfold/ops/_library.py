@@ -6,6 +6,7 @@ Three custom ops in the ``normfold`` namespace, each with a fake (meta) implemen
 - ``normfold::norm_fwd``     (x, weight?, bias?, residual?, eps, offset, is_rms) -> (y, s, mean, rstd)
 - ``normfold::norm_bwd``     (dy, ds?, s, weight?, mean?, rstd, offset, is_rms, has_bias) -> (dx, dweight, dbias)
 - ``normfold::norm_fwd_out`` like norm_fwd but writes y into ``out`` (and s into ``residual_out``); no autograd.
+  ``out`` may be exactly x or the residual (in place), but share no other memory with an input.
 
 ``norm_fwd`` carries autograd through ``norm_bwd``. Inputs are 2-D (M, N) row-major; the
 functional API in ``functional.py`` reshapes. Absent outputs (s without residual, mean for

@@ -49,7 +49,8 @@ def rms_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None
     """RMSNorm over the last dimension: y = s / sqrt(mean(s²) + eps) · (offset + weight) + bias.
 
     s = x, or x + residual; with ``residual`` returns ``(y, s)``, the pre-norm residual stream.
-    ``out`` (x's shape and dtype) receives y without an extra copy; it does not support autograd.
+    ``out`` (x's shape and dtype) receives y without an extra copy; it does not support autograd. It may
+    be x or the residual itself (in place); any other memory shared with an input raises ValueError.
     """
     return _norm(x, weight, bias, eps, residual, offset, out, is_rms=True)
 
