@@ -160,11 +160,12 @@ def test_a_wrong_streamed_fold_is_refused_and_nothing_is_written(sharded_opt, tm
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
 
 
-def test_a_changed_tensor_outside_every_folded_piece_is_refused(sharded_bert, tmp_path, monkeypatch):
+def test_a_changed_tensor_in_a_layer_the_fold_leaves_alone_is_refused(sharded_bert, tmp_path, monkeypatch):
     from normfold import FoldVerificationError
 
-    _corrupt_the_rewrite(monkeypatch, "encoder.layer.1.output.dense.bias", lambda v: v + 0.5)
-    with pytest.raises(FoldVerificationError, match="encoder.layer.1.output.dense.bias"):
+    # not a constant shift: the LayerNorm after this bias would remove that, an equal model
+    _corrupt_the_rewrite(monkeypatch, "encoder.layer.1.output.dense.bias", lambda v: v + torch.linspace(0, 1, len(v)))
+    with pytest.raises(FoldVerificationError, match="encoder.layer.1 relative error"):
         fold_checkpoint(sharded_bert, tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -213,3 +214,39 @@ def test_a_shard_name_that_is_not_a_plain_file_name_is_refused_before_anything_i
         fold_checkpoint(src, tmp_path / "models" / "out")
     assert victim is None or victim.read_bytes() == before
     assert not (tmp_path / "models" / "out").exists()
+
+
+# ------------------------------------------------------------------ families with other block calls
+
+def _family_config(name):
+    return {
+        # its LayerNorms are kept (the embedding norm blocks them) but their γ/β move into the next layer
+        "bloom": transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=2),
+        # blocks take the model's ALiBi and attention mask as positional arguments
+        "falcon": transformers.FalconConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                            new_decoder_architecture=True, num_kv_heads=2),
+        # blocks take the model's rotary tables
+        "phi": transformers.PhiConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, max_position_embeddings=32),
+    }[name]
+
+
+@pytest.mark.parametrize("name, foldable", [("bloom", 1), ("falcon", 5), ("phi", 3)])
+def test_streamed_folds_of_other_families_verify_and_reload_with_the_same_outputs(tmp_path, name, foldable):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_family_config(name)).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0.0, 0.1)
+    src = tmp_path / "sharded"
+    model.save_pretrained(src, max_shard_size="30KB", safe_serialization=True)
+    report = fold_checkpoint(src, tmp_path / "out")
+    assert report["num_foldable"] == foldable and report["verification"]["ok"]
+    assert len(report["verification"]["blocks"]) == 2  # both layers run: centered, or changed by affine folds
+    folded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    inputs = example_inputs_for(model)
+    with torch.no_grad():
+        a, b = model(**inputs).logits, folded(**inputs).logits
+    assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5

@@ -254,10 +254,11 @@ class _Rewrite:
             self.affine.append((w, b, g, be, s.in_dim))
             if b:
                 union(w, b)
-        # weightless RMSNorms keep stock LayerNorm keys: γ = 1, β = 0
+        # norms whose γ/β moved into the next layer (RMSNorms, and LayerNorms the fold kept) keep
+        # their stock keys as γ = 1, β = 0: left as they were, γ/β would apply twice
         self.fill: dict[str, float] = {}
         for s in plan.swap:
-            if s.to == "RMSNorm" and not s.elementwise_affine:
+            if not s.elementwise_affine:
                 for leaf, value in (("weight", 1.0), ("bias", 0.0)):
                     k = _resolve(f"{s.path}.{leaf}", aliases, checkpoint)
                     if k is not None:
@@ -486,26 +487,33 @@ def _write_config(config, folder: Path, *, untied: bool, dtype: torch.dtype | No
 #
 # The fold never runs the whole model, so it is proved in pieces, each in float64 and alone. In a
 # folded Pre-LN model the residual stream is the original's with its mean removed: with
-# P = I − 11ᵀ/n, folded stream = P·stream. Hence
-#   blocks: folded_block(P·x) = P·block(x), for every block of a stack (the outermost ModuleList)
-#           that holds a swapped norm;
-#   shell:  the model cut to the first block of each such stack (to no block when there is none)
-#           gives the original's outputs, and the stream entering each stack is P·(the original's);
+# P = I − 11ᵀ/n, folded stream = P·stream. A stack (the outermost ModuleList holding norms) is
+# "centered" when it holds a swapped norm; in the others the stream is the original's. Hence
+#   blocks: folded_block(P·x) = P·block(x) in a centered stack, folded_block(x) = block(x) in the
+#           others (where a kept norm's γ/β may have moved into the next layer); a block whose
+#           tensors all equal the original's is compared as a copy instead;
+#   shell:  the model cut to the first block of each stack gives the original's outputs, and the
+#           stream entering each stack is P·(the original's) or the original's;
 #   copies: every other tensor equals the original's in the saved dtype.
-# Together: the stream enters every stack as P·x, each block keeps the relation, so the stack
-# leaves P·y, which the shell's tail (final norm, head) maps to the original output.
+# Together: the stream enters every stack in its relation, each block keeps it, so the stack hands
+# the shell's tail (final norm, head) what it maps to the original output.
+
+Call = tuple[tuple, dict]  # the (args, kwargs) a stack's first block is called with inside the model
 
 
 def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, block_path: str, *,
-                swapped: list[dict[str, Any]] | None = None, batch: int = 2, seq: int = 16, seed: int = 0,
-                trust_remote_code: bool = False) -> dict[str, Any]:
+                swapped: list[dict[str, Any]] | None = None, centered: bool = True, call: Call | None = None,
+                batch: int = 2, seq: int = 16, seed: int = 0, trust_remote_code: bool = False) -> dict[str, Any]:
     """Compare one residual block of a folded checkpoint with the original, in float64, loading
     only that block's tensors.
 
-    The folded residual stream is the original's with its mean removed (P = I − 11ᵀ/n), so for a
-    Pre-LN block: folded_block(P·x) = P·block(x). Returns the relative error
-    ‖P·block(x) − folded_block(P·x)‖∞ / ‖P·block(x)‖∞ and the worst |mean|/rms of the RMSNorm inputs.
-    ``swapped``: the report's swapped norms (default: read from ``folded_dir``'s report).
+    ``centered`` (a Pre-LN block the fold centered): the folded residual stream is the original's
+    with its mean removed (P = I − 11ᵀ/n), so folded_block(P·x) = P·block(x); returns the relative
+    error ‖P·block(x) − folded_block(P·x)‖∞ / ‖P·block(x)‖∞. Otherwise folded_block(x) = block(x).
+    Also returns the worst |mean|/rms of the RMSNorm inputs. ``call``: the other arguments the model
+    passes the block (masks, rotary tables, ALiBi; :func:`check_shell` records them), x replacing
+    the hidden states; without it the block gets x alone. ``swapped``: the report's swapped norms
+    (default: read from ``folded_dir``'s report).
     """
     from ..fold.math import center
 
@@ -530,44 +538,61 @@ def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, bloc
         return block
 
     gen = torch.Generator().manual_seed(seed)
-    width = _block_width(skeleton.get_submodule(block_path))
-    x = torch.randn(batch, seq, width, generator=gen, dtype=torch.float64)  # (B, T, C)
+    shape = _hidden(call).shape if call else (batch, seq, _block_width(skeleton.get_submodule(block_path)))
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)  # (B, T, C)
+    project = (lambda t: center(t, -1)) if centered else (lambda t: t)
     with torch.no_grad():
-        ref = center(_first(load_block(orig_dir, False)(x)), -1)
+        ref = project(_first(_call(load_block(orig_dir, False), call, x)))
         block = load_block(folded_dir, True)
         ratios = _watch_rms_inputs(block)
-        out = _first(block(center(x, -1)))
-    return {"block": block_path, "max_rel_error": _rel_error(ref, out),
+        out = _first(_call(block, call, project(x)))
+    return {"block": block_path, "centered": centered, "max_rel_error": _rel_error(ref, out),
             "max_input_mean_ratio": max(ratios) if ratios else None}
 
 
+def _hidden(call: Call) -> torch.Tensor:
+    args, kwargs = call
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def _call(block: nn.Module, call: Call | None, x: torch.Tensor):
+    """``block`` on hidden states ``x`` with the rest of ``call``'s arguments."""
+    if call is None:
+        return block(x)
+    args, kwargs = call
+    return block(x, *args[1:], **kwargs) if args else block(**{**kwargs, "hidden_states": x})
+
+
 def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swapped: list[dict[str, Any]],
-                stacks: list[str], *, seed: int = 0, trust_remote_code: bool = False) -> dict[str, Any]:
-    """Run the model cut to one block per stack (``stacks``: those holding a swapped norm; to no
-    block when empty) from both folders in float64, one after the other, and compare every float
-    output and, at the entry of each stack, the folded stream with P·(the original's).
+                stacks: dict[str, bool], *, seed: int = 0,
+                trust_remote_code: bool = False) -> tuple[dict[str, Any], dict[str, Call]]:
+    """Run the model cut to the first block of each stack (``stacks``: path -> centered) from both
+    folders in float64, one after the other, and compare every float output and, where each stack
+    starts, the folded stream with P·(the original's) (centered) or the original's.
 
     This covers what no block check sees: the embeddings (and an embedding norm), the final norm
-    and the head, tied or untied. Returns the worst relative error, what was compared, and the
-    checkpoint keys the folded shell loaded (``keys``).
+    and the head, tied or untied. Returns the result (worst relative error, what was compared, the
+    checkpoint keys the folded shell loaded under ``keys``) and, per stack, the arguments the
+    original model called its first block with.
     """
     from ..fold.math import center
 
-    ref, ref_entries, _ = _run_shell(check_model_dir(orig_dir), [], stacks, seed, trust_remote_code)
-    out, entries, keys = _run_shell(check_model_dir(folded_dir), swapped, stacks, seed, trust_remote_code)
+    ref, ref_calls, _ = _run_shell(check_model_dir(orig_dir), [], list(stacks), seed, trust_remote_code)
+    out, calls, keys = _run_shell(check_model_dir(folded_dir), swapped, list(stacks), seed, trust_remote_code)
     problems = []
     if not ref or len(ref) != len(out) or any(a.shape != b.shape for a, b in zip(ref, out)):
         problems.append(f"the model cut to its first blocks gave {len(ref)} float outputs, the folded one {len(out)} "
                         "(expected the same number and shapes, at least one)")
     errors = [_rel_error(a, b) for a, b in zip(ref, out)] if not problems else []
-    for stack in stacks:
-        if stack not in ref_entries or stack not in entries:
+    for stack, centered in stacks.items():
+        if stack not in ref_calls or stack not in calls:
             problems.append(f"the stream entering {stack} was not seen (its first block was never called)")
-        else:
-            errors.append(_rel_error(center(ref_entries[stack], -1), entries[stack]))
-    return {"block": "model cut to its first block" if stacks else "model without its blocks",
-            "max_rel_error": max(errors, default=float("nan")), "outputs": len(out), "stack_entries": len(stacks),
-            "problems": problems, "keys": sorted(keys)}
+            continue
+        expected = center(_hidden(ref_calls[stack]), -1) if centered else _hidden(ref_calls[stack])
+        errors.append(_rel_error(expected, _hidden(calls[stack])))
+    result = {"block": "model cut to its first block" if stacks else "model", "max_rel_error": max(errors, default=math.nan),
+              "outputs": len(out), "stack_entries": len(stacks), "problems": problems, "keys": sorted(keys)}
+    return result, ref_calls
 
 
 def _meta_skeleton(folder: Path, trust_remote_code: bool) -> nn.Module:
@@ -579,11 +604,11 @@ def _meta_skeleton(folder: Path, trust_remote_code: bool) -> nn.Module:
 
 
 def _run_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str], seed: int,
-               trust_remote_code: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor], set[str]]:
+               trust_remote_code: bool) -> tuple[list[torch.Tensor], dict[str, Call], set[str]]:
     """Build ``folder``'s model with ``num_hidden_layers`` = 1 (0 without ``stacks``) in float64,
     load its tensors from the checkpoint, swap in the RMSNorms, and run it on example inputs.
 
-    Returns the float outputs, the stream entering each stack's first block, and the keys loaded.
+    Returns the float outputs, the arguments of each stack's first block, and the keys loaded.
     """
     config = load_config(folder, trust_remote_code=trust_remote_code)
     config.num_hidden_layers = 1 if stacks else 0
@@ -603,48 +628,48 @@ def _run_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str], s
     for entry in swapped:
         with contextlib.suppress(AttributeError):  # norms of blocks the shell does not hold
             swap_in_rmsnorm(model, entry)
-    entries: dict[str, torch.Tensor] = {}
+    calls: dict[str, Call] = {}
     for stack in stacks:
-        def keep_input(module, args, kwargs, stack=stack):
-            entries[stack] = args[0] if args else kwargs["hidden_states"]
+        def keep_call(module, args, kwargs, stack=stack):
+            calls[stack] = (args, kwargs)
         with contextlib.suppress(AttributeError):
-            model.get_submodule(f"{stack}.0").register_forward_pre_hook(keep_input, with_kwargs=True)
+            model.get_submodule(f"{stack}.0").register_forward_pre_hook(keep_call, with_kwargs=True)
     with torch.no_grad():
         output = model(**example_inputs_for(model, seed=seed))
-    output = output.to_tuple() if hasattr(output, "to_tuple") else output
-    leaves = torch.utils._pytree.tree_leaves(output)
-    floats = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return floats, entries, keys
+    leaves = torch.utils._pytree.tree_leaves(output.to_tuple() if hasattr(output, "to_tuple") else output)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()], calls, keys
 
 
-def _stacks(skeleton: nn.Module, swapped: list[dict[str, Any]]) -> dict[str, int]:
-    """Stack path -> number of blocks, for each outermost ModuleList that holds a swapped norm."""
-    stacks: dict[str, int] = {}
-    for entry in swapped:
-        parts = entry["path"].split(".")
+def _stacks(skeleton: nn.Module, swapped: list[dict[str, Any]]) -> dict[str, tuple[int, bool]]:
+    """Stack path -> (number of blocks, centered), for each outermost ModuleList holding a norm;
+    centered when it holds a swapped norm."""
+    swapped_paths = [entry["path"] for entry in swapped]
+    stacks: dict[str, tuple[int, bool]] = {}
+    for path, module in skeleton.named_modules():
+        if not isinstance(module, _norm_types()):
+            continue
+        parts = path.split(".")
         for i in range(1, len(parts)):
-            module = skeleton.get_submodule(".".join(parts[:i]))
-            if isinstance(module, nn.ModuleList):
-                stacks[".".join(parts[:i])] = len(module)
+            stack = ".".join(parts[:i])
+            if isinstance(skeleton.get_submodule(stack), nn.ModuleList):
+                centered = any(p.startswith(stack + ".") for p in swapped_paths)
+                stacks[stack] = (len(skeleton.get_submodule(stack)), centered)
                 break
     return stacks
 
 
-def _check_copies(orig: Checkpoint, folded: Checkpoint, covered: set[str]) -> tuple[int, list[str]]:
-    """Every tensor no other check covers must be the original's, cast to its saved dtype (one
-    tensor in memory at a time). Returns how many were compared and the problems found."""
-    missing = sorted(orig.meta.keys() - folded.meta.keys() - covered)
-    problems = [f"{key}: in the original, missing from the output" for key in missing]
-    compared = 0
-    for key in sorted(folded.meta.keys() - covered):
-        if key not in orig.meta:
-            problems.append(f"{key}: new in the output and checked by nothing")
+def _compare_copies(orig: Checkpoint, folded: Checkpoint, keys: list[str]) -> list[str]:
+    """The keys among ``keys`` whose folded tensor is not the original's cast to its saved dtype
+    (one tensor in memory at a time); a key missing from either side counts as different."""
+    differ = []
+    for key in keys:
+        if key not in orig.meta or key not in folded.meta:
+            differ.append(key)
             continue
         value = folded.read(key)
         if not torch.equal(orig.read(key).to(value.dtype), value):
-            problems.append(f"{key}: differs from the original, though no checked piece holds it")
-        compared += 1
-    return compared, problems
+            differ.append(key)
+    return differ
 
 
 def _block_width(block: nn.Module) -> int:
@@ -683,9 +708,9 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
                      *, dtype: str | None = None, trust_remote_code: bool = False,
                      step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Prove a folded checkpoint equal to its original without loading either whole (see the
-    comment above :func:`check_block`): every block of the stacks holding a swapped norm, the
-    shell around them, and every remaining tensor. ``ok`` only when each error is within the
-    stored dtype's tolerance and every tensor of both folders was checked by one of them.
+    comment above :func:`check_block`): the shell, every block of every stack (run, or compared as
+    a copy when unchanged), and every remaining tensor as a copy. ``ok`` only when each error is
+    within the stored dtype's tolerance and every tensor of both folders was checked.
     Memory: the shell (embeddings, head, one block per stack) in float64, then one block at a time.
     """
     from .folder import SAVED_TOLERANCE
@@ -697,33 +722,40 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
     stacks = _stacks(_meta_skeleton(orig_dir, trust_remote_code), swapped)
     step("checking the embeddings, final norm and head in float64")
     try:
-        shell = check_shell(orig_dir, folded_dir, swapped, list(stacks), trust_remote_code=trust_remote_code)
+        shell, calls = check_shell(orig_dir, folded_dir, swapped, {s: c for s, (_, c) in stacks.items()},
+                                   trust_remote_code=trust_remote_code)
     except Exception as err:  # a model that cannot run cut short: not proved, so not ok
-        shell = {"block": "shell", "max_rel_error": float("nan"), "keys": [],
-                 "problems": [f"could not run the model cut to one block per stack: {_first_line(err)}"]}
-    folded = Checkpoint(folded_dir)
-    checks, covered = [], set(shell["keys"])
-    problems = list(shell["problems"])
-    for path in [f"{stack}.{i}" for stack, n in stacks.items() for i in range(n)]:
-        step(f"checking {path} in float64")
-        try:
-            checks.append(check_block(orig_dir, folded_dir, path, swapped=swapped, trust_remote_code=trust_remote_code))
-        except Exception as err:  # e.g. a block that cannot run alone: not proved, so not ok
-            problems.append(f"could not check {path}: {_first_line(err)}")
-            continue
-        covered.update(k for k in folded.meta if k.startswith(path + "."))
+        shell, calls = {"block": "model cut to its first block", "max_rel_error": math.nan, "keys": [],
+                        "problems": [f"could not run the model cut to one block per stack: {_first_line(err)}"]}, {}
+    orig, folded = Checkpoint(orig_dir), Checkpoint(folded_dir)
+    problems, checks, covered, copies = list(shell["problems"]), [], set(shell["keys"]), 0
+    for stack, (n, centered) in stacks.items():
+        for path in [f"{stack}.{i}" for i in range(n)]:
+            keys = sorted(k for k in orig.meta.keys() | folded.meta.keys() if k.startswith(path + "."))
+            covered.update(keys)
+            if not centered and not _compare_copies(orig, folded, keys):
+                copies += len(keys)
+                continue
+            step(f"checking {path} in float64")
+            try:
+                checks.append(check_block(orig_dir, folded_dir, path, swapped=swapped, centered=centered,
+                                          call=calls.get(stack), trust_remote_code=trust_remote_code))
+            except Exception as err:  # e.g. a block that cannot run alone: not proved, so not ok
+                problems.append(f"could not check {path}: {_first_line(err)}")
     step("comparing the tensors the fold does not change")
-    copied, copy_problems = _check_copies(Checkpoint(orig_dir), folded, covered)
-    problems += copy_problems
+    rest = sorted((orig.meta.keys() | folded.meta.keys()) - covered)
+    problems += [f"{key}: differs from the original (or is missing on one side), though no checked piece holds it"
+                 for key in _compare_copies(orig, folded, rest)]
+    copies += len(rest)
     stored = dtype or _stored_dtype(folded_dir)
     tolerance = SAVED_TOLERANCE.get(stored, SAVED_TOLERANCE["float32"])
     errors = [c["max_rel_error"] for c in [shell, *checks]]
-    worst = max(errors) if not any(math.isnan(e) for e in errors) else float("nan")
+    worst = math.nan if any(math.isnan(e) for e in errors) else max(errors)
     ratios = [c["max_input_mean_ratio"] for c in checks if c["max_input_mean_ratio"] is not None]
     return {"ok": not problems and worst <= tolerance, "max_rel_error": worst,
             "max_input_mean_ratio": max(ratios) if ratios else None, "tolerance": tolerance,
             "num_runs": len(checks) + 1, "blocks": checks, "shell": {k: v for k, v in shell.items() if k != "keys"},
-            "copied_tensors": copied, "problems": problems}
+            "copied_tensors": copies, "problems": problems}
 
 
 def _failure(verification: dict[str, Any]) -> str:
