@@ -67,7 +67,7 @@ def early_output_risk(tree: ast.FunctionDef, add: ast.Assign, call: ast.Call, se
     are nodes of ``tree``; ``pure_children`` are the attributes of ``self`` whose calls only read
     their argument (the candidate norms).
     """
-    flow = _Flow(add, call, self_name, pure_children)
+    flow = _Flow(add, call, self_name, pure_children, _captured_names(tree))
     try:
         flow.block(tree.body, {None})
     except _Unsupported as unsupported:
@@ -75,11 +75,25 @@ def early_output_risk(tree: ast.FunctionDef, add: ast.Assign, call: ast.Call, se
     return flow.risk
 
 
+def _captured_names(tree: ast.FunctionDef) -> frozenset[str]:
+    """Names used inside nested functions, lambdas, classes and comprehensions of the forward: such a
+    scope may read the name later (late binding), when the analysis no longer looks."""
+    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef, ast.ListComp, ast.SetComp,
+              ast.DictComp, ast.GeneratorExp)
+    nested = [n for statement in tree.body for n in ast.walk(statement) if isinstance(n, scopes)]
+    return frozenset(name.id for scope in nested for name in ast.walk(scope) if isinstance(name, ast.Name))
+
+
+# calls that reach the caller's local variables without being passed them
+_FRAME_ACCESS = frozenset({"exec", "eval", "locals", "vars", "globals", "_getframe", "currentframe"})
+
+
 class _Flow:
     """Runs the forward's statements over sets of paths (see the module docstring)."""
 
-    def __init__(self, add, call, self_name, pure_children) -> None:
+    def __init__(self, add, call, self_name, pure_children, captured: frozenset[str]) -> None:
         self.add, self.call, self.self_name, self.pure = add, call, self_name, pure_children
+        self.captured = captured
         self.loops: list[tuple[set, set]] = []   # (break paths, continue paths) of the enclosing loops
         self.risk = ""
 
@@ -112,7 +126,8 @@ class _Flow:
                           ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)):
             paths = self.each(paths, lambda ev: ev.simple(s))
             if s is self.add and paths:  # a new sum: the names bound to it are its only aliases
-                return {_Path(frozenset({self.add.targets[0].id}))}
+                name = self.add.targets[0].id
+                return {_Path(frozenset({name}), name in self.captured, name in self.captured)}
             return paths
         raise _Unsupported(f"the forward contains a `{type(s).__name__}` statement (line {s.lineno})")
 
@@ -205,6 +220,8 @@ class _Eval:
             return
         if isinstance(target, ast.Name):
             (self.aliases.add if may_be_h else self.aliases.discard)(target.id)
+            if may_be_h and target.id in self.flow.captured:
+                self.escape()
         elif isinstance(target, (ast.Tuple, ast.List)):
             for element in target.elts:
                 self.bind(element, may_be_h)
@@ -332,6 +349,9 @@ class _Eval:
             return False
         else:
             self.operand(func)
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name in _FRAME_ACCESS and self.aliases:
+                self.escape()  # exec("h.mul_(2)") needs no argument to reach h
         for arg in [*e.args, *(k.value for k in e.keywords)]:
             self.consume(arg.value if isinstance(arg, ast.Starred) else arg)
         return self.escaped
