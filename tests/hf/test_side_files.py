@@ -75,3 +75,35 @@ def test_fold_command_warns_about_each_skipped_file_on_stderr(tiny_dirs, tmp_pat
     captured = capsys.readouterr()
     assert "not copied from the input folder: LICENSE (symbolic link, not followed)" in captured.err
     assert json.loads(captured.out)["skipped_files"]  # --json: stdout stays JSON, the list is in it
+
+
+def _hub_snapshot(source, root):
+    """``source`` laid out as the Hugging Face hub cache does: ``models--org--name/snapshots/<rev>/``
+    whose files are links into the repository's ``blobs/``, plus one link that leaves ``blobs/``."""
+    repo = root / "hub" / "models--org--tiny"
+    blobs, snapshot = repo / "blobs", repo / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    files = {p.relative_to(source).as_posix(): p.read_bytes() for p in sorted(source.rglob("*")) if p.is_file()}
+    files.update({"tokenizer.json": b'{"tok": 1}', "modules.json": b"[]", "1_Pooling/config.json": b'{"mean": true}'})
+    for i, (name, data) in enumerate(files.items()):
+        (blobs / f"blob{i:03d}").write_bytes(data)
+        (snapshot / name).parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(blobs / f"blob{i:03d}", (snapshot / name).parent), snapshot / name)
+    (root / "secret.txt").write_text("TOKEN=hunter2")
+    os.symlink(os.path.relpath(root / "secret.txt", snapshot), snapshot / "README.md")
+    return snapshot
+
+
+@pytest.mark.parametrize("path", _FOLDS)
+def test_a_hub_cache_snapshot_folds_with_its_side_files_read_through_its_own_blob_links(tiny_dirs, tmp_path, path):
+    """In the hub cache every file is a link into blobs/: those are the folder's own files and are copied
+    (as regular files); a link leaving blobs/ is still skipped, and the weights are folded, not copied."""
+    snapshot = _hub_snapshot(tiny_dirs["gpt2"], tmp_path)
+    out = tmp_path / "out"
+    report = _FOLDS[path](snapshot, out)
+    assert (out / "tokenizer.json").read_text() == '{"tok": 1}'
+    assert (out / "1_Pooling" / "config.json").read_text() == '{"mean": true}'
+    assert not any(p.is_symlink() for p in out.rglob("*"))
+    assert not os.path.lexists(out / "README.md")
+    assert {s["path"]: s["reason"] for s in report["skipped_files"]} == {"README.md": "symbolic link, not followed"}
+    assert report["verification"]["ok"]
