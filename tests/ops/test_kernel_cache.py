@@ -182,3 +182,21 @@ def test_cache_key_changes_with_the_python_abi(monkeypatch):
     other_soabi = _cpu.build_dir()
     assert len({base, other_tag, other_soabi}) == 3
     assert base.parent == other_tag.parent == other_soabi.parent
+
+
+@pytest.mark.parametrize("error, remedy", [
+    ("UnsafeCacheError: refusing the kernel cache at /x: expected it owned by uid 0, got uid 1",
+     "Fix the cache folder's ownership or permissions"),
+    ("RuntimeError: Error building extension 'norm_cpu': ninja not found", "Install a C++ compiler and ninja"),
+])
+def test_fallback_warning_names_the_remedy_for_its_cause(monkeypatch, error, remedy):
+    """A refused cache is not fixed by installing a compiler: the one-time warning says what is."""
+    from normfold.ops import _library
+
+    monkeypatch.setattr(_cpu, "kernel_available", lambda: False)
+    monkeypatch.setattr(_cpu, "build_error", lambda: error)
+    monkeypatch.setattr(_library, "_warned", set())
+    with pytest.warns(RuntimeWarning) as caught:
+        assert _library._cpu_backend() is None
+    message = str(caught[0].message)
+    assert error in message and remedy in message

@@ -48,9 +48,11 @@ def _warn_once(key: str, message: str) -> None:
 def _cpu_backend() -> ModuleType | None:
     if _cpu.kernel_available():
         return _cpu
-    _warn_once("cpu", f"normfold: the fused C++ CPU kernel is unavailable ({_cpu.build_error()}); "
-                      "using the slower pure-PyTorch reference. Install a C++ compiler and ninja "
-                      "(`pip install ninja`) to enable it.")
+    error = _cpu.build_error() or ""
+    remedy = ("Fix the cache folder's ownership or permissions, or point NORMFOLD_CACHE_DIR at a private folder"
+              if error.startswith("UnsafeCacheError") else "Install a C++ compiler and ninja (`pip install ninja`)")
+    _warn_once("cpu", f"normfold: the fused C++ CPU kernel is unavailable ({error}); "
+                      f"using the slower pure-PyTorch reference. {remedy} to enable it.")
     return None
 
 
