@@ -222,9 +222,9 @@ def test_a_fold_killed_at_random_points_leaves_the_old_or_a_verified_new_output(
     server = _ForkServer(argv("float32"))
     try:
         assert server.warmup["warmup_status"] == EXIT_OK
-        full = server.run(argv("float16"))  # a warm run's duration: the kills are spread over it
-        assert full["status"] == EXIT_OK
-        duration, trials, killed = full["seconds"], 24, 0
+        warm = [server.run(argv("float16")) for _ in range(3)]  # the kills are spread over a warm run's duration
+        assert all(run["status"] == EXIT_OK for run in warm)
+        duration, trials, killed = min(run["seconds"] for run in warm), 24, 0
         rng = random.Random(14)
         for i in range(trials):
             if i % 4 == 3:
@@ -244,7 +244,7 @@ def test_a_fold_killed_at_random_points_leaves_the_old_or_a_verified_new_output(
             assert rerun["status"] == EXIT_OK, where
             assert _state(out)[:2] == (new_dtype, True), where
             assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out.")] == [], f"{where}: leftovers"
-        assert killed >= trials - 3, f"only {killed} of {trials} trials were killed mid-run"
+        assert killed >= 2 * trials // 3, f"only {killed} of {trials} trials were killed mid-run"
     finally:
         server.close()
 
