@@ -248,15 +248,18 @@ def add_commands(subparsers) -> None:
 
     p = subparsers.add_parser("fold", help="fold, verify and write an equivalent RMSNorm model")
     p.add_argument("model_dir", nargs="?", help="Hugging Face folder (default: the bundled model)")
-    p.add_argument("-o", "--output", metavar="OUT_DIR", help="new folder to write (must not exist)")
+    p.add_argument("-o", "--output", metavar="OUT_DIR",
+                   help="new folder to write (must not exist; not the input, inside it or above it)")
     p.add_argument("--no-fold-affine", action="store_true",
                    help="keep γ/β on the RMSNorms instead of folding them into the next linear layers")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="dtype of the saved weights (default: the checkpoint's)")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR if it is empty or an earlier normfold output, once the new one is verified")
     p.add_argument("--stream", action="store_true",
                    help="rewrite the safetensors shard by shard without loading the model "
-                        "(automatic for sharded folders); verifies sampled blocks")
+                        "(automatic for sharded folders); verifies every block, the embeddings and the head "
+                        "one at a time")
     p.add_argument("--approximate", action="store_true",
                    help="also replace the norms the exact fold cannot touch, within --min-cosine on the calibration "
                         "sentences (not exact: load the result with normfold.from_pretrained)")
