@@ -212,6 +212,23 @@ def test_fused_equals_unfused_in_float64_for_any_shape(batch, seq, width):
         torch.testing.assert_close(fused(x)[0], block(x)[0], rtol=1e-12, atol=1e-12)
 
 
+class InputFirstBlock(ResidualBlock):
+    def forward(self, x):
+        h = x + self.lin(x)
+        return self.norm(h), h
+
+
+def test_non_contiguous_operands_run_unfused_so_the_sum_keeps_the_unfused_layout():
+    torch.manual_seed(0)
+    block = InputFirstBlock().eval()
+    fused, report = fuse_residual_norms(block, (_x(2, 3, 8),))
+    x = _x(3, 2, 8).transpose(0, 1)  # (2, 3, 8), not contiguous: x + lin(x) follows x's layout
+    with torch.no_grad():
+        (y, h), (y_ref, h_ref) = fused(x), block(x)
+    assert len(report.fused) == 1 and h.stride() == h_ref.stride() and not h.is_contiguous()
+    assert torch.equal(y, y_ref) and torch.equal(h, h_ref)
+
+
 def test_inline_add_into_a_torch_layer_norm_is_fused_and_bypasses_the_module():
     torch.manual_seed(0)
     block = PostNormBlock().eval()

@@ -193,9 +193,14 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
 # ------------------------------------------------------------------------------ runtime helpers
 
 def _add_norm(norm: nn.Module, a, b):
-    """``(norm(a + b), a + b)`` in one fused call; ``(None, a + b)`` when the operands do not fit it."""
+    """``(norm(a + b), a + b)`` in one fused call; ``(None, a + b)`` when the operands do not fit it.
+
+    Both operands contiguous: the fused op's sum is contiguous, ``a + b`` keeps ``a``'s layout, and
+    later code (a ``.view``, or torch.compile's replay of one) may depend on that layout.
+    """
     if (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.dtype == b.dtype
-            and a.device == b.device and a.dim() > 0 and a.shape[-1] == norm.normalized_shape[0]):
+            and a.device == b.device and a.dim() > 0 and a.shape[-1] == norm.normalized_shape[0]
+            and a.is_contiguous() and b.is_contiguous()):
         # ops.* looked up at call time, so a profiler (normfold.bench) can label these calls
         if isinstance(norm, RMSNorm):
             return ops.rms_norm(a, norm.weight, norm.bias, norm.eps, residual=b, offset=norm.offset)
