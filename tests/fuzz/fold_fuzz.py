@@ -18,10 +18,13 @@ centering recipe); the checks use only that and autograd, never the engine's rul
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import random
+import textwrap
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -456,7 +459,7 @@ def check_spec(spec: Spec) -> SeedResult:
     with torch.no_grad():
         reference = [model(*i) for i in inputs]
         outputs = [folded(*i) for i in inputs]
-    result.max_rel_error = max(_rel_error(r, o) for rs, os in zip(reference, outputs) for r, o in zip(rs, os))
+    result.max_rel_error = _max_rel_error(reference, outputs)
     outputs_equal = result.max_rel_error <= REL_TOL
     if engine_verdict.ok != outputs_equal:
         result.status = "wrong"
@@ -651,3 +654,155 @@ def _live_blocks(spec: Spec) -> list[int]:
             live.add(k)
             stack.extend(i for i in spec.blocks[k].inputs if i > 0)
     return sorted(live)
+
+
+# --------------------------------------------------------------------------- fused, compiled, inference mode
+
+def written_source(spec: Spec) -> str:
+    """Source of a ``FuzzModel`` subclass whose forward writes each block out as one statement.
+
+    ``FuzzModel.forward`` interprets the spec in a loop, where fusion finds no ``name = a + b``. This
+    forward spells out the adds, norms, in-place ops and scalings (``e3 = e1 + e2``,
+    ``e4 = self.b3(e3)``, ``e5 = e4.mul_(0.5)``), so ``fuse_residual_norms`` pairs adds with the norms
+    they feed and its static check meets in-place changes; other ops call the interpreter's ``_apply``.
+    """
+    lines = [f"def forward(self, ids, e0):  # seed {spec.seed}"]
+    for i, b in enumerate(spec.blocks):
+        lines.append(f"    e{i + 1} = {_written_op(i, b)}")
+    lines.append(f"    return ({''.join(f'e{k}, ' for k in spec.outputs)})")
+    body = textwrap.indent("\n".join(lines), "    ")
+    return f"from fold_fuzz import FuzzModel, _apply\n\n\nclass WrittenModel(FuzzModel):\n{body}\n"
+
+
+def _written_op(i: int, b: Block) -> str:
+    """One block as an expression, computing exactly what ``_apply`` computes for it."""
+    x = f"e{b.inputs[0]}"
+    if b.op == "add":
+        return f"{x} + e{b.inputs[1]}"
+    if b.op == "add_param":
+        return f"{x} + self.b{i}.weight"
+    if b.op == "add_embed":
+        return f"{x} + self.b{i}(ids)"
+    if b.op == "scale":
+        return f"{x} {'/' if b.args['divide'] else '*'} {b.args['value']!r}"
+    if b.op == "in_place":
+        kind = b.args["kind"]
+        return f"{x}.add_(self.b{i}.weight)" if kind == "add_param" else f"{x}.mul_(0.5)" if kind == "scale" \
+            else f"{x}.relu_()"
+    if b.op == "norm" and b.args["kind"] not in ("group_norm", "batch_norm"):
+        return f"self.b{i}({x})"
+    inputs = ", ".join(f"e{j}" for j in b.inputs)
+    return f"_apply(self.spec.blocks[{i}], getattr(self, 'b{i}', None), [{inputs}], ids)"
+
+
+def written_model(spec: Spec, folder: Path) -> FuzzModel:
+    """``WrittenModel(spec)`` (float64, eval) from ``written_source`` saved in ``folder`` and imported from there."""
+    name = f"fuzz_written_{spec.seed}_{len(spec.blocks)}_{abs(hash(repr(spec))) % 10**8}"
+    path = folder / f"{name}.py"
+    path.write_text(written_source(spec))
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module.WrittenModel(spec).double().eval()
+
+
+@dataclass
+class FusedResult:
+    seed: int
+    status: str              # "ok" | "mismatch" | "crash" | "not folded" | "not compiled" (the unfused model neither)
+    fused: int = 0           # add + norm pairs fused
+    refused: int = 0         # norms an observed add fed, refused by the static in-place check
+    max_rel_error: float = 0.0
+    detail: str = ""
+
+
+def check_compiled_fused(seed: int, folder: Path) -> FusedResult:
+    """``check_compiled_fused_spec`` of the seed's generated model with residual adds before its norms."""
+    return check_compiled_fused_spec(with_residual_adds(generate(seed)), folder)
+
+
+def with_residual_adds(spec: Spec) -> Spec:
+    """The spec with most norms fed by a residual add, some of them after an in-place op on the sum.
+
+    ``generate`` rarely puts an add right before a norm; fusion needs that, and its static check
+    needs in-place changes of the sum (``e5 = e4.mul_(0.5)``) between the add and the norm.
+    """
+    rng = random.Random(spec.seed * 7 + 1)
+    widths, blocks = [spec.in_width], []
+    entry = {0: 0}        # env index in spec -> env index in the new spec
+    renamed = {}          # block index in spec -> block index in the new spec
+
+    def append(block: Block) -> int:
+        blocks.append(block)
+        widths.append(block.width)
+        return len(widths) - 1
+
+    for index, b in enumerate(spec.blocks):
+        inputs = tuple(entry[i] for i in b.inputs)
+        if b.op == "norm" and b.args["kind"] not in ("group_norm", "batch_norm"):
+            width = widths[inputs[0]]
+            partners = [k for k, w in enumerate(widths) if w == width and k != inputs[0]]
+            if partners and rng.random() < 0.8:
+                total = append(Block("add", (inputs[0], rng.choice(partners[-3:])), width))
+                if rng.random() < 0.35:
+                    total = append(Block("in_place", (total,), width, {"kind": rng.choice(("add_param", "scale", "relu"))}))
+                inputs = (total,)
+        entry[index + 1] = append(Block(b.op, inputs, b.width, dict(b.args)))
+        renamed[index] = len(blocks) - 1
+    ties = [(f"b{renamed[int(a[1:])]}", f"b{renamed[int(source[1:])]}") for a, source in spec.ties]
+    return Spec(spec.seed, spec.in_width, blocks, tuple(entry[i] for i in spec.outputs), ties)
+
+
+def check_compiled_fused_spec(spec: Spec, folder: Path) -> FusedResult:
+    """Fold the written model, fuse it, compile it (aot_eager), run it in inference mode: same outputs as the
+    unfused folded model (relative error ≤ 1e-9 in float64, where a stale norm is off by O(1))?"""
+    import normfold
+    from normfold.fold.fuse import fuse_residual_norms
+
+    seed = spec.seed
+    model = written_model(spec, folder)
+    example = make_inputs(spec, seed)
+    with torch.no_grad():
+        interpreted = FuzzModel(spec).double().eval()(*example)
+        if _max_rel_error([interpreted], [model(*example)]) != 0.0:
+            return FusedResult(seed, "crash", detail="the written forward differs from the interpreter")
+    try:
+        folded, _ = normfold.fold(model, example, fold_affine=seed % 4 != 0, verify=False)
+    except Exception as exc:  # the plain fuzz judges the fold; this mode needs a folded model
+        return FusedResult(seed, "not folded", detail=f"{type(exc).__name__}: {exc}".splitlines()[0])
+    result = FusedResult(seed, "ok")
+    inputs = [make_inputs(spec, seed * 7919 + k + 1) for k in range(NUM_CHECK_INPUTS)]
+    try:
+        fused, report = fuse_residual_norms(folded.eval(), example)  # includes the eager float64 verify
+        result.fused = len(report.fused)
+        result.refused = sum("changed in place" in why or "cannot be proved" in why for why in report.skipped.values())
+        torch._dynamo.reset()
+        compiled = torch.compile(fused, backend="aot_eager")
+        with torch.inference_mode():
+            outputs = [compiled(*i) for i in inputs]
+            reference = [folded(*i) for i in inputs]
+    except Exception as exc:
+        result.status = "not compiled" if not _compiles(folded, inputs[0]) else "crash"
+        result.detail = f"{type(exc).__name__}: {exc}".splitlines()[0] + "\n" + traceback.format_exc(limit=4)
+        return result
+    result.max_rel_error = _max_rel_error(reference, outputs)
+    if result.max_rel_error > REL_TOL:
+        result.status = "mismatch"
+        result.detail = f"compiled fused model differs from the folded one: max rel error {result.max_rel_error:.2e}"
+    return result
+
+
+def _compiles(model: nn.Module, inputs) -> bool:
+    """Does the unfused model run under torch.compile (aot_eager) in inference mode? (Some generated
+    view chains do not: a torch limitation, not fusion's.)"""
+    torch._dynamo.reset()
+    try:
+        with torch.inference_mode():
+            torch.compile(model, backend="aot_eager")(*inputs)
+    except Exception:  # noqa: BLE001 (any failure means: not a fusion finding)
+        return False
+    return True
+
+
+def _max_rel_error(reference: list, outputs: list) -> float:
+    return max(_rel_error(r, o) for rs, os in zip(reference, outputs, strict=True) for r, o in zip(rs, os, strict=True))
