@@ -21,6 +21,7 @@ from __future__ import annotations
 import __future__
 import ast
 import copy
+import functools
 import linecache
 import types
 from typing import Callable
@@ -179,17 +180,24 @@ def running_definition(function: types.FunctionType) -> tuple[ast.FunctionDef | 
     linecache.checkcache(code.co_filename)
     text = "".join(linecache.getlines(code.co_filename, function.__globals__))
     path = [part for part in name.split(".") if part != "<locals>"]
-    try:
-        module = ast.parse(text)
-        compiled = compile(module, code.co_filename, "exec", flags=code.co_flags & _FUTURE_FLAGS, dont_inherit=True)
-    except (SyntaxError, ValueError):
-        return None, f"the source of {name} is not available"
-    definition, found = _definition_at(module, path), _code_at(compiled, path)
-    if not text or definition is None or found is None:
+    parsed = _parse_and_compile(text, code.co_filename, code.co_flags & _FUTURE_FLAGS) if text else None
+    definition = _definition_at(parsed[0], path) if parsed else None
+    found = _code_at(parsed[1], path) if parsed else None
+    if definition is None or found is None:
         return None, f"the source of {name} is not available"
     if not same_code(found, code):
         return None, f"the source of {name} in {code.co_filename} {SOURCE_CHANGED}"
-    return definition, ""
+    return copy.deepcopy(definition), ""  # callers rewrite the tree in place
+
+
+@functools.lru_cache(maxsize=32)
+def _parse_and_compile(text: str, filename: str, flags: int) -> tuple[ast.Module, types.CodeType] | None:
+    """A source file's tree and module code (cached: every module instance of a model asks for its class's file)."""
+    try:
+        module = ast.parse(text)
+        return module, compile(module, filename, "exec", flags=flags, dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return None
 
 
 def _definition_at(node: ast.AST, path: list[str]) -> ast.FunctionDef | None:
