@@ -267,3 +267,12 @@ def test_an_output_next_to_which_nothing_can_be_written_is_a_checkpoint_error(tm
     with pytest.raises(CheckpointError, match="cannot write a folder next to .*Permission denied"):
         with atomic_output_dir(tmp_path / "out"):
             pass
+
+
+def test_without_flock_the_output_is_still_published_and_no_other_temporary_is_touched(tmp_path, monkeypatch):
+    monkeypatch.setattr(io, "_HAS_FLOCK", False)  # Windows: a live run's folder looks like a dead one's
+    other = tmp_path / f".out{io.TEMP_MARK}maybe_alive"
+    other.mkdir()
+    with atomic_output_dir(tmp_path / "out") as tmp:
+        (tmp / "f").write_text("x")
+    assert (tmp_path / "out" / "f").is_file() and other.exists()

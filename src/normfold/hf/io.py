@@ -11,6 +11,7 @@ nothing but swapped norms is recorded (``"stock_compatible"``), which ``normfold
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import json
 import os
@@ -253,6 +254,7 @@ def is_sentence_encoder(model: nn.Module) -> bool:
 # ----------------------------------------------------------------------------------------- saving
 
 TEMP_MARK = ".normfold-tmp-"  # temporary siblings are named .<out name>.normfold-tmp-XXXXXXXX
+_HAS_FLOCK = importlib.util.find_spec("fcntl") is not None  # POSIX; not on Windows
 
 
 def check_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
@@ -309,18 +311,19 @@ def atomic_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
         raise CheckpointError(f"cannot write a folder next to {out}: {_first_line(err)}") from err
     try:
         os.chmod(tmp, 0o777 & ~_umask())
-        try:
-            yield tmp
-            _publish(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        yield tmp
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
-        os.close(lock)
+        if lock is not None:
+            os.close(lock)
 
 
 def remove_stale_temporaries(out: Path) -> list[Path]:
-    """Remove the temporary siblings of ``out`` that no running normfold holds; returns them."""
+    """Remove the temporary siblings of ``out`` that no running normfold holds; returns them.
+    Without ``flock`` (Windows) nothing tells a live run's folder from a dead one's: none is removed."""
     removed = []
     for p in out.parent.iterdir():
         if not p.name.startswith(f".{out.name}{TEMP_MARK}") or p.is_symlink() or not p.is_dir():
@@ -336,14 +339,16 @@ def remove_stale_temporaries(out: Path) -> list[Path]:
     return removed
 
 
-def _locked_temporary(out: Path) -> tuple[Path, int]:
-    """A new temporary sibling of ``out`` and the descriptor holding its lock.
+def _locked_temporary(out: Path) -> tuple[Path, int | None]:
+    """A new temporary sibling of ``out`` and the descriptor holding its lock (None without ``flock``).
 
     A concurrent run's cleanup may take the lock of (and remove) a folder between its creation
     and our lock: then it is not ours any more, and we make another.
     """
     while True:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}{TEMP_MARK}", dir=out.parent))
+        if not _HAS_FLOCK:
+            return tmp, None
         lock = _try_lock(tmp)
         if lock is not None:
             return tmp, lock
@@ -352,14 +357,13 @@ def _locked_temporary(out: Path) -> tuple[Path, int]:
 def _try_lock(folder: Path) -> int | None:
     """An open descriptor of ``folder`` holding an exclusive ``flock``, or None when another
     process holds it or the folder is gone. The lock dies with the process that holds it."""
+    if not _HAS_FLOCK:
+        return None
+    import fcntl
+
     try:
         fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     except FileNotFoundError:
-        return None
-    try:
-        import fcntl
-    except ImportError:  # no flock (Windows): nothing can tell a live run's folder from a dead one's
-        os.close(fd)
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
