@@ -122,9 +122,10 @@ def test_existing_output_folder_is_refused_without_overwrite(capsys, tiny_dirs, 
     code, _, err = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", out_dir)
     assert code == EXIT_USAGE and _one_clear_line(err) and "--overwrite" in err
     assert (out_dir / "keep.txt").read_text() == "mine"
-    code, _, _ = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", out_dir, "--overwrite")
-    assert code == EXIT_OK and not (out_dir / "keep.txt").exists() and (out_dir / "config.json").exists()
-    assert _leftovers(tmp_path, "out") == []
+    # --overwrite replaces only an empty folder or an earlier normfold output (tests/hf/test_atomic.py)
+    code, _, err = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", out_dir, "--overwrite")
+    assert code == EXIT_USAGE and _one_clear_line(err) and "normfold_report.json" in err
+    assert (out_dir / "keep.txt").read_text() == "mine" and _leftovers(tmp_path, "out") == []
 
 
 def test_output_inside_the_model_folder_is_refused(capsys, tiny_dirs):  # noqa: F811
