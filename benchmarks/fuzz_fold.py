@@ -115,8 +115,8 @@ def _compile_fused(args) -> int:
         f"Command: `{command}`  ",
         f"Machine: {platform.machine()} ({torch.get_num_threads()} torch thread), Python {platform.python_version()}, "
         f"torch {torch.__version__}, shared 2-core CPU; {elapsed:.0f} s.  ",
-        f"Seeds {args.start}..{args.start + args.n - 1}; models: `fold_fuzz.with_residual_adds(generate(seed))` written "
-        f"out by `fold_fuzz.written_source`; check: `fold_fuzz.check_compiled_fused`; engine: {engine}.", "",
+        f"Seeds {args.start}..{args.start + args.n - 1}; models: `fold_fuzz.with_residual_adds(generate(seed))` "
+        f"written out by `fold_fuzz.written_source`; check: `fold_fuzz.check_compiled_fused`; engine: {engine}.", "",
         "| quantity | count |", "|---|---|",
         f"| models | {len(results)} |",
         f"| folded, fused, compiled and compared | {len(checked)} |",
@@ -129,8 +129,9 @@ def _compile_fused(args) -> int:
         f"| not compiled (the unfused folded model fails under torch.compile too) | {status['not compiled']} |",
         f"| largest relative error among compared models | {max((r.max_rel_error for r in checked), default=0):.1e} |",
         "",
-        "Float64 throughout: the fused op and the unfused add + norm differ by rounding only (~1e-15 relative); a stale "
-        "early output (the norm of the sum before an in-place change) is off by 1e-6 to 1, so 1e-9 separates the two.",
+        "Float64 throughout: the fused op and the unfused add + norm differ by rounding only (~1e-15 relative); a "
+        "stale early output (the norm of the sum before an in-place change) is off by 1e-6 to 1, so 1e-9 separates "
+        "the two.",
         "",
     ]
     failures = [r for r in results if r.status in ("mismatch", "crash")]

@@ -202,5 +202,6 @@ def test_fused_gpt2_in_a_text_generation_pipeline_matches_the_folded_model(fused
     with torch.inference_mode():  # as serving stacks call it
         for model in (folded, fused):
             generate = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
-            texts.append(generate(prompt, max_new_tokens=4, do_sample=False, return_tensors=True)[0]["generated_token_ids"])
+            out = generate(prompt, max_new_tokens=4, do_sample=False, return_tensors=True)
+            texts.append(out[0]["generated_token_ids"])
     assert texts[1] == texts[0] and len(texts[0]) == 5 + 4

@@ -68,7 +68,8 @@ def test_code_that_leaves_the_sum_alone_is_proved_safe(body):
     ("h = x + self.f(x)\ng = lambda: h.mul_(2)\ng()\nreturn self.norm(h)", "passed where it could be"),
     ("h = x + self.f(x)\nh.foo()\nreturn self.norm(h)", "passed where it could be"),           # unknown method
     ("h = x + self.f(x)\nd = {1: h.mul_(2), self.norm(h): 2}\nreturn d", "changed in place"),   # evaluation order
-    ("def g():\n    h.mul_(2)\nh = x + self.f(x)\ng()\nreturn self.norm(h)", "passed where it could be"),  # late binding
+    ("def g():\n    h.mul_(2)\nh = x + self.f(x)\ng()\nreturn self.norm(h)",  # late binding
+     "passed where it could be"),
     ("h = x + self.f(x)\nexec('h.mul_(2)')\nreturn self.norm(h)", "passed where it could be"),
     # in a loop the norm of one iteration follows the change made after the add in an earlier one
     ("for i in range(2):\n    if i:\n        y = self.norm(h)\n    h = x + self.f(x)\n    h.mul_(2)\nreturn y",

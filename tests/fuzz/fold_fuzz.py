@@ -745,7 +745,8 @@ def with_residual_adds(spec: Spec) -> Spec:
             if partners and rng.random() < 0.8:
                 total = append(Block("add", (inputs[0], rng.choice(partners[-3:])), width))
                 if rng.random() < 0.35:
-                    total = append(Block("in_place", (total,), width, {"kind": rng.choice(("add_param", "scale", "relu"))}))
+                    kind = rng.choice(("add_param", "scale", "relu"))
+                    total = append(Block("in_place", (total,), width, {"kind": kind}))
                 inputs = (total,)
         entry[index + 1] = append(Block(b.op, inputs, b.width, dict(b.args)))
         renamed[index] = len(blocks) - 1

@@ -112,7 +112,8 @@ class _Flow:
             return self.loop(s, paths)
         if isinstance(s, ast.With):
             for item in s.items:
-                paths = self.each(paths, lambda ev, item=item: ev.bind(item.optional_vars, ev.consume(item.context_expr)))
+                paths = self.each(paths, lambda ev, item=item: ev.bind(item.optional_vars,
+                                                                       ev.consume(item.context_expr)))
             return self.block(s.body, paths)
         if isinstance(s, (ast.Break, ast.Continue)):
             if not self.loops:
