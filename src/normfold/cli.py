@@ -81,17 +81,53 @@ def _print_norm_table(report: dict) -> None:
     _console().print(table)
 
 
-_FIGURES = {  # verification figure -> how the table names it
+_FIGURES = {  # verification figure -> how the table names it (a figure the result lacks is not shown)
     "max_rel_error": "max relative error, float64",
     "max_abs_error": "max absolute error, float64",
     "model_dtype_max_rel_error": "max relative error, model dtype",
     "max_input_mean_ratio": "RMSNorm inputs: max |mean| / rms",
     "tolerance": "tolerance (relative, float64)",
+    "tolerance_rule": "tolerance rule",
+    "stored_dtype_own_error": "original's own error in the stored dtype",
     "num_runs": "inputs compared",
+    "saved_dtype_check": "weights rounded to the saved dtype",
+    "weights": "stored weights vs the fold re-derived from the original",
 }
 
 
+def _figure_text(key: str, value) -> str:
+    """A verification figure for people: numbers to two digits (``1.2e-03``); JSON keeps them whole."""
+    if value is None:
+        return "n/a"
+    if key == "weights":
+        return _weights_text(value)
+    if key == "saved_dtype_check":
+        return _saved_dtype_check_text(value)
+    return f"{value:.1e}" if isinstance(value, float) else str(value)
+
+
+def _weights_text(weights: dict) -> str:
+    """The tensor-by-tensor check in one line: skipped (why), bit-identical, or the worst tensor."""
+    if weights.get("skipped"):
+        return f"skipped: {weights['skipped']}"
+    if weights.get("why"):
+        return f"FAILED: {weights['why']}"
+    worst = weights.get("worst")
+    if worst is None:
+        return f"{weights['num_tensors']} tensors, all bit-identical"
+    return (f"{weights['num_tensors']} tensors within {weights['bound']}; {weights['num_differing_tensors']} not "
+            f"bit-identical, worst {worst['name']} ({worst['max_ulps']:.2g} ulp, max abs {worst['max_abs_error']:.1e})")
+
+
+def _saved_dtype_check_text(check: dict) -> str:
+    if check.get("skipped"):
+        return f"skipped: {check['skipped']}"
+    return (f"{'passed' if check['ok'] else 'FAILED'}: max relative error {check['max_rel_error']:.1e}, "
+            f"tolerance {check['tolerance']:.1e}")
+
+
 def _print_verification(ver: dict) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     where = ""
@@ -103,15 +139,16 @@ def _print_verification(ver: dict) -> None:
     table.add_column("figure")
     table.add_column("value", justify="right")
     for key, label in _FIGURES.items():
-        value = ver.get(key)
-        table.add_row(label, "n/a" if value is None else f"{value:.1e}" if isinstance(value, float) else str(value))
+        if key in ver:
+            table.add_row(label, escape(_figure_text(key, ver[key])))
     _console().print(table)
 
 
 def _json_report(report: dict) -> dict:
     """What ``--json`` prints: the counts, the per-norm entries and the verification figures."""
     keys = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype",
-            "streaming", "num_approximate", "calibration_min_cosine", "approximate", "skipped_files")
+            "streaming", "num_approximate", "calibration_min_cosine", "approximate", "skipped_files", "traced_calls",
+            "exactness_scope")
     return {k: report[k] for k in keys if k in report}
 
 

@@ -68,8 +68,10 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
     """Fold a folder, verify in float64, and write OUT_DIR only if the verification passes.
 
     The model is folded in float32 (upcast from a half-precision checkpoint) and saved in
-    ``dtype`` (default: the checkpoint's own). A failed verification raises
-    ``FoldVerificationError`` and leaves no OUT_DIR.
+    ``dtype`` (default: the checkpoint's own). Two checks, both before anything is written: the
+    transform in float64 (:func:`fold_for_stock`), and the folded weights as saved, rounded to
+    ``dtype`` (:func:`check_rounded`, reported as ``verification["saved_dtype_check"]``). A failed
+    verification raises ``FoldVerificationError`` and leaves no OUT_DIR.
 
     ``calibration_file`` (one sentence per line, tokenized with the folder's own tokenizer) turns
     on approximate folding after the exact fold (``normfold.lab.approximate_fold``): norms the exact
@@ -91,13 +93,20 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         step("loading")
         model = load_model(model_dir, trust_remote_code=trust_remote_code)
         step("folding and verifying in float64")
-        folded, report = fold_for_stock(model, example_inputs_for(model), fold_affine=fold_affine)
+        inputs = example_inputs_for(model)
+        folded, report = fold_for_stock(model, inputs, fold_affine=fold_affine)
         out = report.to_dict()
         approx = None
         if sentences is not None:
             folded, approx = _approximate(model, folded, report, tokenizer, sentences, min_cosine, step)
+            saved_check = {"ok": None, "skipped": "approximate fold: its replaced norms are judged by the cosine bar "
+                                                  "on the calibration set, not by an exact bound"}
+        else:
+            step(f"verifying the weights rounded to {_dtype_name(save_dtype)}")
+            saved_check = check_rounded(model, folded, inputs, save_dtype, report.plan)
+        out["verification"]["saved_dtype_check"] = saved_check
         out.update(model=_describe(model, model_dir), **folded_layout(folded), fold_affine=fold_affine,
-                   saved_dtype=str(save_dtype).replace("torch.", ""))
+                   saved_dtype=_dtype_name(save_dtype))
         if approx is not None:
             out.update(_approximate_summary(approx, out["swapped"]))
         step("saving")
@@ -106,6 +115,29 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         write_report_files(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
+
+
+def check_rounded(model, folded, example_inputs, save_dtype: torch.dtype, plan) -> dict[str, Any]:
+    """Verify ``folded`` as it will be saved, its weights rounded to ``save_dtype``, against ``model``.
+
+    The float64 proof of the fold compares the exact transform; what is written is that transform
+    rounded. This is the check ``normfold verify`` would run on the saved folder (the tolerance is
+    measured from the original's own error in ``save_dtype``), run before anything is published.
+    Raises ``FoldVerificationError`` when it fails; returns the figures otherwise.
+    """
+    from .. import FoldVerificationError, verify
+
+    # .to(save_dtype) rounds exactly what stock_state_dict(folded, save_dtype) writes; float32 back is exact
+    rounded = copy.deepcopy(folded).to(save_dtype).to(torch.float32)
+    result = verify(model, rounded, example_inputs, stored_dtype=save_dtype, rms_norm_paths=_rms_paths(plan))
+    if not result.ok:
+        raise FoldVerificationError(f"the folded weights rounded to {_dtype_name(save_dtype)} (what would be saved) "
+                                    f"differ from the original: {result}")
+    return result.to_dict()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 def _approximate(model, folded, report, tokenizer, sentences: list[str], min_cosine: float, step: Step):
@@ -148,7 +180,22 @@ def fold_for_stock(model, example_inputs, *, fold_affine: bool = True):
     Same steps as ``normfold.fold``: analyse, apply the plan to a copy, verify in float64 against
     the plan applied in float64; raises ``FoldVerificationError`` (nothing is saved) on failure.
     """
-    from .. import FoldVerificationError, analyze, verify
+    from .. import FoldVerificationError, verify
+    from ..fold.transform import apply_plan
+
+    folded, report = _stock_fold_unverified(model, example_inputs, fold_affine=fold_affine)
+    exact = apply_plan(copy.deepcopy(model).to(torch.float64), report.plan)
+    report.verification = verify(model, folded, example_inputs, tolerance=FOLD_TOLERANCE,
+                                 rms_norm_paths=_rms_paths(report.plan), folded_exact=exact)
+    if not report.verification.ok:
+        raise FoldVerificationError(f"folded model differs from the original: {report.verification}")
+    return folded, report
+
+
+def _stock_fold_unverified(model, example_inputs, *, fold_affine: bool):
+    """(folded copy, report): the analysis and float32 transform of :func:`fold_for_stock`, not yet
+    verified. ``verify_folders`` re-derives a saved folder's weights with it (the same code path)."""
+    from .. import analyze
     from ..fold.transform import apply_plan
 
     # precompute=False: a stock folder must keep every norm module (a precomputed norm becomes Identity)
@@ -159,24 +206,28 @@ def fold_for_stock(model, example_inputs, *, fold_affine: bool = True):
         if entry.path in kept:
             entry.affine_folded = False
             entry.reason = f"{entry.reason}; {kept[entry.path]}"
-    folded = apply_plan(copy.deepcopy(model), report.plan)
-    exact = apply_plan(copy.deepcopy(model).to(torch.float64), report.plan)
-    rms_paths = [s.path for s in report.plan.swap if s.to == "RMSNorm"]
-    report.verification = verify(model, folded, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=rms_paths,
-                                 folded_exact=exact)
-    if not report.verification.ok:
-        raise FoldVerificationError(f"folded model differs from the original: {report.verification}")
-    return folded, report
+    return apply_plan(copy.deepcopy(model), report.plan), report
+
+
+def _rms_paths(plan) -> list[str]:
+    """The norms the plan turns into RMSNorms (their inputs must be zero-mean)."""
+    return [s.path for s in plan.swap if s.to == "RMSNorm"]
 
 
 def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *, trust_remote_code: bool = False,
                    step: Step = _noop) -> dict[str, Any]:
-    """Compare a folded folder (loaded with its RMSNorms) against the original, in float64.
+    """Check a folded folder against its original: its outputs in float64, and its weights tensor by tensor.
 
-    The folded weights were rounded to their storage dtype (read from the weight files), so the
-    float64 comparison allows a tolerance measured on the same inputs: a small multiple of the
-    error the original itself makes when run in that dtype (``tolerance_rule`` in the result says
-    how much), rather than the transform's 1e-9.
+    Outputs: the folded weights were rounded to their storage dtype (read from the weight files),
+    so the float64 comparison allows a tolerance measured on the same inputs: a small multiple of
+    the error the original itself makes when run in that dtype (``tolerance_rule`` in the result
+    says how much), rather than the transform's 1e-9. A change smaller than that error passes this
+    part, hence the second one.
+
+    Weights (``result["weights"]``, :func:`check_saved_weights`): the fold is re-derived from the
+    original with the options the folder's report records and every stored tensor must equal it,
+    rounded to the stored dtype, to within one ulp. ``ok`` requires both parts; a weight check
+    that cannot run (``--approximate`` folds, reports of older normfold) is skipped with a reason.
     """
     from .. import verify
     from .streaming import _stored_dtype
@@ -186,7 +237,7 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
     folded = from_pretrained(folded_dir, trust_remote_code=trust_remote_code)
     report = json.loads((Path(folded_dir) / REPORT_JSON).read_text())
     stored = DTYPES[_stored_dtype(Path(folded_dir))]
-    step(f"verifying in float64 (tolerance measured from the original run in {str(stored).replace('torch.', '')})")
+    step(f"verifying in float64 (tolerance measured from the original run in {_dtype_name(stored)})")
     # approximate RMSNorms read inputs that are not zero-mean: only the exact ones are checked for it
     rms_paths = [s["path"] for s in report["swapped"] if not s.get("approximate")]
     result = verify(original, folded, example_inputs_for(original), stored_dtype=stored,
@@ -196,7 +247,51 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
         result["why"] = (f"expected: the folder was folded with --approximate ({warning.split(';')[0]}, "
                          f"min cosine {report.get('calibration_min_cosine')} on the calibration set), "
                          "so it cannot match the original within the exact bound")
+    step("re-deriving the fold and comparing every stored tensor")
+    result["weights"] = weights = check_saved_weights(original, Path(folded_dir), report)
+    result["ok"] = result["ok"] and weights["ok"] is not False
+    if weights["ok"] is False and result["why"] is None:
+        result["why"] = f"stored weights: {weights['why']}"
     return result
+
+
+_REDERIVE_KEYS = ("fold_affine", "saved_dtype", "plan")  # what the report must record to re-derive the weights
+
+
+def check_saved_weights(original, folded_dir: Path, report: dict[str, Any]) -> dict[str, Any]:
+    """Every tensor stored in ``folded_dir`` against the fold re-derived from ``original``.
+
+    The fold is re-run as ``fold_folder`` ran it (:func:`_stock_fold_unverified` on the same example
+    inputs, with the report's ``fold_affine``), its state dict rounded to the report's
+    ``saved_dtype`` as ``save_folded`` writes it, and compared element by element
+    (:func:`normfold.hf.saved_weights.compare_weights`). Skipped, with the reason, for folds that
+    cannot be re-derived: ``--approximate`` ones (fitted on calibration sentences), reports that
+    lack ``fold_affine``, ``saved_dtype`` or ``plan`` (older normfold), and plans that differ from
+    the one this normfold derives.
+    """
+    from .io import _read_tensor, _stored_tensors, stock_state_dict
+    from .saved_weights import compare_weights, skipped
+    from .streaming import _aliases
+
+    if report.get("num_approximate"):
+        return skipped(f"folded with --approximate ({report['num_approximate']} norm(s) fitted on calibration "
+                       "sentences the folder does not hold): its weights cannot be re-derived")
+    absent = [k for k in _REDERIVE_KEYS if k not in report]
+    if absent:
+        return skipped(f"{REPORT_JSON} lacks {', '.join(absent)} (written by an older normfold): the fold cannot "
+                       "be re-derived with the options it used")
+    if report["saved_dtype"] not in DTYPES:
+        return skipped(f"{REPORT_JSON} records saved_dtype {report['saved_dtype']!r}, "
+                       f"expected one of {', '.join(DTYPES)}")
+    derived, derived_report = _stock_fold_unverified(original, example_inputs_for(original),
+                                                     fold_affine=bool(report["fold_affine"]))
+    if json.loads(json.dumps(derived_report.plan.to_dict(), default=str)) != report["plan"]:
+        return skipped("the plan this normfold derives from the original differs from the one the report records "
+                       "(folded by another normfold version, or from another original): the weights cannot be "
+                       "re-derived")
+    expected = stock_state_dict(derived, DTYPES[report["saved_dtype"]])
+    files = _stored_tensors(folded_dir)
+    return compare_weights(expected, files, lambda name: _read_tensor(files[name], name), _aliases(derived))
 
 
 def write_report_files(report: dict[str, Any], out_dir: Path) -> None:

@@ -13,9 +13,12 @@ def norm_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _fmt(value: Any) -> str:
+    """A figure for people: floats to 2 digits (``1.2e-03``), a tensor summary as its fields."""
     if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
+        return f"{value:.1e}"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())
+    return str(value).replace("|", "\\|")
 
 
 def render_markdown(report: dict[str, Any], *, picture: str | None = None) -> str:
@@ -40,10 +43,34 @@ def render_markdown(report: dict[str, Any], *, picture: str | None = None) -> st
               f"{'folded into next layer' if r['affine_folded'] else 'kept'} | {r['reason']} |" for r in rows]
     if report.get("untied"):
         lines += ["", "Untied: " + "; ".join(report["untied"])]
+    lines += _scope_lines(report)
     ver = report.get("verification")
     if ver:
         lines += ["", f"## Verification: {'passed' if ver['ok'] else 'FAILED'}", "",
                   "Original and folded model on the example inputs and random inputs of the same shapes.", "",
                   "| figure | value |", "|---|---|"]
-        lines += [f"| {k} | {_fmt(v)} |" for k, v in ver.items() if k not in ("outputs", "ok")]
+        lines += [f"| {k} | {_fmt(v)} |" for k, v in ver.items() if k not in ("outputs", "ok", *_NESTED)]
+        for key, title in _NESTED.items():
+            if isinstance(ver.get(key), dict):
+                lines += ["", f"### {title}", "", "| figure | value |", "|---|---|"]
+                lines += [f"| {k} | {_fmt(v)} |" for k, v in ver[key].items() if k != "outputs"]
     return "\n".join(lines) + "\n"
+
+
+_NESTED = {  # verification parts that are checks of their own
+    "saved_dtype_check": "Weights rounded to the saved dtype, against the original",
+    "weights": "Stored weights against the fold re-derived from the original",
+}
+
+
+def _scope_lines(report: dict[str, Any]) -> list[str]:
+    """What the fold was traced on and what it is therefore exact for (empty for older reports)."""
+    calls = report.get("traced_calls") or []
+    if not calls:
+        return []
+    lines = ["", "## What the fold is exact for", ""]
+    lines += [f"- traced call {i}: " + ", ".join(f"`{name}` = {what}" for name, what in call.items())
+              for i, call in enumerate(calls)]
+    if report.get("exactness_scope"):
+        lines += ["", report["exactness_scope"][0].upper() + report["exactness_scope"][1:] + "."]
+    return lines
