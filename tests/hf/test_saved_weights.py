@@ -81,3 +81,8 @@ def test_compare_weights_requires_the_same_key_set(stored_names, why):
     derived = {"a": _bf16([1.0]), "b": _bf16([2.0])}
     result = compare_weights(derived, stored_names, lambda name: derived.get(name, _bf16([0.0])), {})
     assert not result["ok"] and result["num_tensors"] == 0 and why in result["why"]
+
+
+def test_compare_weights_that_compared_nothing_fails():
+    result = compare_weights({}, [], lambda name: None, {})
+    assert result["ok"] is False and "compared nothing" in result["why"]

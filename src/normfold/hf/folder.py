@@ -278,8 +278,9 @@ def check_saved_weights(original, folded_dir: Path, report: dict[str, Any]) -> d
                        "sentences the folder does not hold): its weights cannot be re-derived")
     absent = [k for k in _REDERIVE_KEYS if k not in report]
     if absent:
-        return skipped(f"{REPORT_JSON} lacks {', '.join(absent)} (written by an older normfold): the fold cannot "
-                       "be re-derived with the options it used")
+        return skipped(f"{REPORT_JSON} lacks {', '.join(absent)} (written by an older normfold, or by "
+                       "normfold.save_pretrained for a fold of the caller's own): the fold cannot be re-derived "
+                       "with the options it used")
     if report["saved_dtype"] not in DTYPES:
         return skipped(f"{REPORT_JSON} records saved_dtype {report['saved_dtype']!r}, "
                        f"expected one of {', '.join(DTYPES)}")

@@ -100,6 +100,9 @@ def compare_weights(derived: Mapping[str, Tensor], stored_names: Iterable[str], 
         parts = ([f"holds {_few(extra)}, which the fold does not write"] if extra else []) + \
                 ([f"lacks {_few(missing)}, which the fold writes"] if missing else [])
         return {**result, "why": "the folder " + " and ".join(parts)}
+    if not stored_names:
+        return {**result, "why": "compared nothing: the folder stores no tensors (a check that compared nothing "
+                                 "cannot pass)"}
     rows = [tensor_difference(name, derived[name], read_stored(name)) for name in stored_names]
     bad = [r for r in rows if not r["ok"]]
     differing = [r for r in rows if r["num_differing"] or not r["ok"]]  # a shape or dtype mismatch counts
