@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..fold.verify import _cast, _errors, measured_tolerance
 from ._deps import require
-from .io import (REPORT_JSON, CheckpointError, _first_line, atomic_output_dir, check_model_dir, copy_side_files,
+from .io import (DTYPES, REPORT_JSON, CheckpointError, _first_line, atomic_output_dir, check_model_dir, copy_side_files,
                  example_inputs_for, load_config, model_class_for, stock_compatible_plan, stock_parameter_shapes,
                  swap_in_rmsnorm)
 
@@ -497,57 +498,114 @@ def _write_config(config, folder: Path, *, untied: bool, dtype: torch.dtype | No
 #   copies: every other tensor equals the original's in the saved dtype.
 # Together: the stream enters every stack in its relation, each block keeps it, so the stack hands
 # the shell's tail (final norm, head) what it maps to the original output.
+#
+# Each block runs on the original's own stream: the hidden states the shell saw entering the stack,
+# carried block by block through the original blocks. An N(0, 1) stream can be far larger than a
+# real one, which hides what a block adds to it: in a tiny random GPT-2 a 1.5x MLP weight changed
+# such a block's output by 2.9e-3, below bf16's unit roundoff, and by 0.11 on the real stream.
+# The folded weights are rounded to the stored dtype, so each piece (the shell, every block run) is
+# judged by its own measured tolerance (normfold.fold.verify.measured_tolerance): its error must be
+# at most 2x the error the original piece itself makes when cast to that dtype and run in it on the
+# same inputs, plus one rounding.
 
 Call = tuple[tuple, dict]  # the (args, kwargs) a stack's first block is called with inside the model
 
 
 def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, block_path: str, *,
                 swapped: list[dict[str, Any]] | None = None, centered: bool = True, call: Call | None = None,
-                batch: int = 2, seq: int = 16, seed: int = 0, trust_remote_code: bool = False) -> dict[str, Any]:
+                x: torch.Tensor | None = None, stored_dtype: torch.dtype | None = None, batch: int = 2, seq: int = 16,
+                seed: int = 0, trust_remote_code: bool = False) -> dict[str, Any]:
     """Compare one residual block of a folded checkpoint with the original, in float64, loading
-    only that block's tensors.
+    only that block's tensors, and judge the error by the block's own error in ``stored_dtype``.
 
     ``centered`` (a Pre-LN block the fold centered): the folded residual stream is the original's
-    with its mean removed (P = I − 11ᵀ/n), so folded_block(P·x) = P·block(x); returns the relative
-    error ‖P·block(x) − folded_block(P·x)‖∞ / ‖P·block(x)‖∞. Otherwise folded_block(x) = block(x).
-    Also returns the worst |mean|/rms of the RMSNorm inputs. ``call``: the other arguments the model
-    passes the block (masks, rotary tables, ALiBi; :func:`check_shell` records them), x replacing
-    the hidden states; without it the block gets x alone. ``swapped``: the report's swapped norms
-    (default: read from ``folded_dir``'s report).
+    with its mean removed (P = I − 11ᵀ/n), so folded_block(P·x) = P·block(x); the error is
+    ‖P·block(x) − folded_block(P·x)‖∞ / ‖P·block(x)‖∞. Otherwise folded_block(x) = block(x).
+    ``x``: the hidden states the original block reads (default: N(0, 1) of the call's shape, or
+    ``(batch, seq, width)``). ``call``: the other arguments the model passes the block (masks,
+    rotary tables, ALiBi; :func:`check_shell` records them), x replacing the hidden states.
+    ``stored_dtype`` (default: the folded checkpoint's): the result's ``tolerance`` is
+    ``measured_tolerance(own_error, stored_dtype)``, ``own_error`` being the original block cast to
+    that dtype and run in it (x and the call's float tensors cast too) against float64; ``ok`` says
+    whether the error is within it. Also returns the worst |mean|/rms of the RMSNorm inputs.
+    ``swapped``: the report's swapped norms (default: read from ``folded_dir``'s report).
     """
-    from ..fold.math import center
-
     orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
     if swapped is None:
         swapped = json.loads((folded_dir / REPORT_JSON).read_text())["swapped"]
+    stored = stored_dtype or DTYPES[_stored_dtype(folded_dir)]
     skeleton = _meta_skeleton(orig_dir, trust_remote_code)
-    prefix = block_path + "."
+    if x is None:
+        x = _random_stream(skeleton, block_path, call, batch=batch, seq=seq, seed=seed)
+    result, _ = _check_block(skeleton, Checkpoint(orig_dir), Checkpoint(folded_dir), block_path, swapped,
+                             centered, call, x, stored)
+    return result
 
-    def load_block(folder: Path, folded: bool) -> nn.Module:
-        import copy
 
-        ckpt = Checkpoint(folder)
-        state = {k[len(prefix):]: ckpt.read(k).double() for k in ckpt.meta if k.startswith(prefix)}
-        block = copy.deepcopy(skeleton.get_submodule(block_path))
-        block.load_state_dict(state, strict=True, assign=True)
-        block = block.double().eval()
-        if folded:
-            for entry in swapped:
-                if entry["path"].startswith(prefix):
-                    swap_in_rmsnorm(block, {**entry, "path": entry["path"][len(prefix):]})
-        return block
+def _check_block(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, block_path: str,
+                 swapped: list[dict[str, Any]], centered: bool, call: Call | None, x: torch.Tensor,
+                 stored: torch.dtype) -> tuple[dict[str, Any], torch.Tensor]:
+    """:func:`check_block` on open checkpoints; also returns the original block's output on ``x``
+    (the stream the next block reads). One block in float64 in memory at a time."""
+    from ..fold.math import center
 
-    gen = torch.Generator().manual_seed(seed)
-    shape = _hidden(call).shape if call else (batch, seq, _block_width(skeleton.get_submodule(block_path)))
-    x = torch.randn(shape, generator=gen, dtype=torch.float64)  # (B, T, C)
     project = (lambda t: center(t, -1)) if centered else (lambda t: t)
     with torch.no_grad():
-        ref = project(_first(_call(load_block(orig_dir, False), call, x)))
-        block = load_block(folded_dir, True)
+        original = _load_block(skeleton, orig, block_path)
+        stream = _first(_call(original, call, x))
+        ref = project(stream)
+        own = _own_error([ref], original, lambda m, dt: [project(_first(_call(m, _cast(call, dt), x.to(dt))).double())],
+                         stored)
+        del original
+        block = _load_block(skeleton, folded, block_path, swapped)
         ratios = _watch_rms_inputs(block)
         out = _first(_call(block, call, project(x)))
-    return {"block": block_path, "centered": centered, "max_rel_error": _rel_error(ref, out),
-            "max_input_mean_ratio": max(ratios) if ratios else None}
+    error = _rel_error(ref, out)
+    return {"block": block_path, "centered": centered, "max_rel_error": error, **_judged(error, own, stored),
+            "max_input_mean_ratio": max(ratios) if ratios else None}, stream
+
+
+def _load_block(skeleton: nn.Module, checkpoint: Checkpoint, block_path: str,
+                swapped: list[dict[str, Any]] = ()) -> nn.Module:
+    """The block at ``block_path`` in float64 with ``checkpoint``'s tensors (only its own read),
+    the ``swapped`` norms inside it replaced by RMSNorms."""
+    import copy
+
+    prefix = block_path + "."
+    state = {k[len(prefix):]: checkpoint.read(k).double() for k in checkpoint.meta if k.startswith(prefix)}
+    block = copy.deepcopy(skeleton.get_submodule(block_path))
+    block.load_state_dict(state, strict=True, assign=True)
+    block = block.double().eval()
+    for entry in swapped:
+        if entry["path"].startswith(prefix):
+            swap_in_rmsnorm(block, {**entry, "path": entry["path"][len(prefix):]})
+    return block
+
+
+def _random_stream(skeleton: nn.Module, block_path: str, call: Call | None = None, *, batch: int = 2, seq: int = 16,
+                   seed: int = 0) -> torch.Tensor:
+    """N(0, 1) hidden states of the call's shape, or (batch, seq, the block's width)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = _hidden(call).shape if call else (batch, seq, _block_width(skeleton.get_submodule(block_path)))
+    return torch.randn(shape, generator=gen, dtype=torch.float64)  # (B, T, C)
+
+
+def _own_error(reference: list[torch.Tensor], original: nn.Module,
+               run: Callable[[nn.Module, torch.dtype], list[torch.Tensor]], low_dtype: torch.dtype) -> float:
+    """The original piece's own error in ``low_dtype``: ``original`` cast to it (in place, so no
+    second copy is held; the float64 one is not used again) and ``run`` in it, against
+    ``reference``, its float64 outputs; only elements finite in both count, as in
+    :func:`normfold.fold.verify.own_error`."""
+    low = run(original.to(low_dtype), low_dtype)
+    assert len(low) == len(reference), "the piece gave other outputs in the stored dtype"
+    return max((_errors(r, o.double(), where_finite=True)[0] for r, o in zip(reference, low)), default=0.0)
+
+
+def _judged(error: float, own: float, stored: torch.dtype) -> dict[str, Any]:
+    """A piece's tolerance measured from its own error, the rule in words, and whether ``error`` is
+    within it (a NaN error is not)."""
+    tolerance, rule = measured_tolerance(own, stored)
+    return {"own_error": own, "tolerance": tolerance, "tolerance_rule": rule, "ok": error <= tolerance}
 
 
 def _hidden(call: Call) -> torch.Tensor:
@@ -564,35 +622,54 @@ def _call(block: nn.Module, call: Call | None, x: torch.Tensor):
 
 
 def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swapped: list[dict[str, Any]],
-                stacks: dict[str, bool], *, seed: int = 0,
+                stacks: dict[str, bool], *, stored_dtype: torch.dtype | None = None, seed: int = 0,
                 trust_remote_code: bool = False) -> tuple[dict[str, Any], dict[str, Call]]:
     """Run the model cut to the first block of each stack (``stacks``: path -> centered) from both
     folders in float64, one after the other, and compare every float output and, where each stack
     starts, the folded stream with P·(the original's) (centered) or the original's.
 
     This covers what no block check sees: the embeddings (and an embedding norm), the final norm
-    and the head, tied or untied. Returns the result (worst relative error, what was compared, the
-    checkpoint keys the folded shell loaded under ``keys``) and, per stack, the arguments the
-    original model called its first block with.
+    and the head, tied or untied. The error is judged by the cut original's own error in
+    ``stored_dtype`` (default: the folded checkpoint's) on the same inputs and quantities, as in
+    :func:`check_block`. Returns the result (worst relative error, its tolerance, what was
+    compared, the checkpoint keys the folded shell loaded under ``keys``) and, per stack, the
+    arguments the original model called its first block with.
     """
-    from ..fold.math import center
-
-    ref, ref_calls, _ = _run_shell(check_model_dir(orig_dir), [], list(stacks), seed, trust_remote_code)
-    out, calls, keys = _run_shell(check_model_dir(folded_dir), swapped, list(stacks), seed, trust_remote_code)
+    orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
+    stored = stored_dtype or DTYPES[_stored_dtype(folded_dir)]
+    model, _ = _load_shell(orig_dir, [], list(stacks), trust_remote_code)
+    inputs = example_inputs_for(model, seed=seed)
+    ref, ref_calls = _run_shell(model, list(stacks), inputs)
+    ref_seen = _shell_quantities(ref, ref_calls, stacks)
+    own = _own_error(ref_seen, model, lambda m, dt: _shell_quantities(*_run_shell(m, list(stacks), _cast(inputs, dt)),
+                                                                       stacks), stored)
+    del model
+    model, keys = _load_shell(folded_dir, swapped, list(stacks), trust_remote_code)
+    out, calls = _run_shell(model, list(stacks), inputs)
+    del model
     problems = []
     if not ref or len(ref) != len(out) or any(a.shape != b.shape for a, b in zip(ref, out)):
         problems.append(f"the model cut to its first blocks gave {len(ref)} float outputs, the folded one {len(out)} "
                         "(expected the same number and shapes, at least one)")
-    errors = [_rel_error(a, b) for a, b in zip(ref, out)] if not problems else []
-    for stack, centered in stacks.items():
-        if stack not in ref_calls or stack not in calls:
-            problems.append(f"the stream entering {stack} was not seen (its first block was never called)")
-            continue
-        expected = center(_hidden(ref_calls[stack]), -1) if centered else _hidden(ref_calls[stack])
-        errors.append(_rel_error(expected, _hidden(calls[stack])))
-    result = {"block": "model cut to its first block" if stacks else "model", "max_rel_error": max(errors, default=math.nan),
-              "outputs": len(out), "stack_entries": len(stacks), "problems": problems, "keys": sorted(keys)}
+    problems += [f"the stream entering {stack} was not seen (its first block was never called)"
+                 for stack in stacks if stack not in ref_calls or stack not in calls]
+    errors = [] if problems else [_rel_error(a, b) for a, b in zip(ref_seen, _shell_quantities(out, calls, stacks))]
+    error = max(errors, default=math.nan)
+    result = {"block": "model cut to its first block" if stacks else "model", "max_rel_error": error,
+              **_judged(error, own, stored), "outputs": len(out), "stack_entries": len(stacks), "problems": problems,
+              "keys": sorted(keys)}
     return result, ref_calls
+
+
+def _shell_quantities(outputs: list[torch.Tensor], calls: dict[str, Call],
+                      stacks: dict[str, bool]) -> list[torch.Tensor]:
+    """What the shell check compares: the float outputs, then the stream entering each stack seen,
+    centered (P·x) for a centered stack. Computed in float64."""
+    from ..fold.math import center
+
+    entries = [_hidden(calls[stack]).double() for stack in stacks if stack in calls]
+    centered = [stacks[stack] for stack in stacks if stack in calls]
+    return [t.double() for t in outputs] + [center(h, -1) if c else h for h, c in zip(entries, centered)]
 
 
 def _meta_skeleton(folder: Path, trust_remote_code: bool) -> nn.Module:
@@ -603,13 +680,10 @@ def _meta_skeleton(folder: Path, trust_remote_code: bool) -> nn.Module:
         return cls._from_config(config, attn_implementation="eager")
 
 
-def _run_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str], seed: int,
-               trust_remote_code: bool) -> tuple[list[torch.Tensor], dict[str, Call], set[str]]:
-    """Build ``folder``'s model with ``num_hidden_layers`` = 1 (0 without ``stacks``) in float64,
-    load its tensors from the checkpoint, swap in the RMSNorms, and run it on example inputs.
-
-    Returns the float outputs, the arguments of each stack's first block, and the keys loaded.
-    """
+def _load_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str],
+                trust_remote_code: bool) -> tuple[nn.Module, set[str]]:
+    """``folder``'s model with ``num_hidden_layers`` = 1 (0 without ``stacks``) in float64, its
+    tensors loaded from the checkpoint and the RMSNorms swapped in; and the keys loaded."""
     config = load_config(folder, trust_remote_code=trust_remote_code)
     config.num_hidden_layers = 1 if stacks else 0
     cls = model_class_for(config, trust_remote_code=trust_remote_code)
@@ -628,16 +702,27 @@ def _run_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str], s
     for entry in swapped:
         with contextlib.suppress(AttributeError):  # norms of blocks the shell does not hold
             swap_in_rmsnorm(model, entry)
+    return model, keys
+
+
+def _run_shell(model: nn.Module, stacks: list[str],
+               inputs: dict[str, Any]) -> tuple[list[torch.Tensor], dict[str, Call]]:
+    """The float outputs of the shell ``model`` on ``inputs``, and the arguments of each stack's first block."""
     calls: dict[str, Call] = {}
+    handles = []
     for stack in stacks:
         def keep_call(module, args, kwargs, stack=stack):
             calls[stack] = (args, kwargs)
         with contextlib.suppress(AttributeError):
-            model.get_submodule(f"{stack}.0").register_forward_pre_hook(keep_call, with_kwargs=True)
-    with torch.no_grad():
-        output = model(**example_inputs_for(model, seed=seed))
+            handles.append(model.get_submodule(f"{stack}.0").register_forward_pre_hook(keep_call, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            output = model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
     leaves = torch.utils._pytree.tree_leaves(output.to_tuple() if hasattr(output, "to_tuple") else output)
-    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()], calls, keys
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()], calls
 
 
 def _stacks(skeleton: nn.Module, swapped: list[dict[str, Any]]) -> dict[str, tuple[int, bool]]:
@@ -708,64 +793,106 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
                      *, dtype: str | None = None, trust_remote_code: bool = False,
                      step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Prove a folded checkpoint equal to its original without loading either whole (see the
-    comment above :func:`check_block`): the shell, every block of every stack (run, or compared as
-    a copy when unchanged), and every remaining tensor as a copy. ``ok`` only when each error is
-    within the stored dtype's tolerance and every tensor of both folders was checked.
+    comment above :func:`check_block`): the shell, every block of every stack (run on the
+    original's stream, or compared as a copy when unchanged), and every remaining tensor as a copy.
+
+    ``dtype``: the dtype the folded weights were stored in (default: read from the checkpoint).
+    Each piece run (``shell``, each of ``blocks``) carries its ``own_error``, ``tolerance``,
+    ``tolerance_rule`` and ``ok``; ``ok`` only when every piece is within its own tolerance and
+    every tensor of both folders was checked. ``tolerance`` is the tightest of the pieces',
+    ``tolerance_rule`` names the piece closest to its bound, ``why`` says what failed.
     Memory: the shell (embeddings, head, one block per stack) in float64, then one block at a time.
     """
-    from .folder import SAVED_TOLERANCE
-
     orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
     if report is None:
         report = json.loads((folded_dir / REPORT_JSON).read_text())
+    stored_name = dtype or _stored_dtype(folded_dir)
+    if stored_name not in DTYPES:
+        raise CheckpointError(f"dtype must be one of {', '.join(DTYPES)}, got {stored_name!r}")
+    stored = DTYPES[stored_name]
     swapped = report["swapped"]
-    stacks = _stacks(_meta_skeleton(orig_dir, trust_remote_code), swapped)
+    skeleton = _meta_skeleton(orig_dir, trust_remote_code)
+    stacks = _stacks(skeleton, swapped)
     step("checking the embeddings, final norm and head in float64")
     try:
         shell, calls = check_shell(orig_dir, folded_dir, swapped, {s: c for s, (_, c) in stacks.items()},
-                                   trust_remote_code=trust_remote_code)
+                                   stored_dtype=stored, trust_remote_code=trust_remote_code)
     except Exception as err:  # a model that cannot run cut short: not proved, so not ok
-        shell, calls = {"block": "model cut to its first block", "max_rel_error": math.nan, "keys": [],
+        shell, calls = {"block": "model cut to its first block", "max_rel_error": math.nan, "ok": False, "keys": [],
                         "problems": [f"could not run the model cut to one block per stack: {_first_line(err)}"]}, {}
     orig, folded = Checkpoint(orig_dir), Checkpoint(folded_dir)
     problems, checks, covered, copies = list(shell["problems"]), [], set(shell["keys"]), 0
     for stack, (n, centered) in stacks.items():
-        for path in [f"{stack}.{i}" for i in range(n)]:
-            keys = sorted(k for k in orig.meta.keys() | folded.meta.keys() if k.startswith(path + "."))
-            covered.update(keys)
-            if not centered and not _compare_copies(orig, folded, keys):
-                copies += len(keys)
-                continue
-            step(f"checking {path} in float64")
+        paths = [f"{stack}.{i}" for i in range(n)]
+        keys = {path: sorted(k for k in orig.meta.keys() | folded.meta.keys() if k.startswith(path + "."))
+                for path in paths}
+        covered.update(k for path in paths for k in keys[path])
+        run = [path for path in paths if centered or _compare_copies(orig, folded, keys[path])]
+        copies += sum(len(keys[path]) for path in paths if path not in run)
+        call = calls.get(stack)
+        x = _hidden(call) if call else _random_stream(skeleton, paths[0])  # no shell run: its problem is listed
+        for path in paths[:paths.index(run[-1]) + 1] if run else []:
+            step(f"checking {path} in float64" if path in run else f"running the original {path} (its stream)")
             try:
-                checks.append(check_block(orig_dir, folded_dir, path, swapped=swapped, centered=centered,
-                                          call=calls.get(stack), trust_remote_code=trust_remote_code))
+                if path in run:
+                    result, x = _check_block(skeleton, orig, folded, path, swapped, centered, call, x, stored)
+                    checks.append(result)
+                else:  # a copy: only the stream the next block reads is needed
+                    with torch.no_grad():
+                        x = _first(_call(_load_block(skeleton, orig, path), call, x))
             except Exception as err:  # e.g. a block that cannot run alone: not proved, so not ok
-                problems.append(f"could not check {path}: {_first_line(err)}")
+                later = [p for p in run if paths.index(p) > paths.index(path)]
+                problems.append(f"could not check {path}: {_first_line(err)}"
+                                + (f" (so neither {', '.join(later)}, which read its output)" if later else ""))
+                break
     step("comparing the tensors the fold does not change")
     rest = sorted((orig.meta.keys() | folded.meta.keys()) - covered)
     problems += [f"{key}: differs from the original (or is missing on one side), though no checked piece holds it"
                  for key in _compare_copies(orig, folded, rest)]
     copies += len(rest)
-    stored = dtype or _stored_dtype(folded_dir)
-    tolerance = SAVED_TOLERANCE.get(stored, SAVED_TOLERANCE["float32"])
-    errors = [c["max_rel_error"] for c in [shell, *checks]]
-    worst = math.nan if any(math.isnan(e) for e in errors) else max(errors)
+    pieces = [shell, *checks]
+    errors = [c["max_rel_error"] for c in pieces]
     ratios = [c["max_input_mean_ratio"] for c in checks if c["max_input_mean_ratio"] is not None]
-    return {"ok": not problems and worst <= tolerance, "max_rel_error": worst,
-            "max_input_mean_ratio": max(ratios) if ratios else None, "tolerance": tolerance,
-            "num_runs": len(checks) + 1, "blocks": checks, "shell": {k: v for k, v in shell.items() if k != "keys"},
-            "copied_tensors": copies, "problems": problems}
+    verification = {
+        "ok": not problems and all(c["ok"] for c in pieces),
+        "max_rel_error": math.nan if any(math.isnan(e) for e in errors) else max(errors),
+        "max_input_mean_ratio": max(ratios) if ratios else None,
+        "tolerance": min((c["tolerance"] for c in pieces if "tolerance" in c), default=math.nan),
+        "tolerance_rule": _tolerance_rule(pieces), "stored_dtype": stored_name, "num_runs": len(checks) + 1,
+        "blocks": checks, "shell": {k: v for k, v in shell.items() if k != "keys"}, "copied_tensors": copies,
+        "problems": problems}
+    verification["why"] = None if verification["ok"] else _failure(verification)
+    return verification
+
+
+def _closest_to_bound(pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    """The piece with the largest error / tolerance (NaN or unmeasured: infinite)."""
+    def ratio(piece: dict[str, Any]) -> float:
+        error, tolerance = piece["max_rel_error"], piece.get("tolerance", math.nan)
+        if math.isnan(error) or math.isnan(tolerance):
+            return math.inf
+        return error / tolerance if tolerance > 0 else math.inf
+
+    return max(pieces, key=ratio)
+
+
+def _tolerance_rule(pieces: list[dict[str, Any]]) -> str:
+    """The verification's rule in words, with the numbers of the piece closest to its bound."""
+    closest = _closest_to_bound(pieces)
+    text = "each piece (the model cut to its first blocks, each block run) within its own tolerance"
+    if "tolerance_rule" not in closest:
+        return f"{text}; {closest['block']} was not measured"
+    return (f"{text}; closest to its bound: {closest['block']}, error {closest['max_rel_error']:.1e}, tolerance "
+            f"{closest['tolerance']:.1e} = {closest['tolerance_rule']}")
 
 
 def _failure(verification: dict[str, Any]) -> str:
     """One line saying why a verification failed."""
     if verification["problems"]:
         return f"float64 check failed: {verification['problems'][0]}"
-    checks = [verification["shell"], *verification["blocks"]]
-    worst = max(checks, key=lambda c: math.inf if math.isnan(c["max_rel_error"]) else c["max_rel_error"])
+    worst = _closest_to_bound([verification["shell"], *verification["blocks"]])
     return (f"float64 check failed: {worst['block']} relative error {worst['max_rel_error']:.1e} > tolerance "
-            f"{verification['tolerance']:.1e}")
+            f"{worst.get('tolerance', math.nan):.1e} = {worst.get('tolerance_rule', 'not measured')}")
 
 
 def _stored_dtype(model_dir: Path) -> str:
