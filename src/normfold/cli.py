@@ -127,8 +127,8 @@ def _saved_dtype_check_text(check: dict) -> str:
 
 
 def _print_verification(ver: dict) -> None:
-    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
     where = ""
     if "blocks" in ver:  # a streamed fold: checked piece by piece
@@ -139,9 +139,18 @@ def _print_verification(ver: dict) -> None:
     table.add_column("figure")
     table.add_column("value", justify="right")
     for key, label in _FIGURES.items():
-        if key in ver:
-            table.add_row(label, escape(_figure_text(key, ver[key])))
+        if key in ver:  # numbers line up on the right; sentences (the tolerance rule) read from the left
+            text = _figure_text(key, ver[key])
+            table.add_row(label, Text(text, justify="right" if _is_number(text) else "left"))
     _console().print(table)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _json_report(report: dict) -> dict:
