@@ -35,3 +35,16 @@ def test_python_dash_m_reports_usage_errors_with_exit_2():
     done = subprocess.run([sys.executable, "-m", "normfold", "no-such-command"], capture_output=True, text=True)
     assert done.returncode == 2
     assert "invalid choice" in done.stderr
+
+
+def test_version_flag_names_normfold_torch_and_python():
+    done = subprocess.run([sys.executable, "-m", "normfold", "--version"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"normfold {normfold.__version__} (torch ")
+
+
+def test_package_ships_its_type_marker():
+    """PEP 561: type checkers read normfold's annotations only when py.typed is installed with it."""
+    from importlib import resources
+
+    assert resources.files("normfold").joinpath("py.typed").is_file()

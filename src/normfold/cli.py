@@ -329,8 +329,18 @@ def add_commands(subparsers) -> None:
 
 # -------------------------------------------------------------------------------------------- main
 
+def _version_line() -> str:
+    """normfold's version and the torch it runs on (what a bug report needs first)."""
+    import torch
+
+    from . import __version__
+
+    return f"normfold {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="normfold", description="LayerNorm's behaviour at RMSNorm's cost.")
+    parser.add_argument("--version", action="version", version=_version_line())
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).add_commands(subparsers)
