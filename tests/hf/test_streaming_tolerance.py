@@ -132,3 +132,28 @@ def test_a_stored_dtype_the_tolerance_cannot_be_measured_in_is_refused_before_an
     src, out = sharded("gpt2", "bfloat16")
     with pytest.raises(CheckpointError, match="dtype must be one of float32, float16, bfloat16, got 'float64'"):
         verify_by_blocks(src, out, dtype="float64")
+
+
+@pytest.fixture(scope="module")
+def sharded_minilm_bf16(minilm_dir, tmp_path_factory):
+    """The real all-MiniLM-L6-v2 saved in bf16 in 10 MB shards, and its streamed (so verified) fold."""
+    root = tmp_path_factory.mktemp("minilm_bf16")
+    load_model(minilm_dir).to(torch.bfloat16).save_pretrained(root / "src", max_shard_size="10MB",
+                                                              safe_serialization=True)
+    fold_checkpoint(root / "src", root / "folded")
+    return root / "src", root / "folded"
+
+
+@pytest.mark.parametrize("key, factor, piece", [
+    ("pooler.dense.weight", 1.1, "model cut to its first block"),          # 9.8e-2 vs tolerance 1.4e-2
+    ("encoder.layer.5.output.dense.weight", 1.5, "encoder.layer.5"),       # 1.3e-1 vs 1.2e-2
+    ("encoder.layer.5.attention.output.dense.weight", 0.0, "encoder.layer.5"),  # 1.6e-1 vs 1.2e-2
+])
+def test_the_real_minilm_in_bfloat16_shards_fails_each_corruption_of_its_post_ln_layers(sharded_minilm_bf16, tmp_path,
+                                                                                       key, factor, piece):
+    """Trained weights: unlike the tiny random BERT, the changes are 10-40x the block's own bf16
+    error (all three passed the fixed 2e-1)."""
+    src, out = sharded_minilm_bf16  # its correct fold passed verify_by_blocks inside fold_checkpoint
+    ver = verify_by_blocks(src, _corrupt(out, tmp_path / "bad", key, factor))
+    assert not ver["ok"]
+    assert [p["block"] for p in [ver["shell"], *ver["blocks"]] if not p["ok"]] == [piece]
