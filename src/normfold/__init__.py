@@ -29,7 +29,7 @@ _LAZY = {
     # training
     "cbwc_": "normfold.train.cbwc",
     # faster folded models
-    "fuse_residual_norms": "normfold.fold.fuse",
+    "fuse_residual_norms": "normfold.fuse",
     # lab
     "inspect": "normfold.lab",
     "check": "normfold.lab",
@@ -38,7 +38,7 @@ _LAZY = {
 }
 # public submodules reachable as attributes (``normfold.cbwc.bake_``)
 _LAZY_MODULES = {"cbwc": "normfold.train.cbwc", "hf": "normfold.hf", "train": "normfold.train", "lab": "normfold.lab",
-                 "bench": "normfold.bench"}
+                 "bench": "normfold.bench", "fuse": "normfold.fuse"}
 
 __all__ = [
     "ops", "nn", "rms_norm", "layer_norm", "RMSNorm", "FusedAddRMSNorm",

@@ -127,7 +127,7 @@ def prepare_contenders(model: nn.Module, example_inputs, *, control: bool = True
     ``control`` is a deep copy of the original (left out with ``control=False``).
     """
     from .fold import fold
-    from .fold.fuse import fuse_residual_norms
+    from .fuse import fuse_residual_norms
 
     model = model.eval()
     folded, fold_report = fold(model, example_inputs)
@@ -314,7 +314,7 @@ def _label_norms(models):
                 handles += [sub.register_forward_pre_hook(pre), sub.register_forward_hook(post)]
     plain = {name: getattr(ops, name) for name in ("rms_norm", "layer_norm")}
 
-    def labelled(function):  # fused add+norm calls bypass the module (see fold.fuse)
+    def labelled(function):  # fused add+norm calls bypass the module (see normfold.fuse.runtime)
         def call(*args, **kwargs):
             with record_function(_NORM_LABEL):
                 return function(*args, **kwargs)

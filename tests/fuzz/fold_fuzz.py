@@ -758,7 +758,7 @@ def check_compiled_fused_spec(spec: Spec, folder: Path) -> FusedResult:
     """Fold the written model, fuse it, compile it (aot_eager), run it in inference mode: same outputs as the
     unfused folded model (relative error ≤ 1e-9 in float64, where a stale norm is off by O(1))?"""
     import normfold
-    from normfold.fold.fuse import fuse_residual_norms
+    from normfold.fuse import fuse_residual_norms
 
     seed = spec.seed
     model = written_model(spec, folder)

@@ -134,7 +134,7 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
         if not result.ok:
             raise FoldVerificationError(f"folded model differs from the original: {_failure(result)}\n{report}")
     if fuse:
-        from .fuse import fuse_residual_norms
+        from ..fuse import fuse_residual_norms
 
         unfused = copy.deepcopy(folded) if verify and len(calls) > 1 else None
         folded, report.fuse = fuse_residual_norms(folded, calls[0], inplace=True, verify=verify)

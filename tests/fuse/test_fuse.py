@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from normfold.fold import FoldVerificationError
-from normfold.fold import fuse as fuse_module
-from normfold.fold.fuse import fuse_residual_norms
+from normfold.fuse import fuse_residual_norms, rewrite
+from normfold.fuse.runtime import norm_from, pending_output
 from normfold.nn import RMSNorm
 
 
@@ -313,9 +313,9 @@ def test_the_early_output_is_taken_only_for_the_sum_or_a_view_of_all_its_rows(ma
     norm = RMSNorm(4)
     h = _x(3, 2, 4)
     y = norm(h)
-    pending = fuse_module._pending(h, y)
+    pending = pending_output(h, y)
     sentinel = torch.zeros(())
-    out = fuse_module._norm_from(pending, lambda x: sentinel, make_x(h))
+    out = norm_from(pending, lambda x: sentinel, make_x(h))
     assert (out is not sentinel) == taken
     if taken:
         torch.testing.assert_close(out, norm(make_x(h)), rtol=0, atol=0)
@@ -324,8 +324,8 @@ def test_the_early_output_is_taken_only_for_the_sum_or_a_view_of_all_its_rows(ma
 def test_a_view_of_other_rows_of_the_same_memory_is_not_taken_for_the_sum():
     big = _x(4, 4)
     h, x = big[:3], big[1:]  # same base, same shape, rows shifted by one
-    pending = fuse_module._pending(h, RMSNorm(4)(h))
-    assert torch.equal(fuse_module._norm_from(pending, RMSNorm(4), x), RMSNorm(4)(x))
+    pending = pending_output(h, RMSNorm(4)(h))
+    assert torch.equal(norm_from(pending, RMSNorm(4), x), RMSNorm(4)(x))
 
 
 # ------------------------------------------------------------------------------ adds handed across modules
@@ -408,7 +408,7 @@ def test_a_wrong_fused_op_fails_the_verify_gate(monkeypatch):
     def wrong(norm, a, b):
         h = a + b
         return norm(h) * 1.001, h
-    monkeypatch.setattr(fuse_module, "_add_norm", wrong)
+    monkeypatch.setattr(rewrite, "add_norm", wrong)  # what the generated forward calls
     with pytest.raises(FoldVerificationError, match="fused model differs"):
         fuse_residual_norms(ResidualBlock().eval(), (_x(2, 8),))
 

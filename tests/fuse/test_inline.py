@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from normfold.fold.fuse import _add_in
-from normfold.fold.inline import inline_helper_calls
+from normfold.fuse.inline import inline_helper_calls
+from normfold.fuse.rewrite import add_in
 
 
 # ------------------------------------------------------------------------------ helpers to inline (or not)
@@ -82,7 +82,7 @@ def note(tag, value):
 def _inline(source: str):
     """Parse ``source`` (one function) as if written in this module, inline, and compile the result."""
     tree = ast.parse(textwrap.dedent(source)).body[0]
-    described = inline_helper_calls(tree, globals(), _add_in)
+    described = inline_helper_calls(tree, globals(), add_in)
     namespace: dict = {}
     exec(compile(ast.fix_missing_locations(ast.Module([tree], [])), "<test>", "exec"), globals(), namespace)  # noqa: S102
     return tree, described, namespace[tree.name]
@@ -161,5 +161,5 @@ def test_a_helper_whose_global_is_a_local_of_the_caller_stays_a_call():
 
 def test_a_helper_from_another_module_stays_a_call():
     tree = ast.parse(_caller("dropout_add(h, r, 0.0, False)")).body[0]
-    assert inline_helper_calls(tree, {"dropout_add": dropout_add}, _add_in) == {}  # other globals than the helper's
+    assert inline_helper_calls(tree, {"dropout_add": dropout_add}, add_in) == {}  # other globals than the helper's
     assert len(_calls(tree, "dropout_add")) == 1

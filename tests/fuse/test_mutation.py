@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from normfold.fold.mutation import early_output_risk
+from normfold.fuse.mutation import early_output_risk
 
 
 def _risk(body: str) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from normfold.fold.fuse import fuse_residual_norms
+from normfold.fuse import fuse_residual_norms
 from normfold.nn import RMSNorm
 from test_fuse import PreNormStack
 

@@ -7,8 +7,8 @@ import textwrap
 
 import torch
 
-from normfold.fold.fuse import fuse_residual_norms
-from normfold.fold.inline import running_definition, same_code
+from normfold.fuse import fuse_residual_norms
+from normfold.fuse.inline import running_definition, same_code
 
 MODULE = textwrap.dedent('''
     import torch

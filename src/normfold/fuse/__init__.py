@@ -1,0 +1,176 @@
+"""Fuse residual adds into the norms they feed: ``h = a + b; y = norm(h)`` becomes one kernel call.
+
+    fused, report = normfold.fuse_residual_norms(folded_model, example_inputs)
+
+``ops.rms_norm(a, residual=b)`` (and ``layer_norm``) returns ``(norm(a + b), a + b)`` in one pass over
+the row. The add sits in the forward of the norm's parent (``GPT2Block``: ``h = attn_output + residual;
+...; self.ln_2(h)``) or at the end of the module before it (block *i*'s last add feeds block *i + 1*'s
+``ln_1``), so those forwards are rewritten from their source, per module instance, keeping the classes:
+
+1. **Parse** (``rewrite.py``): each forward's adds ``NAME = A + B`` (or ``(A + B).view(...)``) and norm
+   calls ``self.<norm>(NAME)`` / ``self.<norm>(A + B)``; small helpers such as BLOOM's
+   ``dropout_add`` are written out first (``inline.py``), and only source that is the code that
+   runs is read (``inline.running_definition``).
+2. **Probe**: one eager run on ``example_inputs`` records which add's result (or a view of all its
+   rows) each norm call received; only observed pairs are fused.
+3. **Rewrite**: a paired add becomes ``add_norm`` and its norm call ``norm_from``, which returns the
+   early output only when its argument is still that sum, and otherwise runs the norm
+   (``runtime.py``). A pair inside one forward is fused only when the code proves the sum unmodified
+   in between (``mutation.py``: torch.compile and inference tensors have no version counter); an add
+   handed to another module's norm (``runtime.Handoff``) is checked by the version counter and runs
+   unfused where there is none.
+4. **Verify**: the fused model is compared with the input model in float64 (≤ 1e-9) before it is
+   returned; ``report.py`` lists what was fused and why every other norm was not.
+
+The generated forward is an instance attribute: ``torch.compile`` traces it and ``state_dict`` is
+unchanged, but ``torch.save(model)`` (pickling the module) is not supported, norm-module hooks are
+bypassed for fused calls, and Hugging Face's gradient-checkpointing wrapper is dropped (fused models
+are for inference).
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import types
+
+import torch
+from torch import nn
+
+from ..fold.errors import FoldVerificationError
+from ..fold.graph import eval_mode, split_example_inputs
+from ..fold.verify import verify as verify_models
+from ..nn import FusedAddRMSNorm, LayerNorm, RMSNorm
+from .inline import SOURCE_CHANGED
+from .report import FusedPair, FuseReport
+from .rewrite import ForwardRewrite, FusePlan, Probe
+from .runtime import Handoff
+
+__all__ = ["fuse_residual_norms", "FuseReport", "FusedPair"]
+
+_FLOAT64_TOLERANCE = 1e-9
+
+
+def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, layer_norms: bool = True,
+                        verify: bool = True, inplace: bool = False) -> tuple[nn.Module, FuseReport]:
+    """Return ``(fused_model, report)``: residual adds feeding the model's norms run fused with them.
+
+    ``norm_paths``: the norms to consider (default: every ``normfold.nn.RMSNorm`` in the model, e.g.
+    the ones ``normfold.fold`` created, and with ``layer_norms=True`` every torch / normfold
+    ``LayerNorm``: the ones folding left, which normfold's LayerNorm kernel then runs).
+    ``example_inputs`` as for ``normfold.fold`` (a tuple of positional or a dict of keyword
+    arguments); they drive the probe and the float64 check. With ``verify=True``,
+    ``FoldVerificationError`` is raised if outputs differ by more than 1e-9.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    args, kwargs = split_example_inputs(example_inputs)
+    norms = _candidate_norms(model, norm_paths, layer_norms)
+    fused = model if inplace else copy.deepcopy(model)
+    report = FuseReport()
+    by_parent: dict[str, list[str]] = {}
+    for path in norms:
+        parent_path, _, name = path.rpartition(".")
+        reason = _norm_refusal(fused.get_submodule(path))
+        if reason:
+            report.skipped[path] = reason
+        else:
+            by_parent.setdefault(parent_path, []).append(name)
+
+    # probe: instrumented forwards record which add result each norm call received, model-wide
+    probe = Probe()
+    rewrites: dict[str, ForwardRewrite] = {}
+    for parent_path, names in by_parent.items():
+        parent = fused.get_submodule(parent_path)
+        rewrite, reason = ForwardRewrite.parse(parent, names)
+        if rewrite is None:
+            for name in names:
+                report.skipped[_join(parent_path, name)] = reason
+            continue
+        rewrites[parent_path] = rewrite
+    # modules that hold no norm may end with the add a norm elsewhere takes (ViT's ViTOutput)
+    norm_set, unread = set(norms), []   # unread: code left alone because its source changed on disk
+    for path, module in fused.named_modules():
+        if path not in by_parent and path not in norm_set and inspect.isfunction(type(module).forward):
+            rewrite, reason = ForwardRewrite.parse(module, [])
+            if rewrite is not None and rewrite.adds:
+                rewrites[path] = rewrite
+            elif SOURCE_CHANGED in reason:
+                unread.append(reason)
+    unread += [why for rewrite in rewrites.values() for why in rewrite.helpers_refused.values()]
+    for parent_path, rewrite in rewrites.items():
+        parent = fused.get_submodule(parent_path)
+        parent.forward = types.MethodType(rewrite.probe_function(probe, parent_path), parent)
+    try:
+        with eval_mode(fused), torch.no_grad():
+            fused(*args, **kwargs)
+    finally:
+        for parent_path in rewrites:
+            del fused.get_submodule(parent_path).forward
+
+    plans = {path: FusePlan() for path in rewrites}
+    for (add_parent, i), (call_parent, j) in probe.observed_pairs():
+        if add_parent == call_parent:
+            risk = rewrites[add_parent].early_output_risk(i, j)
+            if risk:
+                rewrites[add_parent].refused[rewrites[add_parent].calls[j].norm] = risk
+            else:
+                plans[add_parent].local.append((i, j))
+        else:  # the add ends one module's forward, the norm starts another's (GPT-2: block i -> block i+1)
+            handoff, norm_name = Handoff(), rewrites[call_parent].calls[j].norm
+            plans[add_parent].outgoing[i] = (handoff, fused.get_submodule(call_parent).get_submodule(norm_name))
+            plans[call_parent].incoming[j] = handoff
+            report.fused.append(FusedPair(add_parent, _join(call_parent, norm_name),
+                                          rewrites[add_parent].adds[i].source))
+    for parent_path, rewrite in rewrites.items():
+        parent, plan = fused.get_submodule(parent_path), plans[parent_path]
+        fused_norms = ({rewrite.calls[j].norm for _, j in plan.local} | {site.norm for site in rewrite.inline}
+                       | {rewrite.calls[j].norm for j in plan.incoming})
+        for name in by_parent.get(parent_path, []):
+            if name not in fused_norms:
+                report.skipped[_join(parent_path, name)] = rewrite.why_not(name, sorted(set(unread)))
+        if plan.local or plan.outgoing or plan.incoming or rewrite.inline:
+            parent.forward = types.MethodType(rewrite.fused_function(parent, plan), parent)
+        report.fused += [FusedPair(parent_path, _join(parent_path, rewrite.calls[j].norm), rewrite.adds[i].source)
+                         for i, j in plan.local]
+        report.fused += [FusedPair(parent_path, _join(parent_path, site.norm), site.source)
+                         for site in rewrite.inline]
+
+    if verify:
+        result = verify_models(model, fused, example_inputs, tolerance=_FLOAT64_TOLERANCE)
+        report.verification = result
+        if not result.ok:
+            raise FoldVerificationError(
+                f"fused model differs from the unfused one: float64 max relative error {result.max_rel_error:.3e} "
+                f"> {_FLOAT64_TOLERANCE:.0e}\n{report}")
+    return fused, report
+
+
+# ------------------------------------------------------------------------------ which norms
+
+def _candidate_norms(model: nn.Module, norm_paths, layer_norms: bool) -> list[str]:
+    """The paths of the norms to consider: ``norm_paths`` checked against the model's, or all of them."""
+    kinds = (RMSNorm, nn.LayerNorm, LayerNorm) if layer_norms else (RMSNorm,)
+    found = [path for path, m in model.named_modules()
+             if isinstance(m, kinds) and not isinstance(m, FusedAddRMSNorm) and path]
+    if norm_paths is None:
+        return found
+    norm_paths = list(norm_paths)
+    unknown = [p for p in norm_paths if p not in found]
+    if unknown:
+        kind = "normfold RMSNorm or LayerNorm" if layer_norms else "normfold RMSNorm"
+        raise ValueError(f"norm_paths must name {kind} modules of the model; not found: {unknown} "
+                         f"(present: {found})")
+    return norm_paths
+
+
+def _norm_refusal(norm: nn.Module) -> str:
+    """Why a norm must not be fused ('' if it may)."""
+    if norm._forward_hooks or norm._forward_pre_hooks:
+        return "it has forward hooks, which a fused call would bypass"
+    if len(norm.normalized_shape) != 1:
+        return f"normalized_shape {tuple(norm.normalized_shape)} is not 1-D"
+    return ""
+
+
+def _join(parent: str, name: str) -> str:
+    return f"{parent}.{name}" if parent else name
