@@ -18,7 +18,7 @@ import torch
 from torch import fx, nn
 
 from .graph import Captured, describe, module_path, module_stack, op_name, shape
-from .plan import AffineFoldStep, CenterStep, FoldPlan, PrecomputeStep, SwapStep, UntieStep
+from .plan import AffineFoldStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
 from .rules import (METADATA_OPS, MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, classify, make_need,
                     norm_call)
@@ -356,8 +356,8 @@ def _private_weight(node, user: fx.Node, captured: Captured, untied: frozenset) 
     return None
 
 
-def _affine_steps(norm: _Norm, model: nn.Module, captured: Captured,
-                  untied: frozenset = frozenset()) -> tuple[list[AffineFoldStep], str]:
+def _affine_steps(norm: _Norm, model: nn.Module, captured: Captured, untied: frozenset = frozenset(),
+                  constraints: PlanConstraints = PlanConstraints()) -> tuple[list[AffineFoldStep], str]:
     """Steps folding the norm's γ/β into every linear consumer, or ([], why not)."""
     if norm.module is None:
         return [], "no module to replace"
@@ -388,14 +388,14 @@ def _affine_steps(norm: _Norm, model: nn.Module, captured: Captured,
                 continue
             if user.op == "output":
                 return [], "its output is a model output"
-            step = _consumer_step(norm, user, current, gamma_fqn, beta_fqn, model, captured, untied)
+            step = _consumer_step(norm, user, current, gamma_fqn, beta_fqn, model, captured, untied, constraints)
             if isinstance(step, str):
                 return [], step
             steps.append(step)
     return steps, ""
 
 
-def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured, untied):
+def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured, untied, constraints: PlanConstraints):
     packet = _packet(user)
     if packet == _aten.linear and user.args[0] is x:
         w, b, in_dim = user.args[1], (user.args[2] if len(user.args) > 2 else None), 1
@@ -421,16 +421,20 @@ def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured, untied):
     if beta_zero:
         return AffineFoldStep(norm.path, gamma_fqn, None, w_fqn, in_dim, "", create_bias=False)
     if isinstance(owner, nn.Linear) and owner.bias is None:  # nn.Linear (and subclasses) read self.bias
+        if not constraints.may_create(f"{owner_path}.bias"):  # e.g. GPT-2's lm_head: stock drops a new bias
+            return f"the stock architecture has no {owner_path}.bias"
         return AffineFoldStep(norm.path, gamma_fqn, beta_fqn, w_fqn, in_dim, f"{owner_path}.bias", create_bias=True)
     return f"consumer {describe(user)} has no bias to absorb β and cannot hold one"
 
 
 # --------------------------------------------------------------------------- entry point
 
-def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = True, precompute: bool = True, *,
+def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanConstraints = PlanConstraints(), *,
                      kept: Mapping[str, str] = _NOTHING,
                      affine_kept: Mapping[str, str] = _NOTHING) -> tuple[list[NormEntry], FoldPlan, list[str]]:
-    """Norm entries, the fold plan and the untied parameters for a captured model.
+    """Norm entries, the fold plan and the untied parameters for a captured model, within ``constraints``
+    (its ``fold_affine``, ``precompute`` and ``loadable_keys``; BatchNorms are planned before, in
+    ``normfold.fold.batchnorm``).
 
     ``kept``: norm path -> reason, norms that stay LayerNorms whatever this trace says;
     ``affine_kept``: norm path -> reason, norms whose γ/β stay (``analyze_calls`` sets both).
@@ -442,7 +446,7 @@ def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = T
         for norm in norms:
             if norm.path in kept:
                 norm.forced_keep, norm.reason = True, kept[norm.path]
-        precompute_untie = _find_precomputable(norms, captured) if precompute else []
+        precompute_untie = _find_precomputable(norms, captured) if constraints.precompute else []
         walker = _Walker(captured, frozenset(n.calls[0].node for n in norms if n.precompute is not None))
         _walk_norms(walker, norms)
         parents = _close(walker, norms, captured)
@@ -467,13 +471,14 @@ def analyze_captured(model: nn.Module, captured: Captured, fold_affine: bool = T
         if norm.module is None or norm.precompute is not None:
             continue
         untied_names = frozenset(f"{u.module_path}.{u.attr}" for u in plan.untie)
-        affine, why = _affine_steps(norm, model, captured, untied_names) if fold_affine else ([], "")
+        affine, why = (_affine_steps(norm, model, captured, untied_names, constraints) if constraints.fold_affine
+                       else ([], ""))
         if affine and norm.path in affine_kept:
             affine, why = [], affine_kept[norm.path]
         norm.affine = affine
         if affine:
             plan.affine_fold.extend(affine)
-        elif why and why != "no affine" and fold_affine:
+        elif why and why != "no affine" and constraints.fold_affine:
             norm.reason += f"; affine kept: {why}"
         if norm.foldable or affine:
             ln = norm.module
@@ -510,8 +515,8 @@ def _centering_steps(foldable: list[_Norm], parents, captured: Captured):
 
 # --------------------------------------------------------------------------- several example calls
 
-def analyze_calls(model: nn.Module, captures: list[Captured], fold_affine: bool = True,
-                  precompute: bool = True) -> tuple[list[NormEntry], FoldPlan, list[str]]:
+def analyze_calls(model: nn.Module, captures: list[Captured], constraints: PlanConstraints = PlanConstraints()
+                  ) -> tuple[list[NormEntry], FoldPlan, list[str]]:
     """``analyze_captured`` for several traced calls of one model: fold only what is exact for all.
 
     Each call is analysed; a norm that is not foldable (or not run) in some call, or folds there by
@@ -523,7 +528,7 @@ def analyze_calls(model: nn.Module, captures: list[Captured], fold_affine: bool 
     kept: dict[str, str] = {}
     affine_kept: dict[str, str] = {}
     while True:
-        results = [analyze_captured(model, c, fold_affine, precompute, kept=kept, affine_kept=affine_kept)
+        results = [analyze_captured(model, c, constraints, kept=kept, affine_kept=affine_kept)
                    for c in captures]
         if not _restrict_to_agreement(results, kept, affine_kept):
             break

@@ -77,3 +77,42 @@ def layer_norm_rows(table: Tensor, gamma: Tensor | None, beta: Tensor | None, ep
     if beta is not None:
         y = y + beta.detach().to(dtype)
     return y.to(table.dtype)
+
+
+def fold_batchnorm_into_producer(weight: Tensor, bias: Tensor | None, running_mean: Tensor, running_var: Tensor,
+                                 gamma: Tensor | None, beta: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """(W', b') with W'x + b' = BN_eval(Wx + b), output channels on dim 0 of ``weight``.
+
+    BN_eval(y) = γ·(y − μ)/sqrt(σ² + ε) + β = s·y + (β − s·μ) with s = γ/sqrt(σ² + ε), so
+    W' = diag(s)·W and b' = s·(b − μ) + β (b = 0 when the producer has none).
+    """
+    n_out = weight.shape[0]
+    for name, v in (("running_mean", running_mean), ("running_var", running_var), ("gamma", gamma),
+                    ("beta", beta), ("bias", bias)):
+        if v is not None and v.shape != (n_out,):
+            raise ValueError(f"{name} must have shape ({n_out},) to match the weight's output channels, "
+                             f"got {tuple(v.shape)}")
+    dtype = compute_dtype(weight)
+    scale = torch.rsqrt(running_var.detach().to(dtype) + eps)
+    if gamma is not None:
+        scale = scale * gamma.detach().to(dtype)
+    b = torch.zeros(n_out, dtype=dtype, device=weight.device) if bias is None else bias.detach().to(dtype)
+    new_bias = (b - running_mean.detach().to(dtype)) * scale
+    if beta is not None:
+        new_bias = new_bias + beta.detach().to(dtype)
+    new_weight = weight.detach().to(dtype) * scale.reshape(-1, *([1] * (weight.dim() - 1)))
+    out_dtype = bias.dtype if bias is not None else weight.dtype
+    return new_weight.to(weight.dtype), new_bias.to(out_dtype)
+
+
+def identity_batchnorm_variance(eps: float, dtype: torch.dtype) -> float | None:
+    """The running variance σ² = 1 − eps that makes an eval BatchNorm (γ=1, β=0, μ=0) exactly the
+    identity when stored in ``dtype``, or None when it cannot be exact there.
+
+    BN(x) = x / sqrt(σ² + eps) is x only if σ² + eps rounds to exactly 1 in the precision the
+    kernel adds in (float32 for 32- and 16-bit storage, float64 for float64); 1 − eps rounded to
+    float16/bfloat16 is 1 for common eps, so the sum is 1 + eps there and such folders are refused.
+    """
+    add_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    stored = torch.tensor(1.0 - eps, dtype=dtype).to(add_dtype)
+    return 1.0 - eps if bool(stored + torch.tensor(eps, dtype=add_dtype) == 1) else None

@@ -5,6 +5,11 @@ model copy (``normfold.fold.transform.apply_plan``) or, step by step, to the ten
 checkpoint that does not fit in memory: every step names all the tensors it reads and writes, and
 its math is a pure function in ``normfold.fold.math``. Steps apply in this order:
 
+0. ``batchnorm``: an eval-mode BatchNorm merges into the Linear/Conv before it,
+   (W, b) ← ``math.fold_batchnorm_into_producer(W, b, μ, σ², γ, β, eps)`` (``b`` is a new zero bias
+   when ``create_bias``); the BatchNorm becomes ``Identity``, or, with ``keep_module``, stays with
+   identity statistics (``math.identity_batchnorm_variance``) for loaders that need its keys.
+   The later steps were planned on the model with its BatchNorms merged.
 1. ``untie``: the module attribute gets its own copy of the *original* tensor of ``source_fqn``
    (read it before step 2); in a checkpoint, write it under ``module_path + "." + attr``.
 2. ``precompute``: an embedding table read only by one LayerNorm becomes that norm applied to its
@@ -19,6 +24,30 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchNormFoldStep:
+    """Merge the eval-mode BatchNorm at ``norm_path`` into the producer at ``producer_path``
+    (output channels on dim 0 of ``weight_fqn``); ``bias_fqn`` is created, zero, when ``create_bias``.
+
+    ``keep_module``: the BatchNorm stays, as an exact identity (γ=1, β=0, μ=0, σ²=1 − eps, planned
+    only where σ² + eps rounds to 1 in the stored dtype), for a checkpoint whose loader needs its keys.
+    """
+
+    norm_path: str
+    producer_path: str
+    weight_fqn: str
+    bias_fqn: str
+    create_bias: bool
+    mean_fqn: str
+    var_fqn: str
+    gamma_fqn: str | None
+    beta_fqn: str | None
+    eps: float
+    keep_module: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +106,7 @@ class SwapStep:
 
 @dataclass
 class FoldPlan:
+    batchnorm: list[BatchNormFoldStep] = field(default_factory=list)
     center: list[CenterStep] = field(default_factory=list)
     untie: list[UntieStep] = field(default_factory=list)
     precompute: list[PrecomputeStep] = field(default_factory=list)
@@ -100,5 +130,49 @@ class FoldPlan:
         return any(getattr(self, name) for name in _STEP_TYPES)
 
 
-_STEP_TYPES = {"untie": UntieStep, "precompute": PrecomputeStep, "center": CenterStep, "affine_fold": AffineFoldStep,
+_STEP_TYPES = {"batchnorm": BatchNormFoldStep, "untie": UntieStep, "precompute": PrecomputeStep, "center": CenterStep, "affine_fold": AffineFoldStep,
                "swap": SwapStep}
+
+
+@dataclass(frozen=True)
+class PlanConstraints:
+    """What a plan may do besides being exact, given to the analysis so that it writes the reasons itself.
+
+    ``fold_affine``: move γ/β into the linear layers that read a norm. ``precompute``: bake a
+    LayerNorm applied straight to an embedding lookup into the table (the norm disappears).
+    ``fold_batchnorm``: merge eval-mode BatchNorms into the Linear/Conv before them.
+    ``loadable_keys``: when set, the checkpoint's loader (a stock architecture) knows only these
+    parameter names: no step may create a parameter outside them. ``keep_modules_in``: when set,
+    the loader needs every module's keys, stored in that dtype: a merged BatchNorm stays as an exact
+    identity there, or is kept when it cannot be exact (see :meth:`for_stock_checkpoint`).
+    """
+
+    fold_affine: bool = True
+    precompute: bool = True
+    fold_batchnorm: bool = True
+    loadable_keys: frozenset[str] | None = None
+    keep_modules_in: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("fold_affine", "precompute", "fold_batchnorm"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if self.loadable_keys is not None:
+            if not all(isinstance(k, str) for k in self.loadable_keys):
+                raise TypeError("loadable_keys must hold parameter names (str)")
+            object.__setattr__(self, "loadable_keys", frozenset(self.loadable_keys))
+        if self.keep_modules_in is not None and (not isinstance(self.keep_modules_in, torch.dtype)
+                                                 or not self.keep_modules_in.is_floating_point):
+            raise TypeError(f"keep_modules_in must be a floating torch.dtype, got {self.keep_modules_in!r}")
+
+    @classmethod
+    def for_stock_checkpoint(cls, loadable_keys, stored_dtype: torch.dtype, *,
+                             fold_affine: bool = True) -> "PlanConstraints":
+        """A plan whose result stock transformers loads: no precompute (every norm module stays), no
+        parameter the architecture lacks (e.g. GPT-2's ``lm_head.bias``), BatchNorms kept as identities."""
+        return cls(fold_affine=fold_affine, precompute=False, loadable_keys=frozenset(loadable_keys),
+                   keep_modules_in=stored_dtype)
+
+    def may_create(self, fqn: str) -> bool:
+        """Whether a step may create the parameter ``fqn`` (the loader knows that name)."""
+        return self.loadable_keys is None or fqn in self.loadable_keys

@@ -4,13 +4,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .math import center, fold_affine_into_consumer, layer_norm_rows
-from .plan import FoldPlan, SwapStep
+from .math import center, fold_affine_into_consumer, fold_batchnorm_into_producer, layer_norm_rows
+from .plan import BatchNormFoldStep, FoldPlan, SwapStep
 
 
 def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
-    """Untie, precompute, center, fold affines, swap norms — in that order (see ``normfold.fold.plan``)."""
+    """Merge BatchNorms, untie, precompute, center, fold affines, swap norms — in that order (see
+    ``normfold.fold.plan``)."""
     with torch.no_grad():
+        for step in plan.batchnorm:
+            _merge_batchnorm(model, step)
         for step in plan.untie:  # before centering: the copy keeps the original values
             original = model.get_parameter(step.source_fqn)
             owner = model.get_submodule(step.module_path)
@@ -37,6 +40,32 @@ def _untie_config(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "tie_word_embeddings", False):
         config.tie_word_embeddings = False
+
+
+def _merge_batchnorm(model: nn.Module, step: BatchNormFoldStep) -> None:
+    """The producer takes the BatchNorm's affine map; the BatchNorm becomes Identity, or, with
+    ``keep_module``, an exact identity BatchNorm (γ=1, β=0, μ=0, σ²=1 − eps)."""
+    weight, bias = model.get_parameter(step.weight_fqn), None if step.create_bias else model.get_parameter(step.bias_fqn)
+    bn = model.get_submodule(step.norm_path)
+    gamma = model.get_parameter(step.gamma_fqn) if step.gamma_fqn else None
+    beta = model.get_parameter(step.beta_fqn) if step.beta_fqn else None
+    new_weight, new_bias = fold_batchnorm_into_producer(weight, bias, model.get_buffer(step.mean_fqn),
+                                                        model.get_buffer(step.var_fqn), gamma, beta, step.eps)
+    weight.copy_(new_weight)
+    if bias is None:
+        owner_path, _, attr = step.bias_fqn.rpartition(".")
+        model.get_submodule(owner_path).register_parameter(attr, nn.Parameter(new_bias,
+                                                                               requires_grad=weight.requires_grad))
+    else:
+        bias.copy_(new_bias)
+    if not step.keep_module:
+        model.set_submodule(step.norm_path, nn.Identity())
+        return
+    bn.running_mean.zero_()
+    bn.running_var.fill_(1.0 - step.eps)
+    for p, value in ((gamma, 1.0), (beta, 0.0)):
+        if p is not None:
+            p.fill_(value)
 
 
 def _fold_affine(model: nn.Module, step) -> None:

@@ -17,6 +17,8 @@ from torch import Tensor, nn
 from .graph import eval_mode, split_example_calls
 from .report import VerifyResult
 
+FOLD_TOLERANCE = 1e-9  # the transform itself: float64 relative error allowed between original and fold
+
 # Weights stored in a low-precision dtype: the folded model's float64 error may be this many times
 # the error the original itself makes when run in that dtype on the same inputs, plus one unit
 # roundoff of the dtype. Measured (bundled GPT-2, tiny GPT-2 and BERT; fp32/fp16/bf16): a correct
@@ -72,7 +74,7 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
 
     rule, stored_own = "fixed", None
     if stored_dtype is None:
-        tolerance = 1e-9 if tolerance is None else tolerance
+        tolerance = FOLD_TOLERANCE if tolerance is None else tolerance
     elif why is None:
         stored_own = own_error(original, inputs, stored_dtype, reference=a64, dtype=dtype)
         tolerance, rule = measured_tolerance(stored_own, stored_dtype)
