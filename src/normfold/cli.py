@@ -26,7 +26,7 @@ from pathlib import Path
 EXIT_OK, EXIT_VERIFY_FAILED, EXIT_USAGE = 0, 1, 2
 
 # Modules that add subcommands (each defines ``add_commands(subparsers)``; see the module docstring).
-COMMAND_MODULES: list[str] = ["normfold.cli", "normfold.train.cli", "normfold.lab.commands", "normfold.bench"]
+COMMAND_MODULES: list[str] = ["normfold.cli", "normfold.train.cli", "normfold.lab.commands", "normfold.bench.cli"]
 
 
 class UsageError(ValueError):

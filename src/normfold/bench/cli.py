@@ -1,0 +1,50 @@
+"""The ``normfold bench`` command: time the original, folded and folded+fused model of a folder."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import asdict, replace
+
+from ..hf.io import default_model_path, load_model
+from .config import QUICK, BenchConfig
+from .driver import bench_model
+from .results import write_results
+from .stats import verdict
+
+
+def _run_bench(args) -> int:
+    model_dir = args.model_dir or default_model_path()
+    config = QUICK if args.quick else BenchConfig()
+    config = replace(config, compile=args.compile, rounds=args.rounds or config.rounds,
+                     batches=tuple(args.batch) if args.batch else config.batches,
+                     seqs=tuple(args.seq) if args.seq else config.seqs, profile=not args.no_profile)
+    rows = bench_model(load_model(model_dir), config, name=str(model_dir).rstrip("/").rsplit("/", 1)[-1])
+    for r in rows:
+        share = (f"  norm+add {r.norm_share['original']:.1%} -> {r.norm_share['fused']:.1%}"
+                 if r.norm_share else "")
+        print(f"{r.mode:7s} batch {r.batch:2d} {r.kind:7s} {r.seq:5d}  original {r.median_ms['original']:9.3f} ms  "
+              + "  ".join(f"{c} {r.ratio[c]:.3f}x [{r.ratio_ci[c][0]:.3f}, {r.ratio_ci[c][1]:.3f}]"
+                          for c in ("control", "folded", "fused") if c in r.ratio) + f"  ({verdict(r)})" + share)
+    if args.out:
+        for p in write_results(rows, args.out, command="normfold " + shlex.join(sys.argv[1:]), plot=not args.no_plot):
+            print(f"wrote {p}")
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows], indent=2))
+    return 0
+
+
+def add_commands(subparsers) -> None:
+    """Add ``bench`` to the ``normfold`` command's subparsers."""
+    p = subparsers.add_parser("bench", help="time the original, folded and folded+fused model side by side")
+    p.add_argument("model_dir", nargs="?", help="Hugging Face folder (default: the bundled model)")
+    p.add_argument("--quick", action="store_true", help="a few seconds: batch 1, decode and seq 16, 5 rounds")
+    p.add_argument("--compile", action="store_true", help="also time torch.compile'd contenders")
+    p.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 1 8)")
+    p.add_argument("--seq", type=int, nargs="+", help="sequence lengths; 1 = a decode step (default 1 128 1024)")
+    p.add_argument("--rounds", type=int, help="interleaved rounds (default 30)")
+    p.add_argument("--no-profile", action="store_true", help="skip the profiler pass")
+    p.add_argument("--out", metavar="STEM", help="write STEM.csv, STEM.md and STEM.png")
+    p.add_argument("--no-plot", action="store_true", help="no PNG with --out")
+    p.add_argument("--json", action="store_true", help="also print the rows as JSON")
+    p.set_defaults(run=_run_bench)

@@ -1,0 +1,41 @@
+"""benchmarks/bench_e2e.py and benchmarks/gpu_e2e.sh run end to end (timings themselves are never asserted)."""
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from normfold import ops
+
+REPO = Path(__file__).resolve().parents[2]
+pytest.importorskip("transformers")
+
+
+def _run(cmd, tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_bench_e2e_quick_runs_end_to_end(tmp_path):
+    _run([sys.executable, "benchmarks/bench_e2e.py", "--quick", "--models", "gpt2", "vit", "--out",
+          str(tmp_path / "e2e_quick"), "--no-plot"], tmp_path)
+    rows = list(csv.DictReader(open(tmp_path / "e2e_quick.csv")))
+    assert {(r["model"], r["kind"]) for r in rows} == {("gpt2", "decode"), ("gpt2", "prefill"), ("vit", "image")}
+    ops_table = (tmp_path / "e2e_quick_ops.md").read_text()
+    assert "| (1, 768) |" in ops_table
+    assert ("fused_sum_cached_us" in ops_table) == ops.cpu_kernel_available()
+
+
+def test_gpu_e2e_dry_run_times_every_contender_and_writes_tables(tmp_path):
+    done = _run(["bash", "benchmarks/gpu_e2e.sh", "--dry-run", "--models", "gpt2"], tmp_path)
+    assert "gpu_e2e: wrote" in done.stdout
+    rows = list(csv.DictReader(open(tmp_path / "gpu_e2e.csv")))
+    assert {r["mode"] for r in rows} == {"eager", "compile", "compile+cuda graphs"}
+    assert all(r["fused_speedup"] and not r["failures"] for r in rows)
+    assert "cuda graph: needs a CUDA device" in (tmp_path / "gpu_e2e.md").read_text()
