@@ -14,16 +14,16 @@ from typing import Any
 
 import torch
 
+from ..fold.pipeline import fold_exactly, rms_norm_paths
+from ..fold.plan import FoldPlan
 from .io import (DTYPES, REPORT_JSON, CheckpointError, atomic_output_dir, calibration_batches, check_model_dir,
                  copy_side_files, example_inputs_for, folded_layout, from_pretrained, is_sentence_encoder, load_model,
-                 load_tokenizer, read_calibration_file, save_folded, stock_compatible_plan, stock_parameter_shapes)
+                 load_tokenizer, read_calibration_file, save_folded, stock_constraints)
 from .picture import draw_zero_mean_graph
 from .report import norm_rows, render_markdown
 
 REPORT_MD = "normfold_report.md"
 PICTURE = "normfold_zero_mean_graph.png"
-
-FOLD_TOLERANCE = 1e-9  # the transform itself, float64 against float64 (as normfold.fold)
 
 Step = Callable[[str], None]  # called with a description before each slow step (for progress bars)
 
@@ -90,7 +90,7 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         model = load_model(model_dir, trust_remote_code=trust_remote_code)
         step("folding and verifying in float64")
         inputs = example_inputs_for(model)
-        folded, report = fold_for_stock(model, inputs, fold_affine=fold_affine)
+        folded, report = fold_for_stock(model, inputs, fold_affine=fold_affine, stored_dtype=save_dtype)
         out = report.to_dict()
         approx = None
         if sentences is not None:
@@ -125,7 +125,7 @@ def check_rounded(model, folded, example_inputs, save_dtype: torch.dtype, plan) 
 
     # .to(save_dtype) rounds exactly what stock_state_dict(folded, save_dtype) writes; float32 back is exact
     rounded = copy.deepcopy(folded).to(save_dtype).to(torch.float32)
-    result = verify(model, rounded, example_inputs, stored_dtype=save_dtype, rms_norm_paths=_rms_paths(plan))
+    result = verify(model, rounded, example_inputs, stored_dtype=save_dtype, rms_norm_paths=rms_norm_paths(plan))
     if not result.ok:
         raise FoldVerificationError(f"the folded weights rounded to {_dtype_name(save_dtype)} (what would be saved) "
                                     f"differ from the original: {result}")
@@ -170,44 +170,19 @@ def approximate_warning(report: dict[str, Any]) -> str | None:
             "load with normfold.from_pretrained (stock transformers would rebuild them as LayerNorms)")
 
 
-def fold_for_stock(model, example_inputs, *, fold_affine: bool = True):
-    """``normfold.fold`` with a plan that stock transformers can load (:func:`stock_compatible_plan`).
-
-    Same steps as ``normfold.fold``: analyse, apply the plan to a copy, verify in float64 against
-    the plan applied in float64; raises ``FoldVerificationError`` (nothing is saved) on failure.
+def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dtype: torch.dtype = torch.float32):
+    """``normfold.fold`` within what stock transformers can load, saved in ``stored_dtype``
+    (``normfold.hf.io.stock_constraints``): the same pipeline (``normfold.fold.pipeline.fold_exactly``), proved in
+    float64; raises ``FoldVerificationError`` (nothing is saved) on failure.
     """
-    from .. import FoldVerificationError, verify
-    from ..fold.transform import apply_plan
-
-    folded, report = _stock_fold_unverified(model, example_inputs, fold_affine=fold_affine)
-    exact = apply_plan(copy.deepcopy(model).to(torch.float64), report.plan)
-    report.verification = verify(model, folded, example_inputs, tolerance=FOLD_TOLERANCE,
-                                 rms_norm_paths=_rms_paths(report.plan), folded_exact=exact)
-    if not report.verification.ok:
-        raise FoldVerificationError(f"folded model differs from the original: {report.verification}")
-    return folded, report
+    return fold_exactly(model, example_inputs, stock_constraints(model, stored_dtype, fold_affine=fold_affine))
 
 
-def _stock_fold_unverified(model, example_inputs, *, fold_affine: bool):
-    """(folded copy, report): the analysis and float32 transform of :func:`fold_for_stock`, not yet
+def _stock_fold_unverified(model, example_inputs, *, fold_affine: bool, stored_dtype: torch.dtype):
+    """(folded copy, report): the plan and float32 transform of :func:`fold_for_stock`, not yet
     verified. ``verify_folders`` re-derives a saved folder's weights with it (the same code path)."""
-    from .. import analyze
-    from ..fold.transform import apply_plan
-
-    # precompute=False: a stock folder must keep every norm module (a precomputed norm becomes Identity)
-    report = analyze(model, example_inputs, fold_affine=fold_affine, precompute=False)
-    stock_keys = set(stock_parameter_shapes(model.config, type(model)))
-    report.plan, kept = stock_compatible_plan(report.plan, stock_keys)
-    for entry in report.norms:
-        if entry.path in kept:
-            entry.affine_folded = False
-            entry.reason = f"{entry.reason}; {kept[entry.path]}"
-    return apply_plan(copy.deepcopy(model), report.plan), report
-
-
-def _rms_paths(plan) -> list[str]:
-    """The norms the plan turns into RMSNorms (their inputs must be zero-mean)."""
-    return [s.path for s in plan.swap if s.to == "RMSNorm"]
+    return fold_exactly(model, example_inputs, stock_constraints(model, stored_dtype, fold_affine=fold_affine),
+                        prove=False)
 
 
 def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *, trust_remote_code: bool = False,
@@ -281,14 +256,23 @@ def check_saved_weights(original, folded_dir: Path, report: dict[str, Any]) -> d
         return skipped(f"{REPORT_JSON} records saved_dtype {report['saved_dtype']!r}, "
                        f"expected one of {', '.join(DTYPES)}")
     derived, derived_report = _stock_fold_unverified(original, example_inputs_for(original),
-                                                     fold_affine=bool(report["fold_affine"]))
-    if json.loads(json.dumps(derived_report.plan.to_dict(), default=str)) != report["plan"]:
+                                                     fold_affine=bool(report["fold_affine"]),
+                                                     stored_dtype=DTYPES[report["saved_dtype"]])
+    if not _same_plan(derived_report.plan, report["plan"]):
         return skipped("the plan this normfold derives from the original differs from the one the report records "
                        "(folded by another normfold version, or from another original): the weights cannot be "
                        "re-derived")
     expected = stock_state_dict(derived, DTYPES[report["saved_dtype"]])
     files = _stored_tensors(folded_dir)
     return compare_weights(expected, files, lambda name: _read_tensor(files[name], name), _aliases(derived))
+
+
+def _same_plan(plan, recorded) -> bool:
+    """Whether the plan a report records (JSON; an older normfold wrote fewer sections, read as empty) is ``plan``."""
+    try:
+        return FoldPlan.from_dict(recorded) == plan
+    except (AttributeError, TypeError, ValueError):  # not a plan, or sections/fields this normfold does not know
+        return False
 
 
 def write_report_files(report: dict[str, Any], out_dir: Path) -> None:

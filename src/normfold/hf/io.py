@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..fold.plan import PlanConstraints
 from ..nn import RMSNorm
 from ._deps import require
 
@@ -921,25 +922,10 @@ def swap_in_rmsnorm(model: nn.Module, entry: Mapping[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------ stock-compatible plans
 
-def stock_compatible_plan(plan, stock_keys: set[str]):
-    """The plan, minus affine folds that would create a bias the stock architecture cannot load.
-
-    E.g. GPT-2's ``lm_head`` has no bias: folding ln_f's β into it would write ``lm_head.bias``,
-    which stock transformers drops. Such a norm keeps its γ/β (an RMSNorm with affine) instead;
-    its other consumers keep their weights too, since γ/β can only move all at once.
-    Returns ``(new_plan, {norm path: why its affine was kept})``.
-    """
-    from dataclasses import replace
-
-    from ..fold.plan import FoldPlan
-
-    kept = {s.norm_path: f"affine kept: the stock architecture has no {s.bias_fqn}"
-            for s in plan.affine_fold if s.create_bias and s.bias_fqn not in stock_keys}
-    if not kept:
-        return plan, kept
-    betas = {s.norm_path: s.beta_fqn is not None for s in plan.affine_fold}
-    gammas = {s.norm_path: s.gamma_fqn is not None for s in plan.affine_fold}
-    swap = [replace(s, elementwise_affine=gammas[s.path] or betas[s.path], bias=betas[s.path]) if s.path in kept else s
-            for s in plan.swap]
-    return FoldPlan(center=list(plan.center), untie=list(plan.untie),
-                    affine_fold=[s for s in plan.affine_fold if s.norm_path not in kept], swap=swap), kept
+def stock_constraints(model, stored_dtype: torch.dtype, *, fold_affine: bool = True):
+    """The planning constraints of a folder that stock transformers loads, saved in ``stored_dtype``:
+    no precompute (every norm module stays), no parameter the architecture lacks (e.g. GPT-2's
+    ``lm_head.bias``: folding ln_f's β into the head would write it, stock drops it; ln_f keeps γ/β),
+    and merged BatchNorms kept as exact identities (the architecture loads their keys)."""
+    return PlanConstraints.for_stock_checkpoint(stock_parameter_shapes(model.config, type(model)), stored_dtype,
+                                                fold_affine=fold_affine)

@@ -34,11 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..fold.math import fold_batchnorm_into_producer
 from ..fold.verify import _cast, _errors, measured_tolerance
 from ._deps import require
 from .io import (DTYPES, REPORT_JSON, CheckpointError, _first_line, atomic_output_dir, check_model_dir, copy_side_files,
-                 example_inputs_for, load_config, model_class_for, stock_compatible_plan, stock_parameter_shapes,
-                 swap_in_rmsnorm)
+                 example_inputs_for, load_config, model_class_for, stock_constraints, swap_in_rmsnorm)
 
 INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -147,13 +147,16 @@ def write_safetensors(path: Path, entries: list[tuple[str, str, list[int]]],
 
 # ------------------------------------------------------------------------------------------ plan
 
-def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remote_code: bool = False):
+def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remote_code: bool = False,
+                        stored_dtype: torch.dtype | None = None):
     """Analyse the model of a checkpoint without loading its weights.
 
-    Returns ``(report, skeleton, checkpoint)``: the engine's FoldReport with a stock-compatible plan,
-    the model built on uninitialised storage (only its norms' γ/β are real), and the checkpoint.
+    Returns ``(report, skeleton, checkpoint)``: the fold pipeline's FoldReport, planned within what
+    stock transformers loads from a folder stored in ``stored_dtype`` (default: the checkpoint's
+    own; ``normfold.hf.io.stock_constraints``), the model built on uninitialised storage (only its
+    norms' γ/β are real), and the checkpoint.
     """
-    from .. import analyze
+    from ..fold.pipeline import plan_fold
 
     config = load_config(model_dir, trust_remote_code=trust_remote_code)
     cls = model_class_for(config, trust_remote_code=trust_remote_code)
@@ -164,12 +167,8 @@ def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remo
     skeleton = skeleton.to_empty(device="cpu").eval()  # virtual memory only: pages are never written
     skeleton.tie_weights()  # to_empty gives tied parameters separate storage; the analysis must see the tie
     _load_norm_parameters(skeleton, checkpoint)
-    report = analyze(skeleton, example_inputs_for(skeleton), fold_affine=fold_affine, precompute=False)
-    report.plan, kept = stock_compatible_plan(report.plan, set(stock_parameter_shapes(config, cls)))
-    for entry in report.norms:
-        if entry.path in kept:
-            entry.affine_folded, entry.reason = False, f"{entry.reason}; {kept[entry.path]}"
-    return report, skeleton, checkpoint
+    constraints = stock_constraints(skeleton, stored_dtype or dtype, fold_affine=fold_affine)
+    return plan_fold(skeleton, example_inputs_for(skeleton), constraints), skeleton, checkpoint
 
 
 def _norm_types() -> tuple[type, ...]:
@@ -214,6 +213,9 @@ class _Rewrite:
     def __init__(self, plan, skeleton: nn.Module, checkpoint: Checkpoint, out_dtype: torch.dtype | None) -> None:
         if getattr(plan, "precompute", None):
             raise CheckpointError("streaming folds cannot precompute embedding norms (internal: plan has precompute steps)")
+        if any(not s.keep_module for s in plan.batchnorm):
+            raise CheckpointError("streaming folds keep every module: merged BatchNorms must stay as identities "
+                                  "(internal: plan removes a BatchNorm)")
         aliases = _aliases(skeleton)
         self.checkpoint = checkpoint
         self.out_dtype = out_dtype
@@ -234,7 +236,22 @@ class _Rewrite:
         def union(a: str, b: str) -> None:
             parent[find(a)] = find(b)
 
-        self.new_keys: dict[str, str] = {}          # new key -> source key (untied copies)
+        self.new_keys: dict[str, str] = {}          # new key -> source key (untied copies, created biases)
+        self.norm_params: set[str] = set()          # small tensors read up front: BatchNorm statistics, norms' γ/β
+        # norms whose γ/β moved elsewhere keep their stock keys with identity values (``fill``)
+        self.fill: dict[str, float] = {}
+        self.batchnorm = []
+        for s in plan.batchnorm:  # first, as in apply_plan: the producer takes the BatchNorm's affine map
+            w = key(s.weight_fqn)
+            b = s.bias_fqn if s.create_bias else key(s.bias_fqn)
+            if s.create_bias:
+                self.new_keys[b] = w
+            stats = [key(f) if f else None for f in (s.mean_fqn, s.var_fqn, s.gamma_fqn, s.beta_fqn)]
+            self.norm_params.update(k for k in stats if k)
+            self.batchnorm.append((w, b, *stats, s.eps))
+            union(w, b)
+            # the BatchNorm stays for the stock loader as an exact identity: μ=0, σ²=1−ε, γ=1, β=0
+            self.fill.update({k: v for k, v in zip(stats, (0.0, 1.0 - s.eps, 1.0, 0.0)) if k})
         self.untie = []
         for s in plan.untie:
             new, src = f"{s.module_path}.{s.attr}", key(s.source_fqn)
@@ -242,7 +259,6 @@ class _Rewrite:
             self.untie.append((new, src))
             union(new, src)
         self.center = [(key(s.fqn), s.dim, s.group) for s in plan.center]
-        self.norm_params: set[str] = set()
         self.affine = []
         for s in plan.affine_fold:
             w = s.weight_fqn if s.weight_fqn in self.new_keys else key(s.weight_fqn)
@@ -257,7 +273,6 @@ class _Rewrite:
                 union(w, b)
         # norms whose γ/β moved into the next layer (RMSNorms, and LayerNorms the fold kept) keep
         # their stock keys as γ = 1, β = 0: left as they were, γ/β would apply twice
-        self.fill: dict[str, float] = {}
         for s in plan.swap:
             if not s.elementwise_affine:
                 for leaf, value in (("weight", 1.0), ("bias", 0.0)):
@@ -265,7 +280,7 @@ class _Rewrite:
                     if k is not None:
                         self.fill[k] = value
         touched = {k for k, *_ in self.center} | {w for w, *_ in self.affine} | {b for _, b, *_ in self.affine if b} \
-            | set(self.new_keys) | set(self.fill)
+            | {w for w, *_ in self.batchnorm} | {b for _, b, *_ in self.batchnorm} | set(self.new_keys) | set(self.fill)
         self.groups: dict[str, set[str]] = defaultdict(set)
         for k in touched:
             self.groups[find(k)].add(k)
@@ -286,6 +301,9 @@ class _Rewrite:
         return dtype, shape
 
     def _bias_len(self, bias_key: str) -> int:
+        for w, b, *_ in self.batchnorm:  # output channels: dim 0 of the producer's weight
+            if b == bias_key:
+                return self.output_meta(w)[1][0]
         for w, b, _, _, in_dim in self.affine:
             if b == bias_key:
                 return self.output_meta(w)[1][1 - in_dim]
@@ -299,7 +317,11 @@ class _Rewrite:
         keys = self.groups[self.group_of[key]]
         vals = {k: self.checkpoint.read(k) for k in keys if k in self.checkpoint.meta}
         t0 = time.perf_counter()
-        for new, src in self.untie:  # first: the copy keeps the original values
+        for w, b, mean, var, gamma, beta, eps in self.batchnorm:
+            if w in keys:
+                values = [self.norm_values.get(k) for k in (mean, var, gamma, beta)]
+                vals[w], vals[b] = fold_batchnorm_into_producer(vals[w], vals.get(b), *values, eps)
+        for new, src in self.untie:  # the copy keeps the original values
             if new in keys:
                 vals[new] = vals[src].clone()
         for k, dim, group in self.center:
@@ -312,8 +334,8 @@ class _Rewrite:
                 _fold_affine_(vals[w], vals.get(b) if b else None, self.norm_values.get(g), self.norm_values.get(be),
                               in_dim)
         for k in keys:
-            if k in self.fill:
-                dtype, shape = self.checkpoint.meta[k]
+            if k in self.fill:  # made in the output dtype: 1 − ε must round there, not in the checkpoint's
+                dtype, shape = self.output_meta(k)
                 vals[k] = torch.full(shape, self.fill[k], dtype=_FROM_ST[dtype])
         self.math_seconds += time.perf_counter() - t0
         return {k: self._cast(k, v) for k, v in vals.items()}
@@ -443,7 +465,7 @@ def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool
     t0 = time.perf_counter()
     step("planning (no weights loaded)")
     report, skeleton, checkpoint = plan_for_checkpoint(model_dir, fold_affine=fold_affine,
-                                                      trust_remote_code=trust_remote_code)
+                                                      trust_remote_code=trust_remote_code, stored_dtype=out_dtype)
     t_plan = time.perf_counter() - t0
     rewrite = _Rewrite(report.plan, skeleton, checkpoint, out_dtype)
     layout = {name: list(keys) for name, keys in checkpoint.files.items()}
