@@ -130,8 +130,8 @@ class FoldPlan:
         return any(getattr(self, name) for name in _STEP_TYPES)
 
 
-_STEP_TYPES = {"batchnorm": BatchNormFoldStep, "untie": UntieStep, "precompute": PrecomputeStep, "center": CenterStep, "affine_fold": AffineFoldStep,
-               "swap": SwapStep}
+_STEP_TYPES = {"batchnorm": BatchNormFoldStep, "untie": UntieStep, "precompute": PrecomputeStep, "center": CenterStep,
+               "affine_fold": AffineFoldStep, "swap": SwapStep}
 
 
 @dataclass(frozen=True)

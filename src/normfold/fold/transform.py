@@ -45,7 +45,8 @@ def _untie_config(model: nn.Module) -> None:
 def _merge_batchnorm(model: nn.Module, step: BatchNormFoldStep) -> None:
     """The producer takes the BatchNorm's affine map; the BatchNorm becomes Identity, or, with
     ``keep_module``, an exact identity BatchNorm (γ=1, β=0, μ=0, σ²=1 − eps)."""
-    weight, bias = model.get_parameter(step.weight_fqn), None if step.create_bias else model.get_parameter(step.bias_fqn)
+    weight = model.get_parameter(step.weight_fqn)
+    bias = None if step.create_bias else model.get_parameter(step.bias_fqn)
     bn = model.get_submodule(step.norm_path)
     gamma = model.get_parameter(step.gamma_fqn) if step.gamma_fqn else None
     beta = model.get_parameter(step.beta_fqn) if step.beta_fqn else None
