@@ -112,10 +112,38 @@ def compare_weights(derived: Mapping[str, Tensor], stored_names: Iterable[str], 
             "worst": None if worst is None else {k: v for k, v in worst.items() if k not in ("ok", "why")}, "why": why}
 
 
+REDERIVE_KEYS = ("fold_affine", "saved_dtype", "plan")  # what a report must record to re-derive the weights
+
+
+def why_not_rederivable(report: Mapping[str, Any]) -> str | None:
+    """Why the fold a report describes cannot be re-derived from the original (the reason to skip
+    the weight check), or None when it can: an ``--approximate`` fold (fitted on calibration
+    sentences the folder does not hold), a report lacking :data:`REDERIVE_KEYS` (an older
+    normfold, or ``normfold.save_pretrained``), a saved dtype normfold does not write."""
+    from .io import DTYPES, REPORT_JSON
+
+    if report.get("num_approximate"):
+        return (f"folded with --approximate ({report['num_approximate']} norm(s) fitted on calibration "
+                "sentences the folder does not hold): its weights cannot be re-derived")
+    absent = [k for k in REDERIVE_KEYS if k not in report]
+    if absent:
+        return (f"{REPORT_JSON} lacks {', '.join(absent)} (written by an older normfold, or by "
+                "normfold.save_pretrained for a fold of the caller's own): the fold cannot be re-derived "
+                "with the options it used")
+    if report["saved_dtype"] not in DTYPES:
+        return f"{REPORT_JSON} records saved_dtype {report['saved_dtype']!r}, expected one of {', '.join(DTYPES)}"
+    return None
+
+
 def skipped(reason: str) -> dict[str, Any]:
     """The result of a weight check that could not run: ``ok`` None (neither passed nor failed)."""
     return {"ok": None, "num_tensors": 0, "num_differing_tensors": 0, "worst": None, "bound": None,
             "skipped": reason, "why": None}
+
+
+def not_compared(why: str) -> dict[str, Any]:
+    """The result of a weight check that failed before comparing a tensor: ``ok`` False, ``why``."""
+    return {**skipped(""), "ok": False, "skipped": None, "why": why}
 
 
 def _few(names: list[str], limit: int = 4) -> str:

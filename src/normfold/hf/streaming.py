@@ -12,7 +12,8 @@
    sibling of the output folder.
 3. Verify, piece by piece in float64 (:func:`verify_by_blocks`): every block of the stacks the
    fold touched, the model cut to one block per stack (embeddings, final norm, head), and every
-   other tensor as a copy.
+   other tensor as a copy. ``normfold verify`` also re-derives the fold from the original, group
+   by group, and compares every stored tensor with it.
 4. Publish: only a verified folder replaces the output, in one atomic exchange.
 
 Peak memory: the largest group in float32 plus the γ/β of all norms while rewriting; while
@@ -27,7 +28,7 @@ import os
 import struct
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from ..fold.verify import _cast, _errors, measured_tolerance
 from ._deps import require
 from .io import (DTYPES, REPORT_JSON, CheckpointError, _first_line, atomic_output_dir, check_model_dir, copy_side_files,
                  example_inputs_for, load_config, model_class_for, stock_constraints, swap_in_rmsnorm)
+from .saved_weights import compare_weights, not_compared, skipped, why_not_rederivable
 
 INDEX = "model.safetensors.index.json"
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -445,7 +447,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     with atomic_output_dir(out_dir, overwrite=overwrite, protect=(model_dir,)) as tmp:
         report = _write_folded_checkpoint(model_dir, tmp, fold_affine=fold_affine, dtype=dtype,
                                           trust_remote_code=trust_remote_code, step=step)
-        report["verification"] = verify_by_blocks(model_dir, tmp, report, dtype=dtype,
+        report["verification"] = verify_by_blocks(model_dir, tmp, report, dtype=dtype, check_weights=False,
                                                   trust_remote_code=trust_remote_code, step=step)
         if not report["verification"]["ok"]:
             raise FoldVerificationError(f"{_failure(report['verification'])}; nothing was written to {out_dir}")
@@ -812,18 +814,26 @@ def _watch_rms_inputs(block: nn.Module) -> list[float]:
 
 
 def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, report: dict[str, Any] | None = None,
-                     *, dtype: str | None = None, trust_remote_code: bool = False,
+                     *, dtype: str | None = None, trust_remote_code: bool = False, check_weights: bool = True,
                      step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Prove a folded checkpoint equal to its original without loading either whole (see the
     comment above :func:`check_block`): the shell, every block of every stack (run on the
-    original's stream, or compared as a copy when unchanged), and every remaining tensor as a copy.
+    original's stream, or compared as a copy when unchanged), and every remaining tensor as a copy;
+    then every stored tensor against the fold re-derived from the original
+    (:func:`check_streamed_weights`, under ``weights``), which sees what running a piece cannot: in
+    a bf16 post-LN BERT a 1.5x MLP weight moves its block's output less than bf16 itself does.
 
     ``dtype``: the dtype the folded weights were stored in (default: read from the checkpoint).
     Each piece run (``shell``, each of ``blocks``) carries its ``own_error``, ``tolerance``,
     ``tolerance_rule`` and ``ok``; ``ok`` only when every piece is within its own tolerance and
-    every tensor of both folders was checked. ``tolerance`` is the tightest of the pieces',
+    every tensor of both folders was checked, and the weight check did not fail (a skipped one,
+    ``weights["ok"]`` None, does not count). ``tolerance`` is the tightest of the pieces',
     ``tolerance_rule`` names the piece closest to its bound, ``why`` says what failed.
-    Memory: the shell (embeddings, head, one block per stack) in float64, then one block at a time.
+    ``check_weights=False`` skips the weight check (``fold_checkpoint``: the tensors were just
+    written by the same code a re-derivation runs, so it would re-read both checkpoints whole to
+    compare that code with itself; ``normfold verify`` runs it).
+    Memory: the shell (embeddings, head, one block per stack) in float64, then one block at a time;
+    the weight check holds one group of tensors the fold rewrites together.
     """
     orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
     if report is None:
@@ -872,19 +882,97 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
     problems += [f"{key}: differs from the original (or is missing on one side), though no checked piece holds it"
                  for key in _compare_copies(orig, folded, rest)]
     copies += len(rest)
+    if check_weights:
+        step("re-deriving the fold and comparing every stored tensor")
+        weights = check_streamed_weights(orig_dir, folded, report, trust_remote_code=trust_remote_code)
+    else:
+        weights = skipped("at fold time the tensors were just written by the streaming code a re-derivation "
+                          "would run again; `normfold verify ORIG OUT` re-derives and compares them")
     pieces = [shell, *checks]
     errors = [c["max_rel_error"] for c in pieces]
     ratios = [c["max_input_mean_ratio"] for c in checks if c["max_input_mean_ratio"] is not None]
     verification = {
-        "ok": not problems and all(c["ok"] for c in pieces),
+        "ok": not problems and all(c["ok"] for c in pieces) and weights["ok"] is not False,
         "max_rel_error": math.nan if any(math.isnan(e) for e in errors) else max(errors),
         "max_input_mean_ratio": max(ratios) if ratios else None,
         "tolerance": min((c["tolerance"] for c in pieces if "tolerance" in c), default=math.nan),
         "tolerance_rule": _tolerance_rule(pieces), "stored_dtype": stored_name, "num_runs": len(checks) + 1,
         "blocks": checks, "shell": {k: v for k, v in shell.items() if k != "keys"}, "copied_tensors": copies,
-        "problems": problems}
+        "problems": problems, "weights": weights}
     verification["why"] = None if verification["ok"] else _failure(verification)
     return verification
+
+
+def check_streamed_weights(orig_dir: Path, folded: Checkpoint, report: dict[str, Any], *,
+                           trust_remote_code: bool = False) -> dict[str, Any]:
+    """Every tensor of ``folded`` against the streaming fold re-derived from the original checkpoint.
+
+    The fold is re-run as ``fold_checkpoint`` ran it: :func:`plan_for_checkpoint` with the
+    ``fold_affine`` and saved dtype the report records, then ``_Rewrite.compute`` group by group
+    (one group of tensors in memory at a time), each tensor compared with the stored one by
+    :func:`normfold.hf.saved_weights.compare_weights` (within one ulp of the stored dtype; the
+    key sets must be equal). Skipped, with the reason, when the report lacks what the
+    re-derivation needs or records another plan than the one derived (another normfold, another
+    original); a re-derivation that fails is a failure (nothing was compared).
+    """
+    from .folder import _same_plan
+
+    reason = why_not_rederivable(report)
+    if reason:
+        return skipped(reason)
+    out_dtype = _rederived_out_dtype(folded, report["saved_dtype"])
+    try:
+        derived_report, skeleton, original = plan_for_checkpoint(
+            orig_dir, fold_affine=bool(report["fold_affine"]), trust_remote_code=trust_remote_code,
+            stored_dtype=out_dtype)
+        if not _same_plan(derived_report.plan, report["plan"]):
+            return skipped("the plan this normfold derives from the original differs from the one the report "
+                           "records (folded by another normfold version, or from another original): the weights "
+                           "cannot be re-derived")
+        derived = _DerivedTensors(_Rewrite(derived_report.plan, skeleton, original, out_dtype))
+        names = sorted(folded.meta, key=derived.group_order)  # a group's keys in a row: each group computed once
+        return compare_weights(derived, names, folded.read, {})
+    except Exception as err:  # e.g. an original that no longer plans: nothing proved, so not ok
+        return not_compared(f"could not re-derive the fold from the original and compare: {_first_line(err)}")
+
+
+def _rederived_out_dtype(folded: Checkpoint, saved_dtype: str) -> torch.dtype | None:
+    """The ``out_dtype`` the fold wrote with: the saved dtype when ``folded`` stores every floating
+    tensor in it (a fold with ``--dtype``, or of an original in one dtype, where both readings
+    agree), else None (a mixed-dtype original folded without ``--dtype`` keeps each tensor's)."""
+    floating = {d for d, _ in folded.meta.values() if _FROM_ST[d].is_floating_point}
+    return DTYPES[saved_dtype] if floating <= {_ST_DTYPES[DTYPES[saved_dtype]]} else None
+
+
+class _DerivedTensors(Mapping):
+    """The streaming fold's output tensors by key, computed on first access by ``_Rewrite.compute``,
+    which yields a key's whole group; only the last group is kept (ask for a group's keys in a row)."""
+
+    def __init__(self, rewrite: _Rewrite) -> None:
+        self.rewrite = rewrite
+        self.names = [*rewrite.checkpoint.meta, *(k for k in rewrite.new_keys if k not in rewrite.checkpoint.meta)]
+        self.known = set(self.names)
+        self.group: dict[str, torch.Tensor] = {}
+
+    def group_order(self, key: str) -> tuple[str, str]:
+        """Sort key putting the keys of one group next to each other."""
+        return self.rewrite.group_of.get(key, key), key
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key not in self.known:
+            raise KeyError(key)
+        if key not in self.group:
+            self.group = self.rewrite.compute(key)
+        return self.group[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.known
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
 
 
 def _closest_to_bound(pieces: list[dict[str, Any]]) -> dict[str, Any]:
@@ -910,11 +998,18 @@ def _tolerance_rule(pieces: list[dict[str, Any]]) -> str:
 
 def _failure(verification: dict[str, Any]) -> str:
     """One line saying why a verification failed."""
+    weights = verification.get("weights") or {}
+    stored = f"stored weights: {weights['why']}" if weights.get("ok") is False else None
+    pieces = [verification["shell"], *verification["blocks"]]
     if verification["problems"]:
-        return f"float64 check failed: {verification['problems'][0]}"
-    worst = _closest_to_bound([verification["shell"], *verification["blocks"]])
-    return (f"float64 check failed: {worst['block']} relative error {worst['max_rel_error']:.1e} > tolerance "
-            f"{worst.get('tolerance', math.nan):.1e} = {worst.get('tolerance_rule', 'not measured')}")
+        outputs = f"float64 check failed: {verification['problems'][0]}"
+    elif all(piece["ok"] for piece in pieces):
+        return stored
+    else:
+        worst = _closest_to_bound(pieces)
+        outputs = (f"float64 check failed: {worst['block']} relative error {worst['max_rel_error']:.1e} > tolerance "
+                   f"{worst.get('tolerance', math.nan):.1e} = {worst.get('tolerance_rule', 'not measured')}")
+    return outputs if stored is None else f"{outputs}; {stored}"
 
 
 def _stored_dtype(model_dir: Path) -> str:
