@@ -102,3 +102,20 @@ def test_minilm_folds_and_round_trips(minilm_dir, tmp_path):
     stock = transformers.AutoModel.from_pretrained(out).eval()
     inputs = example_inputs_for(original)
     assert _rel_err(_outputs(original, inputs), _outputs(stock, inputs)) < 1e-5
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_analyze_and_fold_of_a_folder_agree_on_every_norm(tiny_dirs, tmp_path, name):
+    """`normfold analyze` plans as `normfold fold` does (stock-loadable): GPT-2's ln_f keeps its γ/β in
+    both, since the stock lm_head has no bias to take β (analyze said "folded into next layer" before)."""
+    from normfold.hf import analyze_folder
+
+    def columns(report):
+        return [(e["path"], e["foldable"], e["affine_folded"], e["reason"]) for e in report["norms"]]
+
+    analysed = analyze_folder(tiny_dirs[name])
+    folded = fold_folder(tiny_dirs[name], tmp_path / "out")
+    assert columns(analysed) == columns(folded)
+    if name == "gpt2":
+        ln_f = next(e for e in analysed["norms"] if e["path"].endswith("ln_f"))
+        assert ln_f["foldable"] and not ln_f["affine_folded"] and "lm_head.bias" in ln_f["reason"]

@@ -169,7 +169,7 @@ def test_a_tensor_stored_in_another_dtype_fails_the_weight_check(saved, tmp_path
 
 @pytest.mark.parametrize("edit, reason", [
     (lambda r: r.update(num_approximate=2), "--approximate"),
-    (lambda r: [r.pop(k) for k in ("plan", "fold_affine")], "lacks fold_affine, plan (written by an older normfold)"),
+    (lambda r: [r.pop(k) for k in ("plan", "fold_affine")], "lacks fold_affine, plan (written by an older normfold"),
     (lambda r: r["plan"]["center"].pop(), "plan this normfold derives"),
 ], ids=["approximate", "older report", "other plan"])
 def test_a_weight_check_that_cannot_run_is_skipped_with_its_reason_not_failed(saved, tmp_path, capsys, edit, reason):

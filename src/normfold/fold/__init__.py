@@ -64,7 +64,7 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     longer exact: ``report.approximate`` holds the measured change, ``report.num_approximate`` the count.
 
     ``fuse=True`` (opt-in, inference only) then runs each residual add that feeds a new RMSNorm, or
-    a LayerNorm the fold kept (post-LN), together with it in one kernel call (``normfold.fold.fuse``);
+    a LayerNorm the fold kept (post-LN), together with it in one kernel call (``normfold.fuse``);
     ``report.fuse`` says which.
     """
     calls = check_model_and_inputs(model, example_inputs)  # TypeError before any work

@@ -58,9 +58,9 @@ class FoldReport:
     plan: FoldPlan = field(default_factory=FoldPlan)
     untied: list[str] = field(default_factory=list)   # "lm_head.weight (copy of transformer.wte.weight)"
     verification: VerifyResult | None = None
-    batchnorms: list = field(default_factory=list)     # normfold.lab.BatchNormEntry per BatchNorm module
+    batchnorms: list = field(default_factory=list)     # normfold.fold.batchnorm.BatchNormEntry per BatchNorm module
     approximate: object | None = None                  # normfold.lab.ApproximateReport when fold(approximate=True)
-    fuse: object | None = None                         # normfold.fold.fuse.FuseReport when fold(fuse=True)
+    fuse: object | None = None                         # normfold.fuse.FuseReport when fold(fuse=True)
     traced_calls: list[dict] = field(default_factory=list)  # per example call: argument name -> what it was
 
     @property

@@ -38,6 +38,7 @@ from torch import nn
 
 from ..fold.errors import FoldVerificationError
 from ..fold.graph import eval_mode, split_example_inputs
+from ..fold.verify import FOLD_TOLERANCE
 from ..fold.verify import verify as verify_models
 from ..nn import FusedAddRMSNorm, LayerNorm, RMSNorm
 from .inline import SOURCE_CHANGED
@@ -46,8 +47,6 @@ from .rewrite import ForwardRewrite, FusePlan, Probe
 from .runtime import Handoff
 
 __all__ = ["fuse_residual_norms", "FuseReport", "FusedPair"]
-
-_FLOAT64_TOLERANCE = 1e-9
 
 
 def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, layer_norms: bool = True,
@@ -136,12 +135,12 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
                          for site in rewrite.inline]
 
     if verify:
-        result = verify_models(model, fused, example_inputs, tolerance=_FLOAT64_TOLERANCE)
+        result = verify_models(model, fused, example_inputs, tolerance=FOLD_TOLERANCE)
         report.verification = result
         if not result.ok:
             raise FoldVerificationError(
                 f"fused model differs from the unfused one: float64 max relative error {result.max_rel_error:.3e} "
-                f"> {_FLOAT64_TOLERANCE:.0e}\n{report}")
+                f"> {FOLD_TOLERANCE:.0e}\n{report}")
     return fused, report
 
 

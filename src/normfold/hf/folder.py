@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..fold.pipeline import fold_exactly, rms_norm_paths
+from ..fold.pipeline import fold_exactly, plan_fold, rms_norm_paths
 from ..fold.plan import FoldPlan
 from .io import (DTYPES, REPORT_JSON, CheckpointError, atomic_output_dir, calibration_batches, check_model_dir,
                  copy_side_files, example_inputs_for, folded_layout, from_pretrained, is_sentence_encoder, load_model,
@@ -46,13 +46,12 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
 
 
 def analyze_folder(model_dir: str | os.PathLike, *, trust_remote_code: bool = False, step: Step = _noop) -> dict[str, Any]:
-    """The fold engine's per-norm analysis of a Hugging Face folder."""
-    from .. import analyze
-
+    """The fold engine's per-norm analysis of a Hugging Face folder, planned as ``fold_folder`` plans it."""
     step("loading")
     model = load_model(model_dir, trust_remote_code=trust_remote_code)
-    step("analysing")
-    report = analyze(model, example_inputs_for(model), precompute=False).to_dict()
+    step("analysing")  # planned as `normfold fold` plans it (stock-loadable), so the two reports agree
+    constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)))
+    report = plan_fold(model, example_inputs_for(model), constraints).to_dict()
     report["model"] = _describe(model, model_dir)
     return report
 
@@ -226,9 +225,6 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
     return result
 
 
-_REDERIVE_KEYS = ("fold_affine", "saved_dtype", "plan")  # what the report must record to re-derive the weights
-
-
 def check_saved_weights(original, folded_dir: Path, report: dict[str, Any]) -> dict[str, Any]:
     """Every tensor stored in ``folded_dir`` against the fold re-derived from ``original``.
 
@@ -241,20 +237,12 @@ def check_saved_weights(original, folded_dir: Path, report: dict[str, Any]) -> d
     the one this normfold derives.
     """
     from .io import _read_tensor, _stored_tensors, stock_state_dict
-    from .saved_weights import compare_weights, skipped
+    from .saved_weights import compare_weights, skipped, why_not_rederivable
     from .streaming import _aliases
 
-    if report.get("num_approximate"):
-        return skipped(f"folded with --approximate ({report['num_approximate']} norm(s) fitted on calibration "
-                       "sentences the folder does not hold): its weights cannot be re-derived")
-    absent = [k for k in _REDERIVE_KEYS if k not in report]
-    if absent:
-        return skipped(f"{REPORT_JSON} lacks {', '.join(absent)} (written by an older normfold, or by "
-                       "normfold.save_pretrained for a fold of the caller's own): the fold cannot be re-derived "
-                       "with the options it used")
-    if report["saved_dtype"] not in DTYPES:
-        return skipped(f"{REPORT_JSON} records saved_dtype {report['saved_dtype']!r}, "
-                       f"expected one of {', '.join(DTYPES)}")
+    reason = why_not_rederivable(report)
+    if reason:
+        return skipped(reason)
     derived, derived_report = _stock_fold_unverified(original, example_inputs_for(original),
                                                      fold_affine=bool(report["fold_affine"]),
                                                      stored_dtype=DTYPES[report["saved_dtype"]])
