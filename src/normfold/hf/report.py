@@ -5,11 +5,26 @@ from typing import Any
 
 
 def norm_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per norm, in model order: ``path``, ``folded``, ``affine_folded``, ``reason`` and,
-    for a kept norm, ``blocker`` (the engine's reason: the op that breaks zero mean)."""
+    """One row per norm, in model order: ``path``, ``folded``, ``affine_folded``, ``approximate``,
+    ``reason`` and, for a kept norm, ``blocker`` (the engine's reason: the op that breaks zero mean).
+
+    A norm an ``--approximate`` fold replaced is ``approximate`` (and not ``folded``: the exact fold
+    kept it); its reason then says how close the replacement is instead of what blocked the exact fold.
+    """
+    entries = {e["path"]: e for e in (report.get("approximate") or {}).get("entries", ())}
+    approximate = {path: entries.get(path, {}) for path in report.get("approximate_norms", ())}
     return [{"path": e["path"], "folded": bool(e["foldable"]), "affine_folded": bool(e["affine_folded"]),
-             "reason": e["reason"], "blocker": None if e["foldable"] else e["reason"]}
+             "approximate": e["path"] in approximate,
+             "reason": _approximate_reason(approximate[e["path"]]) if e["path"] in approximate else e["reason"],
+             "blocker": None if e["foldable"] or e["path"] in approximate else e["reason"]}
             for e in report["norms"]]
+
+
+def _approximate_reason(entry: dict[str, Any]) -> str:
+    """What an approximately replaced norm became and how close it is alone, from its approximate entry."""
+    cosine = entry.get("cosine_alone")
+    close = "" if cosine is None else f"; min cosine {cosine:.6f} on the calibration set with only it replaced"
+    return f"approximate: {entry.get('correction') or 'corrected RMSNorm'}{close}"
 
 
 def _fmt(value: Any) -> str:
@@ -34,10 +49,9 @@ def render_markdown(report: dict[str, Any], *, picture: str | None = None) -> st
     if picture:
         lines += [f"![zero-mean graph]({picture})", ""]
     lines += ["| norm | result | γ/β | why |", "|---|---|---|---|"]
-    approximate = set(report.get("approximate_norms", ()))
 
     def result(r) -> str:
-        return "RMSNorm" if r["folded"] else "RMSNorm (approximate)" if r["path"] in approximate else "LayerNorm kept"
+        return "RMSNorm" if r["folded"] else "RMSNorm (approximate)" if r["approximate"] else "LayerNorm kept"
 
     lines += [f"| `{r['path']}` | {result(r)} | "
               f"{'folded into next layer' if r['affine_folded'] else 'kept'} | {r['reason']} |" for r in rows]
