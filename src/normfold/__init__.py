@@ -4,8 +4,11 @@ Fused RMSNorm / LayerNorm ops (``normfold.ops``, ``normfold.nn``), an engine tha
 LayerNorms of any ``torch.export``-able model exactly into RMSNorms (``analyze`` / ``fold`` /
 ``verify``), Hugging Face checkpoint I/O, CBWC training and diagnostics.
 
-``import normfold`` needs only torch; the fold engine, checkpoint I/O, training and lab parts
-are imported on first use.
+``normfold.fold(model, inputs)`` is the exact fold in one line; ``normfold.convert`` composes it
+with fusion and the approximate fold (``FoldConfig``, ``FuseConfig``, ``ApproximateConfig``).
+
+``import normfold`` needs only torch; checkpoint I/O, training and benchmarks are imported on
+first use.
 """
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ from . import nn, ops
 from .nn import FusedAddRMSNorm, RMSNorm
 from .ops import layer_norm, rms_norm
 
-# Imported eagerly (torch only): the function ``fold`` must shadow the subpackage ``normfold.fold``.
-from .fold import (FoldError, FoldPlan, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze,
-                   fold, verify)
+# Imported eagerly (torch only): the function ``fold`` must shadow the subpackage ``normfold.fold``
+# (the engine, whose exact ``fold`` it wraps) and the function ``convert`` the module ``normfold.convert``.
+from .fold import FoldError, FoldPlan, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze, verify
+from .convert import ApproximateConfig, FoldConfig, FuseConfig, convert, fold
 
 __version__ = "0.1.0"
 
@@ -43,6 +47,7 @@ _LAZY_MODULES = {"cbwc": "normfold.train.cbwc", "hf": "normfold.hf", "train": "n
 __all__ = [
     "ops", "nn", "rms_norm", "layer_norm", "RMSNorm", "FusedAddRMSNorm",
     "analyze", "fold", "verify", "FoldPlan", "FoldReport", "NormEntry", "VerifyResult", "FoldError", "FoldVerificationError",
+    "convert", "FoldConfig", "FuseConfig", "ApproximateConfig",
     *_LAZY, *_LAZY_MODULES,
 ]
 

@@ -13,18 +13,14 @@ apply → prove for every caller. Only torch is imported here.
 """
 from __future__ import annotations
 
-import copy
-
 from torch import nn
 
 from .errors import FoldError, FoldVerificationError
 from .graph import check_model_and_inputs
-from .pipeline import failure, fold_exactly, plan_fold
+from .pipeline import fold_exactly, plan_fold
 from .plan import FoldPlan, PlanConstraints
 from .report import FoldReport, NormEntry, VerifyResult
-from .verify import FOLD_TOLERANCE, verify
-
-_verify = verify  # ``fold``'s keyword ``verify`` shadows the function inside it
+from .verify import verify
 
 
 def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
@@ -46,53 +42,24 @@ def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True, preco
 
 
 def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
-         fold_batchnorm: bool = True, verify: bool = True, fuse: bool = False, approximate: bool = False,
-         calibration=None, min_cosine: float = 0.999, output_fn=None):
+         fold_batchnorm: bool = True, verify: bool = True) -> tuple[nn.Module, FoldReport]:
     """Return ``(folded_copy, report)``: foldable LayerNorms become RMSNorms, outputs unchanged.
 
-    With ``verify=True`` the plan is also applied to a float64 copy and compared with ``model`` in
-    float64 (so the transform is judged, not the final rounding to the model's dtype, which is
-    reported separately), on every example call; ``FoldVerificationError`` is raised (nothing
-    returned) if the relative error exceeds ``FOLD_TOLERANCE`` (1e-9) or the outputs cannot be compared (none, or of
-    different structure). ``report.verification`` holds the numbers. ``example_inputs`` as for
-    :func:`analyze` (one call, or a list of calls: only what is exact for all of them folds).
-
-    ``approximate=True`` then also replaces norms the exact fold cannot touch, choosing and
-    correcting them on ``calibration`` batches while every output row keeps a cosine similarity
-    ≥ ``min_cosine`` to the original (``normfold.lab.approximate_fold``; ``output_fn`` picks the
-    rows compared, e.g. ``normfold.lab.mean_pooled`` for sentence embeddings). The result is no
-    longer exact: ``report.approximate`` holds the measured change, ``report.num_approximate`` the count.
-
-    ``fuse=True`` (opt-in, inference only) then runs each residual add that feeds a new RMSNorm, or
-    a LayerNorm the fold kept (post-LN), together with it in one kernel call (``normfold.fuse``);
-    ``report.fuse`` says which.
+    The engine's exact fold (``normfold.fold``, the function, adds fusion and the approximate fold
+    on top: ``normfold.convert``). With ``verify=True`` the plan is also applied to a float64 copy
+    and compared with ``model`` in float64 (so the transform is judged, not the final rounding to
+    the model's dtype, which is reported separately), on every example call;
+    ``FoldVerificationError`` is raised (nothing returned) if the relative error exceeds
+    ``FOLD_TOLERANCE`` (1e-9) or the outputs cannot be compared (none, or of different structure).
+    ``report.verification`` holds the numbers. ``example_inputs`` as for :func:`analyze` (one call,
+    or a list of calls: only what is exact for all of them folds).
     """
-    calls = check_model_and_inputs(model, example_inputs)  # TypeError before any work
+    check_model_and_inputs(model, example_inputs)  # TypeError before any work
     constraints = PlanConstraints(fold_affine=fold_affine, precompute=precompute, fold_batchnorm=fold_batchnorm)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         raise FoldError("fold needs the model's weights, but some are on the meta device: load them first "
                         "(analyze works on a meta model; normfold.hf folds checkpoints shard by shard)")
-    if approximate:
-        if calibration is None:
-            raise ValueError("approximate=True needs calibration=[batch, ...] (inputs like example_inputs)")
-        if isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float)) or not 0.0 < min_cosine <= 1.0:
-            raise ValueError(f"min_cosine must be a number in (0, 1], got {min_cosine!r}")
-    folded, report = fold_exactly(model, example_inputs, constraints, prove=verify)
-    if fuse:
-        from ..fuse import fuse_residual_norms
-
-        unfused = copy.deepcopy(folded) if verify and len(calls) > 1 else None
-        folded, report.fuse = fuse_residual_norms(folded, calls[0], inplace=True, verify=verify)
-        if unfused is not None:  # fuse checked the first call; the others are checked here
-            result = _verify(unfused, folded, calls[1:], tolerance=FOLD_TOLERANCE)
-            if not result.ok:
-                raise FoldVerificationError(f"fused model differs from the unfused one: {failure(result)}")
-    if approximate:
-        from ..lab.approximate import approximate_fold
-
-        folded, report.approximate = approximate_fold(model, folded, report, calibration, min_cosine=min_cosine,
-                                                      output_fn=output_fn)
-    return folded, report
+    return fold_exactly(model, example_inputs, constraints, prove=verify)
 
 
 __all__ = ["analyze", "fold", "verify", "FoldReport", "NormEntry", "VerifyResult", "FoldError",

@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
+from .batchnorm import BatchNormEntry
 from .plan import FoldPlan
+
+if TYPE_CHECKING:  # the sections later steps write: types only, never imported at run time (dependency rules)
+    from ..fuse.report import FuseReport
+    from ..lab.approximate import ApproximateReport
 
 
 @dataclass
@@ -58,9 +64,9 @@ class FoldReport:
     plan: FoldPlan = field(default_factory=FoldPlan)
     untied: list[str] = field(default_factory=list)   # "lm_head.weight (copy of transformer.wte.weight)"
     verification: VerifyResult | None = None
-    batchnorms: list = field(default_factory=list)     # normfold.fold.batchnorm.BatchNormEntry per BatchNorm module
-    approximate: object | None = None                  # normfold.lab.ApproximateReport when fold(approximate=True)
-    fuse: object | None = None                         # normfold.fuse.FuseReport when fold(fuse=True)
+    batchnorms: list[BatchNormEntry] = field(default_factory=list)  # one per BatchNorm module
+    approximate: ApproximateReport | None = None  # written by normfold.convert(approximate=...) / fold(approximate=True)
+    fuse: FuseReport | None = None                # written by normfold.convert(fuse=...) / fold(fuse=True)
     traced_calls: list[dict] = field(default_factory=list)  # per example call: argument name -> what it was
 
     @property
