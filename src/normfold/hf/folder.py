@@ -120,7 +120,7 @@ def check_rounded(model, folded, example_inputs, save_dtype: torch.dtype, plan) 
     measured from the original's own error in ``save_dtype``), run before anything is published.
     Raises ``FoldVerificationError`` when it fails; returns the figures otherwise.
     """
-    from .. import FoldVerificationError, verify
+    from ..fold import FoldVerificationError, verify
 
     # .to(save_dtype) rounds exactly what stock_state_dict(folded, save_dtype) writes; float32 back is exact
     rounded = copy.deepcopy(folded).to(save_dtype).to(torch.float32)
@@ -199,7 +199,7 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
     rounded to the stored dtype, to within one ulp. ``ok`` requires both parts; a weight check
     that cannot run (``--approximate`` folds, reports of older normfold) is skipped with a reason.
     """
-    from .. import verify
+    from ..fold import verify
     from .streaming import _stored_dtype
 
     step("loading")
