@@ -1,7 +1,8 @@
-# normfold: two commands for a fresh machine.
+# normfold: commands for a fresh machine.
 #   make demo   fold the bundled default model and print the report
 #   make test   the whole test suite (Triton kernels run on the CPU through TRITON_INTERPRET=1)
-# Both create or reuse .venv/ idempotently. torch is installed first with an overridable spec,
+#   make wheel-check   build the wheel and sdist, install the wheel into a fresh venv, walk a user's path there
+# Each creates or reuses .venv/ idempotently. torch is installed first with an overridable spec,
 # because a bare torch requirement would pull a multi-GB CUDA build on CPU machines.
 
 PYTHON ?= python3
@@ -12,7 +13,7 @@ STAMP := $(VENV)/.normfold-installed
 PYTEST_ARGS ?=
 N ?= 2000
 
-.PHONY: venv demo test fuzz bench bench-e2e bench-fold-large default-model gpu-check gpu-e2e clean
+.PHONY: venv demo test wheel-check fuzz bench bench-e2e bench-fold-large default-model gpu-check gpu-e2e clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +30,23 @@ demo: venv
 test: venv
 	$(PY) -m normfold.ops.build  # build the C++ kernel once, before the workers need it
 	TRITON_INTERPRET=1 TRITON_DEFAULT_FP_FUSION=1 $(PY) -m pytest -q -n 2 --dist loadgroup $(PYTEST_ARGS) tests
+
+# The package as users get it: sdist, then the wheel built from that sdist (python -m build), installed
+# with the hf extra into a fresh venv (torch first, from TORCH_SPEC), with its own C++ kernel cache.
+# There: a smoke import, --version, the demo, and scripts/walkthrough.py (fold, load fast, fuse, generate).
+WHEEL_CHECK ?= build/wheel-check
+WHEEL_PY := $(WHEEL_CHECK)/venv/bin/python
+wheel-check: venv
+	rm -rf $(WHEEL_CHECK)
+	$(PY) -m build -q --outdir $(WHEEL_CHECK)/dist .
+	$(PYTHON) -m venv $(WHEEL_CHECK)/venv
+	$(WHEEL_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(WHEEL_PY) -m pip install -q "$$(ls $(WHEEL_CHECK)/dist/normfold-*.whl)[hf]"
+	cd $(WHEEL_CHECK) && export NORMFOLD_CACHE_DIR="$$PWD/cache" && \
+	  venv/bin/python -c "import normfold; print('smoke import: normfold', normfold.__version__)" && \
+	  venv/bin/normfold --version && \
+	  venv/bin/normfold demo && \
+	  venv/bin/python $(CURDIR)/scripts/walkthrough.py --wheel "$$(ls dist/normfold-*.whl)"
 
 bench: venv
 	$(PY) -m normfold.ops.build
