@@ -18,6 +18,8 @@ import argparse
 import contextlib
 import importlib
 import json
+import logging
+import os
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -378,17 +380,48 @@ def main(argv: list[str] | None = None) -> int:
 
     _quiet_transformers()
     try:
-        return args.run(args)
+        with _quiet_torch_capture_logs():
+            return args.run(args)
     except FoldVerificationError as err:
         print(f"normfold: verification failed: {err}", file=sys.stderr)
         return EXIT_VERIFY_FAILED
     except _user_errors() as err:
-        print(f"normfold: error: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}",
-              file=sys.stderr)
+        print(f"normfold: error: {_first_line(err)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("normfold: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Exception as err:  # noqa: BLE001  the last boundary before the user: one line, never a traceback
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"normfold: error: {args.command} cannot handle this model: {type(err).__name__}: {_first_line(err)} "
+              f"(not a known refusal; {TRACEBACK_ENV}=1 shows the traceback)", file=sys.stderr)
+        return EXIT_USAGE
+
+
+TRACEBACK_ENV = "NORMFOLD_TRACEBACK"  # set to re-raise an unexpected error with its traceback (for bug reports)
+# torch.export logs a whole traceback (logging.ERROR) from these before raising the error the command reports
+_CAPTURE_LOGGERS = ("torch._subclasses.fake_tensor", "torch.export", "torch._dynamo", "torch.fx.experimental.symbolic_shapes")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+@contextlib.contextmanager
+def _quiet_torch_capture_logs():
+    """Silence the tracebacks torch logs while capturing a model it then fails on: the command says
+    why in one line. Levels are restored afterwards (``main`` also runs inside tests)."""
+    loggers = [logging.getLogger(name) for name in _CAPTURE_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 if __name__ == "__main__":

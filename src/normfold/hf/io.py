@@ -80,15 +80,18 @@ def model_class_for(config, *, trust_remote_code: bool = False) -> type:
     for name in autos:
         auto = getattr(transformers, name)
         try:
-            cls = auto._model_mapping[type(config)]
+            mapped = auto._model_mapping[type(config)]
         except (KeyError, ValueError):
             continue
-        if arch is None or cls.__name__ == arch:
-            return auto if trust_remote_code else cls
+        classes = mapped if isinstance(mapped, tuple) else (mapped,)  # DeiT, Funnel: several heads per config
+        named = [cls for cls in classes if arch is None or cls.__name__ == arch]
+        if named:
+            return auto if trust_remote_code else named[0]
     if trust_remote_code:
         return transformers.AutoModel
     try:
-        return transformers.AutoModel._model_mapping[type(config)]
+        mapped = transformers.AutoModel._model_mapping[type(config)]
+        return mapped[0] if isinstance(mapped, tuple) else mapped
     except (KeyError, ValueError) as err:
         raise CheckpointError(f"unsupported architecture {arch or config.model_type!r}: transformers has no model class for it") from err
 
@@ -106,7 +109,7 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     try:
         model = cls.from_pretrained(path, config=config, local_files_only=True, trust_remote_code=trust_remote_code,
                                     dtype=dtype, attn_implementation="eager")
-    except (OSError, ValueError, RuntimeError, KeyError) as err:
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, NotImplementedError) as err:
         raise CheckpointError(f"could not load the weights in {path}: {_first_line(err)}") from err
     return model.eval()
 
@@ -140,8 +143,10 @@ def _first_line(err: BaseException) -> str:
 # ---------------------------------------------------------------------------------- example inputs
 
 def example_inputs_for(model_or_config, batch: int = 2, seq: int = 16, *, seed: int = 0) -> dict[str, Any]:
-    """Keyword inputs for one forward pass, built from the config: token ids (+ attention mask,
-    decoder ids, ``use_cache=False``) for text models, pixel values for vision models.
+    """Keyword inputs for one forward pass, built from the model's modality and config: token ids
+    (+ attention mask) for text, pixel values for vision, waveforms (``input_values``) or log-mel
+    features (``input_features``) for audio, ids and pixels together for two-tower models (CLIP,
+    SigLIP); decoder ids for encoder-decoders and ``use_cache=False``.
 
     Deterministic (seeded); the values are random: folding is exact for any input.
     """
@@ -154,23 +159,59 @@ def example_inputs_for(model_or_config, batch: int = 2, seq: int = 16, *, seed: 
     gen = torch.Generator().manual_seed(seed)
     inputs: dict[str, Any] = {}
     if "pixel_values" in params:
-        size = getattr(config, "image_size", 224)
-        h, w = (size, size) if isinstance(size, int) else tuple(size)
-        inputs["pixel_values"] = torch.randn(batch, getattr(config, "num_channels", 3), h, w, generator=gen)  # (B, C, H, W)
-    elif "input_ids" in params:
-        text = getattr(config, "get_text_config", lambda: config)()
-        max_len = min(v for v in (getattr(text, "max_position_embeddings", None), getattr(text, "n_positions", None), seq) if v)
-        ids = torch.randint(0, text.vocab_size, (batch, max_len), generator=gen)  # (B, T)
+        inputs["pixel_values"] = _pixel_values(getattr(config, "vision_config", None) or config, batch, gen)
+    elif "input_values" in params:
+        inputs["input_values"] = _waveform(getattr(config, "audio_config", None) or config, batch, seq, gen)
+    elif "input_features" in params:
+        inputs["input_features"] = _log_mel_features(getattr(config, "audio_config", None) or config, batch, gen)
+    two_towers = "pixel_values" in inputs and getattr(config, "text_config", None) is not None
+    if "input_ids" in params and (not inputs or two_towers):
+        ids = _token_ids(config.get_text_config(), batch, seq, gen)
         inputs["input_ids"] = ids
         if "attention_mask" in params:
             inputs["attention_mask"] = torch.ones_like(ids)
-        if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-            inputs["decoder_input_ids"] = ids.clone()
-    else:
-        raise CheckpointError(f"cannot build example inputs for {type(config).__name__}: its forward takes neither input_ids nor pixel_values")
+    if not inputs:
+        raise CheckpointError(f"cannot build example inputs for {type(config).__name__}: its forward takes none of "
+                              f"input_ids, pixel_values, input_values, input_features")
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        inputs["decoder_input_ids"] = _token_ids(config.get_text_config(decoder=True), batch, seq, gen)
     if "use_cache" in params:
         inputs["use_cache"] = False  # no KV cache objects in the captured graph
     return inputs
+
+
+CHARACTER_VOCAB = 128  # models that read characters (Canine: Unicode code points) have no vocab_size: ASCII ids
+
+
+def _token_ids(text_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, T) random ids below the vocabulary size, T at most the model's positions (a value <= 0,
+    XLNet's ``max_position_embeddings=-1``, means unbounded)."""
+    vocab = getattr(text_config, "vocab_size", None) or CHARACTER_VOCAB
+    limits = (getattr(text_config, name, None) for name in ("max_position_embeddings", "n_positions"))
+    length = min([seq] + [v for v in limits if isinstance(v, int) and v > 0])
+    return torch.randint(0, vocab, (batch, length), generator=gen)
+
+
+def _pixel_values(vision_config, batch: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, C, H, W) random pixels at the config's image size (an int or (H, W))."""
+    size = getattr(vision_config, "image_size", None) or 224
+    h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+    return torch.randn(batch, getattr(vision_config, "num_channels", 3), h, w, generator=gen)
+
+
+def _waveform(audio_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, S) random samples, S the fewest the convolutional feature encoder turns into ``seq`` frames:
+    each conv maps L to (L - k) // s + 1, so walking back L = (L' - 1) * s + k."""
+    samples = seq
+    for kernel, stride in reversed(list(zip(getattr(audio_config, "conv_kernel", ()), getattr(audio_config, "conv_stride", ())))):
+        samples = (samples - 1) * stride + kernel
+    return torch.randn(batch, samples, generator=gen)
+
+
+def _log_mel_features(audio_config, batch: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, mel bins, frames) random features; Whisper-style encoders expect exactly 2 x their positions."""
+    frames = 2 * getattr(audio_config, "max_source_positions", 1500)
+    return torch.randn(batch, getattr(audio_config, "num_mel_bins", 80), frames, generator=gen)
 
 
 # ------------------------------------------------------------------------------- calibration text
@@ -459,10 +500,7 @@ def stock_parameter_shapes(config, cls: type) -> dict[str, torch.Size]:
 def untie_config(model: nn.Module) -> None:
     """Set ``tie_word_embeddings=False`` when the fold gave the output embedding its own tensor."""
     config = model.config
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    if get_in is None or get_out is None:
-        return
-    emb_in, emb_out = get_in(), get_out()
+    emb_in, emb_out = _embedding(model, "get_input_embeddings"), _embedding(model, "get_output_embeddings")
     if emb_in is None or emb_out is None:
         return
     if emb_in.weight is not emb_out.weight and getattr(config, "tie_word_embeddings", False):
@@ -470,6 +508,15 @@ def untie_config(model: nn.Module) -> None:
         text = getattr(config, "get_text_config", lambda: config)()
         if text is not config:
             text.tie_word_embeddings = False
+
+
+def _embedding(model: nn.Module, getter: str) -> nn.Module | None:
+    """``model.get_input_embeddings()`` (or output), None where the model has none: vision models
+    (MobileViT, SegFormer) raise NotImplementedError, others return None or lack the method."""
+    try:
+        return getattr(model, getter)()
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def save_folded(folded: nn.Module, out_dir: Path, *, dtype: torch.dtype | None = None) -> None:

@@ -1,0 +1,162 @@
+"""`normfold fold DIR` on a tiny folder of each of ~25 model types of the installed transformers:
+it folds and verifies (exit 0), or says why in one line (exit 2; exit 1 for a failed verification),
+never a traceback. The folders are built offline from each type's default config, shrunk."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from normfold.cli import main
+from normfold.hf.io import example_inputs_for
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+# int config fields that size a model, and the small value each gets (lists such as hidden_sizes are kept)
+SMALL_SIZES = {
+    "hidden_size": 32, "d_model": 32, "n_embd": 32, "embed_dim": 32, "dim": 32, "hidden_dim": 64,
+    "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2, "encoder_layers": 2, "decoder_layers": 2,
+    "intermediate_size": 64, "ffn_dim": 64, "d_ff": 64, "d_inner": 64, "n_inner": 64, "encoder_ffn_dim": 64,
+    "decoder_ffn_dim": 64, "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4, "num_key_value_heads": 2, "d_head": 8, "head_dim": 8, "d_kv": 8,
+    "image_size": 32, "patch_size": 8, "vocab_size": 99, "max_position_embeddings": 64, "n_positions": 64,
+    "max_source_positions": 16, "max_target_positions": 16, "num_mel_bins": 8,
+}
+TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config")
+
+# one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
+# channels-first norms, audio (waveform and log-mel), two-tower multimodal, character-level, RMSNorm-only
+MODEL_TYPES = [
+    "bert", "roberta", "distilbert", "albert", "electra", "deberta-v2", "mpnet", "canine", "funnel", "xlnet",
+    "gpt2", "gpt_neo", "opt", "bloom", "xglm", "llama", "bart", "t5",
+    "vit", "deit", "convnext", "segformer", "mobilevit",
+    "wav2vec2", "whisper", "clip", "siglip",
+]
+
+
+def shrink(config):
+    """The config with every size field in SMALL_SIZES set small, in each tower too (returned for chaining)."""
+    for name, value in list(vars(config).items()):
+        if name in SMALL_SIZES and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            setattr(config, name, SMALL_SIZES[name])
+    for name, value in list(vars(config).items()):  # special tokens must stay inside the shrunk vocabulary
+        if name.endswith("_token_id") and isinstance(value, int) and value >= SMALL_SIZES["vocab_size"]:
+            setattr(config, name, 1)
+    for tower in TOWERS:
+        sub = getattr(config, tower, None)
+        if isinstance(sub, transformers.PretrainedConfig):
+            shrink(sub)
+    return config
+
+
+@pytest.fixture
+def tiny_folder(tmp_path, request):
+    model_type = request.param
+    try:
+        config = shrink(transformers.CONFIG_MAPPING[model_type]())
+        torch.manual_seed(0)
+        model = transformers.AutoModel.from_config(config)
+        model.save_pretrained(tmp_path / model_type)
+    except Exception as err:  # noqa: BLE001  a config the size rules cannot shrink consistently
+        pytest.skip(f"{model_type}: no tiny model from its shrunk default config ({type(err).__name__}: {err})")
+    return tmp_path / model_type
+
+
+@pytest.mark.parametrize("tiny_folder", MODEL_TYPES, indirect=True)
+def test_fold_of_a_tiny_folder_folds_or_says_why_in_one_line(tiny_folder, tmp_path, capsys):
+    code = main(["fold", str(tiny_folder), "-o", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    if code == 0:
+        assert (tmp_path / "out" / "normfold_report.json").is_file()
+        return
+    assert code in (1, 2), err
+    lines = [line for line in err.splitlines() if line.startswith("normfold: ")]
+    assert len(lines) == 1 and lines[0].startswith(("normfold: error: ", "normfold: verification failed")), err
+    assert not (tmp_path / "out").exists()  # nothing published without its proof
+
+
+# ------------------------------------------------------------------------------- example inputs by modality
+
+def _config(model_type: str):
+    """The shrunk config naming the bare model, as the saved tiny folders do."""
+    config = shrink(transformers.CONFIG_MAPPING[model_type]())
+    config.architectures = [transformers.AutoModel._model_mapping[type(config)].__name__]
+    return config
+
+
+def test_untie_config_leaves_a_vision_model_without_input_embeddings_as_it_is():
+    from normfold.hf.io import untie_config
+
+    model = transformers.MobileViTModel(_config("mobilevit"))  # get_input_embeddings raises NotImplementedError
+    before = model.config.to_dict()
+    untie_config(model)
+    assert model.config.to_dict() == before
+    assert set(example_inputs_for(model)) == {"pixel_values"}
+
+
+def test_a_two_tower_model_gets_token_ids_and_pixels_from_each_tower_config():
+    config = _config("siglip")
+    inputs = example_inputs_for(config)
+    assert inputs["pixel_values"].shape[-1] == config.vision_config.image_size
+    assert int(inputs["input_ids"].max()) < config.text_config.vocab_size
+
+
+def test_a_waveform_model_gets_enough_samples_for_its_feature_encoder():
+    config = _config("wav2vec2")
+    model = transformers.AutoModel.from_config(config).eval()
+    inputs = example_inputs_for(model, seq=4)
+    with torch.no_grad():
+        assert model(**inputs).last_hidden_state.shape[1] == 4  # the conv stack's inverse, exactly
+
+
+def test_a_log_mel_model_gets_features_of_twice_its_source_positions_and_decoder_ids():
+    inputs = example_inputs_for(_config("whisper"))
+    assert inputs["input_features"].shape[1:] == (8, 32) and "decoder_input_ids" in inputs
+
+
+def test_token_ids_of_a_model_without_vocab_size_or_with_unbounded_positions_are_valid():
+    assert example_inputs_for(_config("canine"))["input_ids"].shape == (2, 16)  # no vocab_size: character ids
+    assert example_inputs_for(_config("xlnet"))["input_ids"].shape == (2, 16)  # max_position_embeddings = -1
+
+
+def test_a_config_with_several_heads_per_type_resolves_to_a_class():
+    config = _config("deit")
+    config.architectures = ["DeiTForImageClassificationWithTeacher"]
+    assert "pixel_values" in example_inputs_for(config)
+
+
+def test_a_forward_without_any_known_input_is_refused_naming_the_inputs():
+    from normfold.hf.io import CheckpointError
+
+    class NoKnownInputs(torch.nn.Module):
+        config = transformers.BertConfig()
+
+        def forward(self, mystery):
+            return mystery
+
+    with pytest.raises(CheckpointError, match="input_ids, pixel_values, input_values, input_features"):
+        example_inputs_for(NoKnownInputs())
+
+
+# ------------------------------------------------------------------------- the command's last boundary
+
+def _fail_unexpectedly(model):
+    raise RuntimeError("value cannot be converted to type float without overflow\n  second line")
+
+
+@pytest.mark.parametrize("command", ["analyze", "fold"])
+def test_an_unexpected_engine_error_is_one_line_with_exit_2_naming_the_command(tiny_dirs, tmp_path, monkeypatch,
+                                                                                capsys, command):
+    monkeypatch.setattr("normfold.hf.folder.example_inputs_for", _fail_unexpectedly)
+    argv = [command, str(tiny_dirs["gpt2"])] + (["-o", str(tmp_path / "out")] if command == "fold" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.strip()] == [
+        f"normfold: error: {command} cannot handle this model: RuntimeError: value cannot be converted to type float "
+        f"without overflow (not a known refusal; NORMFOLD_TRACEBACK=1 shows the traceback)"]
+    assert not (tmp_path / "out").exists()
+    monkeypatch.setenv("NORMFOLD_TRACEBACK", "1")  # for a bug report: the error with its traceback
+    with pytest.raises(RuntimeError, match="without overflow"):
+        main(argv)
