@@ -97,10 +97,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if path.suffix == ".json":
         return _flatten(json.loads(path.read_text()))
     if path.suffix == ".toml":
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10: the same parser as a package
-            import tomli as tomllib
+        import tomllib  # standard library from Python 3.11, the oldest normfold supports
 
         return _flatten(tomllib.loads(path.read_text()))
     raise ValueError(f"config file must end in .json or .toml, got {path.name!r}")
