@@ -391,6 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("normfold: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except OSError:  # the machine, not the model (a full disk, a vanished file): the system's own report
+        raise
     except Exception as err:  # noqa: BLE001  the last boundary before the user: one line, never a traceback
         if os.environ.get(TRACEBACK_ENV):
             raise
