@@ -119,3 +119,27 @@ def test_analyze_and_fold_of_a_folder_agree_on_every_norm(tiny_dirs, tmp_path, n
     if name == "gpt2":
         ln_f = next(e for e in analysed["norms"] if e["path"].endswith("ln_f"))
         assert ln_f["foldable"] and not ln_f["affine_folded"] and "lm_head.bias" in ln_f["reason"]
+
+
+def test_a_layernorm_kept_with_its_affine_moved_saves_as_gamma_one_beta_zero(tmp_path):
+    """BLOOM without a precomputed embedding norm: its block LayerNorms stay LayerNorms but their γ/β
+    move into the next layers. The folder stores those norms as γ = 1, β = 0 (exactly the same LN),
+    so stock transformers and normfold both reload the folded model (refused as "cannot save" before)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=2)
+    original = transformers.BloomForCausalLM(config).eval()
+    original.save_pretrained(tmp_path / "src")
+    report = fold_folder(tmp_path / "src", tmp_path / "out")
+    kept_moved = [e["path"] for e in report["norms"] if not e["foldable"] and e["affine_folded"]]
+    assert kept_moved and report["verification"]["ok"]
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    stock = transformers.BloomForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    for path in kept_moved:
+        norm = stock.get_submodule(path)
+        assert torch.equal(norm.weight, torch.ones_like(norm.weight)) and not norm.bias.any()
+    with torch.no_grad():
+        want = original(ids).logits
+        assert _rel_err(want, stock(ids).logits) < 1e-5
+        assert _rel_err(want, normfold.from_pretrained(tmp_path / "out")(ids).logits) < 1e-5
+    checked = verify_folders(tmp_path / "src", tmp_path / "out")
+    assert checked["ok"] and checked["weights"]["ok"]

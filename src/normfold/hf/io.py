@@ -472,7 +472,8 @@ def stock_state_dict(folded: nn.Module, dtype: torch.dtype | None = None) -> dic
     """The folded weights under the keys the stock architecture expects.
 
     A weightless RMSNorm where the stock model has a LayerNorm gets weight = 1 and bias = 0:
-    LN(x)·1 + 0 on a zero-mean x is exactly the weightless RMSNorm.
+    LN(x)·1 + 0 on a zero-mean x is exactly the weightless RMSNorm. So does a LayerNorm the fold kept
+    but whose γ/β it moved into the next layer (:func:`_affine_moved_away`): LN(x)·1 + 0 is that LN.
     """
     stock_keys = stock_parameter_shapes(folded.config, type(folded))
     state = {k: v for k, v in folded.state_dict().items()}
@@ -481,13 +482,25 @@ def stock_state_dict(folded: nn.Module, dtype: torch.dtype | None = None) -> dic
         if key in state:
             continue
         path, _, leaf = key.rpartition(".")
-        if path in norms and leaf in ("weight", "bias"):
+        if (path in norms and leaf in ("weight", "bias")) or _affine_moved_away(folded, key):
             fill = torch.ones if leaf == "weight" else torch.zeros
             state[key] = fill(shape, dtype=dtype or next(folded.parameters()).dtype)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     # save_pretrained shares storage between tied tensors; untied ones must not alias
     return {k: v.contiguous() for k, v in state.items()}
+
+
+def _affine_moved_away(model: nn.Module, name: str) -> bool:
+    """True when parameter ``name`` is the γ or β of a LayerNorm of ``model`` that no longer has it:
+    the fold kept that norm a LayerNorm and moved its affine into the next layer, so a stock model
+    holding γ = 1, β = 0 there computes exactly the same."""
+    path, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return False
+    return isinstance(module, nn.LayerNorm) and leaf in ("weight", "bias") and getattr(module, leaf, None) is None
 
 
 def stock_parameter_shapes(config, cls: type) -> dict[str, torch.Size]:
@@ -568,7 +581,8 @@ def folded_layout(folded: nn.Module) -> dict[str, Any]:
     params = dict(folded.named_parameters(remove_duplicate=False))
     extra = [{"name": name, "shape": list(p.shape)} for name, p in params.items() if name not in stock_params]
     rebuilt_away = tuple(f"{path}." for path in (*identity, *swapped_paths))  # from_pretrained drops these
-    problems += [f"{name} is missing" for name in sorted(stock_params - set(params)) if not name.startswith(rebuilt_away)]
+    problems += [f"{name} is missing" for name in sorted(stock_params - set(params))
+                 if not name.startswith(rebuilt_away) and not _affine_moved_away(folded, name)]
     stock_state = set(stock.state_dict())
     problems += [f"buffer {name} is new" for name in folded.state_dict() if name not in stock_state and name not in params]
     if problems:
