@@ -35,7 +35,7 @@ def build(name: str, layers: int, quick: bool):
     vocab = 1000 if quick else None  # full vocabularies otherwise: the LM head is part of a decode step
     attn = {"attn_implementation": "sdpa"}
     if name == "default":
-        from normfold.hf.io import default_model_path, load_model
+        from normfold.hf.load import default_model_path, load_model
 
         return load_model(default_model_path())
     if name == "gpt2":

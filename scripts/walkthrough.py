@@ -124,7 +124,7 @@ def fast_model(folded_dir: Path, input_ids):
 
 def run(new_tokens: int, workdir: Path) -> None:
     import torch
-    from normfold.hf.io import default_model_path, load_model
+    from normfold.hf.load import default_model_path, load_model
 
     source = default_model_path()
     out = workdir / "folded"

@@ -37,7 +37,8 @@ ALLOWED = {
     ("normfold.hf.folder", "normfold.lab.approximate"),
     # the lab's command-line commands load a Hugging Face model; removed when lab/commands.py moves
     # into the CLI layer (it is the `normfold lab` command, not lab logic).
-    ("normfold.lab.commands", "normfold.hf.io"),
+    ("normfold.lab.commands", "normfold.hf.inputs"),
+    ("normfold.lab.commands", "normfold.hf.load"),
     # lab.diagnostics asks for matplotlib / rich through hf's optional-dependency helper; removed when
     # `require` moves to a leaf module every layer may use (e.g. normfold/_deps.py).
     ("normfold.lab.diagnostics", "normfold.hf._deps"),
@@ -148,13 +149,13 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 @pytest.mark.parametrize("source, edge", [
     ("from ..lab.approximate import approximate_fold\n", ("normfold.fold.engine", "normfold.lab.approximate")),
     ("def f():\n    from ..fuse import fuse_residual_norms\n", ("normfold.fold.engine", "normfold.fuse")),
-    ("import normfold.hf.io\n", ("normfold.fold.engine", "normfold.hf.io")),
+    ("import normfold.hf.load\n", ("normfold.fold.engine", "normfold.hf.load")),
     ("from .. import convert\n", ("normfold.fold.engine", "normfold.convert")),
     ("from normfold import FoldReport\n", ("normfold.fold.engine", "normfold")),
 ])
 def test_a_forbidden_import_is_found_however_it_is_written(tmp_path, source, edge):
     root = _package(tmp_path, {"fold/engine.py": source, "lab/approximate.py": "", "fuse/__init__.py": "",
-                               "hf/io.py": "", "convert.py": ""})
+                               "hf/load.py": "", "convert.py": ""})
     assert edge in import_edges(root)
     assert violations(import_edges(root)) == {edge}
 
@@ -170,7 +171,7 @@ def test_allowed_and_type_only_imports_are_not_violations(tmp_path):
             """,
         "fold/plan.py": "", "nn/__init__.py": "from ..ops import rms_norm\n", "ops/__init__.py": "",
         "lab/approximate.py": "from ..fold import engine\n",
-        "convert.py": "from .lab.approximate import x\nfrom .hf import io\n", "hf/io.py": "",
+        "convert.py": "from .lab.approximate import x\nfrom .hf import load\n", "hf/load.py": "",
     })
     edges = import_edges(root)
     assert ("normfold.fold.engine", "normfold.fold.plan") in edges
@@ -181,12 +182,12 @@ def test_allowed_and_type_only_imports_are_not_violations(tmp_path):
 @pytest.mark.parametrize("importer, imported", [
     ("nn/modules.py", "from ..fold import plan\n"),
     ("ops/functional.py", "from ..nn import RMSNorm\n"),
-    ("fuse/rewrite.py", "from ..hf import io\n"),
+    ("fuse/rewrite.py", "from ..hf import load\n"),
     ("hf/folder.py", "from ..lab import approximate\n"),
-    ("lab/check.py", "from ..hf import io\n"),
+    ("lab/check.py", "from ..hf import load\n"),
     ("train/cbwc.py", "from ..cli import main\n"),
 ])
 def test_each_rule_refuses_its_forbidden_layer(tmp_path, importer, imported):
-    files = {importer: imported, "fold/plan.py": "", "nn/__init__.py": "", "hf/io.py": "",
+    files = {importer: imported, "fold/plan.py": "", "nn/__init__.py": "", "hf/load.py": "",
              "lab/approximate.py": "", "cli.py": ""}
     assert len(violations(import_edges(_package(tmp_path, files)))) == 1

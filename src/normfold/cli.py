@@ -164,7 +164,7 @@ def _json_report(report: dict) -> dict:
 
 
 def _model_dir(args) -> Path:
-    from .hf.io import default_model_path
+    from .hf.load import default_model_path
 
     return Path(args.model_dir) if args.model_dir else default_model_path()
 
@@ -267,7 +267,7 @@ def _run_verify(args) -> int:
 
 def _run_demo(args) -> int:
     from .hf.folder import fold_folder
-    from .hf.io import default_model_path
+    from .hf.load import default_model_path
 
     source = default_model_path()
     with tempfile.TemporaryDirectory(prefix="normfold-demo-") as tmp:
@@ -361,7 +361,7 @@ def _quiet_transformers() -> None:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     from .fold import FoldError, FoldVerificationError  # noqa: F401  (FoldError: unsupported model)
-    from .hf.io import CheckpointError
+    from .hf.load import CheckpointError
 
     return (UsageError, CheckpointError, FoldError, ImportError)
 

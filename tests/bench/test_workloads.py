@@ -8,7 +8,7 @@ import torch
 
 from normfold.bench.config import QUICK
 from normfold.bench.workloads import cache_argument, decode_call, plain_call, workloads
-from normfold.hf.io import example_inputs_for
+from normfold.hf.inputs import example_inputs_for
 
 transformers = pytest.importorskip("transformers")
 

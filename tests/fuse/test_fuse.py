@@ -492,7 +492,8 @@ def test_post_ln_encoders_fuse_every_layer_norm(zoo, name):
 
 def test_bundled_model_fuses_and_passes_float64_verify():
     import normfold
-    from normfold.hf.io import default_model_path, example_inputs_for, load_model
+    from normfold.hf.inputs import example_inputs_for
+    from normfold.hf.load import default_model_path, load_model
 
     model = load_model(default_model_path())
     inputs = example_inputs_for(model, batch=2, seq=8)

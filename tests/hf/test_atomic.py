@@ -8,10 +8,10 @@ import stat
 
 import pytest
 
-import normfold.hf.io as io
+import normfold.hf.output_dir as output_folder
 from normfold.cli import EXIT_OK, EXIT_USAGE, main
 from normfold.hf import CheckpointError
-from normfold.hf.io import REPORT_JSON, atomic_output_dir
+from normfold.hf.output_dir import REPORT_JSON, atomic_output_dir
 
 pytest.importorskip("transformers")
 pytest.importorskip("rich")
@@ -69,7 +69,7 @@ def test_overwrite_replaces_an_empty_folder_or_a_previous_normfold_output(capsys
         assert _run(capsys, "fold", tiny_dirs["opt"], "-o", out)[0] == EXIT_OK
     assert _run(capsys, "fold", tiny_dirs["gpt2"], "-o", out, "--overwrite")[0] == EXIT_OK
     assert json.loads((out / REPORT_JSON).read_text())["model"]["architecture"] == "GPT2LMHeadModel"
-    assert [p.name for p in tmp_path.iterdir() if io.TEMP_MARK in p.name] == []
+    assert [p.name for p in tmp_path.iterdir() if output_folder.TEMP_MARK in p.name] == []
 
 
 def test_an_output_path_that_is_a_symlink_is_refused(tmp_path):
@@ -92,10 +92,10 @@ def test_the_output_folder_follows_the_umask(tmp_path, umask):
 
 
 def test_a_rerun_removes_the_temporary_folders_a_killed_run_left(tmp_path):
-    stale = tmp_path / f".out{io.TEMP_MARK}dead1234"
+    stale = tmp_path / f".out{output_folder.TEMP_MARK}dead1234"
     stale.mkdir()
     (stale / "model-00001-of-00002.safetensors").write_bytes(b"half")
-    other = tmp_path / f".other{io.TEMP_MARK}dead5678"  # another output's: not ours to touch
+    other = tmp_path / f".other{output_folder.TEMP_MARK}dead5678"  # another output's: not ours to touch
     other.mkdir()
     with atomic_output_dir(tmp_path / "out") as tmp:
         (tmp / "f").write_text("x")
@@ -103,21 +103,21 @@ def test_a_rerun_removes_the_temporary_folders_a_killed_run_left(tmp_path):
 
 
 def test_a_temporary_folder_in_use_by_a_running_fold_is_not_removed(tmp_path):
-    busy = tmp_path / f".out{io.TEMP_MARK}busy1234"
+    busy = tmp_path / f".out{output_folder.TEMP_MARK}busy1234"
     busy.mkdir()
-    lock = io._try_lock(busy)  # what a live run holds; a second open + flock conflicts with it
+    lock = output_folder._try_lock(busy)  # what a live run holds; a second open + flock conflicts with it
     assert lock is not None
     try:
-        assert io.remove_stale_temporaries(tmp_path / "out") == [] and busy.exists()
+        assert output_folder.remove_stale_temporaries(tmp_path / "out") == [] and busy.exists()
     finally:
         os.close(lock)
-    assert io.remove_stale_temporaries(tmp_path / "out") == [busy] and not busy.exists()
+    assert output_folder.remove_stale_temporaries(tmp_path / "out") == [busy] and not busy.exists()
 
 
 def test_the_temporary_folder_is_locked_while_in_use_and_gone_after(tmp_path):
     with atomic_output_dir(tmp_path / "out") as tmp:
-        assert io._try_lock(tmp) is None  # a concurrent run's cleanup cannot take it
-        assert io.remove_stale_temporaries(tmp_path / "out") == [] and tmp.exists()
+        assert output_folder._try_lock(tmp) is None  # a concurrent run's cleanup cannot take it
+        assert output_folder.remove_stale_temporaries(tmp_path / "out") == [] and tmp.exists()
     assert not tmp.exists() and [p.name for p in tmp_path.iterdir()] == ["out"]
 
 
@@ -250,7 +250,7 @@ def test_a_fold_killed_at_random_points_leaves_the_old_or_a_verified_new_output(
 
 
 def test_without_an_atomic_exchange_the_old_output_is_still_replaced_and_nothing_is_left(tmp_path, monkeypatch):
-    monkeypatch.setattr(io, "_exchange", lambda a, b: False)  # a system without renameat2(RENAME_EXCHANGE)
+    monkeypatch.setattr(output_folder, "_exchange", lambda a, b: False)  # a system without renameat2(RENAME_EXCHANGE)
     out = tmp_path / "out"
     out.mkdir()
     (out / REPORT_JSON).write_text("{}")
@@ -263,15 +263,15 @@ def test_an_output_next_to_which_nothing_can_be_written_is_a_checkpoint_error(tm
     def read_only_parent(**kwargs):
         raise PermissionError(13, "Permission denied", kwargs.get("dir"))
 
-    monkeypatch.setattr(io.tempfile, "mkdtemp", read_only_parent)  # root ignores chmod: simulate the refusal
+    monkeypatch.setattr(output_folder.tempfile, "mkdtemp", read_only_parent)  # root ignores chmod: simulate the refusal
     with pytest.raises(CheckpointError, match="cannot write a folder next to .*Permission denied"):
         with atomic_output_dir(tmp_path / "out"):
             pass
 
 
 def test_without_flock_the_output_is_still_published_and_no_other_temporary_is_touched(tmp_path, monkeypatch):
-    monkeypatch.setattr(io, "_HAS_FLOCK", False)  # Windows: a live run's folder looks like a dead one's
-    other = tmp_path / f".out{io.TEMP_MARK}maybe_alive"
+    monkeypatch.setattr(output_folder, "_HAS_FLOCK", False)  # Windows: a live run's folder looks like a dead one's
+    other = tmp_path / f".out{output_folder.TEMP_MARK}maybe_alive"
     other.mkdir()
     with atomic_output_dir(tmp_path / "out") as tmp:
         (tmp / "f").write_text("x")

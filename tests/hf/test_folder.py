@@ -10,7 +10,7 @@ import torch
 import normfold
 from normfold.hf import example_inputs_for, fold_folder, load_model, verify_folders
 from normfold.hf.folder import PICTURE, REPORT_MD
-from normfold.hf.io import REPORT_JSON
+from normfold.hf.output_dir import REPORT_JSON
 
 transformers = pytest.importorskip("transformers")
 

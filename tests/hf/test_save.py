@@ -14,7 +14,7 @@ import torch
 import normfold
 from normfold.hf import CheckpointError, example_inputs_for, fold_folder, load_model
 from normfold.hf.folder import fold_for_stock
-from normfold.hf.io import REPORT_JSON
+from normfold.hf.output_dir import REPORT_JSON
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")

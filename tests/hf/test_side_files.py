@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from normfold.hf import fold_folder
-from normfold.hf.io import REPORT_JSON
+from normfold.hf.output_dir import REPORT_JSON
 from normfold.hf.streaming import fold_checkpoint
 
 pytest.importorskip("transformers")

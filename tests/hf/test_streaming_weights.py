@@ -16,7 +16,7 @@ import torch
 
 from normfold.cli import EXIT_OK, EXIT_VERIFY_FAILED, main
 from normfold.hf import load_model
-from normfold.hf.io import REPORT_JSON
+from normfold.hf.output_dir import REPORT_JSON
 from normfold.hf.streaming import Checkpoint, fold_checkpoint, verify_by_blocks
 
 safetensors_torch = pytest.importorskip("safetensors.torch")

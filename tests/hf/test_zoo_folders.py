@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from normfold.cli import main
-from normfold.hf.io import example_inputs_for
+from normfold.hf.inputs import example_inputs_for
 
 transformers = pytest.importorskip("transformers")
 
@@ -99,7 +99,7 @@ def test_fold_of_a_tiny_folder_folds_or_says_why_in_one_line(tiny_folder, tmp_pa
 
 
 def test_untie_config_leaves_a_vision_model_without_input_embeddings_as_it_is():
-    from normfold.hf.io import untie_config
+    from normfold.hf.saving import untie_config
 
     model = transformers.MobileViTModel(_config("mobilevit"))  # get_input_embeddings raises NotImplementedError
     before = model.config.to_dict()
@@ -140,7 +140,7 @@ def test_a_config_with_several_heads_per_type_resolves_to_a_class():
 
 
 def test_a_forward_without_any_known_input_is_refused_naming_the_inputs():
-    from normfold.hf.io import CheckpointError
+    from normfold.hf.load import CheckpointError
 
     class NoKnownInputs(torch.nn.Module):
         config = transformers.BertConfig()

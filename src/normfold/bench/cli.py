@@ -6,7 +6,7 @@ import shlex
 import sys
 from dataclasses import asdict, replace
 
-from ..hf.io import default_model_path, load_model
+from ..hf.load import default_model_path, load_model
 from .config import QUICK, BenchConfig
 from .driver import bench_model
 from .results import write_results

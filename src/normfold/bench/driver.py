@@ -7,7 +7,7 @@ import statistics
 import torch
 from torch import nn
 
-from ..hf.io import example_inputs_for
+from ..hf.inputs import example_inputs_for
 from .config import BenchConfig
 from .profiling import label_norms, median_share_and_ms, profiled_forwards
 from .results import BenchRow

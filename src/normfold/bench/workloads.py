@@ -14,7 +14,7 @@ from torch import nn
 
 from ..fold import fold
 from ..fuse import fuse_residual_norms
-from ..hf.io import example_inputs_for
+from ..hf.inputs import example_inputs_for
 from .config import BenchConfig
 
 

@@ -16,9 +16,11 @@ import torch
 
 from ..fold.pipeline import fold_exactly, plan_fold, rms_norm_paths
 from ..fold.plan import FoldPlan
-from .io import (DTYPES, REPORT_JSON, CheckpointError, atomic_output_dir, calibration_batches, check_model_dir,
-                 copy_side_files, example_inputs_for, folded_layout, from_pretrained, is_sentence_encoder, load_model,
-                 load_tokenizer, read_calibration_file, save_folded, stock_constraints)
+from .inputs import calibration_batches, example_inputs_for, is_sentence_encoder, load_tokenizer, read_calibration_file
+from .load import CheckpointError, check_model_dir, load_model
+from .output_dir import REPORT_JSON, atomic_output_dir
+from .saving import DTYPES, folded_layout, from_pretrained, save_folded, stock_constraints
+from .side_files import copy_side_files
 from .picture import draw_zero_mean_graph
 from .report import norm_rows, render_markdown
 
@@ -171,7 +173,7 @@ def approximate_warning(report: dict[str, Any]) -> str | None:
 
 def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dtype: torch.dtype = torch.float32):
     """``normfold.fold`` within what stock transformers can load, saved in ``stored_dtype``
-    (``normfold.hf.io.stock_constraints``): the same pipeline (``normfold.fold.pipeline.fold_exactly``), proved in
+    (``normfold.hf.saving.stock_constraints``): the same pipeline (``normfold.fold.pipeline.fold_exactly``), proved in
     float64; raises ``FoldVerificationError`` (nothing is saved) on failure.
     """
     return fold_exactly(model, example_inputs, stock_constraints(model, stored_dtype, fold_affine=fold_affine))
@@ -236,7 +238,7 @@ def check_saved_weights(original, folded_dir: Path, report: dict[str, Any]) -> d
     lack ``fold_affine``, ``saved_dtype`` or ``plan`` (older normfold), and plans that differ from
     the one this normfold derives.
     """
-    from .io import _read_tensor, _stored_tensors, stock_state_dict
+    from .saving import _read_tensor, _stored_tensors, stock_state_dict
     from .saved_weights import compare_weights, skipped, why_not_rederivable
     from .streaming import _aliases
 

@@ -120,7 +120,8 @@ def why_not_rederivable(report: Mapping[str, Any]) -> str | None:
     the weight check), or None when it can: an ``--approximate`` fold (fitted on calibration
     sentences the folder does not hold), a report lacking :data:`REDERIVE_KEYS` (an older
     normfold, or ``normfold.save_pretrained``), a saved dtype normfold does not write."""
-    from .io import DTYPES, REPORT_JSON
+    from .output_dir import REPORT_JSON
+    from .saving import DTYPES
 
     if report.get("num_approximate"):
         return (f"folded with --approximate ({report['num_approximate']} norm(s) fitted on calibration "

@@ -38,8 +38,11 @@ from torch import nn
 from ..fold.math import fold_batchnorm_into_producer
 from ..fold.verify import _cast, _errors, measured_tolerance
 from ._deps import require
-from .io import (DTYPES, REPORT_JSON, CheckpointError, _first_line, atomic_output_dir, check_model_dir, copy_side_files,
-                 example_inputs_for, load_config, model_class_for, stock_constraints, swap_in_rmsnorm)
+from .inputs import example_inputs_for
+from .load import CheckpointError, _first_line, check_model_dir, load_config, model_class_for
+from .output_dir import REPORT_JSON, atomic_output_dir
+from .saving import DTYPES, stock_constraints, swap_in_rmsnorm
+from .side_files import copy_side_files
 from .saved_weights import compare_weights, not_compared, skipped, why_not_rederivable
 
 INDEX = "model.safetensors.index.json"
@@ -155,7 +158,7 @@ def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remo
 
     Returns ``(report, skeleton, checkpoint)``: the fold pipeline's FoldReport, planned within what
     stock transformers loads from a folder stored in ``stored_dtype`` (default: the checkpoint's
-    own; ``normfold.hf.io.stock_constraints``), the model built on uninitialised storage (only its
+    own; ``normfold.hf.saving.stock_constraints``), the model built on uninitialised storage (only its
     norms' γ/β are real), and the checkpoint.
     """
     from ..fold.pipeline import plan_fold
@@ -431,7 +434,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     """Fold a safetensors folder shard by shard without loading the model, verify the result
     piece by piece (:func:`verify_by_blocks`), and only then publish it as ``out_dir``.
 
-    Everything is written into a temporary sibling of ``out_dir`` (:func:`~normfold.hf.io.atomic_output_dir`):
+    Everything is written into a temporary sibling of ``out_dir`` (:func:`~normfold.hf.output_dir.atomic_output_dir`):
     a failed check raises ``FoldVerificationError`` and leaves ``out_dir`` as it was (with
     ``overwrite``, the previous output stays). Output shards mirror the input shards (same names
     and keys; an untied copy goes into its source's shard). Returns the report dict
@@ -439,7 +442,7 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     """
     from ..fold import FoldVerificationError
     from .folder import write_report_files
-    from .io import DTYPES
+    from .saving import DTYPES
 
     model_dir = check_model_dir(model_dir)
     if dtype is not None and dtype not in DTYPES:
@@ -461,7 +464,7 @@ def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool
                              trust_remote_code: bool, step: Callable[[str], None]) -> dict[str, Any]:
     """Plan, then rewrite every shard into ``folder`` (config and side files too); returns the
     report dict without verification. ``folder`` is private: nothing here is checked yet."""
-    from .io import DTYPES
+    from .saving import DTYPES
 
     out_dtype = DTYPES[dtype] if dtype else None
     t0 = time.perf_counter()

@@ -17,7 +17,8 @@ EXIT_OK, EXIT_FINDINGS = 0, 1
 
 def _load(args):
     """The Hugging Face folder's model (default: the bundled one) and example inputs for it."""
-    from ..hf.io import default_model_path, example_inputs_for, load_model
+    from ..hf.inputs import example_inputs_for
+    from ..hf.load import default_model_path, load_model
 
     model_dir = Path(args.model_dir) if args.model_dir else default_model_path()
     model = load_model(model_dir, trust_remote_code=args.trust_remote_code)

@@ -145,7 +145,7 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False) -> Pat
     or a training ``config.json``), or anything with ``overwrite``. Each rank checks before the
     process group starts, so no rank has written yet and all of them decide alike.
     """
-    from ..hf.io import CheckpointError
+    from ..hf.load import CheckpointError
 
     out = Path(out_dir)
     if out.exists() and not out.is_dir():

@@ -1,0 +1,167 @@
+"""Inputs for a model: seeded example inputs for one forward pass (text, vision, audio, two-tower),
+and calibration batches from a text file tokenized by the folder's own tokenizer."""
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._deps import require
+from .load import CheckpointError, _first_line, check_model_dir, model_class_for
+
+
+# ---------------------------------------------------------------------------------- example inputs
+
+def example_inputs_for(model_or_config, batch: int = 2, seq: int = 16, *, seed: int = 0) -> dict[str, Any]:
+    """Keyword inputs for one forward pass, built from the model's modality and config: token ids
+    (+ attention mask) for text, pixel values for vision, waveforms (``input_values``) or log-mel
+    features (``input_features``) for audio, ids and pixels together for two-tower models (CLIP,
+    SigLIP); decoder ids for encoder-decoders and ``use_cache=False``.
+
+    Deterministic (seeded); the values are random: folding is exact for any input.
+    """
+    if isinstance(model_or_config, nn.Module):
+        config, forward = model_or_config.config, type(model_or_config).forward
+    else:
+        config = model_or_config
+        forward = model_class_for(config).forward
+    params = inspect.signature(forward).parameters
+    gen = torch.Generator().manual_seed(seed)
+    inputs: dict[str, Any] = {}
+    if "pixel_values" in params:
+        inputs["pixel_values"] = _pixel_values(getattr(config, "vision_config", None) or config, batch, gen)
+    elif "input_values" in params:
+        inputs["input_values"] = _waveform(getattr(config, "audio_config", None) or config, batch, seq, gen)
+    elif "input_features" in params:
+        inputs["input_features"] = _log_mel_features(getattr(config, "audio_config", None) or config, batch, gen)
+    two_towers = "pixel_values" in inputs and getattr(config, "text_config", None) is not None
+    if "input_ids" in params and (not inputs or two_towers):
+        ids = _token_ids(config.get_text_config(), batch, seq, gen)
+        inputs["input_ids"] = ids
+        if "attention_mask" in params:
+            inputs["attention_mask"] = torch.ones_like(ids)
+    if not inputs:
+        raise CheckpointError(f"cannot build example inputs for {type(config).__name__}: its forward takes none of "
+                              f"input_ids, pixel_values, input_values, input_features")
+    if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
+        inputs["decoder_input_ids"] = _token_ids(config.get_text_config(decoder=True), batch, seq, gen)
+    if "use_cache" in params:
+        inputs["use_cache"] = False  # no KV cache objects in the captured graph
+    return inputs
+
+
+CHARACTER_VOCAB = 128  # models that read characters (Canine: Unicode code points) have no vocab_size: ASCII ids
+
+
+def _token_ids(text_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, T) random ids below the vocabulary size, T at most the model's positions (a value <= 0,
+    XLNet's ``max_position_embeddings=-1``, means unbounded)."""
+    vocab = getattr(text_config, "vocab_size", None) or CHARACTER_VOCAB
+    limits = (getattr(text_config, name, None) for name in ("max_position_embeddings", "n_positions"))
+    length = min([seq] + [v for v in limits if isinstance(v, int) and v > 0])
+    return torch.randint(0, vocab, (batch, length), generator=gen)
+
+
+def _pixel_values(vision_config, batch: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, C, H, W) random pixels at the config's image size (an int or (H, W))."""
+    size = getattr(vision_config, "image_size", None) or 224
+    h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+    return torch.randn(batch, getattr(vision_config, "num_channels", 3), h, w, generator=gen)
+
+
+def _waveform(audio_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, S) random samples, S the fewest the convolutional feature encoder turns into ``seq`` frames:
+    each conv maps L to (L - k) // s + 1, so walking back L = (L' - 1) * s + k."""
+    samples = seq
+    for kernel, stride in reversed(list(zip(getattr(audio_config, "conv_kernel", ()), getattr(audio_config, "conv_stride", ())))):
+        samples = (samples - 1) * stride + kernel
+    return torch.randn(batch, samples, generator=gen)
+
+
+def _log_mel_features(audio_config, batch: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, mel bins, frames) random features; Whisper-style encoders expect exactly 2 x their positions."""
+    frames = 2 * getattr(audio_config, "max_source_positions", 1500)
+    return torch.randn(batch, getattr(audio_config, "num_mel_bins", 80), frames, generator=gen)
+
+
+# ------------------------------------------------------------------------------- calibration text
+
+CALIBRATION_BATCH = 16  # sentences per calibration batch: small enough for CPU memory, large enough to be fast
+CALIBRATION_MAX_TOKENS = 128  # longer sentences are truncated: calibration needs typical tokens, not long contexts
+
+
+def read_calibration_file(path: str | os.PathLike) -> list[str]:
+    """The non-blank lines of a UTF-8 text file, one calibration sentence each."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"calibration file not found: {path}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"calibration file {path} is not readable UTF-8 text: {_first_line(err)}") from err
+    sentences = [line.strip() for line in lines if line.strip()]
+    if not sentences:
+        raise CheckpointError(f"calibration file {path} is empty: expected one sentence per line")
+    return sentences
+
+
+# a folder holds a tokenizer when it has one of these (transformers 5 otherwise builds an empty one from config.json)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+                    "spiece.model", "sentencepiece.bpe.model")
+
+
+def load_tokenizer(model_dir: str | os.PathLike, *, trust_remote_code: bool = False):
+    """The folder's own tokenizer (offline), or CheckpointError when the folder has none."""
+    transformers = require("transformers")
+    path = check_model_dir(model_dir)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise CheckpointError(f"no tokenizer in {path} (needed to tokenize the calibration file): expected one of "
+                              f"{', '.join(_TOKENIZER_FILES)}")
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                               trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"no usable tokenizer in {path} (needed to tokenize the calibration file): "
+                              f"{_first_line(err)}") from err
+    if tokenizer is None or not callable(tokenizer):
+        raise CheckpointError(f"no usable tokenizer in {path} (needed to tokenize the calibration file)")
+    return tokenizer
+
+
+def calibration_batches(model: nn.Module, tokenizer, sentences: list[str],
+                        batch_size: int = CALIBRATION_BATCH) -> list[dict[str, Any]]:
+    """The sentences tokenized in padded batches, as keyword inputs ``model`` accepts."""
+    params = inspect.signature(type(model).forward).parameters
+    text = getattr(model.config, "get_text_config", lambda: model.config)()
+    max_len = min(v for v in (getattr(text, "max_position_embeddings", None), getattr(text, "n_positions", None),
+                              CALIBRATION_MAX_TOKENS) if v)
+    if tokenizer.pad_token is None:  # e.g. GPT-2: pad with EOS, the attention mask hides it
+        tokenizer.pad_token = tokenizer.eos_token
+    batches = []
+    for start in range(0, len(sentences), batch_size):
+        encoded = tokenizer(sentences[start:start + batch_size], padding=True, truncation=True, max_length=max_len,
+                            return_tensors="pt")
+        batch = {k: v for k, v in encoded.items() if k in params}  # (B, T) each
+        if "use_cache" in params:
+            batch["use_cache"] = False
+        batches.append(batch)
+    return batches
+
+
+def is_sentence_encoder(model: nn.Module) -> bool:
+    """A bare encoder backbone (what ``AutoModel`` builds for BERT-like configs): no LM head, its
+    token states are pooled into sentence embeddings, so its outputs are compared mean-pooled."""
+    transformers = require("transformers")
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        return False
+    try:
+        backbone = transformers.AutoModel._model_mapping[type(config)]
+        transformers.AutoModelForMaskedLM._model_mapping[type(config)]  # an encoder family
+    except (KeyError, ValueError):
+        return False
+    return type(model) is backbone

@@ -1,0 +1,116 @@
+"""Loading a Hugging Face folder offline: the folder and weight-file checks, its config, the model
+class that builds it, the model itself; :class:`CheckpointError`, the user error every part of
+``normfold.hf`` raises for a folder it cannot read or write."""
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ._deps import require
+
+
+class CheckpointError(ValueError):
+    """A folder cannot be read as a model, or the output folder cannot be written: a user error."""
+
+
+def default_model_path() -> Path:
+    """The bundled trained byte-level GPT-2 (see its README.md)."""
+    return Path(str(resources.files("normfold") / "data" / "default_model"))
+
+
+def check_model_dir(model_dir: str | os.PathLike) -> Path:
+    """The folder as a Path, or CheckpointError if it cannot hold a Hugging Face model."""
+    path = Path(model_dir)
+    if not path.exists():
+        raise CheckpointError(f"model folder not found: {path}")
+    if not path.is_dir():
+        raise CheckpointError(f"expected a model folder, got a file: {path}")
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"no config.json in {path}: expected a Hugging Face model folder")
+    return path
+
+
+def load_config(model_dir: str | os.PathLike, *, trust_remote_code: bool = False):
+    transformers = require("transformers")
+    path = check_model_dir(model_dir)
+    try:
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"unsupported or unreadable config in {path}: {_first_line(err)}") from err
+
+
+def model_class_for(config, *, trust_remote_code: bool = False) -> type:
+    """The Auto class that builds ``config.architectures[0]`` (the head the folder was saved with).
+
+    Falls back to ``AutoModel`` (the bare backbone) when the folder names no known head.
+    """
+    transformers = require("transformers")
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    autos = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
+             "AutoModelForSequenceClassification", "AutoModelForImageClassification", "AutoModel")
+    for name in autos:
+        auto = getattr(transformers, name)
+        try:
+            mapped = auto._model_mapping[type(config)]
+        except (KeyError, ValueError):
+            continue
+        classes = mapped if isinstance(mapped, tuple) else (mapped,)  # DeiT, Funnel: several heads per config
+        named = [cls for cls in classes if arch is None or cls.__name__ == arch]
+        if named:
+            return auto if trust_remote_code else named[0]
+    if trust_remote_code:
+        return transformers.AutoModel
+    try:
+        mapped = transformers.AutoModel._model_mapping[type(config)]
+        return mapped[0] if isinstance(mapped, tuple) else mapped
+    except (KeyError, ValueError) as err:
+        raise CheckpointError(f"unsupported architecture {arch or config.model_type!r}: transformers has no model class for it") from err
+
+
+def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+               trust_remote_code: bool = False) -> nn.Module:
+    """Load a folder offline (``local_files_only``) in ``dtype``, eval mode, eager attention.
+
+    Eager attention because ``torch.export`` + decompositions fail on SDPA for some models.
+    """
+    path = check_model_dir(model_dir)
+    config = load_config(path, trust_remote_code=trust_remote_code)
+    cls = model_class_for(config, trust_remote_code=trust_remote_code)
+    _check_weight_files(path)
+    try:
+        model = cls.from_pretrained(path, config=config, local_files_only=True, trust_remote_code=trust_remote_code,
+                                    dtype=dtype, attn_implementation="eager")
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, NotImplementedError) as err:
+        raise CheckpointError(f"could not load the weights in {path}: {_first_line(err)}") from err
+    return model.eval()
+
+
+def _check_weight_files(path: Path) -> None:
+    """Refuse folders whose weights would need pickle, and detect corrupt safetensors early."""
+    safetensors = sorted(path.glob("*.safetensors"))
+    if not safetensors and not list(path.glob("*.bin")):
+        raise CheckpointError(f"no weights in {path}: expected *.safetensors (or *.bin)")
+    safe_open = require("safetensors").safe_open
+    for file in safetensors:
+        try:
+            with safe_open(file, framework="pt") as f:
+                f.keys()
+        except Exception as err:  # safetensors raises its own SafetensorError for corrupt headers
+            raise CheckpointError(f"corrupt safetensors file {file}: {_first_line(err)}") from err
+    if not safetensors:
+        # transformers loads .bin with torch.load(weights_only=True); say so rather than trust it silently
+        for file in path.glob("*.bin"):
+            try:
+                torch.load(file, map_location="meta", weights_only=True, mmap=True)
+            except Exception as err:
+                raise CheckpointError(f"{file} is not a weights-only torch checkpoint: {_first_line(err)}") from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]

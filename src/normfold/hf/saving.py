@@ -1,0 +1,389 @@
+"""Saving a folded model as a Hugging Face folder and reloading it exactly.
+
+A folded folder is a plain ``save_pretrained`` folder: every norm the fold turned into an RMSNorm
+keeps its LayerNorm keys (explicit ones / zeros where the affine part was folded away), and an LN
+on a zero-mean input computes exactly the RMSNorm. ``normfold_report.json`` records what a stock
+model of the class lacks (:func:`folded_layout`: the swapped norms, norms precomputed away,
+parameters the fold created), so :func:`from_pretrained` rebuilds the folded model exactly, with
+the fast :class:`normfold.nn.RMSNorm` modules; stock transformers loads the same model only when
+nothing but swapped norms is recorded (``"stock_compatible"``), which ``normfold fold`` ensures.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..fold.plan import PlanConstraints
+from ..nn import RMSNorm
+from ._deps import require
+from .load import CheckpointError, _first_line, check_model_dir, load_model
+from .output_dir import REPORT_JSON, atomic_output_dir
+from .side_files import copy_side_files
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def swapped_norms(model: nn.Module) -> list[dict[str, Any]]:
+    """Where ``model`` holds normfold RMSNorms and which affine parameters they kept."""
+    return [
+        {"path": name, "normalized_shape": list(m.normalized_shape), "eps": m.eps,
+         "weight": m.weight is not None, "bias": m.bias is not None}
+        for name, m in model.named_modules() if isinstance(m, RMSNorm)
+    ]
+
+
+def stock_state_dict(folded: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The folded weights under the keys the stock architecture expects.
+
+    A weightless RMSNorm where the stock model has a LayerNorm gets weight = 1 and bias = 0:
+    LN(x)·1 + 0 on a zero-mean x is exactly the weightless RMSNorm. So does a LayerNorm the fold kept
+    but whose γ/β it moved into the next layer (:func:`_affine_moved_away`): LN(x)·1 + 0 is that LN.
+    """
+    stock_keys = stock_parameter_shapes(folded.config, type(folded))
+    state = {k: v for k, v in folded.state_dict().items()}
+    norms = {s["path"]: s for s in swapped_norms(folded)}
+    for key, shape in stock_keys.items():
+        if key in state:
+            continue
+        path, _, leaf = key.rpartition(".")
+        if (path in norms and leaf in ("weight", "bias")) or _affine_moved_away(folded, key):
+            fill = torch.ones if leaf == "weight" else torch.zeros
+            state[key] = fill(shape, dtype=dtype or next(folded.parameters()).dtype)
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    # save_pretrained shares storage between tied tensors; untied ones must not alias
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+def _affine_moved_away(model: nn.Module, name: str) -> bool:
+    """True when parameter ``name`` is the γ or β of a LayerNorm of ``model`` that no longer has it:
+    the fold kept that norm a LayerNorm and moved its affine into the next layer, so a stock model
+    holding γ = 1, β = 0 there computes exactly the same."""
+    path, _, leaf = name.rpartition(".")
+    try:
+        module = model.get_submodule(path)
+    except AttributeError:
+        return False
+    return isinstance(module, nn.LayerNorm) and leaf in ("weight", "bias") and getattr(module, leaf, None) is None
+
+
+def stock_parameter_shapes(config, cls: type) -> dict[str, torch.Size]:
+    """State-dict keys and shapes of the stock model for ``config`` (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        stock = cls._from_config(config)
+    return {k: v.shape for k, v in stock.state_dict().items()}
+
+
+def untie_config(model: nn.Module) -> None:
+    """Set ``tie_word_embeddings=False`` when the fold gave the output embedding its own tensor."""
+    config = model.config
+    emb_in, emb_out = _embedding(model, "get_input_embeddings"), _embedding(model, "get_output_embeddings")
+    if emb_in is None or emb_out is None:
+        return
+    if emb_in.weight is not emb_out.weight and getattr(config, "tie_word_embeddings", False):
+        config.tie_word_embeddings = False
+        text = getattr(config, "get_text_config", lambda: config)()
+        if text is not config:
+            text.tie_word_embeddings = False
+
+
+def _embedding(model: nn.Module, getter: str) -> nn.Module | None:
+    """``model.get_input_embeddings()`` (or output), None where the model has none: vision models
+    (MobileViT, SegFormer) raise NotImplementedError, others return None or lack the method."""
+    try:
+        return getattr(model, getter)()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def save_folded(folded: nn.Module, out_dir: Path, *, dtype: torch.dtype | None = None) -> None:
+    """``save_pretrained`` (safetensors) of the folded model in stock-loadable form, into ``out_dir``.
+
+    Parameters the stock class lacks (``folded_layout(folded)["extra_parameters"]``) are stored too.
+    """
+    untie_config(folded)
+    state = stock_state_dict(folded, dtype)
+    config_dtype = getattr(folded.config, "dtype", None)
+    if dtype is not None:
+        folded.config.dtype = dtype
+    try:
+        folded.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+    finally:  # the caller's model keeps its own config
+        folded.config.dtype = config_dtype
+
+
+def folded_layout(folded: nn.Module) -> dict[str, Any]:
+    """How ``folded`` differs from a stock model of its class built from its config, recorded in
+    ``normfold_report.json`` so that :func:`from_pretrained` can rebuild it exactly:
+
+    - ``swapped``: the normfold RMSNorms (:func:`swapped_norms`);
+    - ``identity``: norms the fold precomputed into a table, now ``nn.Identity``;
+    - ``extra_parameters``: parameters the fold created where the stock class has none (``lm_head.bias``
+      when ``normfold.fold`` moved GPT-2's ln_f γ/β into the head), ``[{"name", "shape"}]``;
+    - ``stock_compatible``: no identity and no extra parameters, so stock ``from_pretrained`` builds the
+      same model (each swapped RMSNorm comes back as the LayerNorm it equals on its zero-mean input).
+
+    Raises ValueError for any other difference (a module of another class, a parameter the stock model
+    has and ``folded`` lacks): :func:`from_pretrained` could not rebuild it.
+    """
+    with torch.device("meta"):
+        stock = type(folded)._from_config(folded.config)
+    stock_modules = dict(stock.named_modules())
+    swapped = swapped_norms(folded)
+    swapped_paths = {s["path"] for s in swapped}
+    identity, problems = [], []
+    for path, module in folded.named_modules():
+        ref = stock_modules.get(path)
+        if ref is not None and path in swapped_paths:
+            continue
+        if ref is not None and isinstance(module, nn.Identity) and not isinstance(ref, nn.Identity):
+            identity.append(path)
+        elif ref is None or type(ref) is not type(module):
+            problems.append(f"{path or 'the model'} is a {type(module).__name__} where {type(stock).__name__} has "
+                            f"{'nothing' if ref is None else 'a ' + type(ref).__name__}")
+    stock_params = {name for name, _ in stock.named_parameters(remove_duplicate=False)}
+    params = dict(folded.named_parameters(remove_duplicate=False))
+    extra = [{"name": name, "shape": list(p.shape)} for name, p in params.items() if name not in stock_params]
+    rebuilt_away = tuple(f"{path}." for path in (*identity, *swapped_paths))  # from_pretrained drops these
+    problems += [f"{name} is missing" for name in sorted(stock_params - set(params))
+                 if not name.startswith(rebuilt_away) and not _affine_moved_away(folded, name)]
+    stock_state = set(stock.state_dict())
+    problems += [f"buffer {name} is new" for name in folded.state_dict() if name not in stock_state and name not in params]
+    if problems:
+        raise ValueError(f"cannot save {type(folded).__name__} so that normfold.from_pretrained rebuilds it: "
+                         f"{'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}")
+    return {"swapped": swapped, "identity": identity, "extra_parameters": extra,
+            "stock_compatible": not identity and not extra}
+
+
+def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
+                    source_dir: str | os.PathLike | None = None, report=None,
+                    overwrite: bool = False) -> dict[str, Any]:
+    """Save a folded Hugging Face model so that :func:`normfold.from_pretrained` rebuilds exactly it.
+
+    ``out_dir`` becomes a ``save_pretrained`` folder (safetensors) plus ``normfold_report.json``,
+    which records what a stock model of the class lacks (:func:`folded_layout`: the RMSNorms, norms
+    precomputed away, parameters the fold created such as ``lm_head.bias``; those are in the weights).
+    Stock ``from_pretrained`` loads the same model when the fold fits the stock class (``normfold
+    fold`` and :func:`normfold.hf.folder.fold_for_stock` make such folds); otherwise a
+    ``UserWarning`` says what stock transformers would drop or rebuild.
+
+    Args:
+        dtype: storage dtype (``torch.float32`` / ``float16`` / ``bfloat16`` or its name); default: as is.
+        source_dir: the folder the original model came from: its other files (tokenizer, generation
+            config, sentence-transformers modules, README, ...) are carried over by
+            :func:`copy_side_files`; links and other skipped files are warned about.
+        report: the ``FoldReport`` of ``normfold.fold``, written into ``normfold_report.json``
+            (approximately replaced norms are marked, and counted as not stock-compatible).
+        overwrite: replace an existing ``out_dir`` (only an empty folder or a previous normfold output).
+
+    The folder is written beside ``out_dir`` and renamed into place when complete: on any error
+    nothing appears. Returns the report written.
+    """
+    from ..fold import FoldReport
+
+    if not isinstance(folded, nn.Module) or not callable(getattr(folded, "save_pretrained", None)) \
+            or not hasattr(folded, "config"):
+        raise TypeError(f"folded must be a Hugging Face model (a transformers PreTrainedModel), got "
+                        f"{type(folded).__name__}; save other models with torch.save(folded.state_dict(), ...)")
+    save_dtype = _storage_dtype(dtype)
+    if report is not None and not isinstance(report, FoldReport):
+        raise TypeError(f"report must be the FoldReport of normfold.fold, got {type(report).__name__}")
+    source = None if source_dir is None else check_model_dir(source_dir)
+    record = {} if report is None else report.to_dict()
+    record.update(folded_layout(folded))
+    if report is not None and report.approximate is not None:
+        from .folder import _approximate_summary
+
+        record.update(_approximate_summary(report.approximate, record["swapped"]))
+    record["saved_dtype"] = str(save_dtype or next(folded.parameters()).dtype).replace("torch.", "")
+    if not record["stock_compatible"]:
+        warnings.warn(_stock_incompatibility(type(folded).__name__, record), UserWarning, stacklevel=2)
+    with atomic_output_dir(out_dir, overwrite=overwrite, protect=() if source is None else (source,)) as tmp:
+        save_folded(folded, tmp, dtype=save_dtype)
+        if source is not None:
+            record["skipped_files"] = copy_side_files(source, tmp)
+            if record["skipped_files"]:
+                listed = ", ".join(f"{s['path']} ({s['reason']})" for s in record["skipped_files"])
+                warnings.warn(f"not copied from {source}: {listed}", UserWarning, stacklevel=2)
+        (tmp / REPORT_JSON).write_text(json.dumps(record, indent=2, default=str) + "\n")
+    return record
+
+
+def _storage_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``dtype`` as one of :data:`DTYPES`, or ValueError naming the accepted ones."""
+    if dtype is None or dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.replace("torch.", "") in DTYPES:
+        return DTYPES[dtype.replace("torch.", "")]
+    raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or None: as stored), got {dtype!r}")
+
+
+def _stock_incompatibility(cls_name: str, record: Mapping[str, Any]) -> str:
+    """The warning for a folded model that stock ``from_pretrained`` would load as another model."""
+    what = []
+    if record["extra_parameters"]:
+        what.append(f"drop {', '.join(e['name'] for e in record['extra_parameters'])} ({cls_name} has no such "
+                    "parameter)")
+    if record["identity"]:
+        what.append(f"rebuild {', '.join(record['identity'])} as norms (the fold precomputed them into a table)")
+    if record.get("num_approximate"):
+        what.append(f"rebuild the approximate RMSNorms {', '.join(record['approximate_norms'])} as LayerNorms")
+    return (f"stock transformers would {' and '.join(what)}, so {cls_name}.from_pretrained on this folder gives a "
+            "different model: load it with normfold.from_pretrained, or fold with the stock-compatible plan "
+            "(normfold.hf.folder.fold_for_stock(model, example_inputs), what `normfold fold` does)")
+
+
+# ---------------------------------------------------------------------------------------- reloading
+
+def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                    trust_remote_code: bool = False) -> nn.Module:
+    """Load a folder written by ``normfold fold`` or :func:`save_pretrained`, rebuilt as it was folded.
+
+    ``normfold_report.json`` says what stock transformers would build differently
+    (:func:`folded_layout`): :class:`normfold.nn.RMSNorm` goes back where the fold swapped one
+    (approximate replacements, ``--approximate``, included: stock transformers would load those as
+    LayerNorms, which is a different model), ``nn.Identity`` where a norm was precomputed away, and
+    the parameters the fold created (``lm_head.bias``) are read from the folder's weights.
+    Raises CheckpointError when the weights lack a tensor the rebuilt model needs (stock
+    transformers would initialise it at random and only log it).
+    """
+    path = check_model_dir(path)
+    layout = _read_layout(path)
+    stored = _stored_tensors(path)
+    missing = [e["name"] for e in layout["extra_parameters"] if e["name"] not in stored]
+    if missing:
+        raise CheckpointError(f"{path / REPORT_JSON} lists parameters the weights in {path} do not hold: "
+                              f"{', '.join(missing)}")
+    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    try:
+        for module_path in layout["identity"]:
+            parent_path, _, attr = module_path.rpartition(".")
+            setattr(model.get_submodule(parent_path), attr, nn.Identity())
+        for entry in layout["swapped"]:
+            swap_in_rmsnorm(model, entry)
+    except AttributeError as err:
+        raise CheckpointError(f"{path / REPORT_JSON} names a module {type(model).__name__} does not have: "
+                              f"{_first_line(err)}") from err
+    for entry in layout["extra_parameters"]:
+        _restore_parameter(model, entry, stored)
+    _check_every_parameter_stored(model, stored, path)
+    return model
+
+
+def _read_layout(path: Path) -> dict[str, Any]:
+    """The :func:`folded_layout` keys of the folder's report (older reports have only ``swapped``)."""
+    report_file = path / REPORT_JSON
+    if not report_file.is_file():
+        raise CheckpointError(f"no {REPORT_JSON} in {path}: not a folder written by `normfold fold` or "
+                              "normfold.save_pretrained")
+    try:
+        report = json.loads(report_file.read_text())
+        layout = {"swapped": list(report["swapped"]), "identity": [str(p) for p in report.get("identity", [])],
+                  "extra_parameters": [{"name": str(e["name"]), "shape": [int(n) for n in e["shape"]]}
+                                       for e in report.get("extra_parameters", [])]}
+        for entry in layout["swapped"]:
+            absent = {"path", "normalized_shape", "eps", "weight", "bias"} - set(entry)
+            if absent:
+                raise KeyError(f"a swapped entry lacks {', '.join(sorted(absent))}")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{report_file} is not a normfold report: {_first_line(err)}") from err
+    return layout
+
+
+def _stored_tensors(path: Path) -> dict[str, Path]:
+    """Tensor name -> the weight file holding it, for the files transformers loads from ``path``."""
+    for index, single in (("model.safetensors.index.json", "model.safetensors"),
+                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        if (path / index).is_file():
+            try:
+                weight_map = json.loads((path / index).read_text())["weight_map"]
+                files = {name: str(file) for name, file in weight_map.items()}
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+                raise CheckpointError(f"{path / index} is not a weight index: {_first_line(err)}") from err
+            bad = sorted({f for f in files.values() if Path(f).name != f or f in (".", "..")})
+            if bad:
+                raise CheckpointError(f"{path / index} names weight files outside {path}: {', '.join(bad)}")
+            return {name: path / file for name, file in files.items()}
+        if (path / single).is_file():
+            return dict.fromkeys(_tensor_names(path / single), path / single)
+    raise CheckpointError(f"no weights in {path}: expected model.safetensors (or pytorch_model.bin), or an index")
+
+
+def _tensor_names(file: Path) -> list[str]:
+    try:
+        if file.suffix == ".safetensors":
+            with require("safetensors").safe_open(file, framework="pt") as f:
+                return list(f.keys())
+        return list(torch.load(file, map_location="meta", weights_only=True, mmap=True))
+    except Exception as err:  # safetensors' own SafetensorError, unpickling errors
+        raise CheckpointError(f"corrupt weight file {file}: {_first_line(err)}") from err
+
+
+def _read_tensor(file: Path, name: str) -> torch.Tensor:
+    if file.suffix == ".safetensors":
+        with require("safetensors").safe_open(file, framework="pt") as f:
+            return f.get_tensor(name)
+    return torch.load(file, map_location="cpu", weights_only=True, mmap=True)[name].clone()
+
+
+def _restore_parameter(model: nn.Module, entry: Mapping[str, Any], stored: Mapping[str, Path]) -> None:
+    """Give ``model`` the parameter ``entry["name"]`` that its class lacks, with the stored values."""
+    owner_path, _, attr = entry["name"].rpartition(".")
+    try:
+        owner = model.get_submodule(owner_path)
+    except AttributeError as err:
+        raise CheckpointError(f"{type(model).__name__} has no module {owner_path!r} to hold {entry['name']}") from err
+    value = _read_tensor(stored[entry["name"]], entry["name"])
+    if list(value.shape) != entry["shape"]:
+        raise CheckpointError(f"{entry['name']}: the report says shape {entry['shape']}, the weights hold "
+                              f"{list(value.shape)}")
+    like = next(model.parameters())
+    owner.register_parameter(attr, nn.Parameter(value.to(device=like.device, dtype=like.dtype)))
+
+
+def _check_every_parameter_stored(model: nn.Module, stored: Mapping[str, Path], path: Path) -> None:
+    """CheckpointError when a parameter of ``model`` (under none of its tied names) is not in the weights."""
+    from .streaming import _aliases
+
+    missing = sorted({names[0] for names in map(sorted, _aliases(model).values()) if not any(n in stored for n in names)})
+    if missing:
+        raise CheckpointError(f"the weights in {path} lack {len(missing)} tensor(s) the model needs: "
+                              f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (stock transformers "
+                              "would initialise them at random)")
+
+
+def swap_in_rmsnorm(model: nn.Module, entry: Mapping[str, Any]) -> None:
+    """Replace the LayerNorm at ``entry["path"]`` by an RMSNorm holding the parameters the entry keeps."""
+    parent_path, _, attr = entry["path"].rpartition(".")
+    parent = model.get_submodule(parent_path)
+    old = getattr(parent, attr)
+    weight, bias = getattr(old, "weight", None), getattr(old, "bias", None)
+    keep_w, keep_b = bool(entry["weight"]), bool(entry["bias"])
+    new = RMSNorm(entry["normalized_shape"], eps=entry["eps"], elementwise_affine=keep_w or keep_b, bias=keep_b,
+                  device=weight.device if weight is not None else None,
+                  dtype=weight.dtype if weight is not None else None)
+    with torch.no_grad():
+        if new.weight is not None:
+            new.weight.copy_(weight if keep_w else torch.ones_like(new.weight))
+        if new.bias is not None:
+            new.bias.copy_(bias)
+    setattr(parent, attr, new)
+
+
+# ------------------------------------------------------------------------------ stock-compatible plans
+
+def stock_constraints(model, stored_dtype: torch.dtype, *, fold_affine: bool = True):
+    """The planning constraints of a folder that stock transformers loads, saved in ``stored_dtype``:
+    no precompute (every norm module stays), no parameter the architecture lacks (e.g. GPT-2's
+    ``lm_head.bias``: folding ln_f's β into the head would write it, stock drops it; ln_f keeps γ/β),
+    and merged BatchNorms kept as exact identities (the architecture loads their keys)."""
+    return PlanConstraints.for_stock_checkpoint(stock_parameter_shapes(model.config, type(model)), stored_dtype,
+                                                fold_affine=fold_affine)
