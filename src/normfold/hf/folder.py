@@ -92,6 +92,7 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         step("folding and verifying in float64")
         inputs = example_inputs_for(model)
         folded, report = fold_for_stock(model, inputs, fold_affine=fold_affine, stored_dtype=save_dtype)
+        require_norms(report, type(model).__name__)
         out = report.to_dict()
         approx = None
         if sentences is not None:
@@ -169,6 +170,14 @@ def approximate_warning(report: dict[str, Any]) -> str | None:
     cos_text = "n/a" if cos is None else f"{cos:.6f}"
     return (f"{n} norm{'s' if n != 1 else ''} replaced approximately; min cosine {cos_text} on the calibration set; "
             "load with normfold.from_pretrained (stock transformers would rebuild them as LayerNorms)")
+
+
+def require_norms(report, architecture: str) -> None:
+    """CheckpointError when the model holds no norm the engine knows (Llama's and T5's own RMSNorm
+    classes, a model without norms): there is nothing to fold, so nothing is written."""
+    if not report.norms:
+        raise CheckpointError(f"nothing to fold: {architecture} has no LayerNorm (or other norm module normfold "
+                              "recognises), so no folded folder is written")
 
 
 def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dtype: torch.dtype = torch.float32):

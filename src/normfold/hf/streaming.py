@@ -471,6 +471,9 @@ def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool
     step("planning (no weights loaded)")
     report, skeleton, checkpoint = plan_for_checkpoint(model_dir, fold_affine=fold_affine,
                                                       trust_remote_code=trust_remote_code, stored_dtype=out_dtype)
+    from .folder import require_norms
+
+    require_norms(report, type(skeleton).__name__)
     t_plan = time.perf_counter() - t0
     rewrite = _Rewrite(report.plan, skeleton, checkpoint, out_dtype)
     layout = {name: list(keys) for name, keys in checkpoint.files.items()}
