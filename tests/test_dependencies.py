@@ -18,9 +18,12 @@ TOP = {"normfold", "convert", "cli", "__main__"}
 
 # layer -> the only layers it may import (itself included)
 ONLY = {
-    "ops": {"ops"},
-    "nn": {"nn", "ops"},
-    "fuse": {"fuse", "ops", "nn", "fold"},
+    # leaf modules every layer may use: optional-dependency imports and progress output
+    "_deps": {"_deps"},
+    "_progress": {"_progress"},
+    "ops": {"ops", "_deps", "_progress"},
+    "nn": {"nn", "ops", "_deps", "_progress"},
+    "fuse": {"fuse", "ops", "nn", "fold", "_deps", "_progress"},
 }
 # layer -> layers it must never import (besides TOP, which no lower layer imports)
 NEVER = {
@@ -39,9 +42,6 @@ ALLOWED = {
     # into the CLI layer (it is the `normfold lab` command, not lab logic).
     ("normfold.lab.commands", "normfold.hf.inputs"),
     ("normfold.lab.commands", "normfold.hf.load"),
-    # lab.diagnostics asks for matplotlib / rich through hf's optional-dependency helper; removed when
-    # `require` moves to a leaf module every layer may use (e.g. normfold/_deps.py).
-    ("normfold.lab.diagnostics", "normfold.hf._deps"),
 }
 
 

@@ -38,7 +38,7 @@ class UsageError(ValueError):
 # ------------------------------------------------------------------------------------------ output
 
 def _console(stderr: bool = False):
-    from .hf._deps import require
+    from ._deps import require
 
     rich_console = require("rich.console")
     file = sys.stderr if stderr else sys.stdout

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._deps import require
+from .._deps import require
 from .load import CheckpointError, _first_line, check_model_dir, model_class_for
 
 

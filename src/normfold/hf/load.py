@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ._deps import require
+from .._deps import require
 
 
 class CheckpointError(ValueError):

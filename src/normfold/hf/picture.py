@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._deps import require
+from .._deps import require
 
 _FOLDED, _APPROXIMATE, _KEPT, _STREAM, _INK, _MUTED = "#2e9e5b", "#7b4fc4", "#d9822b", "#9aa5b1", "#1f2933", "#52606d"
 _FONT = "DejaVu Sans Mono"  # ships with matplotlib; monospaced, so a text's width is known before drawing

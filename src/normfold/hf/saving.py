@@ -22,7 +22,7 @@ from torch import nn
 
 from ..fold.plan import PlanConstraints
 from ..nn import RMSNorm
-from ._deps import require
+from .._deps import require
 from .load import CheckpointError, _first_line, check_model_dir, load_model
 from .output_dir import REPORT_JSON, atomic_output_dir
 from .side_files import copy_side_files

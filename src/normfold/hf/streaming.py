@@ -37,7 +37,7 @@ from torch import nn
 
 from ..fold.math import fold_batchnorm_into_producer
 from ..fold.verify import _cast, _errors, measured_tolerance
-from ._deps import require
+from .._deps import require
 from .inputs import example_inputs_for
 from .load import CheckpointError, _first_line, check_model_dir, load_config, model_class_for
 from .output_dir import REPORT_JSON, atomic_output_dir

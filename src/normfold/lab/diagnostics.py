@@ -113,7 +113,7 @@ class InspectResult:
 
     def rich_table(self):
         """The same table as a ``rich.table.Table`` (needs ``pip install 'normfold[cli]'``)."""
-        from ..hf._deps import require
+        from .._deps import require
 
         table_mod = require("rich.table")
         head, body = self._rows()
@@ -130,7 +130,7 @@ class InspectResult:
     def plot(self, path) -> Path:
         """One PNG: the activation scale through the layers, |mean|/rms per norm, and the
         per-feature mean profile of every norm input. Needs ``pip install 'normfold[plot]'``."""
-        from ..hf._deps import require
+        from .._deps import require
 
         matplotlib = require("matplotlib")
         matplotlib.use("Agg")

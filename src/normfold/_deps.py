@@ -1,10 +1,13 @@
-"""Optional dependencies of the Hugging Face layer, imported on first use."""
+"""Optional dependencies (transformers, safetensors, matplotlib, rich, tqdm), imported on first use.
+
+A leaf module: every layer may import it.
+"""
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
 
-_EXTRA = {"transformers": "hf", "safetensors": "hf", "matplotlib": "plot", "rich": "cli"}
+_EXTRA = {"transformers": "hf", "safetensors": "hf", "matplotlib": "plot", "rich": "cli", "tqdm": "hf"}
 
 
 def require(module: str) -> ModuleType:
