@@ -1,4 +1,4 @@
-"""What each wrong input gets: one test per row of the README's bad-input table (docs/bad_inputs.md).
+"""What each wrong input gets: one test per row of the bad-input table in docs/bad_inputs.md.
 
 Where the current behaviour is wrong (a raw traceback, a silent wrong answer) the test states the
 right behaviour and is marked ``xfail(strict=True)`` with the engineer who owns the fix.
