@@ -13,12 +13,10 @@ import math
 import statistics
 
 import torch
-from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from .. import ops
-from ..nn import LayerNorm as NfLayerNorm
-from ..nn import RMSNorm
+from ..nn.kinds import LAYER_NORM_TYPES, RMS_NORM_TYPES
 
 NORM_LABEL = "normfold_bench::norm"
 FORWARD_LABEL = "normfold_bench::forward"
@@ -27,7 +25,7 @@ FORWARD_LABEL = "normfold_bench::forward"
 @contextlib.contextmanager
 def label_norms(models):
     """Label every norm module call and every fused add+norm call ``normfold_bench::norm`` for the profiler."""
-    norm_types = _norm_types()
+    norm_types = LAYER_NORM_TYPES + RMS_NORM_TYPES  # torch's and normfold's
     open_labels: list = []
     handles = []
 
@@ -59,11 +57,6 @@ def label_norms(models):
             setattr(ops, name, function)
         for h in handles:
             h.remove()
-
-
-def _norm_types() -> tuple[type, ...]:
-    """The norm modules the profiler pass labels: torch's and normfold's LayerNorm / RMSNorm."""
-    return (nn.LayerNorm, nn.RMSNorm, NfLayerNorm, RMSNorm)
 
 
 def is_residual_add(event, norm_rows: set[tuple[int, int]]) -> bool:

@@ -17,6 +17,7 @@ from types import MappingProxyType
 import torch
 from torch import fx, nn
 
+from ..nn.kinds import LAYER_NORM_TYPES, RMS_NORM_TYPES
 from .graph import Captured, describe, module_path, module_stack, op_name, shape
 from .plan import AffineFoldStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
@@ -120,14 +121,6 @@ def _is_ln_input(user: fx.Node, need: Need) -> bool:
             and need.dim == len(shape(need.node)) - 1 and need.group is None)
 
 
-def _norm_types():
-    from .. import nn as nf_nn
-
-    layer_norms = (nn.LayerNorm, *(t for t in (getattr(nf_nn, "LayerNorm", None),) if t is not None))
-    rms_norms = (nf_nn.RMSNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
-    return layer_norms, rms_norms
-
-
 def _has_hooks(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or getattr(module, "_backward_pre_hooks", None))
@@ -136,7 +129,6 @@ def _has_hooks(module: nn.Module) -> bool:
 def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
     """Norm calls grouped by the module that owns them, in graph order; then RMSNorm modules the
     graph shows no norm op for (e.g. a decomposed implementation)."""
-    layer_norm_types, rms_norm_types = _norm_types()
     norms: dict[str, _Norm] = {}
     called: set[str] = set()
     for node in captured.graph.nodes:
@@ -144,7 +136,7 @@ def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
         call = norm_call(node)
         if call is None:
             continue
-        kind, types = ("RMSNorm", rms_norm_types) if call.is_rms else ("LayerNorm", layer_norm_types)
+        kind, types = ("RMSNorm", RMS_NORM_TYPES) if call.is_rms else ("LayerNorm", LAYER_NORM_TYPES)
         candidates = []
         if call.weight is not None and call.weight in captured.param_fqn:
             candidates.append(captured.param_fqn[call.weight].rpartition(".")[0])
@@ -165,7 +157,7 @@ def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
             module, reason = None, "kept: the module carries hooks, which replacing it would drop"
         norms.setdefault(path, _Norm(path, kind, [], module, reason=reason)).calls.append(call)
     for path, m in model.named_modules():
-        if isinstance(m, rms_norm_types) and path in called and path not in norms:
+        if isinstance(m, RMS_NORM_TYPES) and path in called and path not in norms:
             norms[path] = _Norm(path, "RMSNorm", [], m, reason="already an RMSNorm")
     return list(norms.values())
 
@@ -368,7 +360,7 @@ def _affine_steps(norm: _Norm, model: nn.Module, captured: Captured, untied: fro
         return [], "no affine"
     if call.num_dims != 1:  # γ/β span several dims: no per-feature scale to move into a linear layer
         return [], f"γ/β span {call.num_dims} dims {tuple(norm.module.normalized_shape)}, not one feature dim"
-    if call.is_rms and (call.eps is None or not isinstance(norm.module, _norm_types()[1])):
+    if call.is_rms and (call.eps is None or not isinstance(norm.module, RMS_NORM_TYPES)):
         return [], "RMSNorm without an explicit eps"
     gamma_fqn = _single_use_param(call.weight, captured) if call.weight is not None else None
     beta_fqn = _single_use_param(call.bias, captured) if call.bias is not None else None

@@ -40,7 +40,8 @@ from ..fold.errors import FoldVerificationError
 from ..fold.graph import eval_mode, split_example_inputs
 from ..fold.verify import FOLD_TOLERANCE
 from ..fold.verify import verify as verify_models
-from ..nn import FusedAddRMSNorm, LayerNorm, RMSNorm
+from ..nn import FusedAddRMSNorm, RMSNorm
+from ..nn.kinds import LAYER_NORM_TYPES
 from .inline import SOURCE_CHANGED
 from .report import FusedPair, FuseReport
 from .rewrite import ForwardRewrite, FusePlan, Probe
@@ -148,7 +149,7 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
 
 def _candidate_norms(model: nn.Module, norm_paths, layer_norms: bool) -> list[str]:
     """The paths of the norms to consider: ``norm_paths`` checked against the model's, or all of them."""
-    kinds = (RMSNorm, nn.LayerNorm, LayerNorm) if layer_norms else (RMSNorm,)
+    kinds = (RMSNorm, *LAYER_NORM_TYPES) if layer_norms else (RMSNorm,)  # not torch's RMSNorm: no offset, eps may be None
     found = [path for path, m in model.named_modules()
              if isinstance(m, kinds) and not isinstance(m, FusedAddRMSNorm) and path]
     if norm_paths is None:

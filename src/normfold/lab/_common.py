@@ -1,5 +1,5 @@
-"""What the lab's tools share: recognising norm modules, running a model on one batch in any of
-the accepted forms, and picking the real (unpadded) tokens of a batch."""
+"""What the lab's tools share: running a model on one batch in any of the accepted forms, and
+picking the real (unpadded) tokens of a batch. Which modules are norms: :mod:`normfold.nn.kinds`."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -7,48 +7,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-
-from ..nn import RMSNorm as _NormfoldRMSNorm
-
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-_INSTANCE_NORMS = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-
-
-def norm_kind(module: nn.Module) -> str | None:
-    """"LayerNorm", "RMSNorm", "GroupNorm", "BatchNorm", "InstanceNorm", or None if not a norm.
-
-    Classes of other libraries (Hugging Face's ``T5LayerNorm``, ``LlamaRMSNorm``, ...) are
-    recognised by name: a class whose name ends in ``LayerNorm``/``RMSNorm`` (case-insensitive)
-    and that holds a ``weight``.
-    """
-    if isinstance(module, nn.LayerNorm):
-        return "LayerNorm"
-    if isinstance(module, (nn.RMSNorm, _NormfoldRMSNorm)):
-        return "RMSNorm"
-    if isinstance(module, nn.GroupNorm):
-        return "GroupNorm"
-    if isinstance(module, _BATCH_NORMS):
-        return "BatchNorm"
-    if isinstance(module, _INSTANCE_NORMS):
-        return "InstanceNorm"
-    name = type(module).__name__.lower()
-    if hasattr(module, "weight") and not list(module.children()):
-        if name.endswith("rmsnorm"):
-            return "RMSNorm"
-        if name.endswith("layernorm") or name.endswith("layer_norm"):
-            # T5's "LayerNorm" has no mean subtraction and no bias: it is an RMSNorm.
-            return "LayerNorm" if getattr(module, "bias", None) is not None else "RMSNorm"
-    return None
-
-
-def norm_modules(model: nn.Module) -> list[tuple[str, nn.Module, str]]:
-    """(path, module, kind) of every norm module, in registration order."""
-    found = []
-    for path, module in model.named_modules():
-        kind = norm_kind(module)
-        if kind is not None:
-            found.append((path, module, kind))
-    return found
 
 
 def as_batches(inputs) -> list:

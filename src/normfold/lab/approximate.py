@@ -32,8 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from ..nn import RMSNorm
+from ..nn.kinds import norm_modules
 from ..ops.reference import rms_norm_ref
-from ._common import as_batches, call, first_tensor, norm_modules, rows
+from ._common import as_batches, call, first_tensor, rows
 
 OutputFn = Callable[[nn.Module, object], Tensor]
 

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 from torch import fx, nn
 
-from ._common import norm_modules
+from ..nn.kinds import norm_modules
 
 _BATCH_SIZE_KEYS = ("per_device_train_batch_size", "train_batch_size", "micro_batch_size", "batch_size")
 _PASSTHROUGH = {"aten.dropout", "aten.clone", "aten.alias", "aten._to_copy", "aten.contiguous", "aten.feature_dropout"}

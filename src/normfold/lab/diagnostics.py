@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from ._common import as_batches, call, norm_modules, rows
+from ..nn.kinds import norm_modules
+from ._common import as_batches, call, rows
 
 _CHANNEL_FIRST = ("GroupNorm", "BatchNorm", "InstanceNorm")  # features on dim 1, not the last dim
 _PRODUCERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
