@@ -48,6 +48,13 @@ wheel-check: venv
 	  venv/bin/normfold demo && \
 	  venv/bin/python $(CURDIR)/scripts/walkthrough.py --wheel "$$(ls dist/normfold-*.whl)"
 
+# The API reference (build/docs/index.html) from the docstrings of the public API (each module's
+# __all__); any warning (an annotation pdoc cannot resolve, a module that fails to import) fails it.
+.PHONY: docs
+docs: venv
+	rm -rf build/docs
+	$(PY) -W error -m pdoc --docformat google normfold -o build/docs
+
 bench: venv
 	$(PY) -m normfold.ops.build
 	$(PY) benchmarks/bench_norm.py
