@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
+from ..nn import RMSNorm
 from .math import center, fold_affine_into_consumer, fold_batchnorm_into_producer, layer_norm_rows
 from .plan import BatchNormFoldStep, FoldPlan, SwapStep
 
@@ -19,7 +20,7 @@ def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
             owner = model.get_submodule(step.module_path)
             setattr(owner, step.attr, nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad))
         if plan.untie:
-            _untie_config(model)
+            untie_config(model)
         for step in plan.precompute:
             table = model.get_parameter(step.table_fqn)
             gamma = model.get_parameter(step.gamma_fqn) if step.gamma_fqn else None
@@ -31,15 +32,40 @@ def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
         for step in plan.affine_fold:
             _fold_affine(model, step)
         for step in plan.swap:
-            _swap(model, step)
+            swap_norm(model, step)
     return model
 
 
-def _untie_config(model: nn.Module) -> None:
-    """Hugging Face models re-tie embeddings on load unless the config says otherwise."""
+_TIE_FLAGS = ("tie_word_embeddings", "tie_embeddings")  # Hugging Face's; normfold's GPTConfig
+
+
+def untie_config(model: nn.Module) -> None:
+    """Mark the model's config untied when its input and output embeddings no longer share one tensor.
+
+    Hugging Face models (and normfold's GPT) re-tie the output embedding to the input one on load
+    while the config says they are tied, which would undo a fold that gave the head its own
+    (uncentered) copy. A model that does not expose both embeddings (``get_input_embeddings`` /
+    ``get_output_embeddings``: vision models, encoders without a head), or whose embeddings still
+    share, keeps its config. The text config of a multimodal config is untied with it.
+    """
     config = getattr(model, "config", None)
-    if config is not None and getattr(config, "tie_word_embeddings", False):
-        config.tie_word_embeddings = False
+    emb_in, emb_out = _embedding(model, "get_input_embeddings"), _embedding(model, "get_output_embeddings")
+    if config is None or emb_in is None or emb_out is None or emb_in.weight is emb_out.weight:
+        return
+    text = getattr(config, "get_text_config", lambda: config)()
+    for holder in {id(config): config, id(text): text}.values():
+        for flag in _TIE_FLAGS:
+            if getattr(holder, flag, False):
+                setattr(holder, flag, False)
+
+
+def _embedding(model: nn.Module, getter: str) -> nn.Module | None:
+    """``model.get_input_embeddings()`` (or output), None where the model has none: vision models
+    (MobileViT, SegFormer) raise NotImplementedError, others return None or lack the method."""
+    try:
+        return getattr(model, getter)()
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def _merge_batchnorm(model: nn.Module, step: BatchNormFoldStep) -> None:
@@ -86,26 +112,42 @@ def _fold_affine(model: nn.Module, step) -> None:
         b.copy_(new_b)
 
 
-def _swap(model: nn.Module, step: SwapStep) -> None:
-    from ..nn import RMSNorm
-
+def swap_norm(model: nn.Module, step: SwapStep, *, share_parameters: bool = False) -> None:
+    """Carry out one swap step: the norm at ``step.path`` becomes an Identity, a normfold
+    ``RMSNorm`` or a torch ``LayerNorm`` holding the old module's γ/β (copies, or with
+    ``share_parameters`` the same Parameters, which CBWC trains on)."""
     old = model.get_submodule(step.path)
-    parent_path, _, name = step.path.rpartition(".")
     if step.to == "Identity":
-        setattr(model.get_submodule(parent_path), name, nn.Identity())
+        model.set_submodule(step.path, nn.Identity().train(old.training))
         return
-    ref = old.weight if getattr(old, "weight", None) is not None else None
-    factory = {"device": ref.device if ref is not None else None, "dtype": ref.dtype if ref is not None else None}
-    if step.to == "RMSNorm":
-        new = RMSNorm(step.normalized_shape, eps=step.eps, elementwise_affine=step.elementwise_affine,
-                      bias=step.bias, **factory)
-    else:
-        new = nn.LayerNorm(step.normalized_shape, eps=step.eps, elementwise_affine=step.elementwise_affine,
-                           bias=step.bias, **factory)
-    if step.elementwise_affine:
-        new.weight.copy_(old.weight)
-        if step.bias:
-            new.bias.copy_(old.bias)
-    new.train(old.training)
-    parent_path, _, name = step.path.rpartition(".")
-    setattr(model.get_submodule(parent_path), name, new)
+    cls = RMSNorm if step.to == "RMSNorm" else nn.LayerNorm
+    new = norm_like(old, cls, step.normalized_shape, step.eps,
+                    weight=old.weight if step.elementwise_affine else None,
+                    bias=old.bias if step.elementwise_affine and step.bias else None,
+                    share_parameters=share_parameters)
+    model.set_submodule(step.path, new)
+
+
+def norm_like(old: nn.Module, cls: type[nn.Module], normalized_shape, eps: float, *, weight: Tensor | None,
+              bias: Tensor | None, share_parameters: bool = False) -> nn.Module:
+    """A ``cls`` norm (normfold ``RMSNorm`` or torch ``LayerNorm``) to stand where ``old`` stands:
+    on its device and dtype, in its train/eval mode, holding γ = ``weight`` and β = ``bias``.
+
+    The one LayerNorm → RMSNorm swap of the fold, the Hugging Face reload, CBWC and the approximate
+    fold. Values are copied (cast to ``old``'s dtype), or with ``share_parameters`` the given
+    Parameters themselves are held. Neither given: no affine; β without γ: γ = 1.
+    """
+    ref = next((t for t in (getattr(old, "weight", None), getattr(old, "bias", None)) if t is not None), None)
+    factory = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
+    affine = weight is not None or bias is not None
+    new = cls(normalized_shape, eps=eps, elementwise_affine=affine, bias=bias is not None, **factory)
+    with torch.no_grad():
+        for name, value in (("weight", weight), ("bias", bias)):
+            if value is None:
+                continue
+            if share_parameters:
+                assert isinstance(value, nn.Parameter), f"{name} to share is a {type(value).__name__}"
+                setattr(new, name, value)
+            else:
+                getattr(new, name).copy_(value)
+    return new.train(old.training)

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
+from ..fold.transform import norm_like
 from ..nn import RMSNorm
 from ..nn.kinds import norm_modules
 from ..ops.reference import rms_norm_ref
@@ -196,11 +197,8 @@ def _eps(norm: nn.Module) -> float:
 
 
 def _rms_like(norm: nn.Module, weight: Tensor, bias: Tensor) -> RMSNorm:
-    new = RMSNorm(weight.shape[0], eps=_eps(norm), bias=True, device=norm.weight.device, dtype=norm.weight.dtype)
-    with torch.no_grad():
-        new.weight.copy_(weight)
-        new.bias.copy_(bias)
-    return new
+    """An RMSNorm in place of ``norm`` holding the fitted (or kept) γ/β."""
+    return norm_like(norm, RMSNorm, weight.shape[0], _eps(norm), weight=weight, bias=bias)
 
 
 @torch.no_grad()

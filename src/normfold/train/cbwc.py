@@ -41,6 +41,9 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from ..fold import analyze
+from ..fold.transform import swap_norm, untie_config
+
 __all__ = ["cbwc_", "bake_", "Centered"]
 
 
@@ -96,8 +99,6 @@ def cbwc_(model: nn.Module, example_inputs, *, report=None):
     if any(isinstance(m, Centered) for m in model.modules()):
         raise ValueError("cbwc_ was already applied to this model (it holds Centered parametrizations)")
     if report is None:
-        from ..fold import analyze
-
         report = analyze(model, example_inputs, fold_affine=False)
     plan = report.plan
     if plan.affine_fold:
@@ -118,23 +119,8 @@ def cbwc_(model: nn.Module, example_inputs, *, report=None):
     for module, attr, step in targets:
         parametrize.register_parametrization(module, attr, Centered(step.dim, step.group))
     for step in plan.swap:
-        _swap_keeping_parameters(model, step)
+        swap_norm(model, step, share_parameters=True)  # γ/β stay the trained Parameters
     return report
-
-
-def _swap_keeping_parameters(model: nn.Module, step) -> None:
-    """Replace the LayerNorm at ``step.path`` by an RMSNorm that holds the *same* γ/β Parameters."""
-    from ..nn import RMSNorm
-
-    old = model.get_submodule(step.path)
-    new = RMSNorm(step.normalized_shape, eps=step.eps, elementwise_affine=False)
-    if step.elementwise_affine:
-        new.elementwise_affine = True
-        new.weight = old.weight
-        new.bias = old.bias if step.bias else None
-    new.train(old.training)
-    parent, _, name = step.path.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, name, new)
 
 
 def bake_(model: nn.Module) -> nn.Module:
@@ -160,15 +146,5 @@ def bake_(model: nn.Module) -> nn.Module:
         else:
             original.data.copy_(value)
     if untied:
-        _mark_untied(model)
+        untie_config(model)
     return model
-
-
-def _mark_untied(model: nn.Module) -> None:
-    config = getattr(model, "config", None)
-    if config is None:
-        return
-    if getattr(config, "tie_word_embeddings", False):
-        config.tie_word_embeddings = False
-    if getattr(config, "tie_embeddings", False):
-        config.tie_embeddings = False

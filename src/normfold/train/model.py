@@ -197,6 +197,14 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token table (Hugging Face's name: ``normfold.fold.transform.untie_config`` reads it)."""
+        return self.transformer.wte
+
+    def get_output_embeddings(self) -> nn.Linear:
+        """The output head, tied to the token table when ``config.tie_embeddings``."""
+        return self.lm_head
+
     def num_parameters(self) -> int:
         """Distinct parameters (a tied table counted once)."""
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
