@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..fold.plan import PlanConstraints
+from ..fold.transform import norm_like, untie_config
 from ..nn import RMSNorm
 from .._deps import require
 from .load import CheckpointError, _first_line, check_model_dir, load_model
@@ -79,28 +80,6 @@ def stock_parameter_shapes(config, cls: type) -> dict[str, torch.Size]:
     with torch.device("meta"):
         stock = cls._from_config(config)
     return {k: v.shape for k, v in stock.state_dict().items()}
-
-
-def untie_config(model: nn.Module) -> None:
-    """Set ``tie_word_embeddings=False`` when the fold gave the output embedding its own tensor."""
-    config = model.config
-    emb_in, emb_out = _embedding(model, "get_input_embeddings"), _embedding(model, "get_output_embeddings")
-    if emb_in is None or emb_out is None:
-        return
-    if emb_in.weight is not emb_out.weight and getattr(config, "tie_word_embeddings", False):
-        config.tie_word_embeddings = False
-        text = getattr(config, "get_text_config", lambda: config)()
-        if text is not config:
-            text.tie_word_embeddings = False
-
-
-def _embedding(model: nn.Module, getter: str) -> nn.Module | None:
-    """``model.get_input_embeddings()`` (or output), None where the model has none: vision models
-    (MobileViT, SegFormer) raise NotImplementedError, others return None or lack the method."""
-    try:
-        return getattr(model, getter)()
-    except (AttributeError, NotImplementedError):
-        return None
 
 
 def save_folded(folded: nn.Module, out_dir: Path, *, dtype: torch.dtype | None = None) -> None:
@@ -361,21 +340,13 @@ def _check_every_parameter_stored(model: nn.Module, stored: Mapping[str, Path], 
 
 
 def swap_in_rmsnorm(model: nn.Module, entry: Mapping[str, Any]) -> None:
-    """Replace the LayerNorm at ``entry["path"]`` by an RMSNorm holding the parameters the entry keeps."""
-    parent_path, _, attr = entry["path"].rpartition(".")
-    parent = model.get_submodule(parent_path)
-    old = getattr(parent, attr)
-    weight, bias = getattr(old, "weight", None), getattr(old, "bias", None)
+    """Replace the LayerNorm at ``entry["path"]`` by an RMSNorm holding the γ/β the entry keeps
+    (γ = 1 where the fold moved it into the next layer)."""
+    old = model.get_submodule(entry["path"])
     keep_w, keep_b = bool(entry["weight"]), bool(entry["bias"])
-    new = RMSNorm(entry["normalized_shape"], eps=entry["eps"], elementwise_affine=keep_w or keep_b, bias=keep_b,
-                  device=weight.device if weight is not None else None,
-                  dtype=weight.dtype if weight is not None else None)
-    with torch.no_grad():
-        if new.weight is not None:
-            new.weight.copy_(weight if keep_w else torch.ones_like(new.weight))
-        if new.bias is not None:
-            new.bias.copy_(bias)
-    setattr(parent, attr, new)
+    model.set_submodule(entry["path"], norm_like(old, RMSNorm, entry["normalized_shape"], entry["eps"],
+                                                 weight=getattr(old, "weight", None) if keep_w else None,
+                                                 bias=getattr(old, "bias", None) if keep_b else None))
 
 
 # ------------------------------------------------------------------------------ stock-compatible plans
