@@ -116,3 +116,14 @@ def identity_batchnorm_variance(eps: float, dtype: torch.dtype) -> float | None:
     add_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     stored = torch.tensor(1.0 - eps, dtype=dtype).to(add_dtype)
     return 1.0 - eps if bool(stored + torch.tensor(eps, dtype=add_dtype) == 1) else None
+
+
+def mean_over_rms(rows: Tensor) -> Tensor:
+    """|μ| / RMS of every row (last dim), in float64: 0 where a LayerNorm and an RMSNorm agree.
+
+    RMS(x)² = σ² + μ², so LN(x) = RMSNorm(x) exactly when μ = 0; the ratio measures how far an
+    RMSNorm's input is from that. All-zero rows count as 0 (RMS clamped to the smallest normal).
+    """
+    x = rows.detach().double()
+    rms = x.square().mean(-1).sqrt().clamp_min(torch.finfo(torch.float64).tiny)
+    return x.mean(-1).abs() / rms

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from ..fold.math import mean_over_rms
 from ..nn.kinds import norm_modules
 from ._common import as_batches, call, rows
 
@@ -66,9 +67,7 @@ class _NormAccumulator:
             r = x.movedim(1, -1).reshape(-1, x.shape[1])  # (N·spatial, C)
         else:
             r = rows(x, batch)  # (tokens, C)
-        row_mean = r.mean(-1)
-        row_rms = r.square().mean(-1).sqrt().clamp_min(torch.finfo(torch.float64).tiny)
-        ratio = row_mean.abs() / row_rms
+        ratio = mean_over_rms(r)
         self.n += r.shape[0]
         self.elements += r.numel()
         self.sum += r.sum().item()
