@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 
 from torch import fx, nn
 
+from ..fold.errors import FoldError
+from ..fold.graph import capture, module_path, op_name
 from ..nn.kinds import norm_modules
 
 _BATCH_SIZE_KEYS = ("per_device_train_batch_size", "train_batch_size", "micro_batch_size", "batch_size")
@@ -52,8 +54,6 @@ class Finding:
 
 
 def _packet(node: fx.Node) -> str:
-    from ..fold.graph import op_name
-
     return op_name(node) if node.op == "call_function" else ""
 
 
@@ -95,8 +95,6 @@ def _param_owner(captured, node) -> str | None:
 
 
 def _norm_path(captured, node: fx.Node) -> str:
-    from ..fold.graph import module_path
-
     weight = node.args[2] if _packet(node) in ("aten.layer_norm", "aten.group_norm") and len(node.args) > 2 else (
         node.args[1] if len(node.args) > 1 else None)
     return _param_owner(captured, weight) or module_path(node) or node.name
@@ -105,8 +103,6 @@ def _norm_path(captured, node: fx.Node) -> str:
 def _structural(model: nn.Module, example_inputs) -> tuple[list[tuple[str, str, str, float]], list[str]]:
     """(norm path, norm kind, producer path, |bias| spread) for biased producers feeding a norm,
     and the paths of Post-LN norms."""
-    from ..fold.graph import capture
-
     captured = capture(model, example_inputs)
     biased, post_ln = [], []
     for node in captured.graph.nodes:
@@ -176,8 +172,6 @@ def check(model: nn.Module, example_inputs=None, *, training_config: Mapping | N
         findings.append(Finding("structure-skipped", "info", "",
                                 "no example_inputs: bias-before-norm and Post-LN checks were skipped"))
         return findings
-    from ..fold.errors import FoldError
-
     try:
         biased, post_ln = _structural(model, example_inputs)
     except FoldError as err:

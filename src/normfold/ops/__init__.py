@@ -12,14 +12,13 @@ next sublayer, when it would have left the cache anyway.
 """
 from typing import NamedTuple
 
+from . import _cpu
 from .functional import layer_norm, rms_norm
 from .reference import layer_norm_ref, rms_norm_ref
 
 
 def cpu_kernel_available() -> bool:
     """True when the fused C++ CPU kernel is built and loaded (builds it on the first call)."""
-    from . import _cpu
-
     return _cpu.kernel_available()
 
 
@@ -35,16 +34,12 @@ class CpuCacheInfo(NamedTuple):
 
 def cpu_cache_info() -> CpuCacheInfo:
     """How much the CPU kernel's output cache holds, and how often it served an allocation."""
-    from . import _cpu
-
     module = _cpu._module
     return CpuCacheInfo(*module.cpu_cache_info()) if module is not None else CpuCacheInfo(0, 0, 0, 0, 0)
 
 
 def empty_cpu_cache() -> None:
     """Free every cached output buffer (tensors in use are not affected)."""
-    from . import _cpu
-
     if _cpu._module is not None:
         _cpu._module.empty_cpu_cache()
 

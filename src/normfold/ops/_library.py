@@ -58,7 +58,7 @@ def _cpu_backend() -> ModuleType | None:
 
 def _triton_backend() -> ModuleType | None:
     try:
-        from . import _triton
+        from . import _triton  # not at the top: it imports triton, an optional dependency
     except ImportError as exc:
         _warn_once("triton", f"normfold: Triton is unavailable ({exc}); CUDA norms use the slower "
                              "pure-PyTorch reference. Install it with `pip install 'normfold[triton]'`.")

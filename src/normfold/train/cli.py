@@ -10,6 +10,10 @@ import dataclasses
 import json
 from typing import Sequence
 
+from .config import PRECISIONS, TrainConfig, resolve_config
+from .model import NORMS, PLACEMENTS, GPTConfig
+from .trainer import train
+
 _EPILOG = """\
 examples:
   python -m normfold.train --norm=rmsnorm --placement=pre --max_steps=200 --out_dir=runs/rms
@@ -19,18 +23,12 @@ examples:
 
 def _config_keys() -> list[tuple[str, object]]:
     """(name, default) of every GPTConfig and TrainConfig field, model fields first."""
-    from .config import TrainConfig
-    from .model import GPTConfig
-
-    model, train = GPTConfig(), TrainConfig()
+    model, training = GPTConfig(), TrainConfig()
     keys = [(f.name, getattr(model, f.name)) for f in dataclasses.fields(GPTConfig)]
-    return keys + [(f.name, getattr(train, f.name)) for f in dataclasses.fields(TrainConfig) if f.name != "model"]
+    return keys + [(f.name, getattr(training, f.name)) for f in dataclasses.fields(TrainConfig) if f.name != "model"]
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .config import PRECISIONS
-    from .model import NORMS, PLACEMENTS
-
     parser.add_argument("--config", default=None, help="a .json or .toml config file (flat, or with a [model] table)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--overwrite", action="store_true",
@@ -46,9 +44,6 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Resolve the config, train, print a summary line; returns the exit status."""
-    from .config import resolve_config
-    from .trainer import train
-
     overrides = [f"--{name}={getattr(args, name)}" for name, _ in _config_keys() if hasattr(args, name)]
     config = resolve_config(args.config, overrides)
     if args.print_config:

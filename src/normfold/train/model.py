@@ -19,8 +19,18 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..nn import RMSNorm
+
 NORMS = ("layernorm", "layernorm_handrolled", "rmsnorm_torch", "rmsnorm_handrolled", "rmsnorm", "cbwc_rmsnorm", "none")
 PLACEMENTS = ("pre", "post", "sandwich")
+
+
+def check_positive_ints(config: object, names: tuple[str, ...]) -> None:
+    """ValueError naming the first of ``config``'s fields ``names`` that is not a positive int (a bool is not)."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 @dataclass
@@ -45,10 +55,7 @@ class GPTConfig:
             raise ValueError(f"norm must be one of {NORMS}, got {self.norm!r}")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"))
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd must be divisible by n_head, got n_embd={self.n_embd}, n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
@@ -96,8 +103,6 @@ def make_norm(kind: str, n: int, eps: float) -> nn.Module:
     if kind == "rmsnorm_handrolled":
         return HandrolledRMSNorm(n, eps)
     if kind == "rmsnorm":
-        from ..nn import RMSNorm
-
         return RMSNorm(n, eps=eps)
     if kind == "none":
         return nn.Identity()

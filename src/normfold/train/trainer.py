@@ -19,6 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..hf.load import CheckpointError
+from .cbwc import cbwc_
+from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .data import TokenSplits, encode, load_text
 from .model import GPT
@@ -88,8 +91,6 @@ def build_model(config: TrainConfig, device: torch.device | str = "cpu") -> GPT:
         model = model.double()
     model = model.to(device)
     if config.model.norm == "cbwc_rmsnorm":
-        from .cbwc import cbwc_
-
         example = torch.zeros(1, min(8, config.model.block_size), dtype=torch.long, device=device)
         cbwc_(model, (example,))
     return model
@@ -145,8 +146,6 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False) -> Pat
     or a training ``config.json``), or anything with ``overwrite``. Each rank checks before the
     process group starts, so no rank has written yet and all of them decide alike.
     """
-    from ..hf.load import CheckpointError
-
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"--out_dir must be a folder, got a file: {out}")
@@ -266,8 +265,6 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
                    out_dir / f"weights_rank{dist.rank}.pt")
     if is_main:
         if config.save_checkpoint and not diverged and isinstance(raw_model, GPT):
-            from .checkpoint import save_checkpoint
-
             summary["checkpoint"] = save_checkpoint(raw_model, out_dir / "checkpoint")
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if dist.enabled:
