@@ -22,6 +22,7 @@ from .ops import layer_norm, rms_norm
 # (the engine, whose exact ``fold`` it wraps) and the function ``convert`` the module ``normfold.convert``.
 from .fold import FoldError, FoldPlan, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze, verify
 from .convert import ApproximateConfig, FoldConfig, FuseConfig, convert, fold
+from .rotate import RotationReport, rotate  # the function shadows the subpackage, as fold does
 
 __version__ = "0.1.0"
 
@@ -48,6 +49,7 @@ __all__ = [
     "ops", "nn", "rms_norm", "layer_norm", "RMSNorm", "FusedAddRMSNorm",
     "analyze", "fold", "verify", "FoldPlan", "FoldReport", "NormEntry", "VerifyResult", "FoldError", "FoldVerificationError",
     "convert", "FoldConfig", "FuseConfig", "ApproximateConfig",
+    "rotate", "RotationReport",
     *_LAZY, *_LAZY_MODULES,
 ]
 

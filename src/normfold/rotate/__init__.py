@@ -1,0 +1,154 @@
+"""Rotate the residual stream of any model the fold engine makes RMSNorm-only (QuaRot / SliceGPT).
+
+    rotated, report = normfold.rotate(model, example_inputs)                       # randomised Hadamard
+    rotated, report = normfold.rotate(model, example_inputs, method="pca", calibration=calls,
+                                      slice_fraction=0.2)                            # SliceGPT-style
+
+Steps: the exact fold (``normfold.fold.fold``: norms → RMSNorm, γ/β into the readers), the graph
+check that the stream is closed under rotation (``closure``), the basis (``hadamard``,
+``orthogonal``; PCA from ``calibration``), the rotation in float64 cast back once (``apply``), and
+the float64 proof against the original, as for a fold (or, when sliced, the cosine on the
+calibration calls). Only torch is imported here.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import numbers
+
+import torch
+from torch import Tensor, nn
+
+from ..fold import fold as fold_engine
+from ..fold.errors import FoldError, FoldVerificationError
+from ..fold.graph import capture, check_model_and_inputs, example_calls, split_example_calls
+from ..fold.pipeline import apply_fold, failure
+from ..fold.report import FoldReport
+from ..fold.verify import FOLD_TOLERANCE, verify
+from .apply import apply_rotation, rotate_along
+from .calibration import OutputAgreement, output_agreement, stream_second_moments
+from .closure import Stream, StreamTensor, find_streams
+from .hadamard import hadamard, randomized_hadamard
+from .orthogonal import haar_orthogonal, orthogonality_error, pca_basis
+from .report import RotationReport, SliceReport, StreamRotation
+
+METHODS = ("hadamard", "random", "pca")
+
+
+def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: int = 0, calibration=None,
+           slice_fraction: float = 0.0) -> tuple[nn.Module, RotationReport]:
+    """``(rotated copy, report)``: the model folded exactly, then its residual stream rotated by an
+    orthogonal Q (writers W ↦ Qᵀ·W, readers W ↦ W·Q), the same function, proved in float64.
+
+    ``method``: "hadamard" (randomised Hadamard diag(±1)·H/√d, seeded; a width no Hadamard
+    construction here reaches gets a seeded Haar matrix, said in the report), "random" (seeded
+    Haar), "pca" (eigenvectors of the stream's second moment on ``calibration``: a call or a list
+    of calls, like ``example_inputs``). ``slice_fraction`` in [0, 1), with "pca": drop that share of
+    the stream's directions, the least used (SliceGPT); the result is then approximate, and the
+    report gives its cosine (and any loss the model returns) on the calibration calls.
+
+    Raises ``FoldError`` naming what blocks rotation (a norm the fold keeps as a LayerNorm, a γ that
+    stays, a stream read by anything but a weightless RMSNorm, a stream that is a model output),
+    ``FoldVerificationError`` if the rotated model is not equal in float64 (nothing returned), and
+    ValueError / TypeError for bad arguments, before any work.
+    """
+    calls = check_model_and_inputs(model, example_inputs)
+    calibration_calls = _check_arguments(method, seed, calibration, slice_fraction)
+    slicing = slice_fraction > 0
+    folded, fold_report = fold_engine(model, example_inputs, verify=slicing)  # unsliced: proved below, whole
+    streams = _streams(folded, calls, fold_report)
+    if slicing:
+        _check_sliceable(streams, slice_fraction)
+    folded64 = apply_fold(copy.deepcopy(model).to(torch.float64), fold_report.plan)
+    generator = torch.Generator().manual_seed(seed)
+    moments = stream_second_moments(folded64, streams, calibration_calls) if method == "pca" else None
+    rotations = [_basis(stream, method, generator, None if moments is None else moments[i], slice_fraction)
+                 for i, stream in enumerate(streams)]
+    bases = [r.basis for r in rotations]
+    rotated = apply_rotation(copy.deepcopy(folded), streams, bases)
+    rotated64 = apply_rotation(folded64, streams, bases)
+    report = RotationReport(method, seed, fold_report, rotations)
+    if any(r.kept < r.stream.width for r in rotations):
+        report.slicing = SliceReport(slice_fraction, len(calibration_calls),
+                                     output_agreement(copy.deepcopy(model).to(torch.float64), rotated64,
+                                                      calibration_calls))
+        return rotated, report
+    report.verification = verify(model, rotated, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
+                                 folded_exact=rotated64)
+    if not report.verification.ok:
+        raise FoldVerificationError(f"rotated model differs from the original: {failure(report.verification)}"
+                                    f"\n{report}")
+    return rotated, report
+
+
+def _check_arguments(method, seed, calibration, slice_fraction) -> list[tuple[tuple, dict]]:
+    """ValueError / TypeError for bad arguments; the calibration calls as (args, kwargs)."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if not isinstance(slice_fraction, numbers.Real) or isinstance(slice_fraction, bool):
+        raise TypeError(f"slice_fraction must be a number in [0, 1), got {slice_fraction!r}")
+    if not 0.0 <= slice_fraction < 1.0:  # also refuses NaN
+        raise ValueError(f"slice_fraction must be in [0, 1) (the share of the stream's directions to drop), "
+                         f"got {slice_fraction!r}")
+    if slice_fraction > 0 and method != "pca":
+        raise ValueError(f"slicing keeps the stream's most used directions, so it needs method='pca' (with "
+                         f"calibration), got method={method!r}")
+    if method == "pca" and calibration is None:
+        raise ValueError("method='pca' needs calibration: a call (tuple or dict of inputs) or a list of calls whose "
+                         "stream the principal directions are taken from")
+    if calibration is None:
+        return []
+    return split_example_calls(example_calls(calibration))
+
+
+def _streams(folded: nn.Module, calls: list, fold_report: FoldReport) -> list[Stream]:
+    """The folded model's streams, the same for every example call (else ``FoldError``)."""
+    found = [find_streams(folded, capture(folded, call), fold_report) for call in calls]
+    for i, other in enumerate(found[1:], start=1):
+        if other != found[0]:
+            raise FoldError(f"cannot rotate: example call {i} reads the residual stream differently from call 0")
+    return found[0]
+
+
+def kept_directions(width: int, slice_fraction: float) -> int:
+    """Directions kept when slicing ``slice_fraction`` of a stream of ``width``: ⌊(1 − f)·d⌋, as SliceGPT."""
+    return int(math.floor((1.0 - slice_fraction) * width + 1e-9))
+
+
+def _check_sliceable(streams: list[Stream], slice_fraction: float) -> None:
+    for stream in streams:
+        kept = kept_directions(stream.width, slice_fraction)
+        if kept < 1:
+            raise ValueError(f"slice_fraction {slice_fraction} leaves {kept} of the {stream.width} directions of the "
+                             "stream: at least one must stay")
+        both = [t.fqn for t in stream.tensors if t.role == "writer+reader"]
+        if both:
+            raise FoldError(f"cannot slice: {both[0]} both writes the stream and reads its norm (a tied table), so it "
+                            "cannot take the readers' √(d/k) norm scale; untie it first")
+
+
+def _basis(stream: Stream, method: str, generator: torch.Generator, moment: Tensor | None,
+           slice_fraction: float) -> StreamRotation:
+    width, kept_energy = stream.width, None
+    if method == "pca":
+        q, eigenvalues = pca_basis(moment)
+        kept = kept_directions(width, slice_fraction)
+        q = q[:, :kept]
+        total = eigenvalues.clamp_min(0).sum().item()
+        kept_energy = eigenvalues[:kept].clamp_min(0).sum().item() / total if total > 0 else 1.0
+        how = f"PCA of the stream's second moment on the calibration calls"
+    elif method == "hadamard" and (built := randomized_hadamard(width, generator)) is not None:
+        q, how = built
+    else:
+        q = haar_orthogonal(width, generator)
+        how = ("seeded Haar-random orthogonal" if method == "random" else
+               f"seeded Haar-random orthogonal: no Hadamard matrix of order {width} is built here (fallback)")
+    identity = torch.eye(width, q.shape[1], dtype=torch.float64)
+    return StreamRotation(stream, q, how, orthogonality_error(q), (q - identity).abs().max().item(), q.shape[1],
+                          kept_energy)
+
+
+__all__ = ["rotate", "RotationReport", "StreamRotation", "SliceReport", "Stream", "StreamTensor", "OutputAgreement",
+           "rotate_along", "hadamard", "METHODS"]
