@@ -1,4 +1,5 @@
-"""Zero-mean analysis: which LayerNorms can become RMSNorms, and the plan that makes them so.
+"""Zero-mean analysis: which LayerNorms can become RMSNorms, and the plan that makes them so
+(where their γ/β can go: ``affine.py``).
 
 For each norm, the requirement "its input is zero-mean along the last dim" is walked back through
 the rules table (memoized on (node, dim, group)) to parameter sources or to a Break. A norm whose
@@ -18,7 +19,9 @@ import torch
 from torch import fx, nn
 
 from ..nn.kinds import LAYER_NORM_TYPES, RMS_NORM_TYPES
-from .graph import Captured, describe, module_path, module_stack, op_name, shape
+from .affine import affine_steps
+from .graph import Captured, describe, module_path, module_stack, shape, single_use_param, use_alias
+from .graph import op_packet as _packet  # the short name reads better in the walks below
 from .plan import AffineFoldStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
 from .rules import (METADATA_OPS, MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, classify, make_need,
@@ -26,10 +29,6 @@ from .rules import (METADATA_OPS, MULTI_OUTPUT_OPS, Break, Need, NormCall, Requi
 
 _aten = torch.ops.aten
 _NOTHING: Mapping[str, str] = MappingProxyType({})
-
-
-def _packet(node: fx.Node):
-    return getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
 
 
 @dataclass
@@ -185,8 +184,8 @@ def _find_precomputable(norms: list[_Norm], captured: Captured) -> list[UntieSte
         if _packet(lookup) != _aten.embedding or len(lookup.users) != 1:
             continue
         table = lookup.args[0]
-        gamma = _single_use_param(call.weight, captured) if call.weight is not None else None
-        beta = _single_use_param(call.bias, captured) if call.bias is not None else None
+        gamma = single_use_param(call.weight, captured) if call.weight is not None else None
+        beta = single_use_param(call.bias, captured) if call.bias is not None else None
         if table not in captured.param_fqn or (call.weight is not None and gamma is None) \
                 or (call.bias is not None and beta is None):
             continue
@@ -281,22 +280,6 @@ def _closedness_failure(walker: _Walker, norm: _Norm, parents, captured: Capture
     return None
 
 
-def use_alias(captured: Captured, param: fx.Node, user: fx.Node) -> str:
-    """The name under which ``user`` reads a (possibly tied) parameter placeholder.
-
-    Export may feed every name of a tied tensor through one placeholder; the name whose owning
-    module ran ``user`` is the one the user reads.
-    """
-    fqn = captured.param_fqn[param]
-    names = captured.aliases.get(fqn, (fqn,))
-    if len(names) > 1:
-        path = module_path(user)
-        owners = [n for n in names if path == n.rpartition(".")[0] or path.startswith(n.rpartition(".")[0] + ".")]
-        if owners:
-            return max(owners, key=len)
-    return fqn
-
-
 def _untieable(captured: Captured, param: fx.Node, user: fx.Node, inside: set[fx.Node]) -> bool:
     """A use outside the zero-mean graph that reads the tensor under a name no inside use reads."""
     outside_name = use_alias(captured, param, user)
@@ -318,105 +301,6 @@ def _conflict(norm: _Norm, active: list[_Norm], captured: Captured) -> str | Non
         if len(ways) > 1:
             return f"conflict: {fqn} must be zero-mean along {sorted(ways, key=str)} for different norms"
     return None
-
-
-# --------------------------------------------------------------------------- affine folding
-
-# ops between a norm and the linear layers reading it that keep each row's features as they are
-_PASS_THROUGH = {_aten.view, _aten.reshape, _aten._unsafe_view, _aten.clone, _aten.contiguous, _aten.alias,
-                 _aten._to_copy, _aten.to, _aten.detach, _aten.dropout, _aten.flatten}
-_TRANSPOSES = {_aten.t, _aten.numpy_T, _aten.transpose}
-
-
-def _single_use_param(node, captured: Captured) -> str | None:
-    """FQN of a parameter read by one op only, under a name no other tensor shares."""
-    if not isinstance(node, fx.Node) or node not in captured.param_fqn:
-        return None
-    fqn = captured.param_fqn[node]
-    return fqn if len(node.users) == 1 and len(captured.aliases.get(fqn, (fqn,))) == 1 else None
-
-
-def _private_weight(node, user: fx.Node, captured: Captured, untied: frozenset) -> str | None:
-    """The name of a consumer's weight if that weight belongs to this use alone (after untying)."""
-    fqn = _single_use_param(node, captured)
-    if fqn is not None or not isinstance(node, fx.Node) or node not in captured.param_fqn:
-        return fqn
-    name = use_alias(captured, node, user)
-    others = [u for u in node.users if u is not user]
-    if name in untied and all(use_alias(captured, node, u) != name for u in others):
-        return name
-    return None
-
-
-def _affine_steps(norm: _Norm, model: nn.Module, captured: Captured, untied: frozenset = frozenset(),
-                  constraints: PlanConstraints = PlanConstraints()) -> tuple[list[AffineFoldStep], str]:
-    """Steps folding the norm's γ/β into every linear consumer, or ([], why not)."""
-    if norm.module is None:
-        return [], "no module to replace"
-    if len(norm.calls) != 1:
-        return [], "module runs more than once"
-    call = norm.calls[0]
-    if call.weight is None and call.bias is None:
-        return [], "no affine"
-    if call.num_dims != 1:  # γ/β span several dims: no per-feature scale to move into a linear layer
-        return [], f"γ/β span {call.num_dims} dims {tuple(norm.module.normalized_shape)}, not one feature dim"
-    if call.is_rms and (call.eps is None or not isinstance(norm.module, RMS_NORM_TYPES)):
-        return [], "RMSNorm without an explicit eps"
-    gamma_fqn = _single_use_param(call.weight, captured) if call.weight is not None else None
-    beta_fqn = _single_use_param(call.bias, captured) if call.bias is not None else None
-    if (call.weight is not None and gamma_fqn is None) or (call.bias is not None and beta_fqn is None):
-        return [], "its γ/β are shared or not parameters"
-    if call.output is None or shape(call.output) is None:
-        return [], "output not used"
-    width = shape(call.output)[-1]
-    steps, frontier = [], [call.output]
-    while frontier:
-        current = frontier.pop()
-        for user in current.users:
-            packet = _packet(user)
-            if packet in _PASS_THROUGH and user.args[0] is current and shape(user) and shape(user)[-1] == width \
-                    and not (packet == _aten.dropout and user.args[2:3] == (True,)):
-                frontier.append(user)
-                continue
-            if user.op == "output":
-                return [], "its output is a model output"
-            step = _consumer_step(norm, user, current, gamma_fqn, beta_fqn, model, captured, untied, constraints)
-            if isinstance(step, str):
-                return [], step
-            steps.append(step)
-    return steps, ""
-
-
-def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured, untied, constraints: PlanConstraints):
-    packet = _packet(user)
-    if packet == _aten.linear and user.args[0] is x:
-        w, b, in_dim = user.args[1], (user.args[2] if len(user.args) > 2 else None), 1
-    elif packet == _aten.addmm and user.args[1] is x and len(user.args) == 3 and not user.kwargs:
-        w, b, in_dim = user.args[2], user.args[0], 0
-    elif packet in (_aten.mm, _aten.matmul) and user.args[0] is x:
-        w, b, in_dim = user.args[1], None, 0
-    else:
-        return f"its output feeds {describe(user)}, not a linear layer"
-    if in_dim == 0 and _packet(w) in _TRANSPOSES and len(w.users) == 1 and shape(w.args[0]) and len(shape(w.args[0])) == 2:
-        w, in_dim = w.args[0], 1  # matmul(x, Wᵀ) with W (out, in), e.g. Falcon's linear
-    w_fqn = _private_weight(w, user, captured, untied)
-    if w_fqn is None or len(shape(w)) != 2:
-        return f"consumer {describe(user)} has no private 2-D weight parameter"
-    if b is not None:
-        b_fqn = _single_use_param(b, captured)
-        if b_fqn is None or len(shape(b)) != 1:
-            return f"consumer {describe(user)} has a shared or non-parameter bias"
-        return AffineFoldStep(norm.path, gamma_fqn, beta_fqn, w_fqn, in_dim, b_fqn)
-    owner_path = w_fqn.rpartition(".")[0]
-    owner = model.get_submodule(owner_path)
-    beta_zero = beta_fqn is None or not torch.any(model.get_parameter(beta_fqn) != 0)
-    if beta_zero:
-        return AffineFoldStep(norm.path, gamma_fqn, None, w_fqn, in_dim, "", create_bias=False)
-    if isinstance(owner, nn.Linear) and owner.bias is None:  # nn.Linear (and subclasses) read self.bias
-        if not constraints.may_create(f"{owner_path}.bias"):  # e.g. GPT-2's lm_head: stock drops a new bias
-            return f"the stock architecture has no {owner_path}.bias"
-        return AffineFoldStep(norm.path, gamma_fqn, beta_fqn, w_fqn, in_dim, f"{owner_path}.bias", create_bias=True)
-    return f"consumer {describe(user)} has no bias to absorb β and cannot hold one"
 
 
 # --------------------------------------------------------------------------- entry point
@@ -463,7 +347,7 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
         if norm.module is None or norm.precompute is not None:
             continue
         untied_names = frozenset(f"{u.module_path}.{u.attr}" for u in plan.untie)
-        affine, why = (_affine_steps(norm, model, captured, untied_names, constraints) if constraints.fold_affine
+        affine, why = (affine_steps(norm, model, captured, untied_names, constraints) if constraints.fold_affine
                        else ([], ""))
         if affine and norm.path in affine_kept:
             affine, why = [], affine_kept[norm.path]

@@ -182,3 +182,32 @@ def describe(node: fx.Node) -> str:
     """Human label: op name and module path."""
     path = module_path(node)
     return f"{op_name(node)} at {path}" if path else op_name(node)
+
+
+def op_packet(node: fx.Node):
+    """The aten overload packet a ``call_function`` node runs (``aten.add``), None for other nodes."""
+    return getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
+
+
+def use_alias(captured: Captured, param: fx.Node, user: fx.Node) -> str:
+    """The name under which ``user`` reads a (possibly tied) parameter placeholder.
+
+    Export may feed every name of a tied tensor through one placeholder; the name whose owning
+    module ran ``user`` is the one the user reads.
+    """
+    fqn = captured.param_fqn[param]
+    names = captured.aliases.get(fqn, (fqn,))
+    if len(names) > 1:
+        path = module_path(user)
+        owners = [n for n in names if path == n.rpartition(".")[0] or path.startswith(n.rpartition(".")[0] + ".")]
+        if owners:
+            return max(owners, key=len)
+    return fqn
+
+
+def single_use_param(node, captured: Captured) -> str | None:
+    """FQN of a parameter read by one op only, under a name no other tensor shares."""
+    if not isinstance(node, fx.Node) or node not in captured.param_fqn:
+        return None
+    fqn = captured.param_fqn[node]
+    return fqn if len(node.users) == 1 and len(captured.aliases.get(fqn, (fqn,))) == 1 else None

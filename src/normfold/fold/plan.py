@@ -38,16 +38,16 @@ class BatchNormFoldStep:
     """
 
     norm_path: str
-    producer_path: str
+    producer_path: str          # the Linear/Conv whose output the BatchNorm reads
     weight_fqn: str
     bias_fqn: str
     create_bias: bool
-    mean_fqn: str
+    mean_fqn: str               # the running statistics μ, σ² (buffers)
     var_fqn: str
-    gamma_fqn: str | None
+    gamma_fqn: str | None       # None: a BatchNorm without affine
     beta_fqn: str | None
     eps: float
-    keep_module: bool = False
+    keep_module: bool = False   # an exact identity BatchNorm stays (see above)
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class AffineFoldStep:
     weight_fqn: str
     in_dim: int
     bias_fqn: str
-    create_bias: bool = False
+    create_bias: bool = False   # the consumer has no bias to take W·β: register one
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ centering each head when the merged heads must be zero-mean jointly, zero paddin
 would change the model, so those are Breaks. A question may also be asked jointly over a block of
 dims (features split and permuted by layout ops); only layout rules answer those. Unknown ops
 break: never a guess.
+
+One idea in one file, long because it is a table: a few lines of rule per op family and, at the
+end, ``_TABLE`` mapping the aten ops to them; splitting it would spread one table over files.
 """
 from __future__ import annotations
 
@@ -554,50 +557,41 @@ _ZERO_OPS = set(_packets("zeros", "zeros_like", "new_zeros"))
 # op -> index of its fill value: full(size, v), full_like(x, v), fill(x, v), new_full(x, size, v)
 _FULL_OPS = {**{p: 1 for p in _packets("full", "full_like", "fill")}, **{p: 2 for p in _packets("new_full")}}
 
-RULES: dict[object, Callable[[fx.Node, int, int | None], Answer]] = {}
-for _p in _packets("clone", "contiguous", "alias", "_to_copy", "to", "detach", "lift_fresh_copy", "type_as",
-                   "positive"):
-    RULES[_p] = _same_dim
-for _p in _packets("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"):
-    RULES[_p] = _dropout
-for _p in _packets("add", "sub"):
-    RULES[_p] = _add_sub
-RULES.update({p: _in_place(_add_sub) for p in _packets("add_", "sub_")})
-RULES.update({p: _mul for p in _packets("mul")})
-RULES.update({p: _in_place(_mul) for p in _packets("mul_")})
-RULES.update({p: _div for p in _packets("div")})
-RULES.update({p: _in_place(_div) for p in _packets("div_")})
-RULES.update({p: _same_dim for p in _packets("neg")})  # -P·x = P·(-x)
-for _p in _packets("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as",
-                   "reshape_as"):
-    RULES[_p] = _view
-RULES.update({p: _permute for p in _packets("permute")})
-RULES.update({p: _transpose for p in _packets("transpose", "swapaxes")})
-RULES.update({p: _t for p in _packets("t")})
-RULES.update({p: _numpy_t for p in _packets("numpy_T")})
-RULES.update({p: _expand for p in _packets("expand", "expand_as", "broadcast_to")})
-RULES.update({p: _slice for p in _packets("slice")})
-RULES.update({p: _select for p in _packets("select")})
-RULES.update({p: _index_select for p in _packets("index_select")})
-RULES.update({p: _index for p in _packets("index")})
-RULES.update({p: _cat for p in _packets("cat", "concat", "concatenate")})
-RULES.update({p: _stack for p in _packets("stack")})
+# (aten op names, rule): the whole table, read top to bottom; an op listed twice takes its last rule
+_TABLE: list[tuple[tuple[str, ...], Callable[[fx.Node, int, int | None], Answer]]] = [
+    # value-preserving: copies, casts, eval dropout
+    (("clone", "contiguous", "alias", "_to_copy", "to", "detach", "lift_fresh_copy", "type_as", "positive"),
+     _same_dim),
+    (("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"), _dropout),
+    # arithmetic (in place: the same rule if nothing else reads the overwritten tensor)
+    (("add", "sub"), _add_sub), (("add_", "sub_"), _in_place(_add_sub)),
+    (("mul",), _mul), (("mul_",), _in_place(_mul)),
+    (("div",), _div), (("div_",), _in_place(_div)),
+    (("neg",), _same_dim),  # -P·x = P·(-x)
+    # layout
+    (("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"),
+     _view),
+    (("permute",), _permute), (("transpose", "swapaxes"), _transpose), (("t",), _t), (("numpy_T",), _numpy_t),
+    (("expand", "expand_as", "broadcast_to"), _expand),
+    # indexing, joining, padding, reducing
+    (("slice",), _slice), (("select",), _select), (("index_select",), _index_select), (("index",), _index),
+    (("cat", "concat", "concatenate"), _cat), (("stack",), _stack),
+    (("constant_pad_nd",), _constant_pad), (("pad",), _pad),
+    (("mean", "sum"), _reduce_other_dims),
+    # linear maps: zero-mean outputs iff the weight is centered (the parameter sources)
+    (("linear",), _linear), (("addmm",), _addmm), (("mm", "matmul", "bmm"), _mm), (("baddbmm",), _baddbmm),
+    (("scaled_dot_product_attention",), _sdpa),
+    (("conv1d", "conv2d", "conv3d"), _conv),
+    (("conv_transpose1d", "conv_transpose2d", "conv_transpose3d"), _conv_transpose),
+    (("embedding",), _embedding),
+    # sources
+    (("layer_norm",), _layer_norm_source),
+]
+RULES: dict[object, Callable[[fx.Node, int, int | None], Answer]] = {
+    packet: rule for names, rule in _TABLE for packet in _packets(*names)}
 RULES[operator.getitem] = _getitem
-RULES.update({p: _constant_pad for p in _packets("constant_pad_nd")})
-RULES.update({p: _pad for p in _packets("pad")})
-RULES.update({p: _reduce_other_dims for p in _packets("mean", "sum")})
-RULES.update({p: _linear for p in _packets("linear")})
-RULES.update({p: _addmm for p in _packets("addmm")})
-RULES.update({p: _mm for p in _packets("mm", "matmul", "bmm")})
-RULES.update({p: _baddbmm for p in _packets("baddbmm")})
-RULES.update({p: _sdpa for p in _packets("scaled_dot_product_attention")})
-RULES.update({p: _conv for p in _packets("conv1d", "conv2d", "conv3d")})
 RULES[_aten.convolution] = lambda n, d, g: _conv(n, d, g, transposed_index=6, groups_index=8)
-RULES.update({p: _conv_transpose for p in _packets("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")})
-RULES.update({p: _embedding for p in _packets("embedding")})
-RULES.update({p: _layer_norm_source for p in _packets("layer_norm")})
-for _p in (*_ZERO_OPS, *_FULL_OPS):
-    RULES[_p] = _zero_source
+RULES.update(dict.fromkeys((*_ZERO_OPS, *_FULL_OPS), _zero_source))
 
 # rules that also answer for a block of dims (pure layout: copies, casts, reshapes, permutations)
 BLOCK_RULES = {_same_dim, _dropout, _view, _permute, _transpose, _t, _numpy_t, _layer_norm_source}

@@ -41,15 +41,8 @@ def _row_stats(s: Tensor, eps: float, is_rms: bool) -> tuple[Tensor | None, Tens
     return mean, torch.rsqrt((s - mean.unsqueeze(-1)).square().mean(-1) + eps)
 
 
-def _norm_ref(
-    x: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    residual: Tensor | None,
-    eps: float,
-    offset: float,
-    is_rms: bool,
-) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+def _norm_ref(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None, eps: float,
+              offset: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """One reference for both norms: returns (y in x.dtype, s in the compute dtype, mean, rstd)."""
     s = _pre_norm_stream(x, residual)  # (..., N)
     mean, rstd = _row_stats(s, eps, is_rms)
@@ -62,15 +55,8 @@ def _norm_ref(
     return y.to(x.dtype), s, mean, rstd
 
 
-def rms_norm_ref(
-    x: Tensor,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    eps: float = 1e-6,
-    *,
-    residual: Tensor | None = None,
-    offset: float = 0.0,
-) -> Tensor | tuple[Tensor, Tensor]:
+def rms_norm_ref(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-6, *,
+                 residual: Tensor | None = None, offset: float = 0.0) -> Tensor | tuple[Tensor, Tensor]:
     """y = s / sqrt(mean(s², -1) + eps) · (offset + weight) + bias, s = x (+ residual).
 
     With ``residual`` returns ``(y, s)``; ``s`` in the input dtype.
@@ -79,15 +65,8 @@ def rms_norm_ref(
     return (y, s.to(x.dtype)) if residual is not None else y
 
 
-def layer_norm_ref(
-    x: Tensor,
-    weight: Tensor | None = None,
-    bias: Tensor | None = None,
-    eps: float = 1e-5,
-    *,
-    residual: Tensor | None = None,
-    offset: float = 0.0,
-) -> Tensor | tuple[Tensor, Tensor]:
+def layer_norm_ref(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5, *,
+                   residual: Tensor | None = None, offset: float = 0.0) -> Tensor | tuple[Tensor, Tensor]:
     """y = (s − mean(s)) / sqrt(var(s) + eps) · (offset + weight) + bias, s = x (+ residual).
 
     The variance is the biased one (divide by N), as in ``torch.nn.LayerNorm``.

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from .model import GPTConfig
+from .model import GPTConfig, check_positive_ints
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp64")
 
@@ -44,10 +44,7 @@ class TrainConfig:
             self.model = GPTConfig(**self.model)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        for name in ("batch_size", "max_steps", "eval_interval", "eval_iters", "log_interval"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        check_positive_ints(self, ("batch_size", "max_steps", "eval_interval", "eval_iters", "log_interval"))
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         if not 0 <= self.min_lr <= self.lr:
