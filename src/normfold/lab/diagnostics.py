@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from .._deps import require
 from ..fold.math import mean_over_rms
 from ..nn.kinds import norm_modules
 from ._common import as_batches, call, rows
@@ -113,8 +114,6 @@ class InspectResult:
 
     def rich_table(self):
         """The same table as a ``rich.table.Table`` (needs ``pip install 'normfold[cli]'``)."""
-        from .._deps import require
-
         table_mod = require("rich.table")
         head, body = self._rows()
         table = table_mod.Table(title=f"norm inputs over {self.num_batches} batches")
@@ -130,8 +129,6 @@ class InspectResult:
     def plot(self, path) -> Path:
         """One PNG: the activation scale through the layers, |mean|/rms per norm, and the
         per-feature mean profile of every norm input. Needs ``pip install 'normfold[plot]'``."""
-        from .._deps import require
-
         matplotlib = require("matplotlib")
         matplotlib.use("Agg")
         plt = require("matplotlib.pyplot")
