@@ -2,6 +2,8 @@
 rotated, and refused with the first blocker where the residual stream is not closed under rotation."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -86,6 +88,18 @@ def test_q_is_orthogonal_not_the_identity_and_the_weights_are_the_fold_times_q(z
     assert rotated.transformer.wte.weight is not model.transformer.wte.weight
 
 
+def test_the_report_says_what_was_done_in_text_and_json(zoo):
+    _, report = normfold.rotate(zoo.model("gpt2", torch.float64), zoo.inputs("gpt2", 0), seed=5)
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["method"] == "hadamard" and data["seed"] == 5 and data["exact"] and data["verification"]["ok"]
+    stream = data["streams"][0]
+    assert stream["stream"]["width"] == 32 and len(stream["stream"]["norms"]) == 5
+    assert {"fqn": "transformer.wte.weight", "dim": 1, "role": "writer"} in stream["stream"]["tensors"]
+    assert {"fqn": "lm_head.weight", "dim": 1, "role": "reader"} in stream["stream"]["tensors"]
+    text = str(report)
+    assert "rotate (hadamard, seed 5)" in text and "verify: OK" in text and "15 tensors rotated" in text
+
+
 def test_the_users_model_is_untouched(zoo):
     model = zoo.model("opt_pre_ln", torch.float64)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -167,6 +181,7 @@ class _MustNotRun(nn.Module):
     ({"slice_fraction": True}, TypeError, "slice_fraction must be a number"),
     ({"slice_fraction": 0.2}, ValueError, "needs method='pca'"),
     ({"method": "pca"}, ValueError, "method='pca' needs calibration"),
+    ({"calibration": ((torch.zeros(1, 4),),)}, ValueError, "calibration is used only by method='pca'"),
     ({"method": "quarot"}, ValueError, r"method must be one of \('hadamard', 'random', 'pca'\), got 'quarot'"),
     ({"seed": 1.5}, TypeError, "seed must be an int"),
     ({"method": "pca", "calibration": "text"}, TypeError, "tuple of positional arguments"),

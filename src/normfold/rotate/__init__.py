@@ -95,6 +95,9 @@ def _check_arguments(method, seed, calibration, slice_fraction) -> list[tuple[tu
     if slice_fraction > 0 and method != "pca":
         raise ValueError(f"slicing keeps the stream's most used directions, so it needs method='pca' (with "
                          f"calibration), got method={method!r}")
+    if method != "pca" and calibration is not None:
+        raise ValueError(f"calibration is used only by method='pca' (to find the stream's principal directions), "
+                         f"got method={method!r}: leave it out, or use method='pca'")
     if method == "pca" and calibration is None:
         raise ValueError("method='pca' needs calibration: a call (tuple or dict of inputs) or a list of calls whose "
                          "stream the principal directions are taken from")
@@ -138,7 +141,7 @@ def _basis(stream: Stream, method: str, generator: torch.Generator, moment: Tens
         q = q[:, :kept]
         total = eigenvalues.clamp_min(0).sum().item()
         kept_energy = eigenvalues[:kept].clamp_min(0).sum().item() / total if total > 0 else 1.0
-        how = f"PCA of the stream's second moment on the calibration calls"
+        how = "PCA of the stream's second moment on the calibration calls"
     elif method == "hadamard" and (built := randomized_hadamard(width, generator)) is not None:
         q, how = built
     else:

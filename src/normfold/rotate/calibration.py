@@ -21,7 +21,7 @@ def stream_second_moments(model: nn.Module, streams: list[Stream], calls: list[t
     def accumulate(index: int):
         def hook(module, inputs):
             rows = inputs[0].detach().to(torch.float64).reshape(-1, streams[index].width)
-            sums[index].add_(rows.T @ rows)
+            sums[index].add_((rows.T @ rows).cpu())
         return hook
 
     hooks = [model.get_submodule(path).register_forward_pre_hook(accumulate(i))
