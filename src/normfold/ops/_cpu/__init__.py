@@ -34,6 +34,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from ..._progress import notice
+
 _SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "norm_cpu.cpp"
 
 # Compiler flags per torch CPU capability: ATen's Vectorized picks its implementation from the
@@ -123,8 +125,9 @@ def _build_and_import(verbose: bool) -> ModuleType:
                 lock.unlink()
         except FileNotFoundError:
             pass
-        module = cpp_extension.load(name=directory.name, sources=[str(_SOURCE)], extra_cflags=_cflags(),
-                                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
+        with notice(f"building the C++ CPU kernel (once; cached in {directory.parent})"):  # about a minute
+            module = cpp_extension.load(name=directory.name, sources=[str(_SOURCE)], extra_cflags=_cflags(),
+                                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
         _write_record(record, library)
         return module
 
