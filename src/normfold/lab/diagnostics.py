@@ -8,7 +8,7 @@ For an RMSNorm replacing a LayerNorm, the number that matters is |μ(x)|/RMS(x) 
 RMS(x)² = σ(x)² + μ(x)², so the two norms agree when it is 0 and drift apart as it grows. The
 per-feature mean profile shows where that mean lives (often a few outlier features). The scale
 trace is seed 001's ReLU-MLP decay generalised: the RMS of every norm's input and every
-Linear/Conv output, in execution order.
+linear-like output (Linear, Hugging Face Conv1D, Conv), in execution order.
 """
 from __future__ import annotations
 
@@ -25,6 +25,15 @@ from ._common import as_batches, call, rows
 
 _CHANNEL_FIRST = ("GroupNorm", "BatchNorm", "InstanceNorm")  # features on dim 1, not the last dim
 _PRODUCERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def is_linear_like(module: nn.Module) -> bool:
+    """Linear, Conv1d/2d/3d, or Hugging Face's ``Conv1D`` (GPT-2's projections: a Linear whose weight is
+    stored (in, out)), recognised by name so transformers need not be imported."""
+    if isinstance(module, _PRODUCERS):
+        return True
+    weight = getattr(module, "weight", None)
+    return type(module).__name__ == "Conv1D" and isinstance(weight, Tensor) and weight.dim() == 2
 
 
 @dataclass
@@ -218,7 +227,7 @@ def inspect(model: nn.Module, inputs) -> InspectResult:
         return hook
 
     handles = [m.register_forward_pre_hook(on_norm(p)) for p, m, _k in norms]
-    handles += [m.register_forward_hook(on_linear(p)) for p, m in model.named_modules() if isinstance(m, _PRODUCERS)]
+    handles += [m.register_forward_hook(on_linear(p)) for p, m in model.named_modules() if is_linear_like(m)]
     try:
         for b in batches:
             state["batch"], state["calls"] = b, {}
