@@ -174,3 +174,21 @@ def test_refuses_empty_calibration():
     model = _Toy().eval()
     with pytest.raises(ValueError, match="at least one batch"):
         approximate_fold(model, model, None, [])
+
+
+def test_progress_bars_on_stderr_name_each_phase_and_leave_stdout_alone(monkeypatch, capsys):
+    pytest.importorskip("tqdm")
+    monkeypatch.setenv("NORMFOLD_PROGRESS", "1")
+    model = _Toy()
+    approximate_fold(model, model, None, _batches(), min_cosine=0.5)
+    out, err = capsys.readouterr()
+    assert out == ""
+    for phase in ("reference outputs", "each norm alone", "switching"):
+        assert f"approximate fold: {phase}" in err
+
+
+def test_no_progress_output_when_progress_is_off(monkeypatch, capsys):
+    monkeypatch.setenv("NORMFOLD_PROGRESS", "0")
+    model = _Toy()
+    approximate_fold(model, model, None, _batches(), min_cosine=0.5)
+    assert capsys.readouterr() == ("", "")

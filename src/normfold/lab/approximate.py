@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor, nn
 
+from .._progress import progress as progress_bar  # `progress` is approximate_fold's callback argument
 from ..fold.transform import norm_like
 from ..nn import RMSNorm
 from ..nn.kinds import norm_modules
@@ -95,9 +96,9 @@ def mean_pooled(model: nn.Module, batch) -> Tensor:
 
 
 @torch.no_grad()
-def _outputs(model: nn.Module, batches: Sequence, output_fn: OutputFn) -> Tensor:
-    """output_fn over all batches, as one (N, C) matrix."""
-    outs = [output_fn(model, b) for b in batches]
+def _outputs(model: nn.Module, batches: Sequence, output_fn: OutputFn, *, desc: str | None = None) -> Tensor:
+    """output_fn over all batches, as one (N, C) matrix (with a progress bar when ``desc`` is given)."""
+    outs = [output_fn(model, b) for b in (batches if desc is None else progress_bar(batches, desc=desc, unit="batch"))]
     return torch.cat([y.reshape(-1, y.shape[-1]) for y in outs])
 
 
@@ -343,7 +344,9 @@ def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibrat
     output_fn:    ``(model, batch) -> Tensor`` whose rows are compared; default: the main output,
                   one row per real token. Use ``mean_pooled`` for sentence-embedding models.
     candidates:   restrict replacement to these module paths (default: every LayerNorm left).
-    progress:     called with a short message before each step (e.g. ``print``).
+    progress:     called with a short message before each step (e.g. ``print``). Progress bars
+                  on stderr (per calibration batch for the reference, per norm for each phase) show
+                  on a terminal or with ``NORMFOLD_PROGRESS=1`` either way (``normfold._progress``).
 
     Returns ``(approx_model, ApproximateReport)``.
     """
@@ -373,11 +376,11 @@ def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibrat
         if p not in todo:
             entries[p] = ApproxEntry(p, "kept", reason="not among the candidates")
 
-    reference = _outputs(model, batches, output_fn)
+    reference = _outputs(model, batches, output_fn, desc="approximate fold: reference outputs")
     order = _execution_order(approx, batches[0], set(todo))
     alone: dict[str, tuple[float, float]] = {}
     producers: dict[str, str | None] = {}
-    for path in todo:
+    for path in progress_bar(todo, desc="approximate fold: each norm alone", unit="norm"):
         norm = approx.get_submodule(path)
         if getattr(norm, "weight", None) is None or norm.weight.dim() != 1:
             entries[path] = ApproxEntry(path, "kept", reason="no 1-D γ: only last-dimension LayerNorms with weights are replaced")
@@ -394,7 +397,8 @@ def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibrat
     # Greedy: least sensitive first; keep a switch only if the whole model still meets the bar.
     # Each norm uses the variant (plain or corrected) that cost less alone: a correction fitted on
     # one norm's output can still cost more at the model's output.
-    for path in sorted(alone, key=lambda p: -max(alone[p])):
+    greedy_order = sorted(alone, key=lambda p: -max(alone[p]))
+    for path in progress_bar(greedy_order, desc="approximate fold: switching", unit="norm"):
         naive, corrected = alone[path]
         use_correction = corrected >= naive
         producer = producers[path] if use_correction else None
