@@ -132,6 +132,20 @@ def test_refuses_non_module():
         normfold.inspect(lambda x: x, torch.randn(2, 2))
 
 
+def test_inspect_shows_a_bar_over_the_batches_on_stderr_only(monkeypatch, capsys):
+    pytest.importorskip("tqdm")
+    monkeypatch.setenv("NORMFOLD_PROGRESS", "1")
+    normfold.inspect(_Block().eval(), [torch.randn(2, 3, 8) for _ in range(3)])
+    out, err = capsys.readouterr()
+    assert out == "" and "inspect: batches" in err
+
+
+def test_inspect_is_silent_when_progress_is_off(monkeypatch, capsys):
+    monkeypatch.setenv("NORMFOLD_PROGRESS", "0")
+    normfold.inspect(_Block().eval(), [torch.randn(2, 3, 8) for _ in range(3)])
+    assert capsys.readouterr() == ("", "")
+
+
 def test_import_normfold_lab_needs_no_matplotlib_or_rich():
     code = ("import sys, normfold.lab\n"
             "heavy = [m for m in ('matplotlib', 'rich', 'transformers') if m in sys.modules]\n"

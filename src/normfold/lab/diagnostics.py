@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .._deps import require
+from .._progress import progress
 from ..fold.math import mean_over_rms
 from ..nn.kinds import norm_modules
 from ._common import as_batches, call, rows
@@ -229,7 +230,7 @@ def inspect(model: nn.Module, inputs) -> InspectResult:
     handles = [m.register_forward_pre_hook(on_norm(p)) for p, m, _k in norms]
     handles += [m.register_forward_hook(on_linear(p)) for p, m in model.named_modules() if is_linear_like(m)]
     try:
-        for b in batches:
+        for b in progress(batches, desc="inspect: batches", unit="batch"):
             state["batch"], state["calls"] = b, {}
             call(model, b)
     finally:
