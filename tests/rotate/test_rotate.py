@@ -71,6 +71,34 @@ def test_bundled_model_rotates_exactly_with_a_sylvester_hadamard():
     _assert_exact_on_another_shape(model, rotated, _fresh_decoder_call(2, 24, vocab=256))
 
 
+def _llama(torch_norms: bool) -> nn.Module:
+    t = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = t.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=2,
+                           intermediate_size=64, vocab_size=100, max_position_embeddings=64, attn_implementation="eager")
+    model = t.LlamaForCausalLM(config).eval().double()
+    if torch_norms:  # LlamaRMSNorm written as torch.nn.RMSNorm (same math), with γ ≠ 1
+        for path, module in list(model.named_modules()):
+            if type(module).__name__ == "LlamaRMSNorm":
+                norm = nn.RMSNorm(module.weight.shape[0], eps=module.variance_epsilon, dtype=torch.float64)
+                with torch.no_grad():
+                    norm.weight.copy_(1 + 0.2 * torch.randn(module.weight.shape, dtype=torch.float64))
+                model.set_submodule(path, norm)
+    return model
+
+
+def test_llama_with_torch_rmsnorms_rotates_exactly_its_gammas_moved_into_the_readers():
+    model = _llama(torch_norms=True)
+    rotated, report = normfold.rotate(model, _fresh_decoder_call(2, 8))
+    assert len(report.streams[0].stream.norms) == 5 and report.verification.ok
+    _assert_exact_on_another_shape(model, rotated, _fresh_decoder_call())
+
+
+def test_llama_with_its_own_rmsnorm_class_is_refused_naming_the_class():
+    with pytest.raises(FoldError, match="the graph shows no norm op .*LlamaRMSNorm modules"):
+        normfold.rotate(_llama(torch_norms=False), _fresh_decoder_call(2, 8))
+
+
 @pytest.mark.parametrize("method", ["hadamard", "random"])
 def test_q_is_orthogonal_not_the_identity_and_the_weights_are_the_fold_times_q(zoo, method: str):
     model = zoo.model("gpt2", torch.float64)

@@ -22,13 +22,14 @@ from torch import Tensor, nn
 from ..fold import fold as fold_engine
 from ..fold.errors import FoldError, FoldVerificationError
 from ..fold.graph import capture, check_model_and_inputs, example_calls, split_example_calls
-from ..fold.pipeline import apply_fold, failure
+from ..fold.pipeline import failure
+from ..fold.transform import apply_plan
 from ..fold.report import FoldReport
 from ..fold.verify import FOLD_TOLERANCE, verify
 from .apply import apply_rotation, rotate_along
 from .calibration import OutputAgreement, output_agreement, stream_second_moments
 from .closure import Stream, StreamTensor, find_streams
-from .hadamard import hadamard, randomized_hadamard
+from .hadamard import randomized_hadamard
 from .orthogonal import haar_orthogonal, orthogonality_error, pca_basis
 from .report import RotationReport, SliceReport, StreamRotation
 
@@ -59,13 +60,13 @@ def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: 
     streams = _streams(folded, calls, fold_report)
     if slicing:
         _check_sliceable(streams, slice_fraction)
-    folded64 = apply_fold(copy.deepcopy(model).to(torch.float64), fold_report.plan)
+    folded64 = apply_plan(copy.deepcopy(model).to(torch.float64), fold_report.plan)  # the fold, exact
     generator = torch.Generator().manual_seed(seed)
     moments = stream_second_moments(folded64, streams, calibration_calls) if method == "pca" else None
     rotations = [_basis(stream, method, generator, None if moments is None else moments[i], slice_fraction)
                  for i, stream in enumerate(streams)]
     bases = [r.basis for r in rotations]
-    rotated = apply_rotation(copy.deepcopy(folded), streams, bases)
+    rotated = apply_rotation(folded, streams, bases)  # our own copies: rotated in place
     rotated64 = apply_rotation(folded64, streams, bases)
     report = RotationReport(method, seed, fold_report, rotations)
     if any(r.kept < r.stream.width for r in rotations):
@@ -154,4 +155,4 @@ def _basis(stream: Stream, method: str, generator: torch.Generator, moment: Tens
 
 
 __all__ = ["rotate", "RotationReport", "StreamRotation", "SliceReport", "Stream", "StreamTensor", "OutputAgreement",
-           "rotate_along", "hadamard", "METHODS"]
+           "rotate_along", "kept_directions", "METHODS"]

@@ -70,7 +70,8 @@ def find_streams(model: nn.Module, captured: Captured, fold_report: FoldReport |
     reasons = {e.path: e.reason for e in fold_report.norms} if fold_report is not None else {}
     calls = [(node, call) for node in captured.graph.nodes if (call := norm_call(node)) is not None]
     if not calls:
-        raise FoldError("cannot rotate: the model has no norm, so there is no normalized residual stream to rotate")
+        raise FoldError(f"cannot rotate: the graph shows no norm op (layer_norm, rms_norm, normfold's norm), so there "
+                        f"is no normalized residual stream to rotate{_unrecognized_norms(model)}")
     walker = _Walker(captured)
     roots: dict[Need, tuple[str, NormCall]] = {}
     for node, call in calls:
@@ -82,6 +83,15 @@ def find_streams(model: nn.Module, captured: Captured, fold_report: FoldReport |
             raise _blocked(f"{path} reads {' <- '.join(result.blocking_path)}: {result.broken.reason}")
         roots[root] = (path, call)
     return [_stream(walker, captured, members) for members in _components(walker, roots)]
+
+
+def _unrecognized_norms(model: nn.Module) -> str:
+    """", though <class> modules look like norms: ..." for norm classes written out as elementwise ops."""
+    names = sorted({type(m).__name__ for m in model.modules() if type(m).__name__.endswith("Norm")})
+    if not names:
+        return ""
+    return (f"; the model has {', '.join(names)} modules, written out as elementwise ops the fold engine does not "
+            "recognize as norms (replace them by torch.nn.RMSNorm / nn.LayerNorm with the same weights first)")
 
 
 def norm_path(model: nn.Module, node: fx.Node) -> str:
