@@ -19,6 +19,7 @@ import numbers
 import torch
 from torch import Tensor, nn
 
+from .._progress import notice
 from ..fold import fold as fold_engine
 from ..fold.errors import FoldError, FoldVerificationError
 from ..fold.graph import capture, check_model_and_inputs, example_calls, split_example_calls
@@ -74,8 +75,9 @@ def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: 
                                      output_agreement(copy.deepcopy(model).to(torch.float64), rotated64,
                                                       calibration_calls))
         return rotated, report
-    report.verification = verify(model, rotated, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
-                                 folded_exact=rotated64)
+    with notice("rotate: proving the rotated model equal to the original in float64"):
+        report.verification = verify(model, rotated, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
+                                     folded_exact=rotated64)
     if not report.verification.ok:
         raise FoldVerificationError(f"rotated model differs from the original: {failure(report.verification)}"
                                     f"\n{report}")

@@ -28,7 +28,7 @@ def stream_second_moments(model: nn.Module, streams: list[Stream], calls: list[t
              for i, stream in enumerate(streams) for path in stream.norms]
     try:
         with eval_mode(model), torch.no_grad():
-            for args, kwargs in progress(calls, desc="normfold: calibrating the PCA basis", unit="batch"):
+            for args, kwargs in progress(calls, desc="rotate: calibration (PCA basis)", unit="batch"):
                 args, kwargs = _cast((args, kwargs), torch.float64)
                 model(*args, **kwargs)
     finally:
