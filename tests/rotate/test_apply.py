@@ -72,7 +72,7 @@ def test_slicing_gpt2_shrinks_only_the_stream_side_and_reports_the_cost(zoo):
     assert h.attn.c_proj.nf == 24 and sliced.lm_head.in_features == 24
     assert h.ln_1.normalized_shape == (24,) and h.ln_1.weight is None
     assert h.ln_1.eps == pytest.approx(sliced_rms_eps(model.transformer.h[0].ln_1.eps, 32, 24))
-    assert report.verification is None and not report.exact
+    assert report.verification.ok and report.verification.model_dtype_max_rel_error is None and not report.exact
     assert report.streams[0].kept == 24 and 0.5 < report.streams[0].kept_energy < 1.0
     agreement = report.slicing.agreement
     assert 0.5 < agreement.min_cosine <= agreement.mean_cosine < 1.0
@@ -81,6 +81,7 @@ def test_slicing_gpt2_shrinks_only_the_stream_side_and_reports_the_cost(zoo):
     logits = sliced(input_ids=token_ids(1, 5, seed=3) % 100, use_cache=False).logits
     assert logits.shape == (1, 5, 100) and torch.isfinite(logits).all()
     assert "sliced 25% (approximate, not proved)" in str(report)
+    assert "the whole rotation, before slicing: verify: OK" in str(report)
 
 
 def _low_rank_stream(rank: int) -> Stream:
@@ -137,3 +138,17 @@ def test_slicing_a_tied_table_that_writes_and_reads_is_refused():
     model = Stream("rms", tap="tied").double().eval()
     with pytest.raises(FoldError, match="cannot slice: embed.weight both writes the stream and reads"):
         normfold.rotate(model, (token_ids(),), method="pca", calibration=[(token_ids(),)], slice_fraction=0.25)
+
+
+@pytest.mark.parametrize("slice_fraction", [0.0, 0.25], ids=["rotation", "slicing"])
+def test_a_rotation_off_by_one_part_per_million_is_caught_by_the_proof(monkeypatch, slice_fraction):
+    # the float64 proof judges the rotation itself: sliced or not, nothing comes back when it is wrong
+    from normfold.rotate import apply
+
+    exact = apply.rotate_along
+    monkeypatch.setattr(apply, "rotate_along", lambda t, dim, q, scale=1.0: exact(t, dim, q, scale * (1 + 1e-6)))
+    torch.manual_seed(0)
+    model = Stream("ln").double().eval()
+    with pytest.raises(normfold.FoldVerificationError, match="rotated model differs from the original"):
+        normfold.rotate(model, (token_ids(),), method="pca", calibration=[(token_ids(),)],
+                        slice_fraction=slice_fraction)

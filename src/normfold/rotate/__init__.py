@@ -56,32 +56,49 @@ def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: 
     """
     calls = check_model_and_inputs(model, example_inputs)
     calibration_calls = _check_arguments(method, seed, calibration, slice_fraction)
-    slicing = slice_fraction > 0
-    folded, fold_report = fold_engine(model, example_inputs, verify=slicing)  # unsliced: proved below, whole
+    folded, fold_report = fold_engine(model, example_inputs, verify=False)  # proved below, with the rotation
     streams = _streams(folded, calls, fold_report)
-    if slicing:
+    if slice_fraction > 0:
         _check_sliceable(streams, slice_fraction)
     folded64 = apply_plan(copy.deepcopy(model).to(torch.float64), fold_report.plan)  # the fold, exact
     generator = torch.Generator().manual_seed(seed)
-    moments = stream_second_moments(folded64, streams, calibration_calls) if method == "pca" else None
-    rotations = [_basis(stream, method, generator, None if moments is None else moments[i], slice_fraction)
-                 for i, stream in enumerate(streams)]
-    bases = [r.basis for r in rotations]
-    rotated = apply_rotation(folded, streams, bases)  # our own copies: rotated in place
-    rotated64 = apply_rotation(folded64, streams, bases)
-    report = RotationReport(method, seed, fold_report, rotations)
-    if any(r.kept < r.stream.width for r in rotations):
-        report.slicing = SliceReport(slice_fraction, len(calibration_calls),
-                                     output_agreement(copy.deepcopy(model).to(torch.float64), rotated64,
-                                                      calibration_calls))
+    moments = stream_second_moments(folded64, streams, calibration_calls) if method == "pca" else [None] * len(streams)
+    rotations, energies = zip(*(_basis(stream, method, generator, moment) for stream, moment in zip(streams, moments)))
+    report = RotationReport(method, seed, fold_report, list(rotations))
+    kept = [kept_directions(stream.width, slice_fraction) for stream in streams]
+    if all(k == stream.width for k, stream in zip(kept, streams)):
+        bases = [r.basis for r in rotations]
+        rotated = apply_rotation(folded, streams, bases)  # our own copy: rotated in place
+        report.verification = _prove(model, rotated, apply_rotation(folded64, streams, bases), example_inputs, report)
         return rotated, report
+    return _slice(model, folded, folded64, example_inputs, report, kept, energies, calibration_calls, slice_fraction)
+
+
+def _slice(model, folded, folded64, example_inputs, report: RotationReport, kept: list[int], energies,
+           calibration_calls, slice_fraction: float) -> tuple[nn.Module, RotationReport]:
+    """Prove the whole rotation equal first, then drop the least used directions of that basis and
+    measure on the calibration calls what that costs."""
+    reference = copy.deepcopy(model).to(torch.float64)
+    streams = [r.stream for r in report.streams]
+    whole = apply_rotation(copy.deepcopy(folded64), streams, [r.basis for r in report.streams])
+    report.verification = _prove(reference, whole, whole, example_inputs, report)
+    del whole
+    report.streams = [_sliced(r, k, e) for r, k, e in zip(report.streams, kept, energies)]
+    bases = [r.basis for r in report.streams]
+    sliced64 = apply_rotation(folded64, streams, bases)
+    report.slicing = SliceReport(slice_fraction, len(calibration_calls),
+                                 output_agreement(reference, sliced64, calibration_calls))
+    return apply_rotation(folded, streams, bases), report
+
+
+def _prove(original: nn.Module, rotated: nn.Module, rotated64: nn.Module, example_inputs, report: RotationReport):
+    """The float64 proof, as for a fold (FOLD_TOLERANCE), or ``FoldVerificationError``."""
     with notice("rotate: proving the rotated model equal to the original in float64"):
-        report.verification = verify(model, rotated, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
-                                     folded_exact=rotated64)
-    if not report.verification.ok:
-        raise FoldVerificationError(f"rotated model differs from the original: {failure(report.verification)}"
-                                    f"\n{report}")
-    return rotated, report
+        result = verify(original, rotated, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
+                        folded_exact=rotated64)
+    if not result.ok:
+        raise FoldVerificationError(f"rotated model differs from the original: {failure(result)}\n{report}")
+    return result
 
 
 def _check_arguments(method, seed, calibration, slice_fraction) -> list[tuple[tuple, dict]]:
@@ -135,15 +152,13 @@ def _check_sliceable(streams: list[Stream], slice_fraction: float) -> None:
                             "cannot take the readers' √(d/k) norm scale; untie it first")
 
 
-def _basis(stream: Stream, method: str, generator: torch.Generator, moment: Tensor | None,
-           slice_fraction: float) -> StreamRotation:
-    width, kept_energy = stream.width, None
+def _basis(stream: Stream, method: str, generator: torch.Generator,
+           moment: Tensor | None) -> tuple[StreamRotation, Tensor | None]:
+    """The stream's whole orthogonal basis Q (d, d) and how it was made; for PCA also the energy of
+    each direction (the eigenvalues, decreasing)."""
+    width, energies = stream.width, None
     if method == "pca":
-        q, eigenvalues = pca_basis(moment)
-        kept = kept_directions(width, slice_fraction)
-        q = q[:, :kept]
-        total = eigenvalues.clamp_min(0).sum().item()
-        kept_energy = eigenvalues[:kept].clamp_min(0).sum().item() / total if total > 0 else 1.0
+        q, energies = pca_basis(moment)
         how = "PCA of the stream's second moment on the calibration calls"
     elif method == "hadamard" and (built := randomized_hadamard(width, generator)) is not None:
         q, how = built
@@ -151,9 +166,20 @@ def _basis(stream: Stream, method: str, generator: torch.Generator, moment: Tens
         q = haar_orthogonal(width, generator)
         how = ("seeded Haar-random orthogonal" if method == "random" else
                f"seeded Haar-random orthogonal: no Hadamard matrix of order {width} is built here (fallback)")
-    identity = torch.eye(width, q.shape[1], dtype=torch.float64)
+    return _rotation(stream, q, how), energies
+
+
+def _rotation(stream: Stream, q: Tensor, how: str, kept_energy: float | None = None) -> StreamRotation:
+    identity = torch.eye(stream.width, q.shape[1], dtype=torch.float64)
     return StreamRotation(stream, q, how, orthogonality_error(q), (q - identity).abs().max().item(), q.shape[1],
                           kept_energy)
+
+
+def _sliced(rotation: StreamRotation, kept: int, energies: Tensor) -> StreamRotation:
+    """The leading ``kept`` directions of a PCA basis, with the share of the calibration energy they hold."""
+    total = energies.clamp_min(0).sum().item()
+    kept_energy = energies[:kept].clamp_min(0).sum().item() / total if total > 0 else 1.0
+    return _rotation(rotation.stream, rotation.basis[:, :kept], rotation.how, kept_energy)
 
 
 __all__ = ["rotate", "RotationReport", "StreamRotation", "SliceReport", "Stream", "StreamTensor", "OutputAgreement",

@@ -45,7 +45,8 @@ class SliceReport:
 @dataclass
 class RotationReport:
     """``fold``: the exact fold that came first; ``streams``: each rotated stream; ``verification``:
-    the float64 proof of the rotated model against the original (None when sliced); ``slicing``."""
+    the float64 proof of the rotated model against the original (when sliced: of the whole rotation
+    the slicing then cut); ``slicing``: what slicing cost on the calibration calls."""
 
     method: str
     seed: int
@@ -73,7 +74,8 @@ class RotationReport:
                          f"{s.how}; max|QᵀQ − I| {s.orthogonality_error:.1e}, max|Q − I| {s.identity_distance:.2f}"
                          + ("" if s.kept_energy is None else f"; kept energy {s.kept_energy:.4f}"))
         if self.verification is not None:
-            lines.append(str(self.verification))
+            lines.append(("the whole rotation, before slicing: " if self.slicing is not None else "")
+                         + str(self.verification))
         if self.slicing is not None:
             a = self.slicing.agreement
             lines.append(f"sliced {self.slicing.fraction:.0%} (approximate, not proved): on "
