@@ -99,6 +99,17 @@ def test_llama_with_its_own_rmsnorm_class_is_refused_naming_the_class():
         normfold.rotate(_llama(torch_norms=False), _fresh_decoder_call(2, 8))
 
 
+def test_rotated_bundled_model_generates_the_same_greedy_bytes_with_its_kv_cache():
+    t = pytest.importorskip("transformers")
+    from normfold.hf.load import default_model_path
+
+    model = t.GPT2LMHeadModel.from_pretrained(default_model_path()).eval()
+    prompt = torch.tensor([list(b"def fold(model):")])
+    rotated, _ = normfold.rotate(model, {"input_ids": prompt, "use_cache": False}, method="random")
+    expected = model.generate(prompt, max_new_tokens=16, do_sample=False)
+    assert torch.equal(rotated.generate(prompt, max_new_tokens=16, do_sample=False), expected)
+
+
 @pytest.mark.parametrize("method", ["hadamard", "random"])
 def test_q_is_orthogonal_not_the_identity_and_the_weights_are_the_fold_times_q(zoo, method: str):
     model = zoo.model("gpt2", torch.float64)
