@@ -91,3 +91,11 @@ def test_a_model_without_norms_is_refused():
 
     with pytest.raises(FoldError, match="the graph shows no norm op"):
         normfold.rotate(NoNorm(), (torch.randn(2, 4),))
+
+
+def test_several_example_calls_are_each_proved():
+    torch.manual_seed(0)
+    model = Stream("ln").double().eval()
+    calls = [(token_ids(2, 6),), (token_ids(3, 4, seed=2),)]
+    rotated, report = normfold.rotate(model, calls)
+    assert report.verification.ok and report.verification.num_runs == 6  # each call and 2 fresh ones like it
