@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import statistics
+import warnings
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -97,6 +99,27 @@ def median_share_and_ms(samples: list[tuple[float, float]]) -> tuple[float, floa
     return (statistics.median(shares) if shares else float("nan")), (statistics.median(spent) if spent else 0.0)
 
 
+# above kineto's highest log level (USDT = 5), whose profiler_start / profiler_stop lines it prints for every profile
+_KINETO_SILENT = "6"
+
+
+@contextlib.contextmanager
+def quiet_profiler():
+    """Keep torch.profiler's own chatter off stderr while profiling: kineto's log lines (two a
+    profile, ~60 for ``normfold bench --quick``) and the profiler's Python warnings. A
+    ``KINETO_LOG_LEVEL`` the user set is left as it is."""
+    user_level = os.environ.get("KINETO_LOG_LEVEL")
+    if user_level is None:
+        os.environ["KINETO_LOG_LEVEL"] = _KINETO_SILENT
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", module=r"torch\.(autograd\.)?profiler")
+            yield
+    finally:
+        if user_level is None:
+            os.environ.pop("KINETO_LOG_LEVEL", None)
+
+
 def profiled_forwards(call, reset, iters: int) -> list[tuple[float, float]]:
     """(share of the forward's time in norms + residual adds, ms in them) for each of ``iters`` forwards.
 
@@ -105,7 +128,7 @@ def profiled_forwards(call, reset, iters: int) -> list[tuple[float, float]]:
     span, which also holds the profiling hooks' cost (measured 10-70 µs per call) that no
     unprofiled forward pays.
     """
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+    with quiet_profiler(), torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(iters):
             with record_function(FORWARD_LABEL):
                 call()
