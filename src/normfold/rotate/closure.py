@@ -214,7 +214,7 @@ def _check_closed(walker: _Walker, captured: Captured, needs: set[Need], parents
                 continue
             if need.node in norm_inputs and (call := norm_call(user)) is not None and call.x is need.node:
                 continue
-            what = captured.param_fqn.get(need.node) or describe(need.node)
+            what = captured.param_fqn.get(need.node) or f"the stream at {describe(need.node)}"
             if user.op == "output":
                 raise _blocked(f"{what} is a model output (e.g. hidden states): rotating the stream would change it")
             raise _blocked(f"{what} is also read by {describe(user)}, which is neither a weightless RMSNorm nor a "
