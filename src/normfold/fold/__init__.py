@@ -6,10 +6,11 @@
 
 Pieces, in the order they run: ``graph`` (torch.export capture), ``batchnorm`` (BatchNorms that
 merge into the Linear/Conv before them), ``rules`` (the one table of zero-mean-preserving ops),
-``analysis`` (zero-mean graphs, closedness, the plan), ``plan`` (plain data, and the
-``PlanConstraints`` a checkpoint's loader imposes), ``math`` (pure tensor functions),
-``transform`` (applies a plan to a module), ``verify``, ``report``; ``pipeline`` runs plan →
-apply → prove for every caller. Only torch is imported here.
+``analysis`` (zero-mean graphs, closedness, the plan), ``affine`` (where γ/β can go), ``plan``
+(plain data, and the ``PlanConstraints`` a checkpoint's loader imposes), ``math`` (pure tensor
+functions), ``transform`` (applies a plan to a module: the one norm swap and config untying),
+``verify``, ``report``; ``pipeline`` runs plan → apply → prove for every caller. Only torch is
+imported here.
 """
 from __future__ import annotations
 
