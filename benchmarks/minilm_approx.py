@@ -22,8 +22,8 @@ import torch
 
 from normfold.lab.approximate import (ApproximateReport, approximate_fold, compare_outputs, mean_pooled,
                                       retrieval_agreement, token_outputs)
-from normfold.lab._common import norm_modules
 from normfold.nn import RMSNorm
+from normfold.nn.kinds import norm_modules
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
