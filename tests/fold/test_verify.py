@@ -151,3 +151,46 @@ def test_tolerance_and_stored_dtype_exclude_each_other():
         normfold.verify(Net(), Net(), _x(), tolerance=1e-3, stored_dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="stored_dtype"):
         normfold.verify(Net(), Net(), _x(), stored_dtype=torch.int8)
+
+
+def test_exact_transform_folds_a_float64_copy_of_the_original_and_a_wrong_one_fails():
+    """The proof's one float64 copy: the original's outputs are recorded on it, then it is folded in
+    place by ``exact_transform`` and compared; the user's model is never touched."""
+    model = Net()
+    before = copy.deepcopy(model.state_dict())
+    seen = []
+
+    def same_model(m):  # the fold of a model into itself
+        seen.append((m is model, {p.dtype for p in m.parameters()}))
+        return m
+
+    def scaled_head(m):
+        with torch.no_grad():
+            m.head.weight.mul_(1.1)
+        return m
+
+    assert normfold.verify(model, model, _x(), exact_transform=same_model).ok
+    assert seen == [(False, {torch.float64})]
+    wrong = normfold.verify(model, model, _x(), exact_transform=scaled_head)
+    assert not wrong.ok and wrong.why is None and wrong.max_rel_error > 1e-3
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_folded_exact_and_exact_transform_exclude_each_other():
+    with pytest.raises(ValueError, match="not both"):
+        normfold.verify(Net(), Net(), _x(), folded_exact=Net().double(), exact_transform=lambda m: m)
+
+
+def test_the_fold_copies_the_model_twice_its_own_copy_and_one_float64_copy_for_the_proof(monkeypatch):
+    """The float64 side of the proof is the original's float64 copy folded in place after its outputs
+    are recorded (before: a float64 copy of the original, another folded, and a copy of that)."""
+    model, copies = Net(), []
+    deepcopy = copy.deepcopy
+
+    def counting(value, memo=None, _nil=[]):
+        copies.append(value is model)
+        return deepcopy(value, memo)
+
+    monkeypatch.setattr(copy, "deepcopy", counting)
+    _, report = normfold.fold(model, _x())
+    assert report.verification.ok and sum(copies) == 2

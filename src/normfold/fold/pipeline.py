@@ -60,10 +60,10 @@ def apply_fold(model: nn.Module, plan: FoldPlan) -> nn.Module:
 
 def prove_fold(model: nn.Module, folded: nn.Module, example_inputs, plan: FoldPlan) -> VerifyResult:
     """Compare ``folded`` with ``model`` in float64 on every example call, the float64 side being the
-    plan applied to a float64 copy (so the transform is judged, not its rounding to the model's dtype)."""
-    exact = transform.apply_plan(copy.deepcopy(model).to(torch.float64), plan)
+    plan applied to verify's float64 copy of ``model`` once that copy's outputs are recorded (so the
+    transform is judged, not its rounding to the model's dtype, with one float64 copy of the model)."""
     return verify(model, folded, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=rms_norm_paths(plan),
-                  folded_exact=exact)
+                  exact_transform=lambda exact: transform.apply_plan(exact, plan))
 
 
 def fold_exactly(model: nn.Module, example_inputs, constraints: PlanConstraints = PlanConstraints(), *,

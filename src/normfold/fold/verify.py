@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 
 import torch
 import torch.utils._pytree as pytree
@@ -29,7 +30,8 @@ OWN_ERROR_MULTIPLE = 2.0
 
 def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: torch.dtype = torch.float64,
            num_random: int = 2, tolerance: float | None = None, seed: int = 0, rms_norm_paths=None,
-           folded_exact: nn.Module | None = None, stored_dtype: torch.dtype | None = None) -> VerifyResult:
+           folded_exact: nn.Module | None = None, stored_dtype: torch.dtype | None = None,
+           exact_transform: Callable[[nn.Module], nn.Module] | None = None) -> VerifyResult:
     """Compare outputs on the example call(s) and ``num_random`` fresh inputs of the same shapes each.
 
     ``example_inputs``: a tuple of positional arguments, a dict of keyword arguments, or a list of
@@ -39,7 +41,10 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
     the folded model's RMSNorms at ``rms_norm_paths`` (default: every normfold RMSNorm) are, as max
     |mean|/rms. ``folded_exact``: the same fold built in float64 (``fold`` passes its plan applied
     to a float64 copy), used for the float64 comparison so that rounding the folded weights to the
-    model's dtype does not count against the transform.
+    model's dtype does not count against the transform. ``exact_transform`` instead: a function that
+    turns a model into its fold in place (``prove_fold`` passes the plan's ``apply_plan``); it is
+    applied to verify's own float64 copy of ``original`` once that copy's outputs are recorded, so
+    one float64 copy of the model serves both sides.
 
     ``tolerance`` (default 1e-9): the largest float64 relative error that passes. ``stored_dtype``
     instead: the folded weights were rounded to that dtype, so the tolerance is measured
@@ -50,33 +55,49 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
         raise ValueError(f"num_random must be >= 0, got {num_random}")
     if tolerance is not None and stored_dtype is not None:
         raise ValueError("give tolerance or stored_dtype, not both: with stored_dtype the tolerance is measured")
+    if folded_exact is not None and exact_transform is not None:
+        raise ValueError("give folded_exact or exact_transform, not both: each says what the float64 fold is")
     if stored_dtype is not None and (not isinstance(stored_dtype, torch.dtype) or not stored_dtype.is_floating_point):
         raise TypeError(f"stored_dtype must be a floating torch.dtype, got {stored_dtype!r}")
     generator = torch.Generator().manual_seed(seed)
     inputs = [run for call in calls for run in [call] + [_random_like(call, generator) for _ in range(num_random)]]
+    runs = [_cast(run, dtype) for run in inputs]
     model_dtype = _float_dtype(original)
 
-    a64, b64 = (_cast_copy(m, dtype) for m in (original, folded if folded_exact is None else folded_exact))
-    hooks, ratios = _watch_rms_inputs(b64, rms_norm_paths)
+    # Each model runs once per input: the original's outputs are recorded before its copy is folded.
+    reference = _cast_copy(original, dtype)
+    ref_outputs = [_outputs(reference, *run) for run in runs]
+    if exact_transform is not None:
+        candidate = exact_transform(reference)
+    else:
+        candidate = _in_dtype(folded if folded_exact is None else folded_exact, dtype)
+    del reference
+    hooks, ratios = _watch_rms_inputs(candidate, rms_norm_paths)
     try:
-        outputs, why = _compare_runs(a64, b64, [_cast(run, dtype) for run in inputs], dtype)
+        outputs, why = _compare_runs(ref_outputs, candidate, runs, dtype)
     finally:
         for h in hooks:
             h.remove()
     max_rel = max((o["max_rel"] for o in outputs), default=0.0)
     max_abs = max((o["max_abs"] for o in outputs), default=0.0)
 
-    own_rel = None
+    own_rel, own_outputs = None, None  # the original in its own dtype: reported, and the stored dtype's own error
     if why is None and model_dtype is not None and model_dtype != dtype:
-        own_outputs, _ = _compare_runs(original, folded, inputs, model_dtype)
-        outputs += own_outputs
-        own_rel = max((o["max_rel"] for o in own_outputs), default=0.0)
+        own_runs = [_cast(run, model_dtype) for run in inputs]
+        own_outputs = [_outputs(original, *run) for run in own_runs]
+        own_rows, _ = _compare_runs(own_outputs, folded, own_runs, model_dtype)
+        outputs += own_rows
+        own_rel = max((o["max_rel"] for o in own_rows), default=0.0)
 
     rule, stored_own = "fixed", None
     if stored_dtype is None:
         tolerance = FOLD_TOLERANCE if tolerance is None else tolerance
     elif why is None:
-        stored_own = own_error(original, inputs, stored_dtype, reference=a64, dtype=dtype)
+        low_outputs = own_outputs if stored_dtype == model_dtype else None
+        if low_outputs is None:
+            low = _cast_copy(original, stored_dtype)
+            low_outputs = [_outputs(low, *_cast(run, stored_dtype)) for run in inputs]
+        stored_own = _own_error(ref_outputs, low_outputs, stored_dtype, dtype)
         tolerance, rule = measured_tolerance(stored_own, stored_dtype)
     else:
         tolerance, rule = 0.0, "not measured: the outputs could not be compared"
@@ -111,12 +132,14 @@ def own_error(model: nn.Module, inputs: list[tuple[tuple, dict]], low_dtype: tor
     """
     reference = _cast_copy(model, dtype) if reference is None else reference
     low = _cast_copy(model, low_dtype)
+    ref = [_outputs(reference, *_cast(run, dtype)) for run in inputs]
+    return _own_error(ref, [_outputs(low, *_cast(run, low_dtype)) for run in inputs], low_dtype, dtype)
+
+
+def _own_error(ref_outputs, low_outputs, low_dtype: torch.dtype, dtype: torch.dtype) -> float:
+    """Max relative error of the low-precision outputs against the reference ones, per run (:func:`own_error`)."""
     worst = 0.0
-    for run in inputs:
-        args, kwargs = _cast(run, dtype)
-        ref = _outputs(reference, args, kwargs)
-        args, kwargs = _cast(run, low_dtype)
-        out = _outputs(low, args, kwargs)
+    for ref, out in zip(ref_outputs, low_outputs):
         pairs, why = _pair(ref, out)
         if why is not None:
             raise ValueError(f"the model returns different outputs in {_name(low_dtype)} and {_name(dtype)}: {why}")
@@ -159,7 +182,24 @@ def _float_dtype(model: nn.Module) -> torch.dtype | None:
 
 
 def _cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    return copy.deepcopy(model).to(dtype)
+    """A copy of ``model`` with its floating parameters and buffers in ``dtype``, each cast straight
+    from the original (the deep copy's memo maps it to its cast, keeping ties): no intermediate copy
+    in the model's own dtype."""
+    memo = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point() and t.dtype != dtype and id(t) not in memo:
+            cast = t.detach().to(dtype)
+            memo[id(t)] = nn.Parameter(cast, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else cast
+    return copy.deepcopy(model, memo).to(dtype)
+
+
+def _in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` itself when every floating parameter and buffer is already ``dtype`` (it is only run,
+    in eval mode and without gradients), else a copy cast to ``dtype``."""
+    tensors = (*model.parameters(), *model.buffers())
+    if all(t.dtype == dtype for t in tensors if t.is_floating_point()):
+        return model
+    return _cast_copy(model, dtype)
 
 
 def _cast(value, dtype):
@@ -185,11 +225,12 @@ def _outputs(model: nn.Module, args, kwargs) -> list[tuple[str, object]]:
         return flatten_outputs(model(*args, **kwargs))
 
 
-def _compare_runs(a_model, b_model, runs, dtype) -> tuple[list[dict], str | None]:
-    """Per-output error rows over ``runs``, and why the comparison is void (None when it is not)."""
+def _compare_runs(ref_outputs, model, runs, dtype) -> tuple[list[dict], str | None]:
+    """Per-output error rows of ``model`` on ``runs`` against the reference outputs recorded on the
+    same runs, and why the comparison is void (None when it is not)."""
     rows, compared = [], 0
-    for i, (args, kwargs) in enumerate(runs):
-        pairs, why = _pair(_outputs(a_model, args, kwargs), _outputs(b_model, args, kwargs))
+    for i, (ref_run, (args, kwargs)) in enumerate(zip(ref_outputs, runs)):
+        pairs, why = _pair(ref_run, _outputs(model, args, kwargs))
         if why is not None:
             return rows, f"input {i}: {why}"
         for name, ref, out, is_tensor in pairs:
