@@ -90,3 +90,38 @@ class TwoTowers(nn.Module):
 
 def token_ids(batch: int = 2, seq: int = SEQ, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+class Blocks(nn.Module):
+    """A pre-norm stack drawn from a few choices: ``width``, ``depth``, the norm kind, blocks whose
+    attention-like and MLP branches share one norm (``parallel``, Falcon / GPT-J style) or not, and
+    whether the head reads every position or the first one."""
+
+    def __init__(self, width: int, depth: int, norm: str, parallel: bool, first_token: bool):
+        super().__init__()
+        self.parallel, self.first_token = parallel, first_token
+        self.embed, self.pos = nn.Embedding(VOCAB, width), nn.Parameter(torch.randn(SEQ, width))
+        self.norms = nn.ModuleList(_norm(norm, width) for _ in range(depth * (1 if parallel else 2) + 1))
+        self.mix = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))        # token-mixing branch
+        self.mix_out = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(depth))
+        self.up = nn.ModuleList(nn.Linear(width, 2 * width) for _ in range(depth))
+        self.down = nn.ModuleList(nn.Linear(2 * width, width) for _ in range(depth))
+        self.head = nn.Linear(width, VOCAB)
+        with torch.no_grad():
+            for p in self.norms.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+
+    def forward(self, ids):
+        x = self.embed(ids) + self.pos[: ids.shape[1]]
+        norms = iter(self.norms)
+        for mix, mix_out, up, down in zip(self.mix, self.mix_out, self.up, self.down):
+            h = next(norms)(x)
+            a = mix(h)
+            mixed = mix_out(torch.softmax(a @ a.transpose(-1, -2), -1) @ a)
+            if self.parallel:
+                x = x + mixed + down(F.gelu(up(h)))
+            else:
+                x = x + mixed
+                x = x + down(F.gelu(up(next(norms)(x))))
+        h = next(norms)(x)
+        return self.head(h[:, 0] if self.first_token else h)
