@@ -15,7 +15,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from ..nn import RMSNorm
 from .graph import eval_mode, split_example_calls
+from .math import mean_over_rms
 from .report import VerifyResult
 
 FOLD_TOLERANCE = 1e-9  # the transform itself: float64 relative error allowed between original and fold
@@ -314,14 +316,10 @@ def _argmax_agreement(ref: Tensor, out: Tensor) -> float | None:
 
 def _watch_rms_inputs(model: nn.Module, paths):
     """Forward pre-hooks on normfold RMSNorms recording max |mean(x)| / rms(x) over rows."""
-    from ..nn import RMSNorm
-
     ratios: list[float] = []
 
     def hook(module, inputs):
-        x = inputs[0].double()
-        rms = x.square().mean(-1).sqrt().clamp_min(torch.finfo(torch.float64).tiny)
-        ratios.append((x.mean(-1).abs() / rms).max().item())
+        ratios.append(mean_over_rms(inputs[0]).max().item())
 
     wanted = None if paths is None else set(paths)
     hooks = [m.register_forward_pre_hook(hook) for path, m in model.named_modules()
