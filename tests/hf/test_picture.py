@@ -16,7 +16,7 @@ _LONG_WORD = "model.encoder.layers_with_a_very_long_unbreakable_name_of_many_cha
 def _synthetic_report(n: int = 30) -> dict:
     """``n`` norms over 14 blocks: long paths, long reasons (one with a word longer than a wrapped line),
     every third kept, every fifth replaced approximately."""
-    from normfold.hf.folder import _approximate_summary
+    from normfold.hf.report import approximate_summary
     from normfold.lab.approximate import ApproximateReport, ApproxEntry
 
     norms, entries = [], []
@@ -32,7 +32,7 @@ def _synthetic_report(n: int = 30) -> dict:
             entries.append(ApproxEntry(path, "approximate", cosine_alone=0.99931,
                                        correction="γ/β folded into the next linear layers, mean shift into its bias"))
     # the report keys exactly as `normfold fold --approximate` writes them
-    return {"norms": norms, **_approximate_summary(ApproximateReport(entries, min_cosine=0.999), swapped=[])}
+    return {"norms": norms, **approximate_summary(ApproximateReport(entries, min_cosine=0.999), swapped=[])}
 
 
 @pytest.fixture(scope="module")

@@ -91,10 +91,10 @@ def test_streaming_refuses_pickle_only_and_corrupt_checkpoints(tmp_path, sharded
 
 
 def test_math_on_slices_matches_the_math_on_whole_tensors(sharded_opt, tmp_path, monkeypatch):
-    import normfold.hf.streaming as streaming
+    import normfold.hf.streaming.rewrite as rewrite
 
     fold_checkpoint(sharded_opt, tmp_path / "whole")
-    monkeypatch.setattr(streaming, "_CHUNK", 100)  # every 2-D tensor is cut into many slices
+    monkeypatch.setattr(rewrite, "_CHUNK", 100)  # every 2-D tensor is cut into many slices
     fold_checkpoint(sharded_opt, tmp_path / "sliced")
     whole = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "whole").state_dict()
     sliced = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sliced").state_dict()
@@ -112,13 +112,13 @@ def _corrupt_the_rewrite(monkeypatch, key, change):
     """Make the streamed rewrite write ``change(value)`` for ``key``: a wrong fold to be caught."""
     import normfold.hf.streaming as streaming
 
-    compute = streaming._Rewrite.compute
+    compute = streaming.CheckpointRewrite.compute
 
     def wrong(self, k):
         values = compute(self, k)
         return {name: change(v) if name == key else v for name, v in values.items()}
 
-    monkeypatch.setattr(streaming._Rewrite, "compute", wrong)
+    monkeypatch.setattr(streaming.CheckpointRewrite, "compute", wrong)
 
 
 @pytest.fixture(scope="module")

@@ -118,12 +118,12 @@ def test_a_wrong_streamed_bfloat16_fold_is_refused_and_nothing_is_written(sharde
     import normfold.hf.streaming as streaming
 
     src, _ = sharded("gpt2", "bfloat16")
-    compute = streaming._Rewrite.compute
+    compute = streaming.CheckpointRewrite.compute
 
     def wrong(self, k):
         return {name: (v.double() * factor).to(v.dtype) if name == key else v for name, v in compute(self, k).items()}
 
-    monkeypatch.setattr(streaming._Rewrite, "compute", wrong)
+    monkeypatch.setattr(streaming.CheckpointRewrite, "compute", wrong)
     with pytest.raises(FoldVerificationError, match="nothing was written"):
         fold_checkpoint(src, tmp_path / "out")
     assert not (tmp_path / "out").exists()

@@ -121,14 +121,14 @@ def test_a_report_without_what_the_rederivation_needs_skips_the_weight_check_wit
 
 
 def test_a_fold_that_cannot_be_rederived_fails_the_weight_check_rather_than_passing_it(bf16_folds, monkeypatch):
-    import normfold.hf.streaming as streaming
+    import normfold.hf.streaming.verification as verification
 
     src, out = bf16_folds["gpt2"]
 
     def broken(*args, **kwargs):
         raise RuntimeError("export failed")
 
-    monkeypatch.setattr(streaming, "plan_for_checkpoint", broken)
+    monkeypatch.setattr(verification, "plan_for_checkpoint", broken)
     ver = verify_by_blocks(src, out)
     assert not ver["ok"] and ver["weights"]["ok"] is False and ver["weights"]["num_tensors"] == 0
     assert ver["why"] == "stored weights: could not re-derive the fold from the original and compare: export failed"

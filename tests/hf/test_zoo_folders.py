@@ -1,13 +1,23 @@
 """`normfold fold DIR` on a tiny folder of each of ~25 model types of the installed transformers:
 it folds and verifies (exit 0), or says why in one line (exit 2; exit 1 for a failed verification),
-never a traceback. The folders are built offline from each type's default config, shrunk."""
+never a traceback; and `normfold analyze DIR` says, norm by norm, what the fold did. The folders are built
+offline from each type's default config, shrunk."""
 from __future__ import annotations
+
+import contextlib
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from normfold.cli import main
+from normfold.cli._output import print_norm_table
 from normfold.hf.inputs import example_inputs_for
+from normfold.hf.output_dir import REPORT_JSON
+from normfold.hf.report import norm_rows
 
 transformers = pytest.importorskip("transformers")
 
@@ -67,31 +77,81 @@ def _config(model_type: str):
     return config
 
 
-@pytest.fixture
-def tiny_folder(tmp_path, request):
-    model_type = request.param
+@dataclass(frozen=True)
+class ZooFold:
+    """`normfold fold` run once on the tiny folder of one model type: its exit code and what it printed."""
+    folder: Path
+    out: Path
+    code: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def zoo_fold(tmp_path_factory):
+    """``fold(model_type)`` -> its :class:`ZooFold`; each folder is built and folded once for the module's tests
+    (skips a type whose shrunk default config builds no model)."""
+    root = tmp_path_factory.mktemp("zoo")
+    runs: dict[str, ZooFold | str] = {}
+
+    def fold(model_type: str) -> ZooFold:
+        if model_type not in runs:
+            runs[model_type] = _build_and_fold(model_type, root)
+        if isinstance(runs[model_type], str):
+            pytest.skip(runs[model_type])
+        return runs[model_type]
+
+    return fold
+
+
+def _build_and_fold(model_type: str, root: Path) -> ZooFold | str:
+    """The tiny folder of ``model_type`` folded by the CLI, or why no tiny folder could be built."""
+    folder, out = root / model_type, root / f"{model_type}-folded"
     try:
         config = _config(model_type)
         torch.manual_seed(0)
-        model = _bare_model_class(config)(config)
-        model.save_pretrained(tmp_path / model_type)
+        _bare_model_class(config)(config).save_pretrained(folder)
     except Exception as err:  # noqa: BLE001  a config the size rules cannot shrink consistently
-        pytest.skip(f"{model_type}: no tiny model from its shrunk default config ({type(err).__name__}: {err})")
-    return tmp_path / model_type
+        return f"{model_type}: no tiny model from its shrunk default config ({type(err).__name__}: {err})"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(["fold", str(folder), "-o", str(out)])
+    return ZooFold(folder, out, code, stdout.getvalue(), stderr.getvalue())
 
 
-@pytest.mark.parametrize("tiny_folder", MODEL_TYPES, indirect=True)
-def test_fold_of_a_tiny_folder_folds_or_says_why_in_one_line(tiny_folder, tmp_path, capsys):
-    code = main(["fold", str(tiny_folder), "-o", str(tmp_path / "out")])
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    if code == 0:
-        assert (tmp_path / "out" / "normfold_report.json").is_file()
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_fold_of_a_tiny_folder_folds_or_says_why_in_one_line(zoo_fold, model_type):
+    run = zoo_fold(model_type)
+    assert "Traceback" not in run.stderr
+    if run.code == 0:
+        assert (run.out / "normfold_report.json").is_file()
         return
-    assert code in (1, 2), err
-    lines = [line for line in err.splitlines() if line.startswith("normfold: ")]
-    assert len(lines) == 1 and lines[0].startswith(("normfold: error: ", "normfold: verification failed")), err
-    assert not (tmp_path / "out").exists()  # nothing published without its proof
+    assert run.code in (1, 2), run.stderr
+    lines = [line for line in run.stderr.splitlines() if line.startswith("normfold: ")]
+    assert len(lines) == 1 and lines[0].startswith(("normfold: error: ", "normfold: verification failed")), run.stderr
+    assert not run.out.exists()  # nothing published without its proof
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_analyze_says_what_fold_did_for_every_norm(zoo_fold, model_type, capsys):
+    """One truth per model: the analysis and the folded folder's report agree on every column of every
+    norm (RMSNorm or kept, where γ/β went, the reason), and so do the tables the two commands print; the
+    markdown report's headline says whether any γ/β moved."""
+    run = zoo_fold(model_type)
+    if run.code != 0:
+        pytest.skip(f"{model_type}: the fold was refused, so there is no folded report to agree with")
+    written = norm_rows(json.loads((run.out / REPORT_JSON).read_text()))
+    capsys.readouterr()
+    assert main(["analyze", str(run.folder), "--json"]) == 0
+    analysis = json.loads(capsys.readouterr().out)
+    assert written, "a folded report without norms compares nothing"
+    assert norm_rows(analysis) == written
+    markdown = (run.out / "normfold_report.md").read_text().splitlines()
+    headline = next(line for line in markdown if line.startswith("**"))  # says where γ/β went, not what was asked
+    assert ("folded into the next linear layers" in headline) == any(row["affine_folded"] for row in written)
+    print_norm_table(analysis)  # what `normfold analyze DIR` prints
+    table = capsys.readouterr().out
+    assert table.strip() and run.stdout.startswith(table)  # fold prints the same table, then its verification
 
 
 # ------------------------------------------------------------------------------- example inputs by modality
@@ -129,8 +189,8 @@ def test_a_log_mel_model_gets_features_of_twice_its_source_positions_and_decoder
 
 
 def test_token_ids_of_a_model_without_vocab_size_or_with_unbounded_positions_are_valid():
-    assert example_inputs_for(_config("canine"))["input_ids"].shape == (2, 16)  # no vocab_size: character ids
-    assert example_inputs_for(_config("xlnet"))["input_ids"].shape == (2, 16)  # max_position_embeddings = -1
+    assert example_inputs_for(_config("canine"), seq=16)["input_ids"].shape == (2, 16)  # no vocab_size: characters
+    assert example_inputs_for(_config("xlnet"), seq=16)["input_ids"].shape == (2, 16)  # max_position_embeddings = -1
 
 
 def test_a_config_with_several_heads_per_type_resolves_to_a_class():

@@ -10,24 +10,37 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
+from ..fold import FoldReport, FoldVerificationError, verify
 from ..fold.pipeline import fold_exactly, plan_fold, rms_norm_paths
-from ..fold.plan import FoldPlan
+from ..fold.graph import parameter_aliases
 from .inputs import calibration_batches, example_inputs_for, is_sentence_encoder, load_tokenizer, read_calibration_file
 from .load import CheckpointError, check_model_dir, load_model
 from .output_dir import REPORT_JSON, atomic_output_dir
-from .saving import DTYPES, folded_layout, from_pretrained, save_folded, stock_constraints
+from .saving import (DTYPES, _read_tensor, _stored_tensors, folded_layout, from_pretrained, save_folded,
+                     stock_constraints, stock_state_dict)
 from .side_files import copy_side_files
 from .picture import draw_zero_mean_graph
-from .report import norm_rows, render_markdown
+from .report import describe_model, folder_report, norm_rows, render_markdown, require_norms
+from .saved_weights import compare_weights, same_plan, skipped, why_not_rederivable
 
 REPORT_MD = "normfold_report.md"
 PICTURE = "normfold_zero_mean_graph.png"
 
 Step = Callable[[str], None]  # called with a description before each slow step (for progress bars)
+
+if TYPE_CHECKING:  # the lab's report type, for annotations only: hf never imports the lab
+    from ..lab.approximate import ApproximateReport
+
+# The approximate fold, as the caller composes it (the CLI: normfold.cli.approximate). hf reads and tokenizes
+# the calibration file and saves the result; it never runs the lab itself (docs/CONTRIBUTING.md):
+# (original, exactly folded copy, the exact fold's report, calibration batches, sentence_encoder, step)
+#   -> (approximately folded model, ApproximateReport)
+ApproximateFold = Callable[[nn.Module, nn.Module, FoldReport, list, bool, Step], "tuple[nn.Module, ApproximateReport]"]
 
 
 def _noop(_: str) -> None:
@@ -47,20 +60,22 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
     return DTYPES.get(str(name).replace("torch.", ""), torch.float32)
 
 
-def analyze_folder(model_dir: str | os.PathLike, *, trust_remote_code: bool = False, step: Step = _noop) -> dict[str, Any]:
-    """The fold engine's per-norm analysis of a Hugging Face folder, planned as ``fold_folder`` plans it."""
+def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, trust_remote_code: bool = False,
+                   step: Step = _noop) -> dict[str, Any]:
+    """The fold engine's per-norm analysis of a Hugging Face folder, planned as ``fold_folder`` plans it
+    with the same ``fold_affine``: the two reports agree on every norm."""
     step("loading")
     model = load_model(model_dir, trust_remote_code=trust_remote_code)
     step("analysing")  # planned as `normfold fold` plans it (stock-loadable), so the two reports agree
-    constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)))
+    constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)), fold_affine=fold_affine)
     report = plan_fold(model, example_inputs_for(model), constraints).to_dict()
-    report["model"] = _describe(model, model_dir)
+    report["model"] = describe_model(model, model_dir)
     return report
 
 
 def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
                 dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
-                calibration_file: str | os.PathLike | None = None, min_cosine: float = 0.999,
+                calibration_file: str | os.PathLike | None = None, approximate: ApproximateFold | None = None,
                 step: Step = _noop) -> dict[str, Any]:
     """Fold a folder, verify in float64, and write OUT_DIR only if the verification passes.
 
@@ -70,19 +85,21 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
     ``dtype`` (:func:`check_rounded`, reported as ``verification["saved_dtype_check"]``). A failed
     verification raises ``FoldVerificationError`` and leaves no OUT_DIR.
 
-    ``calibration_file`` (one sentence per line, tokenized with the folder's own tokenizer) turns
-    on approximate folding after the exact fold (``normfold.lab.approximate_fold``): norms the exact
-    fold cannot touch become corrected RMSNorms while every output row keeps a cosine ≥
-    ``min_cosine`` on the calibration sentences. Such norms are listed in the report under
-    ``"approximate"`` and only :func:`normfold.from_pretrained` rebuilds them.
+    ``approximate`` with ``calibration_file`` (one sentence per line, tokenized with the folder's own
+    tokenizer) runs an approximate fold after the exact one (:data:`ApproximateFold`; the CLI gives
+    ``normfold.lab.approximate_fold`` with the user's cosine bar): norms the exact fold cannot touch
+    become corrected RMSNorms while every output row keeps the promised cosine on the calibration
+    sentences. Such norms are listed in the report under ``"approximate"``, with the sentences (so
+    ``normfold verify`` can re-measure the cosine), and only :func:`normfold.from_pretrained` rebuilds them.
     """
     model_dir = check_model_dir(model_dir)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if (calibration_file is None) != (approximate is None):
+        raise ValueError(f"an approximate fold needs both calibration_file and approximate, got "
+                         f"calibration_file={calibration_file!r} and approximate={approximate!r}")
     sentences = tokenizer = None
     if calibration_file is not None:  # every user error before the model is loaded
-        if isinstance(min_cosine, bool) or not isinstance(min_cosine, (int, float)) or not 0.0 < min_cosine <= 1.0:
-            raise CheckpointError(f"min cosine must be a number in (0, 1], got {min_cosine!r}")
         sentences = read_calibration_file(calibration_file)
         tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     save_dtype = DTYPES[dtype] if dtype else _checkpoint_dtype(model_dir)
@@ -93,23 +110,24 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         inputs = example_inputs_for(model)
         folded, report = fold_for_stock(model, inputs, fold_affine=fold_affine, stored_dtype=save_dtype)
         require_norms(report, type(model).__name__)
-        out = report.to_dict()
         approx = None
         if sentences is not None:
-            folded, approx = _approximate(model, folded, report, tokenizer, sentences, min_cosine, step)
+            folded, approx = approximate(model, folded, report, calibration_batches(model, tokenizer, sentences),
+                                         is_sentence_encoder(model), step)
             saved_check = {"ok": None, "skipped": "approximate fold: its replaced norms are judged by the cosine bar "
                                                   "on the calibration set, not by an exact bound"}
         else:
             step(f"verifying the weights rounded to {_dtype_name(save_dtype)}")
             saved_check = check_rounded(model, folded, inputs, save_dtype, report.plan)
-        out["verification"]["saved_dtype_check"] = saved_check
-        out.update(model=_describe(model, model_dir), **folded_layout(folded), fold_affine=fold_affine,
-                   saved_dtype=_dtype_name(save_dtype))
-        if approx is not None:
-            out.update(_approximate_summary(approx, out["swapped"]))
+        layout = folded_layout(folded)
         step("saving")
         save_folded(folded, tmp, dtype=save_dtype)
-        out["skipped_files"] = copy_side_files(model_dir, tmp)
+        out = folder_report(report, layout, saved_dtype=_dtype_name(save_dtype), approximate=approx,
+                            model=describe_model(model, model_dir), fold_affine=fold_affine,
+                            skipped_files=copy_side_files(model_dir, tmp))
+        out["verification"]["saved_dtype_check"] = saved_check
+        if approx is not None:
+            out["approximate"].update(calibration_sentences=sentences, compared=_compared(model))
         write_report_files(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
@@ -123,8 +141,6 @@ def check_rounded(model, folded, example_inputs, save_dtype: torch.dtype, plan) 
     measured from the original's own error in ``save_dtype``), run before anything is published.
     Raises ``FoldVerificationError`` when it fails; returns the figures otherwise.
     """
-    from ..fold import FoldVerificationError, verify
-
     # .to(save_dtype) rounds exactly what stock_state_dict(folded, save_dtype) writes; float32 back is exact
     rounded = copy.deepcopy(folded).to(save_dtype).to(torch.float32)
     result = verify(model, rounded, example_inputs, stored_dtype=save_dtype, rms_norm_paths=rms_norm_paths(plan))
@@ -138,27 +154,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _approximate(model, folded, report, tokenizer, sentences: list[str], min_cosine: float, step: Step):
-    """``approximate_fold`` on the calibration sentences; sentence encoders are compared on
-    mean-pooled embeddings, every other model on its token outputs."""
-    from ..lab.approximate import approximate_fold, mean_pooled
-
-    batches = calibration_batches(model, tokenizer, sentences)
-    output_fn = mean_pooled if is_sentence_encoder(model) else None
-    return approximate_fold(model, folded, report, batches, min_cosine=min_cosine, output_fn=output_fn,
-                            progress=lambda message: step(f"approximate: {message}"))
-
-
-def _approximate_summary(approx, swapped: list[dict[str, Any]]) -> dict[str, Any]:
-    """Report keys of an approximate fold; marks each ``swapped`` entry exact or approximate."""
-    replaced = {e.path for e in approx.entries if e.status == "approximate"}
-    for entry in swapped:
-        entry["approximate"] = entry["path"] in replaced
-    calibration = approx.calibration
-    stock = {"stock_compatible": False} if replaced else {}  # stock transformers rebuilds them as LayerNorms
-    return {"approximate": approx.to_dict(), "num_approximate": approx.num_approximate,
-            "approximate_norms": sorted(replaced),
-            "calibration_min_cosine": None if calibration is None else calibration.min_cosine, **stock}
+def _compared(model) -> str:
+    """Which outputs an approximate fold's cosine is measured on (sentence encoders: their embeddings)."""
+    return "mean-pooled sentence embeddings" if is_sentence_encoder(model) else "token outputs"
 
 
 def approximate_warning(report: dict[str, Any]) -> str | None:
@@ -167,17 +165,9 @@ def approximate_warning(report: dict[str, Any]) -> str | None:
     if not n:
         return None
     cos = report.get("calibration_min_cosine")
-    cos_text = "n/a" if cos is None else f"{cos:.6f}"
+    cos_text = "n/a" if cos is None else f"{cos:.4g}"  # for people: 4 significant digits (the JSON keeps all)
     return (f"{n} norm{'s' if n != 1 else ''} replaced approximately; min cosine {cos_text} on the calibration set; "
             "load with normfold.from_pretrained (stock transformers would rebuild them as LayerNorms)")
-
-
-def require_norms(report, architecture: str) -> None:
-    """CheckpointError when the model holds no norm the engine knows (Llama's and T5's own RMSNorm
-    classes, a model without norms): there is nothing to fold, so nothing is written."""
-    if not report.norms:
-        raise CheckpointError(f"nothing to fold: {architecture} has no LayerNorm (or other norm module normfold "
-                              "recognises), so no folded folder is written")
 
 
 def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dtype: torch.dtype = torch.float32):
@@ -210,14 +200,13 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
     rounded to the stored dtype, to within one ulp. ``ok`` requires both parts; a weight check
     that cannot run (``--approximate`` folds, reports of older normfold) is skipped with a reason.
     """
-    from ..fold import verify
-    from .streaming import _stored_dtype
+    from .streaming import stored_dtype_name  # not at the top: streaming.publish imports this module
 
     step("loading")
     original = load_model(orig_dir, trust_remote_code=trust_remote_code)
     folded = from_pretrained(folded_dir, trust_remote_code=trust_remote_code)
     report = json.loads((Path(folded_dir) / REPORT_JSON).read_text())
-    stored = DTYPES[_stored_dtype(Path(folded_dir))]
+    stored = DTYPES[stored_dtype_name(Path(folded_dir))]
     step(f"verifying in float64 (tolerance measured from the original run in {_dtype_name(stored)})")
     # approximate RMSNorms read inputs that are not zero-mean: only the exact ones are checked for it
     rms_paths = [s["path"] for s in report["swapped"] if not s.get("approximate")]
@@ -247,31 +236,19 @@ def check_saved_weights(original, folded_dir: Path, report: dict[str, Any]) -> d
     lack ``fold_affine``, ``saved_dtype`` or ``plan`` (older normfold), and plans that differ from
     the one this normfold derives.
     """
-    from .saving import _read_tensor, _stored_tensors, stock_state_dict
-    from .saved_weights import compare_weights, skipped, why_not_rederivable
-    from .streaming import _aliases
-
     reason = why_not_rederivable(report)
     if reason:
         return skipped(reason)
     derived, derived_report = _stock_fold_unverified(original, example_inputs_for(original),
                                                      fold_affine=bool(report["fold_affine"]),
                                                      stored_dtype=DTYPES[report["saved_dtype"]])
-    if not _same_plan(derived_report.plan, report["plan"]):
+    if not same_plan(derived_report.plan, report["plan"]):
         return skipped("the plan this normfold derives from the original differs from the one the report records "
                        "(folded by another normfold version, or from another original): the weights cannot be "
                        "re-derived")
     expected = stock_state_dict(derived, DTYPES[report["saved_dtype"]])
     files = _stored_tensors(folded_dir)
-    return compare_weights(expected, files, lambda name: _read_tensor(files[name], name), _aliases(derived))
-
-
-def _same_plan(plan, recorded) -> bool:
-    """Whether the plan a report records (JSON; an older normfold wrote fewer sections, read as empty) is ``plan``."""
-    try:
-        return FoldPlan.from_dict(recorded) == plan
-    except (AttributeError, TypeError, ValueError):  # not a plan, or sections/fields this normfold does not know
-        return False
+    return compare_weights(expected, files, lambda name: _read_tensor(files[name], name), parameter_aliases(derived))
 
 
 def write_report_files(report: dict[str, Any], out_dir: Path) -> None:
@@ -293,9 +270,3 @@ def write_report_files(report: dict[str, Any], out_dir: Path) -> None:
 
 def _cos(value: float | None) -> str:
     return "-" if value is None else f"{value:.6f}"
-
-
-def _describe(model, model_dir) -> dict[str, Any]:
-    return {"architecture": type(model).__name__, "model_type": model.config.model_type,
-            "source": str(Path(model_dir).absolute()),
-            "parameters": sum(p.numel() for p in model.parameters())}

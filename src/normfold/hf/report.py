@@ -1,7 +1,60 @@
-"""Views of a fold report dict: per-norm rows (for the table and the picture) and markdown."""
+"""The folder report (``normfold_report.json``) of a folded folder, built once for the in-memory and
+the streaming fold, and its views: per-norm rows (for the table and the picture) and markdown."""
 from __future__ import annotations
 
-from typing import Any
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from ..fold.report import FoldReport
+from .load import CheckpointError
+
+if TYPE_CHECKING:  # the lab's report type, for annotations only: hf never imports the lab
+    from ..lab.approximate import ApproximateReport
+
+
+def describe_model(model: nn.Module, model_dir: str | os.PathLike) -> dict[str, Any]:
+    """The report's ``model`` section: class, model type, source folder, parameter count."""
+    return {"architecture": type(model).__name__, "model_type": model.config.model_type,
+            "source": str(Path(model_dir).absolute()), "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def folder_report(fold_report: FoldReport | None, layout: dict[str, Any], *, saved_dtype: str,
+                  approximate: ApproximateReport | None = None, **sections: Any) -> dict[str, Any]:
+    """``normfold_report.json`` of a folded folder, for every path that writes one (the in-memory and
+    the streaming fold, ``normfold.save_pretrained``): the fold engine's report (norms, plan,
+    verification; none for a fold of the caller's own), the ``layout`` ``from_pretrained`` rebuilds
+    (``swapped`` at least; ``normfold.hf.saving.folded_layout``), the ``saved_dtype``, the
+    ``approximate`` fold's keys (:func:`approximate_summary`), and the caller's further ``sections``
+    (``model``: :func:`describe_model`; ``fold_affine``, which re-deriving the weights needs;
+    ``skipped_files``; ``streaming`` figures)."""
+    report = {} if fold_report is None else fold_report.to_dict()
+    report.update(**layout, saved_dtype=saved_dtype, **sections)
+    if approximate is not None:
+        report.update(approximate_summary(approximate, report["swapped"]))
+    return report
+
+
+def approximate_summary(approx: ApproximateReport, swapped: list[dict[str, Any]]) -> dict[str, Any]:
+    """Report keys of an approximate fold; marks each ``swapped`` entry exact or approximate."""
+    replaced = {e.path for e in approx.entries if e.status == "approximate"}
+    for entry in swapped:
+        entry["approximate"] = entry["path"] in replaced
+    calibration = approx.calibration
+    stock = {"stock_compatible": False} if replaced else {}  # stock transformers rebuilds them as LayerNorms
+    return {"approximate": approx.to_dict(), "num_approximate": approx.num_approximate,
+            "approximate_norms": sorted(replaced),
+            "calibration_min_cosine": None if calibration is None else calibration.min_cosine, **stock}
+
+
+def require_norms(fold_report: FoldReport, architecture: str) -> None:
+    """CheckpointError when the model holds no norm the engine knows (Llama's and T5's own RMSNorm
+    classes, a model without norms): there is nothing to fold, so nothing is written."""
+    if not fold_report.norms:
+        raise CheckpointError(f"nothing to fold: {architecture} has no LayerNorm (or other norm module normfold "
+                              "recognises), so no folded folder is written")
 
 
 def norm_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
@@ -11,20 +64,25 @@ def norm_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     A norm an ``--approximate`` fold replaced is ``approximate`` (and not ``folded``: the exact fold
     kept it); its reason then says how close the replacement is instead of what blocked the exact fold.
     """
-    entries = {e["path"]: e for e in (report.get("approximate") or {}).get("entries", ())}
+    approx = report.get("approximate") or {}
+    entries = {e["path"]: e for e in approx.get("entries", ())}
     approximate = {path: entries.get(path, {}) for path in report.get("approximate_norms", ())}
+    num_inputs = len(approx.get("calibration_sentences") or ()) or None
     return [{"path": e["path"], "folded": bool(e["foldable"]), "affine_folded": bool(e["affine_folded"]),
              "approximate": e["path"] in approximate,
-             "reason": _approximate_reason(approximate[e["path"]]) if e["path"] in approximate else e["reason"],
+             "reason": (_approximate_reason(approximate[e["path"]], num_inputs) if e["path"] in approximate
+                        else e["reason"]),
              "blocker": None if e["foldable"] or e["path"] in approximate else e["reason"]}
             for e in report["norms"]]
 
 
-def _approximate_reason(entry: dict[str, Any]) -> str:
-    """What an approximately replaced norm became and how close it is alone, from its approximate entry."""
+def _approximate_reason(entry: dict[str, Any], num_inputs: int | None) -> str:
+    """``approximate: cosine X on N calibration inputs; <what it became>``: the worst output cosine
+    with only this norm replaced (from its approximate entry), and the correction."""
     cosine = entry.get("cosine_alone")
-    close = "" if cosine is None else f"; min cosine {cosine:.6f} on the calibration set with only it replaced"
-    return f"approximate: {entry.get('correction') or 'corrected RMSNorm'}{close}"
+    inputs = "the calibration inputs" if num_inputs is None else f"{num_inputs} calibration inputs"
+    close = "cosine not measured" if cosine is None else f"cosine {cosine:.6f} on {inputs}"
+    return f"approximate: {close}; {entry.get('correction') or 'corrected RMSNorm'}"
 
 
 def _fmt(value: Any) -> str:
@@ -44,8 +102,7 @@ def render_markdown(report: dict[str, Any], *, picture: str | None = None) -> st
     lines = [f"# normfold report: {model.get('architecture', 'model')}", ""]
     if model.get("source"):
         lines += [f"Source: `{model['source']}` ({model.get('parameters', '?'):,} parameters)", ""]
-    lines += [f"**{folded} of {len(rows)} LayerNorms folded into RMSNorm**"
-              + (" (affine γ/β folded into the next linear layers)" if report.get("fold_affine") else ""), ""]
+    lines += [_headline(report, rows), ""]
     if picture:
         lines += [f"![zero-mean graph]({picture})", ""]
     lines += ["| norm | result | γ/β | why |", "|---|---|---|---|"]
@@ -69,6 +126,19 @@ def render_markdown(report: dict[str, Any], *, picture: str | None = None) -> st
                 lines += ["", f"### {title}", "", "| figure | value |", "|---|---|"]
                 lines += [f"| {k} | {_fmt(v)} |" for k, v in ver[key].items() if k != "outputs"]
     return "\n".join(lines) + "\n"
+
+
+def _headline(report: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """What the fold did, in one bold line: the norms folded (and replaced approximately), and where
+    γ/β went, counted from the rows rather than from the option asked for."""
+    folded, approximate = sum(r["folded"] for r in rows), sum(r["approximate"] for r in rows)
+    moved = sum(r["affine_folded"] for r in rows)
+    text = f"**{folded} of {len(rows)} LayerNorms folded into RMSNorm" + (
+        f", {approximate} replaced approximately**" if approximate else "**")
+    if moved:
+        return f"{text} (the affine γ/β of {moved} folded into the next linear layers)"
+    off = report.get("fold_affine") is False
+    return f"{text} ({'affine folding turned off: ' if off else ''}every norm keeps its γ/β)"
 
 
 _NESTED = {  # verification parts that are checks of their own

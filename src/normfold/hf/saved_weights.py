@@ -14,6 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .._progress import progress
+from ..fold.plan import FoldPlan
+from .output_dir import REPORT_JSON
+from .saving import DTYPES
+
 # Measured: tiny GPT-2 and BERT folded in fp32/fp16/bf16, re-derived with 1 and 2 threads and by the
 # streaming fold: every tensor bit-identical. What may still differ on another machine is the order
 # of a float32 reduction (a centering mean, W·β): that moves the float32 result by a few float32
@@ -103,7 +108,8 @@ def compare_weights(derived: Mapping[str, Tensor], stored_names: Iterable[str], 
     if not stored_names:
         return {**result, "why": "compared nothing: the folder stores no tensors (a check that compared nothing "
                                  "cannot pass)"}
-    rows = [tensor_difference(name, derived[name], read_stored(name)) for name in stored_names]
+    rows = [tensor_difference(name, derived[name], read_stored(name))
+            for name in progress(stored_names, desc="comparing stored tensors", unit="tensor")]
     bad = [r for r in rows if not r["ok"]]
     differing = [r for r in rows if r["num_differing"] or not r["ok"]]  # a shape or dtype mismatch counts
     worst = max(differing, key=lambda r: (not r["ok"], r["max_ulps"]), default=None)  # out of bounds first
@@ -120,9 +126,6 @@ def why_not_rederivable(report: Mapping[str, Any]) -> str | None:
     the weight check), or None when it can: an ``--approximate`` fold (fitted on calibration
     sentences the folder does not hold), a report lacking :data:`REDERIVE_KEYS` (an older
     normfold, or ``normfold.save_pretrained``), a saved dtype normfold does not write."""
-    from .output_dir import REPORT_JSON
-    from .saving import DTYPES
-
     if report.get("num_approximate"):
         return (f"folded with --approximate ({report['num_approximate']} norm(s) fitted on calibration "
                 "sentences the folder does not hold): its weights cannot be re-derived")
@@ -134,6 +137,15 @@ def why_not_rederivable(report: Mapping[str, Any]) -> str | None:
     if report["saved_dtype"] not in DTYPES:
         return f"{REPORT_JSON} records saved_dtype {report['saved_dtype']!r}, expected one of {', '.join(DTYPES)}"
     return None
+
+
+def same_plan(plan: FoldPlan, recorded: object) -> bool:
+    """Whether the plan a report records (JSON; an older normfold wrote fewer sections, read as
+    empty) is ``plan``: the weights are re-derived only from the plan the folder was made with."""
+    try:
+        return FoldPlan.from_dict(recorded) == plan
+    except (AttributeError, TypeError, ValueError):  # not a plan, or sections/fields this normfold does not know
+        return False
 
 
 def skipped(reason: str) -> dict[str, Any]:

@@ -20,12 +20,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..fold.graph import parameter_aliases
 from ..fold.plan import PlanConstraints
+from ..fold.report import FoldReport
 from ..fold.transform import norm_like, untie_config
 from ..nn import RMSNorm
 from .._deps import require
 from .load import CheckpointError, _first_line, check_model_dir, load_model
 from .output_dir import REPORT_JSON, atomic_output_dir
+from .report import folder_report
 from .side_files import copy_side_files
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -166,8 +169,6 @@ def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: tor
     The folder is written beside ``out_dir`` and renamed into place when complete: on any error
     nothing appears. Returns the report written.
     """
-    from ..fold import FoldReport
-
     if not isinstance(folded, nn.Module) or not callable(getattr(folded, "save_pretrained", None)) \
             or not hasattr(folded, "config"):
         raise TypeError(f"folded must be a Hugging Face model (a transformers PreTrainedModel), got "
@@ -176,13 +177,9 @@ def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: tor
     if report is not None and not isinstance(report, FoldReport):
         raise TypeError(f"report must be the FoldReport of normfold.fold, got {type(report).__name__}")
     source = None if source_dir is None else check_model_dir(source_dir)
-    record = {} if report is None else report.to_dict()
-    record.update(folded_layout(folded))
-    if report is not None and report.approximate is not None:
-        from .folder import _approximate_summary
-
-        record.update(_approximate_summary(report.approximate, record["swapped"]))
-    record["saved_dtype"] = str(save_dtype or next(folded.parameters()).dtype).replace("torch.", "")
+    record = folder_report(report, folded_layout(folded),
+                           saved_dtype=str(save_dtype or next(folded.parameters()).dtype).replace("torch.", ""),
+                           approximate=None if report is None else report.approximate)
     if not record["stock_compatible"]:
         warnings.warn(_stock_incompatibility(type(folded).__name__, record), UserWarning, stacklevel=2)
     with atomic_output_dir(out_dir, overwrite=overwrite, protect=() if source is None else (source,)) as tmp:
@@ -330,9 +327,8 @@ def _restore_parameter(model: nn.Module, entry: Mapping[str, Any], stored: Mappi
 
 def _check_every_parameter_stored(model: nn.Module, stored: Mapping[str, Path], path: Path) -> None:
     """CheckpointError when a parameter of ``model`` (under none of its tied names) is not in the weights."""
-    from .streaming import _aliases
-
-    missing = sorted({names[0] for names in map(sorted, _aliases(model).values()) if not any(n in stored for n in names)})
+    missing = sorted({names[0] for names in map(sorted, parameter_aliases(model).values())
+                      if not any(n in stored for n in names)})
     if missing:
         raise CheckpointError(f"the weights in {path} lack {len(missing)} tensor(s) the model needs: "
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (stock transformers "

@@ -1,0 +1,317 @@
+"""Proving a streamed fold piece by piece in float64: one residual block at a time, and the model cut
+to the first block of each stack (the shell: embeddings, final norm, head). The argument is in the
+comment below; :mod:`.verification` puts the pieces together."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...fold.graph import parameter_aliases
+from ...fold.math import center
+from ...fold.verify import _cast, _errors, measured_tolerance
+from ...nn import RMSNorm
+from ..inputs import example_inputs_for
+from ..load import CheckpointError, check_model_dir, load_config, model_class_for
+from ..output_dir import REPORT_JSON
+from ..saving import DTYPES, swap_in_rmsnorm
+from .checkpoint import Checkpoint, resolve_key, stored_dtype_name
+from .planning import NORM_TYPES, meta_skeleton
+
+# The fold never runs the whole model, so it is proved in pieces, each in float64 and alone. In a
+# folded Pre-LN model the residual stream is the original's with its mean removed: with
+# P = I − 11ᵀ/n, folded stream = P·stream. A stack (the outermost ModuleList holding norms) is
+# "centered" when it holds a swapped norm; in the others the stream is the original's. Hence
+#   blocks: folded_block(P·x) = P·block(x) in a centered stack, folded_block(x) = block(x) in the
+#           others (where a kept norm's γ/β may have moved into the next layer); a block whose
+#           tensors all equal the original's is compared as a copy instead;
+#   shell:  the model cut to the first block of each stack gives the original's outputs, and the
+#           stream entering each stack is P·(the original's) or the original's;
+#   copies: every other tensor equals the original's in the saved dtype.
+# Together: the stream enters every stack in its relation, each block keeps it, so the stack hands
+# the shell's tail (final norm, head) what it maps to the original output.
+#
+# Each block runs on the original's own stream: the hidden states the shell saw entering the stack,
+# carried block by block through the original blocks. An N(0, 1) stream can be far larger than a
+# real one, which hides what a block adds to it: in a tiny random GPT-2 a 1.5x MLP weight changed
+# such a block's output by 2.9e-3, below bf16's unit roundoff, and by 0.11 on the real stream.
+# The folded weights are rounded to the stored dtype, so each piece (the shell, every block run) is
+# judged by its own measured tolerance (normfold.fold.verify.measured_tolerance): its error must be
+# at most 2x the error the original piece itself makes when cast to that dtype and run in it on the
+# same inputs, plus one rounding.
+
+Call = tuple[tuple, dict]  # the (args, kwargs) a stack's first block is called with inside the model
+
+
+def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, block_path: str, *,
+                swapped: list[dict[str, Any]] | None = None, centered: bool = True, call: Call | None = None,
+                x: torch.Tensor | None = None, stored_dtype: torch.dtype | None = None, batch: int = 2, seq: int = 16,
+                seed: int = 0, trust_remote_code: bool = False) -> dict[str, Any]:
+    """Compare one residual block of a folded checkpoint with the original, in float64, loading
+    only that block's tensors, and judge the error by the block's own error in ``stored_dtype``.
+
+    ``centered`` (a Pre-LN block the fold centered): the folded residual stream is the original's
+    with its mean removed (P = I − 11ᵀ/n), so folded_block(P·x) = P·block(x); the error is
+    ‖P·block(x) − folded_block(P·x)‖∞ / ‖P·block(x)‖∞. Otherwise folded_block(x) = block(x).
+    ``x``: the hidden states the original block reads (default: N(0, 1) of the call's shape, or
+    ``(batch, seq, width)``). ``call``: the other arguments the model passes the block (masks,
+    rotary tables, ALiBi; :func:`check_shell` records them), x replacing the hidden states.
+    ``stored_dtype`` (default: the folded checkpoint's): the result's ``tolerance`` is
+    ``measured_tolerance(own_error, stored_dtype)``, ``own_error`` being the original block cast to
+    that dtype and run in it (x and the call's float tensors cast too) against float64; ``ok`` says
+    whether the error is within it. Also returns the worst |mean|/rms of the RMSNorm inputs.
+    ``swapped``: the report's swapped norms (default: read from ``folded_dir``'s report).
+    """
+    orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
+    if swapped is None:
+        swapped = json.loads((folded_dir / REPORT_JSON).read_text())["swapped"]
+    stored = stored_dtype or DTYPES[stored_dtype_name(folded_dir)]
+    skeleton = meta_skeleton(orig_dir, trust_remote_code)
+    if x is None:
+        x = random_stream(skeleton, block_path, call, batch=batch, seq=seq, seed=seed)
+    result, _ = check_loaded_block(skeleton, Checkpoint(orig_dir), Checkpoint(folded_dir), block_path, swapped,
+                             centered, call, x, stored)
+    return result
+
+
+def check_loaded_block(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, block_path: str,
+                 swapped: list[dict[str, Any]], centered: bool, call: Call | None, x: torch.Tensor,
+                 stored: torch.dtype) -> tuple[dict[str, Any], torch.Tensor]:
+    """:func:`check_block` on open checkpoints; also returns the original block's output on ``x``
+    (the stream the next block reads). One block in float64 in memory at a time."""
+    project = (lambda t: center(t, -1)) if centered else (lambda t: t)
+    with torch.no_grad():
+        original = load_block(skeleton, orig, block_path)
+        stream = first_output(call_block(original, call, x))
+        ref = project(stream)
+        own = _own_error([ref], original, lambda m, dt: [project(first_output(call_block(m, _cast(call, dt), x.to(dt))).double())],
+                         stored)
+        del original
+        block = load_block(skeleton, folded, block_path, swapped)
+        ratios = _watch_rms_inputs(block)
+        out = first_output(call_block(block, call, project(x)))
+    error = _rel_error(ref, out)
+    return {"block": block_path, "centered": centered, "max_rel_error": error, **_judged(error, own, stored),
+            "max_input_mean_ratio": max(ratios) if ratios else None}, stream
+
+
+def load_block(skeleton: nn.Module, checkpoint: Checkpoint, block_path: str,
+                swapped: list[dict[str, Any]] = ()) -> nn.Module:
+    """The block at ``block_path`` in float64 with ``checkpoint``'s tensors (only its own read),
+    the ``swapped`` norms inside it replaced by RMSNorms."""
+    prefix = block_path + "."
+    state = {k[len(prefix):]: checkpoint.read(k).double() for k in checkpoint.meta if k.startswith(prefix)}
+    block = copy.deepcopy(skeleton.get_submodule(block_path))
+    block.load_state_dict(state, strict=True, assign=True)
+    block = block.double().eval()
+    for entry in swapped:
+        if entry["path"].startswith(prefix):
+            swap_in_rmsnorm(block, {**entry, "path": entry["path"][len(prefix):]})
+    return block
+
+
+def random_stream(skeleton: nn.Module, block_path: str, call: Call | None = None, *, batch: int = 2, seq: int = 16,
+                   seed: int = 0) -> torch.Tensor:
+    """N(0, 1) hidden states of the call's shape, or (batch, seq, the block's width)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = hidden_states(call).shape if call else (batch, seq, _block_width(skeleton.get_submodule(block_path)))
+    return torch.randn(shape, generator=gen, dtype=torch.float64)  # (B, T, C)
+
+
+def _own_error(reference: list[torch.Tensor], original: nn.Module,
+               run: Callable[[nn.Module, torch.dtype], list[torch.Tensor]], low_dtype: torch.dtype) -> float:
+    """The original piece's own error in ``low_dtype``: ``original`` cast to it (in place, so no
+    second copy is held; the float64 one is not used again) and ``run`` in it, against
+    ``reference``, its float64 outputs; only elements finite in both count, as in
+    :func:`normfold.fold.verify.own_error`."""
+    low = run(original.to(low_dtype), low_dtype)
+    assert len(low) == len(reference), "the piece gave other outputs in the stored dtype"
+    return max((_errors(r, o.double(), where_finite=True)[0] for r, o in zip(reference, low)), default=0.0)
+
+
+def _judged(error: float, own: float, stored: torch.dtype) -> dict[str, Any]:
+    """A piece's tolerance measured from its own error, the rule in words, and whether ``error`` is
+    within it (a NaN error is not)."""
+    tolerance, rule = measured_tolerance(own, stored)
+    return {"own_error": own, "tolerance": tolerance, "tolerance_rule": rule, "ok": error <= tolerance}
+
+
+def hidden_states(call: Call) -> torch.Tensor:
+    args, kwargs = call
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def call_block(block: nn.Module, call: Call | None, x: torch.Tensor):
+    """``block`` on hidden states ``x`` with the rest of ``call``'s arguments."""
+    if call is None:
+        return block(x)
+    args, kwargs = call
+    return block(x, *args[1:], **kwargs) if args else block(**{**kwargs, "hidden_states": x})
+
+
+def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swapped: list[dict[str, Any]],
+                stacks: dict[str, bool], *, stored_dtype: torch.dtype | None = None, seed: int = 0,
+                trust_remote_code: bool = False) -> tuple[dict[str, Any], dict[str, Call]]:
+    """Run the model cut to the first block of each stack (``stacks``: path -> centered) from both
+    folders in float64, one after the other, and compare every float output and, where each stack
+    starts, the folded stream with P·(the original's) (centered) or the original's.
+
+    This covers what no block check sees: the embeddings (and an embedding norm), the final norm
+    and the head, tied or untied. The error is judged by the cut original's own error in
+    ``stored_dtype`` (default: the folded checkpoint's) on the same inputs and quantities, as in
+    :func:`check_block`. Returns the result (worst relative error, its tolerance, what was
+    compared, the checkpoint keys the folded shell loaded under ``keys``) and, per stack, the
+    arguments the original model called its first block with.
+    """
+    orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
+    stored = stored_dtype or DTYPES[stored_dtype_name(folded_dir)]
+    model, _ = _load_shell(orig_dir, [], list(stacks), trust_remote_code)
+    inputs = example_inputs_for(model, seed=seed)
+    ref, ref_calls = _run_shell(model, list(stacks), inputs)
+    ref_seen = _shell_quantities(ref, ref_calls, stacks)
+    own = _own_error(ref_seen, model, lambda m, dt: _shell_quantities(*_run_shell(m, list(stacks), _cast(inputs, dt)),
+                                                                       stacks), stored)
+    del model
+    model, keys = _load_shell(folded_dir, swapped, list(stacks), trust_remote_code)
+    out, calls = _run_shell(model, list(stacks), inputs)
+    del model
+    problems = []
+    if not ref or len(ref) != len(out) or any(a.shape != b.shape for a, b in zip(ref, out)):
+        problems.append(f"the model cut to its first blocks gave {len(ref)} float outputs, the folded one {len(out)} "
+                        "(expected the same number and shapes, at least one)")
+    problems += [f"the stream entering {stack} was not seen (its first block was never called)"
+                 for stack in stacks if stack not in ref_calls or stack not in calls]
+    errors = [] if problems else [_rel_error(a, b) for a, b in zip(ref_seen, _shell_quantities(out, calls, stacks))]
+    error = max(errors, default=math.nan)
+    result = {"block": "model cut to its first block" if stacks else "model", "max_rel_error": error,
+              **_judged(error, own, stored), "outputs": len(out), "stack_entries": len(stacks), "problems": problems,
+              "keys": sorted(keys)}
+    return result, ref_calls
+
+
+def _shell_quantities(outputs: list[torch.Tensor], calls: dict[str, Call],
+                      stacks: dict[str, bool]) -> list[torch.Tensor]:
+    """What the shell check compares: the float outputs, then the stream entering each stack seen,
+    centered (P·x) for a centered stack. Computed in float64."""
+    entries = [hidden_states(calls[stack]).double() for stack in stacks if stack in calls]
+    centered = [stacks[stack] for stack in stacks if stack in calls]
+    return [t.double() for t in outputs] + [center(h, -1) if c else h for h, c in zip(entries, centered)]
+
+
+
+
+def _load_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str],
+                trust_remote_code: bool) -> tuple[nn.Module, set[str]]:
+    """``folder``'s model with ``num_hidden_layers`` = 1 (0 without ``stacks``) in float64, its
+    tensors loaded from the checkpoint and the RMSNorms swapped in; and the keys loaded."""
+    config = load_config(folder, trust_remote_code=trust_remote_code)
+    config.num_hidden_layers = 1 if stacks else 0
+    cls = model_class_for(config, trust_remote_code=trust_remote_code)
+    model = cls._from_config(config, attn_implementation="eager", dtype=torch.float64).eval()
+    checkpoint, aliases = Checkpoint(folder), parameter_aliases(model)
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    state, keys = {}, set()
+    for name in model.state_dict():
+        key = resolve_key(name, aliases, checkpoint)
+        if key is None and name in params:
+            raise CheckpointError(f"{folder} has no tensor for {name}")
+        if key is not None:
+            state[name] = checkpoint.read(key).double()
+            keys.add(key)
+    model.load_state_dict(state, strict=False)
+    for entry in swapped:
+        with contextlib.suppress(AttributeError):  # norms of blocks the shell does not hold
+            swap_in_rmsnorm(model, entry)
+    return model, keys
+
+
+def _run_shell(model: nn.Module, stacks: list[str],
+               inputs: dict[str, Any]) -> tuple[list[torch.Tensor], dict[str, Call]]:
+    """The float outputs of the shell ``model`` on ``inputs``, and the arguments of each stack's first block."""
+    calls: dict[str, Call] = {}
+    handles = []
+    for stack in stacks:
+        def keep_call(module, args, kwargs, stack=stack):
+            calls[stack] = (args, kwargs)
+        with contextlib.suppress(AttributeError):
+            handles.append(model.get_submodule(f"{stack}.0").register_forward_pre_hook(keep_call, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            output = model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    leaves = torch.utils._pytree.tree_leaves(output.to_tuple() if hasattr(output, "to_tuple") else output)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()], calls
+
+
+def stacks_of(skeleton: nn.Module, swapped: list[dict[str, Any]]) -> dict[str, tuple[int, bool]]:
+    """Stack path -> (number of blocks, centered), for each outermost ModuleList holding a norm;
+    centered when it holds a swapped norm."""
+    swapped_paths = [entry["path"] for entry in swapped]
+    stacks: dict[str, tuple[int, bool]] = {}
+    for path, module in skeleton.named_modules():
+        if not isinstance(module, NORM_TYPES):
+            continue
+        parts = path.split(".")
+        for i in range(1, len(parts)):
+            stack = ".".join(parts[:i])
+            if isinstance(skeleton.get_submodule(stack), nn.ModuleList):
+                centered = any(p.startswith(stack + ".") for p in swapped_paths)
+                stacks[stack] = (len(skeleton.get_submodule(stack)), centered)
+                break
+    return stacks
+
+
+def compare_copies(orig: Checkpoint, folded: Checkpoint, keys: list[str]) -> list[str]:
+    """The keys among ``keys`` whose folded tensor is not the original's cast to its saved dtype
+    (one tensor in memory at a time); a key missing from either side counts as different."""
+    differ = []
+    for key in keys:
+        if key not in orig.meta or key not in folded.meta:
+            differ.append(key)
+            continue
+        value = folded.read(key)
+        if not torch.equal(orig.read(key).to(value.dtype), value):
+            differ.append(key)
+    return differ
+
+
+def _block_width(block: nn.Module) -> int:
+    for m in block.modules():
+        if isinstance(m, NORM_TYPES):
+            return m.normalized_shape[-1]
+    raise CheckpointError("cannot tell the block's width: it has no norm")
+
+
+def first_output(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _rel_error(ref: torch.Tensor, out: torch.Tensor) -> float:
+    """‖ref − out‖∞ / ‖ref‖∞ (the absolute error where ref is all zeros)."""
+    scale = ref.abs().max().item() or 1.0
+    return (ref - out).abs().max().item() / scale
+
+
+def _watch_rms_inputs(block: nn.Module) -> list[float]:
+    ratios: list[float] = []
+
+    def hook(module, inputs):
+        x = inputs[0]
+        ratios.append((x.mean(-1).abs() / x.square().mean(-1).sqrt()).max().item())
+
+    for m in block.modules():
+        if isinstance(m, RMSNorm):
+            m.register_forward_pre_hook(hook)
+    return ratios
+
+

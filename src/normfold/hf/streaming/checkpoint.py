@@ -1,0 +1,141 @@
+"""A safetensors checkpoint read and written one tensor at a time: the key -> file map, the
+headers' shapes and dtypes, single-tensor reads, and a writer that streams tensors into a new file."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..._deps import require
+from ..load import CheckpointError
+
+INDEX = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+                      torch.bool: "BOOL"}  # torch dtype -> the code a safetensors header writes
+TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}  # header code -> torch dtype
+
+
+class Checkpoint:
+    """The tensors of a safetensors folder: which file holds each key, shapes and dtypes from the
+    headers, and reads of one tensor at a time (each read opens and closes its file, so no file
+    stays mapped and resident memory does not grow with the checkpoint)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        index = folder / INDEX
+        if index.is_file():
+            weight_map = _read_weight_map(index)
+        elif (folder / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            raise CheckpointError(f"streaming needs safetensors weights: no model.safetensors or {INDEX} in {folder}")
+        safe_open = require("safetensors").safe_open
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        self.files: dict[str, list[str]] = {}    # file -> keys in file order
+        self.file_of: dict[str, str] = {}
+        self.meta: dict[str, tuple[str, list[int]]] = {}   # key -> (safetensors dtype, shape)
+        for name in files:
+            try:
+                with safe_open(folder / name, framework="pt") as f:
+                    keys = list(f.keys())
+                    for key in keys:
+                        sl = f.get_slice(key)
+                        self.meta[key] = (sl.get_dtype(), list(sl.get_shape()))
+            except Exception as err:  # SafetensorError for a corrupt header
+                raise CheckpointError(f"corrupt safetensors file {folder / name}: {str(err).splitlines()[0]}") from err
+            self.files[name] = keys
+            self.file_of.update(dict.fromkeys(keys, name))
+        self.bytes_read = 0
+        self.read_seconds = 0.0
+
+    def read(self, key: str) -> torch.Tensor:
+        safe_open = require("safetensors").safe_open
+        t0 = time.perf_counter()
+        with safe_open(self.folder / self.file_of[key], framework="pt") as f:
+            t = f.get_tensor(key).clone()  # own memory: nothing keeps the file mapped
+        self.bytes_read += t.numel() * t.element_size()
+        self.read_seconds += time.perf_counter() - t0
+        return t
+
+
+def _read_weight_map(index: Path) -> dict[str, str]:
+    """The index's key -> shard map; CheckpointError unless every shard is a plain file name.
+
+    The names become paths of the output folder: ``../x`` or ``/etc/x`` would write outside it.
+    """
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{index} is not a safetensors index: {str(err).splitlines()[0]}") from err
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: expected a non-empty \"weight_map\" object, got {weight_map!r:.80}")
+    for name in set(weight_map.values()):
+        check_plain_file_name(name, index)
+    return weight_map
+
+
+def check_plain_file_name(name: object, source: Path) -> str:
+    """``name`` when it is a plain file name (no folder part, not ``.``/``..``, not absolute, no NUL),
+    else CheckpointError naming ``source``, the file that listed it."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or "/" in name or "\\" in name \
+            or os.path.isabs(name):
+        raise CheckpointError(f"{source} lists the shard {name!r}: expected a plain file name inside the model folder "
+                              "(no '/', '..', absolute path or NUL)")
+    return name
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, str, list[int]]],
+                      produce: Callable[[str], torch.Tensor], metadata: dict[str, str] | None = None) -> int:
+    """Write a safetensors file tensor by tensor: the header (computed from ``entries`` =
+    (key, safetensors dtype, shape)) first, then ``produce(key)`` for each key in order.
+
+    Returns the number of bytes of tensor data written.
+    """
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    for key, dtype, shape in entries:
+        nbytes = math.prod(shape) * TORCH_DTYPES[dtype].itemsize
+        header[key] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for key, dtype, shape in entries:
+            t = produce(key)
+            if t.dtype != TORCH_DTYPES[dtype] or list(t.shape) != list(shape):
+                raise AssertionError(f"{key}: produced {t.dtype} {tuple(t.shape)}, header says {dtype} {shape}")
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    return offset
+
+
+def resolve_key(fqn: str, aliases: Mapping[str, Sequence[str]], checkpoint: Checkpoint) -> str | None:
+    """The checkpoint key that stores parameter ``fqn`` (a tied parameter is stored once)."""
+    for name in (fqn, *aliases.get(fqn, ())):
+        if name in checkpoint.meta:
+            return name
+    return None
+
+
+def stored_dtype_name(model_dir: Path) -> str:
+    """The dtype a checkpoint stores its weights in: bfloat16 or float16 when any tensor is, else float32."""
+    ckpt_dtypes = {d for d, _ in Checkpoint(model_dir).meta.values()}
+    for name, code in (("bfloat16", "BF16"), ("float16", "F16")):
+        if code in ckpt_dtypes:
+            return name
+    return "float32"
+
+
+def is_sharded(model_dir: str | os.PathLike) -> bool:
+    """Whether ``model_dir`` holds a sharded safetensors checkpoint (an index file)."""
+    return (Path(model_dir) / INDEX).is_file()

@@ -1,0 +1,106 @@
+"""Folding a checkpoint end to end: plan, rewrite every shard into a private temporary folder,
+prove the result there, and only then publish it as the output folder in one atomic exchange."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..._progress import progress
+from ...fold.errors import FoldVerificationError
+from ...fold.plan import FoldPlan
+from ..folder import write_report_files
+from ..load import CheckpointError, check_model_dir
+from ..output_dir import atomic_output_dir
+from ..report import describe_model, folder_report, require_norms
+from ..saving import DTYPES
+from ..side_files import copy_side_files
+from .checkpoint import INDEX, stored_dtype_name, write_safetensors
+from .planning import plan_for_checkpoint
+from .rewrite import CheckpointRewrite, Prefetcher
+from .verification import failure_summary, verify_by_blocks
+
+
+def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
+                    dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
+                    step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+    """Fold a safetensors folder shard by shard without loading the model, verify the result
+    piece by piece (:func:`~normfold.hf.streaming.verify_by_blocks`), and only then publish it as ``out_dir``.
+
+    Everything is written into a temporary sibling of ``out_dir`` (:func:`~normfold.hf.output_dir.atomic_output_dir`):
+    a failed check raises ``FoldVerificationError`` and leaves ``out_dir`` as it was (with
+    ``overwrite``, the previous output stays). Output shards mirror the input shards (same names
+    and keys; an untied copy goes into its source's shard). Returns the report dict
+    (``streaming`` holds bytes and seconds, ``verification`` the checks).
+    """
+    model_dir = check_model_dir(model_dir)
+    if dtype is not None and dtype not in DTYPES:
+        raise CheckpointError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    with atomic_output_dir(out_dir, overwrite=overwrite, protect=(model_dir,)) as tmp:
+        report = _write_folded_checkpoint(model_dir, tmp, fold_affine=fold_affine, dtype=dtype,
+                                          trust_remote_code=trust_remote_code, step=step)
+        report["verification"] = verify_by_blocks(model_dir, tmp, report, dtype=dtype, check_weights=False,
+                                                  trust_remote_code=trust_remote_code, step=step)
+        if not report["verification"]["ok"]:
+            raise FoldVerificationError(f"{failure_summary(report['verification'])}; nothing was written to {out_dir}")
+        step("writing the report")
+        write_report_files(report, tmp)
+    report["out_dir"] = str(Path(out_dir).absolute())
+    return report
+
+
+def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool, dtype: str | None,
+                             trust_remote_code: bool, step: Callable[[str], None]) -> dict[str, Any]:
+    """Plan, then rewrite every shard into ``folder`` (config and side files too); returns the
+    report dict without verification. ``folder`` is private: nothing here is checked yet."""
+    out_dtype = DTYPES[dtype] if dtype else None
+    t0 = time.perf_counter()
+    step("planning (no weights loaded)")
+    report, skeleton, checkpoint = plan_for_checkpoint(model_dir, fold_affine=fold_affine,
+                                                      trust_remote_code=trust_remote_code, stored_dtype=out_dtype)
+    require_norms(report, type(skeleton).__name__)
+    t_plan = time.perf_counter() - t0
+    rewrite = CheckpointRewrite(report.plan, skeleton, checkpoint, out_dtype)
+    layout = {name: list(keys) for name, keys in checkpoint.files.items()}
+    for new, src in rewrite.new_keys.items():
+        layout[checkpoint.file_of.get(src) or checkpoint.file_of[rewrite.new_keys[src]]].append(new)
+    written, weight_map = 0, {}
+    step(f"rewriting {len(layout)} shard{'s' if len(layout) != 1 else ''}")
+    with Prefetcher(rewrite, [k for keys in layout.values() for k in keys]) as tensors:
+        for name, keys in progress(layout.items(), desc="rewriting shards", total=len(layout), unit="shard"):
+            entries = [(k, *rewrite.output_meta(k)) for k in keys]
+            written += write_safetensors(folder / name, entries, tensors.get)
+            weight_map.update(dict.fromkeys(keys, name))
+    if len(layout) > 1 or (model_dir / INDEX).is_file():
+        (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map},
+                                               indent=2) + "\n")
+    _write_config(skeleton.config, folder, untied=bool(report.plan.untie), dtype=out_dtype)
+    skipped_files = copy_side_files(model_dir, folder)
+    streaming = {"bytes_read": checkpoint.bytes_read, "bytes_written": written, "plan_seconds": round(t_plan, 2),
+                 "read_seconds": round(checkpoint.read_seconds, 2), "math_seconds": round(rewrite.math_seconds, 2),
+                 "seconds": round(time.perf_counter() - t0, 2)}
+    return folder_report(report, {"swapped": swapped_from_plan(report.plan)},
+                         saved_dtype=dtype or stored_dtype_name(model_dir), model=describe_model(skeleton, model_dir),
+                         fold_affine=fold_affine, skipped_files=skipped_files, streaming=streaming)
+
+
+def swapped_from_plan(plan: FoldPlan) -> list[dict[str, Any]]:
+    """The report's ``swapped`` entries (what ``normfold.from_pretrained`` swaps back in) read from the
+    plan: the in-memory fold reads them from the folded model (``normfold.hf.saving.swapped_norms``)."""
+    return [{"path": s.path, "normalized_shape": [s.normalized_shape], "eps": s.eps, "weight": s.elementwise_affine,
+             "bias": s.elementwise_affine and s.bias} for s in plan.swap if s.to == "RMSNorm"]
+
+
+def _write_config(config, folder: Path, *, untied: bool, dtype: torch.dtype | None) -> None:
+    """The checkpoint's config, untied where the fold gave the output embedding its own tensor, and
+    recording the saved dtype."""
+    if untied:
+        config.tie_word_embeddings = False
+    if dtype is not None:
+        config.dtype = dtype
+    config.save_pretrained(folder)
