@@ -134,7 +134,8 @@ def test_output_inside_the_model_folder_is_refused(capsys, tiny_dirs):  # noqa: 
 
 
 def test_fold_without_output_and_unknown_dtype_are_usage_errors(capsys, tiny_dirs):  # noqa: F811
-    assert _run(capsys, "fold", tiny_dirs["gpt2"])[0] == EXIT_USAGE
+    code, _, err = _run(capsys, "fold", tiny_dirs["gpt2"])
+    assert code == EXIT_USAGE and "-o/--output" in err
     assert _run(capsys, "fold", tiny_dirs["gpt2"], "-o", "x", "--dtype", "int8")[0] == EXIT_USAGE
     assert _run(capsys)[0] == EXIT_USAGE
 
@@ -148,10 +149,13 @@ def test_an_interrupted_save_leaves_nothing_behind(capsys, monkeypatch, tiny_dir
         raise interruption("disk full")
 
     monkeypatch.setattr(folder, "save_folded", save_half_then_fail)
+    code, _, err = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", tmp_path / "out")
     if interruption is KeyboardInterrupt:
-        assert _run(capsys, "fold", tiny_dirs["gpt2"], "-o", tmp_path / "out")[0] == 130
-    else:
-        with pytest.raises(OSError):
+        assert code == 130
+    else:  # the system's own words in one line; the traceback only when asked for
+        assert code == EXIT_USAGE and _one_clear_line(err) and "disk full" in err and "NORMFOLD_TRACEBACK=1" in err
+        monkeypatch.setenv("NORMFOLD_TRACEBACK", "1")
+        with pytest.raises(OSError, match="disk full"):
             main(["fold", str(tiny_dirs["gpt2"]), "-o", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
 
@@ -177,6 +181,59 @@ def test_a_sharded_folder_is_streamed_and_verified_block_by_block(capsys, tiny_d
     assert code == EXIT_OK and "blocks model.decoder.layers.0" in out
 
 
+def test_verify_prints_the_exact_rule_in_words_and_numbers_to_four_digits(capsys, tiny_dirs, tmp_path):  # noqa: F811
+    out_dir = tmp_path / "out"
+    assert _run(capsys, "fold", tiny_dirs["gpt2"], "-o", out_dir)[0] == EXIT_OK
+    code, out, _ = _run(capsys, "verify", tiny_dirs["gpt2"], out_dir)
+    assert code == EXIT_OK
+    rule = [line for line in out.splitlines() if line.startswith("exact fold:")]
+    assert len(rule) == 1 and " ≤ tolerance " in rule[0]
+    assert "own error in float32" in rule[0] and "unit roundoff" in rule[0]
+    code, out_json, _ = _run(capsys, "verify", tiny_dirs["gpt2"], out_dir, "--json")
+    ver = json.loads(out_json)["verification"]  # --json: full precision
+    assert f"{ver['max_rel_error']:.4g}" in rule[0] and f"{ver['tolerance']:.4g}" in rule[0]
+    assert repr(ver["max_rel_error"]) != f"{ver['max_rel_error']:.4g}"  # the text rounded it, the JSON did not
+
+
+def _every_parser():
+    from normfold.cli import build_parser, subcommand_parsers
+
+    return [build_parser(), *subcommand_parsers(build_parser()).values()]
+
+
+def test_every_argument_of_every_command_has_help():
+    missing = [f"{parser.prog}: {action.option_strings or action.dest}" for parser in _every_parser()
+               for action in parser._actions if not action.help]
+    assert not missing, missing
+
+
+def test_every_option_is_spelled_with_dashes_and_the_underscore_form_is_a_hidden_alias(capsys):
+    underscored = [f"{parser.prog} {s}" for parser in _every_parser() for action in parser._actions
+                   for s in action.option_strings if s.startswith("--") and "_" in s]
+    assert not underscored, underscored
+    from normfold.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["train", "--max_steps=7"]).max_steps == "7"
+    assert parser.parse_args(["train", "--max-steps", "7"]).max_steps == "7"
+    assert parser.parse_args(["fold", "-o", "x", "--no_fold_affine"]).no_fold_affine
+    code, help_text, _ = _run(capsys, "train", "--help")
+    options = help_text.split("examples:")[0]  # the epilog's examples are free text
+    assert code == EXIT_OK and "--max-steps" in options and "--max_steps" not in options
+
+
+def test_dash_options_refuses_two_options_that_differ_only_in_spelling():
+    import argparse
+
+    from normfold.cli import dash_options
+
+    parser = argparse.ArgumentParser(prog="p")
+    parser.add_argument("--out-dir", help="one")
+    parser.add_argument("--out_dir", dest="other", help="another")
+    with pytest.raises(ValueError, match="names two different options"):
+        dash_options(parser)
+
+
 def test_help_lists_the_subcommands_of_every_registered_module(capsys):
     from normfold.cli import COMMAND_MODULES, build_parser
 
@@ -184,3 +241,19 @@ def test_help_lists_the_subcommands_of_every_registered_module(capsys):
     names = set(parser._subparsers._group_actions[0].choices)
     assert {"analyze", "fold", "verify", "demo"} <= names and len(COMMAND_MODULES) >= 1
     assert _run(capsys, "--help")[0] == EXIT_OK
+
+
+def test_bench_without_out_writes_a_new_folder_under_the_current_one(capsys, monkeypatch, tiny_dirs, tmp_path):  # noqa: F811
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", tiny_dirs["gpt2"], "--quick", "--rounds", "2", "--seq", "1", "--no-profile", "--no-plot"]
+    first, second = (_run(capsys, *argv) for _ in range(2))
+    assert first[0] == second[0] == EXIT_OK
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert len(folders) == 2 and all(name.startswith("normfold-bench-") for name in folders)  # never the same one
+    for name in folders:
+        assert {p.name for p in (tmp_path / name).iterdir()} == {"bench.csv", "bench.md"}
+
+
+def test_verify_of_a_folder_normfold_did_not_write_is_a_usage_error(capsys, tiny_dirs):  # noqa: F811
+    code, _, err = _run(capsys, "verify", tiny_dirs["gpt2"], tiny_dirs["gpt2"])
+    assert code == EXIT_USAGE and _one_clear_line(err) and "not a folder normfold wrote" in err

@@ -101,10 +101,41 @@ def test_approximate_fold_replaces_norms_and_from_pretrained_rebuilds_them(capsy
     assert cos.min().item() >= MIN_COSINE - 1e-4  # float32 save/reload rounding on top of the measured cosine
     assert cos.min().item() == pytest.approx(report["calibration_min_cosine"], abs=1e-4)
 
-    # verify compares against the exact bound: it fails, and says the report is approximate
+    # verify re-measures the promise: the cosine bar on the calibration sentences the report records
+    assert saved["approximate"]["calibration_sentences"] == sentences
+    code, out, _ = _run(capsys, "verify", bert_dir, out_dir)
+    assert code == EXIT_OK, out
+    (line,) = [ln for ln in out.splitlines() if ln.startswith("approximate fold:")]
+    assert f" ≥ {MIN_COSINE:g} on {len(sentences)} calibration sentences (mean-pooled sentence embeddings" in line
+    code, out, _ = _run(capsys, "verify", bert_dir, out_dir, "--json")
+    ver = json.loads(out)["verification"]  # full precision; the same cosine the fold measured, up to float32 noise
+    assert code == EXIT_OK and ver["ok"] and ver["promised_min_cosine"] == MIN_COSINE
+    assert ver["min_cosine"] == pytest.approx(report["calibration_min_cosine"], abs=1e-4)
+    assert f"cosine {ver['min_cosine']:.4g} ≥" in line
+
+
+def _approximate_folder(capsys, tmp_path, bert_dir, calibration) -> tuple:
+    out_dir = tmp_path / "out"
+    code, _, err = _run(capsys, "fold", bert_dir, "-o", out_dir, "--approximate", "--calibration", calibration,
+                        "--min-cosine", MIN_COSINE)
+    assert code == EXIT_OK, err
+    return out_dir, json.loads((out_dir / "normfold_report.json").read_text())
+
+
+def test_verify_of_an_approximate_folder_fails_when_the_promise_is_not_met(capsys, tmp_path, bert_dir, calibration):
+    out_dir, saved = _approximate_folder(capsys, tmp_path, bert_dir, calibration)
+    measured = saved["calibration_min_cosine"]
+    saved["approximate"]["min_cosine"] = (1.0 + measured) / 2  # a bar the folder never met
+    (out_dir / "normfold_report.json").write_text(json.dumps(saved))
+    code, out, err = _run(capsys, "verify", bert_dir, out_dir)
+    assert code == EXIT_VERIFY_FAILED and "FAILED" in out
+    assert f"< {(1.0 + measured) / 2:g} on 20 calibration sentences" in out
+    assert len(err.strip().splitlines()) == 1 and "below the promised" in err
+
+    del saved["approximate"]["calibration_sentences"]  # an older normfold's report: nothing to re-measure on
+    (out_dir / "normfold_report.json").write_text(json.dumps(saved))
     code, _, err = _run(capsys, "verify", bert_dir, out_dir)
-    assert code == EXIT_VERIFY_FAILED
-    assert "--approximate" in err and len(err.strip().splitlines()) == 1
+    assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1 and "calibration sentences" in err
 
 
 def _refused(capsys, *argv):

@@ -4,7 +4,9 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+import time
 from dataclasses import asdict, replace
+from pathlib import Path
 
 from ..hf.load import default_model_path, load_model
 from .config import QUICK, BenchConfig
@@ -26,12 +28,25 @@ def _run_bench(args) -> int:
         print(f"{r.mode:7s} batch {r.batch:2d} {r.kind:7s} {r.seq:5d}  original {r.median_ms['original']:9.3f} ms  "
               + "  ".join(f"{c} {r.ratio[c]:.3f}x [{r.ratio_ci[c][0]:.3f}, {r.ratio_ci[c][1]:.3f}]"
                           for c in ("control", "folded", "fused") if c in r.ratio) + f"  ({verdict(r)})" + share)
-    if args.out:
-        for p in write_results(rows, args.out, command="normfold " + shlex.join(sys.argv[1:]), plot=not args.no_plot):
-            print(f"wrote {p}")
+    stem = args.out or new_results_dir(Path.cwd()) / "bench"
+    for p in write_results(rows, stem, command="normfold " + shlex.join(sys.argv[1:]), plot=not args.no_plot):
+        print(f"wrote {p}")
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))
     return 0
+
+
+def new_results_dir(parent: Path) -> Path:
+    """A folder made now under ``parent``, ``normfold-bench-YYYYmmdd-HHMMSS`` (``-2``, ``-3``... when taken):
+    results never land on earlier ones, committed tables included."""
+    name = time.strftime("normfold-bench-%Y%m%d-%H%M%S")
+    for suffix in ["", *(f"-{i}" for i in range(2, 1000))]:
+        try:
+            (parent / f"{name}{suffix}").mkdir()
+        except FileExistsError:
+            continue
+        return parent / f"{name}{suffix}"
+    raise FileExistsError(f"no free folder name {name}-N under {parent}")
 
 
 def add_commands(subparsers) -> None:
@@ -44,7 +59,8 @@ def add_commands(subparsers) -> None:
     p.add_argument("--seq", type=int, nargs="+", help="sequence lengths; 1 = a decode step (default 1 128 1024)")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 30)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler pass")
-    p.add_argument("--out", metavar="STEM", help="write STEM.csv, STEM.md and STEM.png")
-    p.add_argument("--no-plot", action="store_true", help="no PNG with --out")
+    p.add_argument("--out", metavar="STEM", help="write STEM.csv, STEM.md and STEM.png (default: bench.* in a new "
+                                                 "folder ./normfold-bench-YYYYmmdd-HHMMSS)")
+    p.add_argument("--no-plot", action="store_true", help="no PNG")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     p.set_defaults(run=_run_bench)

@@ -1,0 +1,150 @@
+"""The ``normfold`` command.
+
+    normfold analyze [MODEL_DIR]                      per-norm table (default: the bundled model)
+    normfold fold [MODEL_DIR] -o OUT_DIR [--json]     fold, verify in float64, write OUT_DIR
+        [--approximate --calibration FILE [--min-cosine 0.999]]   also replace the other norms, within a cosine bar
+    normfold verify ORIG_DIR FOLDED_DIR               check a folded folder against its original
+    normfold demo                                     fold the bundled model into a temp folder
+    normfold inspect | check | train | bench          the lab, training and benchmarks
+
+Exit codes: 0 ok, 1 verification failed (or ``check --strict`` found warnings), 2 usage or input
+error, always one line on stderr (``NORMFOLD_TRACEBACK=1`` re-raises an unexpected error instead).
+
+Subcommands are registered by the modules listed in ``COMMAND_MODULES``: each defines
+``add_commands(subparsers)``, which adds its parsers and sets ``run=`` (``args -> exit code``) with
+``set_defaults``. Options are spelled with dashes; :func:`build_parser` accepts the underscore
+spelling of every one as a hidden alias (``--out_dir`` for ``--out-dir``).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import logging
+import os
+import sys
+
+import torch
+
+from .. import __version__
+from ..fold import FoldError, FoldVerificationError
+from ..hf.load import CheckpointError
+from ._common import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, UsageError
+
+__all__ = ["main", "build_parser", "COMMAND_MODULES", "UsageError", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY_FAILED"]
+
+# Modules that add subcommands (each defines ``add_commands(subparsers)``; see the module docstring).
+COMMAND_MODULES: list[str] = ["normfold.cli.folder", "normfold.train.cli", "normfold.cli.lab", "normfold.bench.cli"]
+
+TRACEBACK_ENV = "NORMFOLD_TRACEBACK"  # set to re-raise an unexpected error with its traceback (for bug reports)
+
+# the refusals a user can cause and fix: their message is the whole story (FoldVerificationError is a FoldError
+# but is caught first: exit 1)
+_USER_ERRORS = (UsageError, CheckpointError, FoldError, ImportError)
+
+# torch.export logs a whole traceback (logging.ERROR) from these before raising the error the command reports
+_CAPTURE_LOGGERS = ("torch._subclasses.fake_tensor", "torch.export", "torch._dynamo", "torch.fx.experimental.symbolic_shapes")
+
+
+# -------------------------------------------------------------------------------------------- parser
+
+def _version_line() -> str:
+    """normfold's version and the torch it runs on (what a bug report needs first)."""
+    return f"normfold {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="normfold", description="LayerNorm's behaviour at RMSNorm's cost.")
+    parser.add_argument("--version", action="version", version=_version_line())
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", help="`normfold COMMAND --help` for its options")
+    for name in COMMAND_MODULES:
+        importlib.import_module(name).add_commands(subparsers)
+    for sub in subparsers.choices.values():
+        dash_options(sub)
+    return parser
+
+
+def dash_options(parser: argparse.ArgumentParser) -> None:
+    """Spell every long option with dashes (``--out-dir``) and accept its underscore spelling (``--out_dir``)
+    as a hidden alias (parsed, not shown by ``--help``). ``dest`` is unchanged, so the command reads the same
+    attribute."""
+    for action in parser._actions:
+        action.option_strings = [s.replace("_", "-") if s.startswith("--") else s for s in action.option_strings]
+        for dashed in action.option_strings:
+            for spelling in {dashed, dashed[:2] + dashed[2:].replace("-", "_")}:
+                if parser._option_string_actions.setdefault(spelling, action) is not action:
+                    raise ValueError(f"{parser.prog}: {spelling} names two different options")
+
+
+def subcommand_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """``{command name: its parser}`` of the ``normfold`` parser."""
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(subparsers.choices)
+
+
+# --------------------------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2, message already printed)
+        return int(exit_.code or 0)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    _quiet_transformers()
+    try:
+        with _quiet_torch_capture_logs():
+            return args.run(args)
+    except FoldVerificationError as err:
+        print(f"normfold: verification failed: {err}", file=sys.stderr)
+        return EXIT_VERIFY_FAILED
+    except _USER_ERRORS as err:
+        print(f"normfold: error: {_first_line(err)}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("normfold: interrupted; nothing was written", file=sys.stderr)
+        return 130
+    except OSError as err:  # the machine, not the model (a full disk, a vanished file): what the system said
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"normfold: error: {_first_line(err)} ({TRACEBACK_ENV}=1 shows the traceback)", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as err:  # noqa: BLE001  the last boundary before the user: one line, never a traceback
+        if os.environ.get(TRACEBACK_ENV):
+            raise
+        print(f"normfold: error: {args.command} cannot handle this model: {type(err).__name__}: {_first_line(err)} "
+              f"(not a known refusal; {TRACEBACK_ENV}=1 shows the traceback)", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _quiet_transformers() -> None:
+    """No per-file progress bars or info logs from transformers: the command shows its own."""
+    try:
+        from transformers.utils import logging as transformers_logging  # optional dependency: only when installed
+    except ImportError:
+        return
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+@contextlib.contextmanager
+def _quiet_torch_capture_logs():
+    """Silence the tracebacks torch logs while capturing a model it then fails on: the command says
+    why in one line. Levels are restored afterwards (``main`` also runs inside tests)."""
+    loggers = [logging.getLogger(name) for name in _CAPTURE_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

@@ -1,0 +1,181 @@
+"""What the commands print: rich tables on stdout, progress notices on stderr, numbers for people.
+
+Text output rounds numbers to 4 significant digits (:func:`number`); ``--json`` prints them whole.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from .._deps import require
+from .._progress import notice
+from ..hf.folder import approximate_warning
+from ..hf.report import norm_rows
+
+
+def console(stderr: bool = False):
+    """A rich console bound to stdout (or stderr) at call time, so captured output sees it."""
+    rich_console = require("rich.console")
+    file = sys.stderr if stderr else sys.stdout
+    width = None if file.isatty() else 160  # wide when piped, so paths stay whole
+    return rich_console.Console(file=file, width=width, highlight=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def steps(enabled: bool = True) -> Iterator:
+    """Yields ``step(description)``: each call ends the previous step's notice and starts the next
+    (``normfold._progress.notice``: one line on stderr with the elapsed time)."""
+    with contextlib.ExitStack() as stack:
+        def step(description: str) -> None:
+            stack.close()  # "<previous step>: done in 1.2 s"
+            stack.enter_context(notice(description))
+
+        yield step if enabled else (lambda _description: None)
+
+
+def number(value: float) -> str:
+    """A number for people: 4 significant digits (``0.9990``, ``3.142e-07``)."""
+    return f"{value:.4g}"
+
+
+def print_norm_table(report: dict) -> None:
+    """One row per norm: does it become an RMSNorm, where its γ/β went, and why."""
+    table_mod = require("rich.table")
+    rows = norm_rows(report)
+    model = report.get("model", {})
+    table = table_mod.Table(title=f"{model.get('architecture', 'model')}: {sum(r['folded'] for r in rows)} of "
+                                  f"{len(rows)} LayerNorms foldable", title_justify="left")
+    table.add_column("norm", style="bold", no_wrap=True)
+    table.add_column("input zero-mean?")
+    table.add_column("γ/β")
+    table.add_column("why (for a kept norm: the op that breaks zero mean)")
+    approximate = set(report.get("approximate_norms", ()))  # --approximate: replaced, but not exactly
+    for r in rows:
+        result = ("[green]yes: RMSNorm[/green]" if r["folded"] else
+                  "[magenta]no: RMSNorm, approximate[/magenta]" if r["path"] in approximate else
+                  "[yellow]no: LayerNorm kept[/yellow]")
+        table.add_row(r["path"], result, "folded into next layer" if r["affine_folded"] else "kept", r["reason"])
+    console().print(table)
+
+
+_FIGURES = {  # verification figure -> how the table names it (a figure the result lacks is not shown)
+    "max_rel_error": "max relative error, float64",
+    "max_abs_error": "max absolute error, float64",
+    "model_dtype_max_rel_error": "max relative error, model dtype",
+    "max_input_mean_ratio": "RMSNorm inputs: max |mean| / rms",
+    "tolerance": "tolerance (relative, float64)",
+    "tolerance_rule": "tolerance rule",
+    "stored_dtype_own_error": "original's own error in the stored dtype",
+    "num_runs": "inputs compared",
+    "saved_dtype_check": "weights rounded to the saved dtype",
+    "weights": "stored weights vs the fold re-derived from the original",
+}
+
+
+def _figure_text(key: str, value) -> str:
+    """A verification figure for people; JSON keeps the numbers whole."""
+    if value is None:
+        return "n/a"
+    if key == "weights":
+        return _weights_text(value)
+    if key == "saved_dtype_check":
+        return _saved_dtype_check_text(value)
+    return number(value) if isinstance(value, float) else str(value)
+
+
+def _weights_text(weights: dict) -> str:
+    """The tensor-by-tensor check in one line: skipped (why), bit-identical, or the worst tensor."""
+    if weights.get("skipped"):
+        return f"skipped: {weights['skipped']}"
+    if weights.get("why"):
+        return f"FAILED: {weights['why']}"
+    worst = weights.get("worst")
+    if worst is None:
+        return f"{weights['num_tensors']} tensors, all bit-identical"
+    return (f"{weights['num_tensors']} tensors within {weights['bound']}; {weights['num_differing_tensors']} not "
+            f"bit-identical, worst {worst['name']} ({number(worst['max_ulps'])} ulp, "
+            f"max abs {number(worst['max_abs_error'])})")
+
+
+def _saved_dtype_check_text(check: dict) -> str:
+    if check.get("skipped"):
+        return f"skipped: {check['skipped']}"
+    return (f"{'passed' if check['ok'] else 'FAILED'}: max relative error {number(check['max_rel_error'])}, "
+            f"tolerance {number(check['tolerance'])}")
+
+
+def print_verification(ver: dict) -> None:
+    """The verification figures as a table, then the rule that judged them in one line."""
+    table_mod, text_mod = require("rich.table"), require("rich.text")
+    where = ""
+    if "blocks" in ver:  # a streamed fold: checked piece by piece
+        blocks = ", ".join(b["block"] for b in ver["blocks"]) or "none"
+        where = f" (blocks {blocks}; {ver['shell']['block'] if 'shell' in ver else 'no shell'}; each alone)"
+    table = table_mod.Table(title=f"verification{where}: {'[green]passed[/green]' if ver['ok'] else '[red]FAILED[/red]'}",
+                            title_justify="left")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, label in _FIGURES.items():
+        if key in ver:  # numbers line up on the right; sentences (the tolerance rule) read from the left
+            text = _figure_text(key, ver[key])
+            table.add_row(label, text_mod.Text(text, justify="right" if _is_number(text) else "left"))
+    console().print(table)
+    rule = exact_rule_line(ver)
+    if rule:
+        console().print(rule)
+
+
+def exact_rule_line(ver: dict[str, Any]) -> str | None:
+    """The exact check's verdict with its rule in words, e.g. ``exact fold: max relative error 3.1e-08 ≤
+    tolerance 2.5e-07 = 2 x (the original's own error in float32) + float32's unit roundoff``."""
+    max_rel, tolerance = ver.get("max_rel_error"), ver.get("tolerance")
+    if max_rel is None or tolerance is None or ver.get("why"):
+        return None
+    rule = ver.get("tolerance_rule") or "fixed"
+    words = ("a fixed bound: the fold is an exact transform, compared in float64" if rule == "fixed" else rule)
+    sign = "≤" if max_rel <= tolerance else ">"
+    return f"exact fold: max relative error {number(max_rel)} {sign} tolerance {number(tolerance)}, {words}"
+
+
+def approximate_rule_line(ver: dict[str, Any]) -> str:
+    """``approximate fold: cosine 0.9990 ≥ 0.999 on 20 calibration sentences (mean-pooled sentence embeddings)``."""
+    measured, bar = ver["min_cosine"], ver["promised_min_cosine"]
+    sign = "≥" if measured >= bar else "<"
+    return (f"approximate fold: cosine {_distinct(measured, bar)} {sign} {bar:g} on {ver['num_inputs']} calibration "
+            f"sentences ({ver['compared']}; the lowest cosine over {ver['num_rows']} output rows)")
+
+
+def _distinct(value: float, bar: float) -> str:
+    """``value`` to 4 significant digits, or more where 4 would hide which side of ``bar`` it is on."""
+    for digits in range(4, 17):
+        text = f"{value:.{digits}g}"
+        if (float(text) >= bar) == (value >= bar):
+            return text
+    return repr(value)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr (so --json stdout stays JSON)."""
+    console(stderr=True).print(f"[bold yellow]warning:[/bold yellow] {require('rich.markup').escape(message)}")
+
+
+def warn_if_approximate(report: dict) -> None:
+    warning = approximate_warning(report)
+    if warning:
+        warn(warning)
+
+
+def warn_skipped_files(report: dict) -> None:
+    """One line per file of the input folder that was not carried over (a link, a pipe, ...)."""
+    for skip in report.get("skipped_files", ()):
+        warn(f"not copied from the input folder: {skip['path']} ({skip['reason']})")

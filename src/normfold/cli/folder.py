@@ -1,0 +1,172 @@
+"""The Hugging Face folder commands: ``analyze``, ``fold``, ``verify``, ``demo``."""
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from ..hf.folder import analyze_folder, fold_folder, verify_folders
+from ..hf.load import default_model_path
+from ..hf.streaming import fold_checkpoint, is_sharded, verify_by_blocks
+from . import _output as output
+from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_model_dir, add_trust_remote_code, model_dir
+from .approximate import (DEFAULT_MIN_COSINE, approximate_step, is_approximate, read_report,
+                          verify_approximate_folder)
+
+_JSON_KEYS = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype",
+              "streaming", "num_approximate", "calibration_min_cosine", "approximate", "skipped_files",
+              "traced_calls", "exactness_scope")
+
+
+def _json_report(report: dict) -> dict:
+    """What ``--json`` prints: the counts, the per-norm entries and the verification figures."""
+    return {k: report[k] for k in _JSON_KEYS if k in report}
+
+
+def _run_analyze(args) -> int:
+    with output.steps(not args.json) as step:
+        report = analyze_folder(model_dir(args), trust_remote_code=args.trust_remote_code, step=step)
+    if args.json:
+        print(json.dumps(_json_report(report), indent=2, default=str))
+    else:
+        output.print_norm_table(report)
+    return EXIT_OK
+
+
+def _run_fold(args) -> int:
+    source = model_dir(args)
+    approximate = _approximate_options(args, source)
+    # sharded checkpoints are streamed: never loaded whole, checked block by block
+    fold_fn = fold_checkpoint if args.stream or is_sharded(source) else fold_folder
+    with output.steps(not args.json) as step:
+        report = fold_fn(source, args.output, fold_affine=not args.no_fold_affine, dtype=args.dtype,
+                         overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step, **approximate)
+    if not report["verification"]["ok"]:
+        if not args.json:
+            output.print_verification(report["verification"])
+        print(f"normfold: verification failed for the blocks written to {report['out_dir']}", file=sys.stderr)
+        return EXIT_VERIFY_FAILED
+    if args.json:
+        print(json.dumps(_json_report(report), indent=2, default=str))
+    else:
+        output.print_norm_table(report)
+        output.print_verification(report["verification"])
+        output.console().print(f"wrote [bold]{report['out_dir']}[/bold]")
+    output.warn_if_approximate(report)
+    output.warn_skipped_files(report)
+    return EXIT_OK
+
+
+def _approximate_options(args, source: Path) -> dict:
+    """fold_folder's keywords for ``--approximate``; UsageError for a bad combination, before any loading."""
+    if not args.approximate:
+        if args.calibration is not None or args.min_cosine is not None:
+            raise UsageError("--calibration and --min-cosine only apply with --approximate")
+        return {}
+    if args.calibration is None:
+        raise UsageError("--approximate needs --calibration FILE (one sentence per line)")
+    min_cosine = DEFAULT_MIN_COSINE if args.min_cosine is None else args.min_cosine
+    if not 0.0 < min_cosine <= 1.0:
+        raise UsageError(f"--min-cosine must be in (0, 1], got {min_cosine}")
+    if args.stream or is_sharded(source):
+        raise UsageError("--approximate needs the whole model in memory: not available with --stream or sharded folders")
+    return {"calibration_file": args.calibration, "approximate": approximate_step(min_cosine)}
+
+
+def _run_verify(args) -> int:
+    if is_sharded(args.orig_dir) or is_sharded(args.folded_dir):  # checked block by block, never loaded whole
+        verify_fn = verify_by_blocks
+    else:
+        report = read_report(args.folded_dir)
+        if is_approximate(report):  # the promise is a cosine bar, not an exact bound
+            return _verify_approximate(args, report)
+        verify_fn = verify_folders
+    with output.steps(not args.json) as step:
+        ver = verify_fn(args.orig_dir, args.folded_dir, trust_remote_code=args.trust_remote_code, step=step)
+    if args.json:
+        print(json.dumps({"verification": ver}, indent=2, default=str))
+    else:
+        output.print_verification(ver)
+    if not ver["ok"] and ver.get("why"):
+        print(f"normfold: verification failed, {ver['why']}", file=sys.stderr)
+    return EXIT_OK if ver["ok"] else EXIT_VERIFY_FAILED
+
+
+def _verify_approximate(args, report: dict) -> int:
+    with output.steps(not args.json) as step:
+        ver = verify_approximate_folder(args.orig_dir, args.folded_dir, report,
+                                        trust_remote_code=args.trust_remote_code, step=step)
+    if args.json:
+        print(json.dumps({"verification": ver}, indent=2))
+    else:
+        output.console().print(f"verification: {'[green]passed[/green]' if ver['ok'] else '[red]FAILED[/red]'}")
+        output.console().print(output.approximate_rule_line(ver))
+    if not ver["ok"]:
+        print(f"normfold: verification failed, {ver['why']}", file=sys.stderr)
+    return EXIT_OK if ver["ok"] else EXIT_VERIFY_FAILED
+
+
+def _run_demo(args) -> int:
+    source = default_model_path()
+    with tempfile.TemporaryDirectory(prefix="normfold-demo-") as tmp:
+        out = Path(tmp) / "folded"
+        output.console().print(f"folding the bundled model {source}\n")
+        with output.steps() as step:
+            report = fold_folder(source, out, step=step)
+        output.print_norm_table(report)
+        output.print_verification(report["verification"])
+        files = ", ".join(sorted(p.name for p in out.iterdir()))
+        output.console().print(f"wrote {files}\n(into a temporary folder; `normfold fold -o DIR` keeps one)")
+    return EXIT_OK
+
+
+def _add_json(parser) -> None:
+    parser.add_argument("--json", action="store_true", help="print only the JSON report on stdout (numbers in full)")
+
+
+def add_commands(subparsers) -> None:
+    """Add ``analyze``, ``fold``, ``verify`` and ``demo`` to the ``normfold`` command's subparsers."""
+    p = subparsers.add_parser("analyze", help="per-norm table: which LayerNorms can become RMSNorms")
+    add_model_dir(p)
+    _add_json(p)
+    add_trust_remote_code(p)
+    p.set_defaults(run=_run_analyze)
+
+    p = subparsers.add_parser("fold", help="fold, verify and write an equivalent RMSNorm model")
+    add_model_dir(p)
+    p.add_argument("-o", "--output", metavar="OUT_DIR", required=True,
+                   help="new folder to write (must not exist; not the input, inside it or above it)")
+    p.add_argument("--no-fold-affine", action="store_true",
+                   help="keep γ/β on the RMSNorms instead of folding them into the next linear layers")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
+                   help="dtype of the saved weights (default: the checkpoint's)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR if it is empty or an earlier normfold output, once the new one is verified")
+    p.add_argument("--stream", action="store_true",
+                   help="rewrite the safetensors shard by shard without loading the model "
+                        "(automatic for sharded folders); verifies every block, the embeddings and the head "
+                        "one at a time")
+    p.add_argument("--approximate", action="store_true",
+                   help="also replace the norms the exact fold cannot touch, within --min-cosine on the calibration "
+                        "sentences (not exact: load the result with normfold.from_pretrained)")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="UTF-8 text, one calibration sentence per line (tokenized with the folder's tokenizer)")
+    p.add_argument("--min-cosine", type=float, metavar="X",
+                   help=f"lowest cosine similarity allowed between original and result outputs (default "
+                        f"{DEFAULT_MIN_COSINE}); sentence encoders are compared on mean-pooled embeddings")
+    _add_json(p)
+    add_trust_remote_code(p)
+    p.set_defaults(run=_run_fold)
+
+    p = subparsers.add_parser("verify", help="check a folded folder against its original: exact folds in float64, "
+                                             "approximate ones against the cosine they promised")
+    p.add_argument("orig_dir", metavar="ORIG_DIR", help="the original Hugging Face folder")
+    p.add_argument("folded_dir", metavar="FOLDED_DIR", help="the folder `normfold fold` wrote from it")
+    _add_json(p)
+    add_trust_remote_code(p)
+    p.set_defaults(run=_run_verify)
+
+    p = subparsers.add_parser("demo", help="fold the bundled trained model and show the report")
+    p.set_defaults(run=_run_demo)
+
