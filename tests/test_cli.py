@@ -257,3 +257,15 @@ def test_bench_without_out_writes_a_new_folder_under_the_current_one(capsys, mon
 def test_verify_of_a_folder_normfold_did_not_write_is_a_usage_error(capsys, tiny_dirs):  # noqa: F811
     code, _, err = _run(capsys, "verify", tiny_dirs["gpt2"], tiny_dirs["gpt2"])
     assert code == EXIT_USAGE and _one_clear_line(err) and "not a folder normfold wrote" in err
+
+
+def test_analyze_plans_with_the_options_fold_takes(capsys, tiny_dirs, tmp_path):  # noqa: F811
+    """`analyze --no-fold-affine` reports what `fold --no-fold-affine` does: every γ/β kept, norm by norm."""
+    code, out, _ = _run(capsys, "analyze", tiny_dirs["gpt2"], "--no-fold-affine", "--json")
+    assert code == EXIT_OK
+    analyzed = json.loads(out)["norms"]
+    code, out, _ = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", tmp_path / "out", "--no-fold-affine", "--json")
+    assert code == EXIT_OK
+    assert analyzed == json.loads(out)["norms"] and not any(n["affine_folded"] for n in analyzed)
+    code, out, _ = _run(capsys, "analyze", tiny_dirs["gpt2"], "--json")
+    assert any(n["affine_folded"] for n in json.loads(out)["norms"])  # the default folds them

@@ -26,7 +26,8 @@ def _json_report(report: dict) -> dict:
 
 def _run_analyze(args) -> int:
     with output.steps(not args.json) as step:
-        report = analyze_folder(model_dir(args), trust_remote_code=args.trust_remote_code, step=step)
+        report = analyze_folder(model_dir(args), fold_affine=not args.no_fold_affine,
+                                trust_remote_code=args.trust_remote_code, step=step)
     if args.json:
         print(json.dumps(_json_report(report), indent=2, default=str))
     else:
@@ -121,6 +122,11 @@ def _run_demo(args) -> int:
     return EXIT_OK
 
 
+def _add_no_fold_affine(parser) -> None:
+    parser.add_argument("--no-fold-affine", action="store_true",
+                        help="keep γ/β on the RMSNorms instead of folding them into the next linear layers")
+
+
 def _add_json(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON report on stdout (numbers in full)")
 
@@ -129,6 +135,7 @@ def add_commands(subparsers) -> None:
     """Add ``analyze``, ``fold``, ``verify`` and ``demo`` to the ``normfold`` command's subparsers."""
     p = subparsers.add_parser("analyze", help="per-norm table: which LayerNorms can become RMSNorms")
     add_model_dir(p)
+    _add_no_fold_affine(p)
     _add_json(p)
     add_trust_remote_code(p)
     p.set_defaults(run=_run_analyze)
@@ -137,8 +144,7 @@ def add_commands(subparsers) -> None:
     add_model_dir(p)
     p.add_argument("-o", "--output", metavar="OUT_DIR", required=True,
                    help="new folder to write (must not exist; not the input, inside it or above it)")
-    p.add_argument("--no-fold-affine", action="store_true",
-                   help="keep γ/β on the RMSNorms instead of folding them into the next linear layers")
+    _add_no_fold_affine(p)
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"],
                    help="dtype of the saved weights (default: the checkpoint's)")
     p.add_argument("--overwrite", action="store_true",
