@@ -269,3 +269,14 @@ def test_analyze_plans_with_the_options_fold_takes(capsys, tiny_dirs, tmp_path):
     assert analyzed == json.loads(out)["norms"] and not any(n["affine_folded"] for n in analyzed)
     code, out, _ = _run(capsys, "analyze", tiny_dirs["gpt2"], "--json")
     assert any(n["affine_folded"] for n in json.loads(out)["norms"])  # the default folds them
+
+
+@pytest.mark.parametrize("option, says", [
+    ("--norm=bogus", "norm must be one of"),
+    ("--max-steps=abc", "expects a int, got 'abc'"),
+    ("--config=/no/such/config.toml", "/no/such/config.toml"),
+])
+def test_a_bad_training_config_is_a_known_refusal_in_one_line(capsys, option, says):
+    code, _, err = _run(capsys, "train", option, "--print-config")
+    assert code == EXIT_USAGE and _one_clear_line(err) and says in err
+    assert "not a known refusal" not in err  # the user's mistake, not normfold's

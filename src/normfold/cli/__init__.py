@@ -29,6 +29,7 @@ import torch
 from .. import __version__
 from ..fold import FoldError, FoldVerificationError
 from ..hf.load import CheckpointError
+from ..train.cli import TrainConfigError
 from ._common import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, UsageError
 
 __all__ = ["main", "build_parser", "COMMAND_MODULES", "UsageError", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY_FAILED"]
@@ -40,7 +41,7 @@ TRACEBACK_ENV = "NORMFOLD_TRACEBACK"  # set to re-raise an unexpected error with
 
 # the refusals a user can cause and fix: their message is the whole story (FoldVerificationError is a FoldError
 # but is caught first: exit 1)
-_USER_ERRORS = (UsageError, CheckpointError, FoldError, ImportError)
+_USER_ERRORS = (UsageError, CheckpointError, FoldError, TrainConfigError, ImportError)
 
 # torch.export logs a whole traceback (logging.ERROR) from these before raising the error the command reports
 _CAPTURE_LOGGERS = ("torch._subclasses.fake_tensor", "torch.export", "torch._dynamo", "torch.fx.experimental.symbolic_shapes")

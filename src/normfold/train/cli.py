@@ -42,10 +42,22 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         keys.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar="V", help=f"default: {shown!s}{extra}")
 
 
+class TrainConfigError(ValueError):
+    """A config file or value the user gave is wrong; raised before training starts."""
+
+
+def _resolve(args: argparse.Namespace) -> TrainConfig:
+    """The config from defaults, ``--config`` and the options; TrainConfigError naming what is wrong."""
+    overrides = [f"--{name}={getattr(args, name)}" for name, _ in _config_keys() if hasattr(args, name)]
+    try:
+        return resolve_config(args.config, overrides)
+    except (ValueError, TypeError, OSError) as err:
+        raise TrainConfigError(str(err)) from err
+
+
 def run(args: argparse.Namespace) -> int:
     """Resolve the config, train, print a summary line; returns the exit status."""
-    overrides = [f"--{name}={getattr(args, name)}" for name, _ in _config_keys() if hasattr(args, name)]
-    config = resolve_config(args.config, overrides)
+    config = _resolve(args)
     if args.print_config:
         print(json.dumps(config.to_dict(), indent=2))
         return 0
