@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -182,6 +183,18 @@ def test_the_published_report_holds_the_verification(sharded_opt, tmp_path):
     fold_checkpoint(sharded_opt, tmp_path / "out")
     saved = json.loads((tmp_path / "out" / "normfold_report.json").read_text())
     assert saved["verification"]["ok"] is True and saved["verification"]["num_runs"] == 3
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_a_streamed_fold_shows_bars_over_its_shards_and_blocks_only_when_progress_is_on(sharded_opt, tmp_path, capsys,
+                                                                                      monkeypatch, setting):
+    pytest.importorskip("tqdm")
+    monkeypatch.setenv("NORMFOLD_PROGRESS", setting)
+    fold_checkpoint(sharded_opt, tmp_path / "out")
+    err = capsys.readouterr().err
+    shards = len(list(sharded_opt.glob("*.safetensors")))
+    bars = [rf"rewriting shards: .*\| \d+/{shards} ", r"checking model\.decoder\.layers: .*\| \d+/2 "]  # tqdm: "| 1/2 ["
+    assert all(re.search(bar, err) for bar in bars) if setting == "1" else err == ""
 
 
 # ------------------------------------------------------------------------------- shard names
