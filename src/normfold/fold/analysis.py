@@ -32,8 +32,8 @@ _NOTHING: Mapping[str, str] = MappingProxyType({})
 
 
 @dataclass
-class _Walk:
-    """Memo entry: the answer for one Need, summarized over its whole requirement subtree."""
+class Walk:
+    """Memo entry of :class:`Walker`: the answer for one Need, summarized over its whole requirement subtree."""
 
     children: tuple[Need, ...] = ()
     broken: Break | None = None
@@ -42,13 +42,18 @@ class _Walk:
     changed: bool = False             # centering changes this node's value
 
 
-class _Walker:
+class Walker:
+    """Walks a Need ("this node is zero-mean along dim") back through the rules table to parameter
+    sources or a Break, memoized per Need. The fold's analysis reads it for zero mean; rotate reads
+    the same walk for "commutes with a linear map of the dim" (a rule that commutes with centering
+    along a whole dim commutes with any linear map of it)."""
+
     def __init__(self, captured: Captured, precomputed: frozenset = frozenset()):
         self.captured = captured
         self.precomputed = precomputed  # layer_norm nodes that become Identity (their table holds LN(W))
-        self.memo: dict[Need, _Walk] = {}
+        self.memo: dict[Need, Walk] = {}
 
-    def walk(self, need: Need) -> _Walk:
+    def walk(self, need: Need) -> Walk:
         if need in self.memo:
             return self.memo[need]
         if need.node in self.precomputed:  # LN(W)[idx] = LN(W[idx]): the norm's output is a lookup
@@ -56,17 +61,17 @@ class _Walker:
         else:
             answer = classify(need.node, need.dim, need.group, self.captured)
         if isinstance(answer, Break):
-            entry = _Walk(broken=answer, blocking_path=(describe(need.node),))
+            entry = Walk(broken=answer, blocking_path=(describe(need.node),))
         elif isinstance(answer, Source):
             params = frozenset({(answer.fqn, need.dim, need.group)}) if answer.kind == "parameter" else frozenset()
-            entry = _Walk(params=params, changed=bool(params))
+            entry = Walk(params=params, changed=bool(params))
         else:
-            entry = _Walk(children=answer.needs)
+            entry = Walk(children=answer.needs)
             params = set()
             for child in answer.needs:
                 sub = self.walk(child)
                 if sub.broken is not None:
-                    entry = _Walk(broken=sub.broken, blocking_path=(describe(need.node), *sub.blocking_path))
+                    entry = Walk(broken=sub.broken, blocking_path=(describe(need.node), *sub.blocking_path))
                     break
                 params |= sub.params
             else:
@@ -104,7 +109,7 @@ class _Norm:
     forced_keep: bool = False  # kept because another example call cannot fold it (``analyze_calls``)
 
 
-def _effective_users(node: fx.Node):
+def effective_users(node: fx.Node):
     """Users of a node, seeing through list-returning ops (split, chunk, unbind) to their getitems."""
     for user in node.users:
         if _packet(user) in MULTI_OUTPUT_OPS:
@@ -203,7 +208,7 @@ def _find_precomputable(norms: list[_Norm], captured: Captured) -> list[UntieSte
     return untie
 
 
-def _walk_norms(walker: _Walker, norms: list[_Norm]) -> None:
+def _walk_norms(walker: Walker, norms: list[_Norm]) -> None:
     for norm in norms:
         if norm.kind != "LayerNorm" or norm.precompute is not None or norm.forced_keep:
             continue
@@ -234,7 +239,7 @@ def _walk_norms(walker: _Walker, norms: list[_Norm]) -> None:
             norm.foldable = True
 
 
-def _close(walker: _Walker, norms: list[_Norm], captured: Captured) -> dict[Need, set[fx.Node]]:
+def _close(walker: Walker, norms: list[_Norm], captured: Captured) -> dict[Need, set[fx.Node]]:
     """Drop candidates until every changed node is read only where a rule or a norm allows it.
 
     Returns the requirement edges of the foldable norms: Need -> the nodes that asked for it.
@@ -258,13 +263,13 @@ def _close(walker: _Walker, norms: list[_Norm], captured: Captured) -> dict[Need
             return parents
 
 
-def _closedness_failure(walker: _Walker, norm: _Norm, parents, captured: Captured) -> str | None:
+def _closedness_failure(walker: Walker, norm: _Norm, parents, captured: Captured) -> str | None:
     """Why centering this norm's producers would leak into something that is not a norm, or None."""
     for need in sorted(norm.zero_mean_graph, key=lambda n: n.node.name):
         if not walker.memo[need].changed:
             continue
         inside = parents.get(need, set())
-        for user in _effective_users(need.node):
+        for user in effective_users(need.node):
             if user in inside or _packet(user) in METADATA_OPS or _is_ln_input(user, need):
                 continue
             if need.node in captured.param_fqn and _untieable(captured, need.node, user, inside):
@@ -323,7 +328,7 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
             if norm.path in kept:
                 norm.forced_keep, norm.reason = True, kept[norm.path]
         precompute_untie = _find_precomputable(norms, captured) if constraints.precompute else []
-        walker = _Walker(captured, frozenset(n.calls[0].node for n in norms if n.precompute is not None))
+        walker = Walker(captured, frozenset(n.calls[0].node for n in norms if n.precompute is not None))
         _walk_norms(walker, norms)
         parents = _close(walker, norms, captured)
     finally:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from ..fold.analysis import _effective_users, _Walker
+from ..fold.analysis import effective_users, Walker
 from ..fold.errors import FoldError
 from ..fold.graph import Captured, describe, module_stack, shape
 from ..fold.graph import op_packet as _packet
@@ -72,7 +72,7 @@ def find_streams(model: nn.Module, captured: Captured, fold_report: FoldReport |
     if not calls:
         raise FoldError(f"cannot rotate: the graph shows no norm op (layer_norm, rms_norm, normfold's norm), so there "
                         f"is no normalized residual stream to rotate{_unrecognized_norms(model)}")
-    walker = _Walker(captured)
+    walker = Walker(captured)
     roots: dict[Need, tuple[str, NormCall]] = {}
     for node, call in calls:
         path = norm_path(model, node)
@@ -118,7 +118,7 @@ def _check_reader_norm(path: str, call: NormCall, fold_reason: str) -> None:
         raise _blocked(f"{path} normalizes over {call.num_dims} dims; only a norm over the last dim commutes with Q")
 
 
-def _components(walker: _Walker, roots: dict[Need, tuple[str, NormCall]]) -> list[dict[Need, tuple[str, NormCall]]]:
+def _components(walker: Walker, roots: dict[Need, tuple[str, NormCall]]) -> list[dict[Need, tuple[str, NormCall]]]:
     """Group the norms whose streams share a node (a tensor, an add) into one stream each."""
     owner: dict[fx.Node, Need] = {}
     parent = {root: root for root in roots}
@@ -138,7 +138,7 @@ def _components(walker: _Walker, roots: dict[Need, tuple[str, NormCall]]) -> lis
     return list(groups.values())
 
 
-def _stream(walker: _Walker, captured: Captured, members: dict[Need, tuple[str, NormCall]]) -> Stream:
+def _stream(walker: Walker, captured: Captured, members: dict[Need, tuple[str, NormCall]]) -> Stream:
     """One stream from its member norms: checked closed, with every tensor to rotate and its role."""
     needs = set().union(*(walker.graph_of(root) for root in members))
     widths = {shape(root.node)[root.dim] for root in members}
@@ -159,7 +159,7 @@ def _stream(walker: _Walker, captured: Captured, members: dict[Need, tuple[str, 
                   _stream_tensors(walker, captured, needs, reader_uses))
 
 
-def _check_whole_features(walker: _Walker, captured: Captured, needs: set[Need], width: int) -> None:
+def _check_whole_features(walker: Walker, captured: Captured, needs: set[Need], width: int) -> None:
     """Each stream node is rotated along one dim holding all ``width`` features, and no norm output writes it."""
     along: dict[fx.Node, Need] = {}
     for need in sorted(needs, key=lambda n: n.node.name):
@@ -175,7 +175,7 @@ def _check_whole_features(walker: _Walker, captured: Captured, needs: set[Need],
                            "stream is not written by linear maps only")
 
 
-def _stream_tensors(walker: _Walker, captured: Captured, needs: set[Need], reader_uses) -> tuple[StreamTensor, ...]:
+def _stream_tensors(walker: Walker, captured: Captured, needs: set[Need], reader_uses) -> tuple[StreamTensor, ...]:
     """The parameters to rotate: writers (from the walk) and readers' weights, one dim each."""
     tensors: dict[str, tuple[int, set[str]]] = {}
 
@@ -201,7 +201,7 @@ def _first_name(captured: Captured, param: fx.Node) -> str:
     return captured.aliases.get(fqn, (fqn,))[0]
 
 
-def _check_closed(walker: _Walker, captured: Captured, needs: set[Need], parents, norm_inputs, reader_uses) -> None:
+def _check_closed(walker: Walker, captured: Captured, needs: set[Need], parents, norm_inputs, reader_uses) -> None:
     """Every node the rotation changes is read only inside the stream, by a stream norm, or (a
     weight) by a linear reader along the same dim."""
     for need in sorted(needs, key=lambda n: n.node.name):
@@ -209,7 +209,7 @@ def _check_closed(walker: _Walker, captured: Captured, needs: set[Need], parents
             continue  # e.g. literal zeros: rotating changes nothing there
         inside = parents.get(need, set())
         allowed_readers = {user for user, in_dim in reader_uses.get(need.node, ()) if in_dim == need.dim}
-        for user in _effective_users(need.node):
+        for user in effective_users(need.node):
             if user in inside or user in allowed_readers or _packet(user) in METADATA_OPS:
                 continue
             if need.node in norm_inputs and (call := norm_call(user)) is not None and call.x is need.node:
@@ -235,7 +235,7 @@ def _linear_readers(path: str, call: NormCall, captured: Captured, width: int) -
     found, frontier = [], [call.output]
     while frontier:
         current = frontier.pop()
-        for user in _effective_users(current):
+        for user in effective_users(current):
             if _packet(user) in METADATA_OPS:
                 continue
             if user.op == "output":
