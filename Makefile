@@ -86,3 +86,29 @@ gpu-e2e:
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
+
+# The oldest supported stack (pyproject's floors: torch 2.11, triton 3.6) in a venv of its own, with
+# numpy<2.4 (triton 3.6's interpreter needs it) and Python $(PYTHON): the ops tests and both GPU
+# scripts' dry runs, from the source tree. PyPI's only torch 2.11 for Linux is the CUDA build (it runs
+# on the CPU): ~4.7 GB installed with its nvidia-* wheels. Measured on the shared 2-core machine: 7.5 min
+# from nothing (install ~2.5, ops tests 3.6, dry runs ~1.5), so CI does not run it.
+OLDEST ?= build/oldest-stack
+OLDEST_SPEC ?= torch==2.11.0 triton==3.6.0 numpy<2.4
+OLDEST_PY := $(OLDEST)/venv/bin/python
+OLDEST_STAMP := $(OLDEST)/venv/.normfold-installed
+
+$(OLDEST_STAMP):
+	test -x $(OLDEST_PY) || $(PYTHON) -m venv $(OLDEST)/venv
+	$(OLDEST_PY) -m pip install -q $(foreach spec,$(OLDEST_SPEC),"$(spec)")
+	$(OLDEST_PY) -m pip install -q ninja "pytest>=8" "hypothesis>=6" "transformers>=4.45" "safetensors>=0.4"
+	touch $@
+
+.PHONY: oldest-stack
+oldest-stack: $(OLDEST_STAMP)
+	$(OLDEST_PY) -c "import sys, torch, triton, numpy; print('oldest stack: python', sys.version.split()[0], \
+	  'torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
+	export PYTHONPATH="$(CURDIR)/src" NORMFOLD_CACHE_DIR="$(abspath $(OLDEST))/cache" PYTHON="$(abspath $(OLDEST_PY))" \
+	  OUT="$(abspath $(OLDEST))/results" TRITON_INTERPRET=1 TRITON_DEFAULT_FP_FUSION=1 && \
+	  $(OLDEST_PY) -m pytest -q -p no:cacheprovider tests/ops && \
+	  bash benchmarks/gpu_check.sh --dry-run && \
+	  bash benchmarks/gpu_e2e.sh --dry-run
