@@ -243,17 +243,6 @@ def test_help_lists_the_subcommands_of_every_registered_module(capsys):
     assert _run(capsys, "--help")[0] == EXIT_OK
 
 
-def test_bench_without_out_writes_a_new_folder_under_the_current_one(capsys, monkeypatch, tiny_dirs, tmp_path):  # noqa: F811
-    monkeypatch.chdir(tmp_path)
-    argv = ["bench", tiny_dirs["gpt2"], "--quick", "--rounds", "2", "--seq", "1", "--no-profile", "--no-plot"]
-    first, second = (_run(capsys, *argv) for _ in range(2))
-    assert first[0] == second[0] == EXIT_OK
-    folders = sorted(p.name for p in tmp_path.iterdir())
-    assert len(folders) == 2 and all(name.startswith("normfold-bench-") for name in folders)  # never the same one
-    for name in folders:
-        assert {p.name for p in (tmp_path / name).iterdir()} == {"bench.csv", "bench.md"}
-
-
 def test_verify_of_a_folder_normfold_did_not_write_is_a_usage_error(capsys, tiny_dirs):  # noqa: F811
     code, _, err = _run(capsys, "verify", tiny_dirs["gpt2"], tiny_dirs["gpt2"])
     assert code == EXIT_USAGE and _one_clear_line(err) and "not a folder normfold wrote" in err

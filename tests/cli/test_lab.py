@@ -120,3 +120,10 @@ def test_check_refuses_a_json_file_that_holds_no_object(bert_dir, tmp_path, caps
     bad.write_text("[1, 2]")
     code, _, err = _run(capsys, "check", bert_dir, "--train-config", bad)
     assert code == EXIT_USAGE and "must hold a JSON object, got list" in _one_error_line(err)
+
+
+@pytest.mark.parametrize("option", [["--batch", "0"], ["--seq", "-1"]])
+def test_inspect_and_check_counts_must_be_positive_ints(bert_dir, capsys, option):
+    for command in ("inspect", "check"):
+        code, _, err = _run(capsys, command, bert_dir, *option)
+        assert code == EXIT_USAGE and "expected a positive int" in err and "Traceback" not in err

@@ -9,7 +9,8 @@ one process, the order rotating every round, so that load drifts hit all of them
 ratio original/contender (> 1 = faster) with a bootstrap confidence interval, judged against the
 control's noise band (``stats.py``). A profiler pass measures the forward time spent in norms and
 residual adds (``profiling.py``). ``driver.py`` runs the grid, ``results.py`` writes and reads the
-CSV / markdown / PNG, ``single_op.py`` times one norm call, ``cli.py`` is the ``normfold bench`` command.
+CSV / markdown / PNG, ``single_op.py`` times one norm call; the ``normfold bench`` command is
+``normfold/cli/bench.py``.
 """
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from ._common import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, UsageError
 __all__ = ["main", "build_parser", "COMMAND_MODULES", "UsageError", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY_FAILED"]
 
 # Modules that add subcommands (each defines ``add_commands(subparsers)``; see the module docstring).
-COMMAND_MODULES: list[str] = ["normfold.cli.folder", "normfold.train.cli", "normfold.cli.lab", "normfold.bench.cli"]
+COMMAND_MODULES: list[str] = ["normfold.cli.folder", "normfold.train.cli", "normfold.cli.lab", "normfold.cli.bench"]
 
 TRACEBACK_ENV = "NORMFOLD_TRACEBACK"  # set to re-raise an unexpected error with its traceback (for bug reports)
 

@@ -1,6 +1,7 @@
 """What every ``normfold`` subcommand shares: exit codes, the usage error, the model-folder argument."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from ..hf.load import default_model_path
@@ -20,6 +21,17 @@ def add_model_dir(parser, what: str = "Hugging Face folder") -> None:
 def add_trust_remote_code(parser) -> None:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="allow the folder's own modeling code to run (off by default)")
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for counts (batch sizes, lengths, rounds): an int >= 1, else argparse's usage error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return value
 
 
 def model_dir(args) -> Path:

@@ -18,7 +18,7 @@ from ..hf.inputs import calibration_batches, example_inputs_for, load_tokenizer,
 from ..hf.load import load_model
 from ..lab.check import check, findings_to_dict
 from ..lab.diagnostics import inspect
-from ._common import EXIT_OK, UsageError, add_model_dir, add_trust_remote_code, model_dir
+from ._common import EXIT_OK, UsageError, add_model_dir, add_trust_remote_code, model_dir, positive_int
 
 EXIT_FINDINGS = 1  # check --strict: there are warnings
 
@@ -93,8 +93,8 @@ def _add_parser(subparsers, name: str, summary: str, run):
     parser = subparsers.add_parser(name, help=summary)
     add_model_dir(parser)
     parser.add_argument("--json", action="store_true", help="print JSON on stdout")
-    parser.add_argument("--batch", type=int, default=2, help="batch size of the inputs (default 2)")
-    parser.add_argument("--seq", type=int, default=32,
+    parser.add_argument("--batch", type=positive_int, default=2, help="batch size of the inputs (default 2)")
+    parser.add_argument("--seq", type=positive_int, default=32,
                         help="sequence length of the generated inputs, without --text (default 32)")
     add_trust_remote_code(parser)
     parser.set_defaults(run=run)

@@ -1,4 +1,5 @@
-"""The ``normfold bench`` command: time the original, folded and folded+fused model of a folder."""
+"""The ``normfold bench`` command: time the original, folded and folded+fused model of a folder
+(the timing itself is ``normfold.bench``)."""
 from __future__ import annotations
 
 import json
@@ -8,20 +9,21 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from ..hf.load import default_model_path, load_model
-from .config import QUICK, BenchConfig
-from .driver import bench_model
-from .results import write_results
-from .stats import verdict
+from ..bench.config import QUICK, BenchConfig
+from ..bench.driver import bench_model
+from ..bench.results import write_results
+from ..bench.stats import verdict
+from ..hf.load import load_model
+from ._common import EXIT_OK, add_model_dir, model_dir, positive_int
 
 
 def _run_bench(args) -> int:
-    model_dir = args.model_dir or default_model_path()
+    source = model_dir(args)
     config = QUICK if args.quick else BenchConfig()
     config = replace(config, compile=args.compile, rounds=args.rounds or config.rounds,
                      batches=tuple(args.batch) if args.batch else config.batches,
                      seqs=tuple(args.seq) if args.seq else config.seqs, profile=not args.no_profile)
-    rows = bench_model(load_model(model_dir), config, name=str(model_dir).rstrip("/").rsplit("/", 1)[-1])
+    rows = bench_model(load_model(source), config, name=source.name)
     for r in rows:
         share = (f"  norm+add {r.norm_share['original']:.1%} -> {r.norm_share['fused']:.1%}"
                  if r.norm_share else "")
@@ -33,7 +35,7 @@ def _run_bench(args) -> int:
         print(f"wrote {p}")
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))
-    return 0
+    return EXIT_OK
 
 
 def new_results_dir(parent: Path) -> Path:
@@ -52,12 +54,12 @@ def new_results_dir(parent: Path) -> Path:
 def add_commands(subparsers) -> None:
     """Add ``bench`` to the ``normfold`` command's subparsers."""
     p = subparsers.add_parser("bench", help="time the original, folded and folded+fused model side by side")
-    p.add_argument("model_dir", nargs="?", help="Hugging Face folder (default: the bundled model)")
+    add_model_dir(p)
     p.add_argument("--quick", action="store_true", help="a few seconds: batch 1, decode and seq 16, 5 rounds")
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd contenders")
-    p.add_argument("--batch", type=int, nargs="+", help="batch sizes (default 1 8)")
-    p.add_argument("--seq", type=int, nargs="+", help="sequence lengths; 1 = a decode step (default 1 128 1024)")
-    p.add_argument("--rounds", type=int, help="interleaved rounds (default 30)")
+    p.add_argument("--batch", type=positive_int, nargs="+", help="batch sizes (default 1 8)")
+    p.add_argument("--seq", type=positive_int, nargs="+", help="sequence lengths; 1 = a decode step (default 1 128 1024)")
+    p.add_argument("--rounds", type=positive_int, help="interleaved rounds (default 30)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler pass")
     p.add_argument("--out", metavar="STEM", help="write STEM.csv, STEM.md and STEM.png (default: bench.* in a new "
                                                  "folder ./normfold-bench-YYYYmmdd-HHMMSS)")

@@ -1,0 +1,44 @@
+"""normfold.cli.bench: the ``normfold bench`` command on a saved folder."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from normfold.cli import EXIT_OK, EXIT_USAGE, main
+
+pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tiny folders of tests/hf
+from hf.conftest import tiny_dirs  # noqa: E402,F401
+
+_QUICK = ["--quick", "--rounds", "2", "--seq", "1", "--no-profile", "--no-plot"]
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bench_writes_the_tables_where_out_says(capsys, tiny_dirs, tmp_path):  # noqa: F811
+    code, out, _ = _run(capsys, "bench", tiny_dirs["gpt2"], *_QUICK, "--out", tmp_path / "out")
+    assert code == EXIT_OK and "batch" in out
+    assert (tmp_path / "out.csv").exists() and (tmp_path / "out.md").exists()
+
+
+def test_bench_without_out_writes_a_new_folder_under_the_current_one(capsys, monkeypatch, tiny_dirs, tmp_path):  # noqa: F811
+    monkeypatch.chdir(tmp_path)
+    first, second = (_run(capsys, "bench", tiny_dirs["gpt2"], *_QUICK) for _ in range(2))
+    assert first[0] == second[0] == EXIT_OK
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert len(folders) == 2 and all(name.startswith("normfold-bench-") for name in folders)  # never the same one
+    for name in folders:
+        assert {p.name for p in (tmp_path / name).iterdir()} == {"bench.csv", "bench.md"}
+
+
+@pytest.mark.parametrize("option", [["--batch", "0"], ["--seq", "1", "-3"], ["--rounds", "0"], ["--rounds", "two"]])
+def test_bench_counts_must_be_positive_ints(capsys, tiny_dirs, option):  # noqa: F811
+    code, _, err = _run(capsys, "bench", tiny_dirs["gpt2"], "--quick", *option)
+    assert code == EXIT_USAGE and "expected a positive int" in err and "Traceback" not in err
