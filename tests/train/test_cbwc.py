@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -10,12 +11,13 @@ from hypothesis import strategies as st
 from torch.nn.utils import parametrize
 
 import normfold
+from normfold.cli import EXIT_OK, EXIT_USAGE, main
 from normfold.fold.math import center
 from normfold.fold.plan import AffineFoldStep, CenterStep, FoldPlan, SwapStep
 from normfold.fold.report import FoldReport
 from normfold.nn import RMSNorm
 from normfold.train import GPT, GPTConfig, resolve_config, train
-from normfold.train.cbwc import Centered, bake_, cbwc_
+from normfold.train.cbwc import Centered, PartialCBWCError, bake_, cbwc_
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=16)
 
@@ -156,18 +158,66 @@ def test_bake_leaves_plain_centered_weights_an_untied_head_and_the_same_function
     torch.testing.assert_close(twin(idx)[0], ln(idx)[0], rtol=1e-12, atol=1e-12)
 
 
-def test_post_ln_has_nothing_foldable_and_is_left_unchanged():
-    ln, twin, report = _pair(placement="post")
+@pytest.mark.parametrize("config, kept, reason", [
+    (dict(placement="post"), 4, "transformer.h.0.ln_1: not closed: aten.dropout at transformer.drop also feeds "
+                                "aten.linear at transformer.h.0.attn.c_attn"),
+    (dict(placement="sandwich"), 5, "transformer.ln_f: blocked: aten.layer_norm at transformer.h.0.ln_1_post"),
+    (dict(qk_norm=True), 4, "transformer.h.1.attn.k_norm: not closed: aten.linear at transformer.h.1.attn.c_attn"),
+])
+def test_cbwc_refuses_a_model_that_would_keep_layernorms_naming_each_with_the_engines_reason(config, kept, reason):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, **config))
+    with pytest.raises(PartialCBWCError, match=f"{kept} of .* LayerNorms would stay LayerNorms") as refusal:
+        cbwc_(model, (torch.zeros(1, 8, dtype=torch.long),))
+    assert reason in str(refusal.value) and "allow_partial=True" in str(refusal.value)
+    assert str(refusal.value).count("transformer.") >= kept  # every kept norm is named
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())  # refused before changing anything
+    assert not any(isinstance(m, RMSNorm) for m in model.modules())
+
+
+def test_post_ln_with_allow_partial_is_left_unchanged_with_a_warning():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, placement="post"))
+    with pytest.warns(UserWarning, match="4 of 4 LayerNorms would stay LayerNorms"):
+        report = cbwc_(model, (torch.zeros(1, 8, dtype=torch.long),), allow_partial=True)
     assert report.num_foldable == 0
-    assert not any(parametrize.is_parametrized(m) for m in twin.modules())
-    assert sum(isinstance(m, torch.nn.LayerNorm) for m in twin.modules()) == 4
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())
+    assert sum(isinstance(m, torch.nn.LayerNorm) for m in model.modules()) == 4
 
 
-def test_sandwich_folds_only_the_post_sublayer_norms():
-    _, twin, report = _pair(placement="sandwich")
-    swapped = {s.path for s in report.plan.swap}
-    assert swapped == {f"transformer.h.{i}.{n}" for i in range(2) for n in ("ln_1_post", "ln_2_post")}
-    assert isinstance(twin.transformer.ln_f, torch.nn.LayerNorm)
+def test_sandwich_with_allow_partial_converts_every_norm_the_engine_proves_foldable():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, placement="sandwich"))
+    with pytest.warns(UserWarning, match="5 of 9 LayerNorms"):
+        report = cbwc_(model, (torch.zeros(1, 8, dtype=torch.long),), allow_partial=True)
+    foldable = {n.path for n in report.norms if n.foldable}
+    assert foldable == {f"transformer.h.{i}.{n}" for i in range(2) for n in ("ln_1_post", "ln_2_post")}
+    assert {path for path, m in model.named_modules() if isinstance(m, RMSNorm)} == foldable
+    assert isinstance(model.transformer.ln_f, torch.nn.LayerNorm)
+
+
+def test_a_complete_cbwc_model_converts_without_a_warning(recwarn):
+    _, twin, report = _pair()
+    assert report.num_foldable == 5 and not recwarn.list
+
+
+@pytest.mark.parametrize("allow", [False, True])
+def test_normfold_train_refuses_cbwc_with_post_placement_before_training_unless_allowed(tmp_path, capsys, allow):
+    out = tmp_path / "run"
+    argv = ["train", "--norm=cbwc_rmsnorm", "--placement=post", "--n_layer=1", "--n_head=2", "--n_embd=16",
+            "--block_size=16", "--batch_size=2", "--max_steps=1", "--eval_interval=1", "--eval_iters=1",
+            "--progress=false", "--save_checkpoint=false", f"--out_dir={out}"] + (["--allow-partial-cbwc"] if allow else [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        code = main(argv)
+    err = capsys.readouterr().err
+    if allow:
+        assert code == EXIT_OK and (out / "summary.json").is_file()
+        assert any("2 of 2 LayerNorms would stay LayerNorms" in str(w.message) for w in caught)
+    else:
+        assert code == EXIT_USAGE and not out.exists()  # refused before anything was written
+        assert err.startswith("normfold: error: cbwc_: 2 of 2 LayerNorms would stay LayerNorms")
+        assert "transformer.h.0.ln_2: blocked" in err and "--allow-partial-cbwc" in err
 
 
 def test_cbwc_works_on_a_hugging_face_gpt2():

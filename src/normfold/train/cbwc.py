@@ -38,13 +38,20 @@ the LayerNorm run over all steps:
 """
 from __future__ import annotations
 
+import warnings
+
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from ..fold import analyze
+from ..fold import FoldError, FoldReport, analyze
 from ..fold.transform import swap_norm, untie_config
 
-__all__ = ["cbwc_", "bake_", "Centered"]
+__all__ = ["cbwc_", "bake_", "Centered", "PartialCBWCError"]
+
+
+class PartialCBWCError(FoldError):
+    """A CBWC model was asked for but some LayerNorms would stay LayerNorms (their input is not provably
+    zero-mean); raised before anything changes. ``allow_partial=True`` trains them as they are."""
 
 
 class Centered(nn.Module):
@@ -86,13 +93,31 @@ def _check_group(tensor: Tensor, fqn: str, dim: int, group: int | None) -> None:
         raise ValueError(f"plan step for {fqn!r}: group must divide size {tensor.shape[dim]} of dim {dim}, got {group}")
 
 
-def cbwc_(model: nn.Module, example_inputs, *, report=None):
+def _check_complete(report: FoldReport, allow_partial: bool) -> None:
+    """PartialCBWCError naming every kept LayerNorm with the engine's reason, or (``allow_partial``) a
+    warning with the count: a CBWC model that is secretly (partly) a LayerNorm model must not go unnoticed."""
+    kept = [entry for entry in report.norms if entry.kind == "LayerNorm" and not entry.foldable]
+    if not kept:
+        return
+    total = sum(entry.kind == "LayerNorm" for entry in report.norms)
+    summary = f"{len(kept)} of {total} LayerNorms would stay LayerNorms (input not provably zero-mean)"
+    if allow_partial:
+        warnings.warn(f"cbwc_: {summary}; training them as LayerNorms (allow_partial=True)", stacklevel=3)
+        return
+    reasons = "; ".join(f"{entry.path}: {entry.reason}" for entry in kept)
+    raise PartialCBWCError(f"cbwc_: {summary}: {reasons}. Pass allow_partial=True "
+                           "(normfold train: --allow-partial-cbwc) to train with them kept")
+
+
+def cbwc_(model: nn.Module, example_inputs, *, report=None, allow_partial: bool = False):
     """Make ``model``'s foldable LayerNorms RMSNorms and keep their producers centered (in place).
 
     ``example_inputs`` as for ``normfold.analyze`` (a tuple of positional args or a dict of kwargs).
     Pass ``report`` (a ``FoldReport`` from ``normfold.analyze(model, ..., fold_affine=False)``) to
-    skip the analysis. Parameter objects are kept, so an optimizer built before the call still
-    works. Returns the ``FoldReport``; ``report.num_foldable == 0`` means nothing changed.
+    skip the analysis. Every LayerNorm the engine proves foldable is converted; if any other
+    LayerNorm would remain, raises ``PartialCBWCError`` (each kept norm with the engine's reason)
+    before changing anything, unless ``allow_partial`` (then a warning with the count). Parameter
+    objects are kept, so an optimizer built before the call still works. Returns the ``FoldReport``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -104,6 +129,7 @@ def cbwc_(model: nn.Module, example_inputs, *, report=None):
     if plan.affine_fold:
         raise ValueError("cbwc_ needs a plan without affine folding (γ/β stay trainable): "
                          "analyze with fold_affine=False")
+    _check_complete(report, allow_partial)
     # names that must keep seeing the uncentered tensor (the plan would untie them)
     keep_original = {f"{u.module_path}.{u.attr}".lstrip(".") for u in plan.untie}
     targets = []

@@ -28,6 +28,13 @@ def _config_keys() -> list[tuple[str, object]]:
     return keys + [(f.name, getattr(training, f.name)) for f in dataclasses.fields(TrainConfig) if f.name != "model"]
 
 
+_NOTES = {  # what a key's name does not say
+    "data": "comma-separated files; empty: CPython's pydoc topics",
+    "allow_partial_cbwc": "cbwc_rmsnorm: train the LayerNorms CBWC cannot convert as LayerNorms, with a warning, "
+                          "instead of refusing",
+}
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="a .json or .toml config file (flat, or with a [model] table)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -38,8 +45,12 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, default in _config_keys():
         shown = ",".join(default) if isinstance(default, list) else default
         extra = f" (one of {', '.join(choices[name])})" if name in choices else ""
-        extra += " (comma-separated files; empty: CPython's pydoc topics)" if name == "data" else ""
-        keys.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar="V", help=f"default: {shown!s}{extra}")
+        extra += f" ({_NOTES[name]})" if name in _NOTES else ""
+        if isinstance(default, bool):  # a flag alone means true: --allow-partial-cbwc
+            keys.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar="V", nargs="?", const="true",
+                              help=f"true/false, alone: true; default: {shown!s}{extra}")
+        else:
+            keys.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar="V", help=f"default: {shown!s}{extra}")
 
 
 class TrainConfigError(ValueError):

@@ -38,6 +38,7 @@ class TrainConfig:
     save_checkpoint: bool = True  # a Hugging Face GPT-2 folder when the architecture matches
     save_rank_weights: bool = False  # every DDP rank saves its final weights (to check they agree)
     progress: bool = True  # rich progress bar on a terminal; plain lines otherwise
+    allow_partial_cbwc: bool = False  # cbwc_rmsnorm: train LayerNorms CBWC cannot convert as LayerNorms (else refuse)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, dict):

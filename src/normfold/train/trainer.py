@@ -92,7 +92,7 @@ def build_model(config: TrainConfig, device: torch.device | str = "cpu") -> GPT:
     model = model.to(device)
     if config.model.norm == "cbwc_rmsnorm":
         example = torch.zeros(1, min(8, config.model.block_size), dtype=torch.long, device=device)
-        cbwc_(model, (example,))
+        cbwc_(model, (example,), allow_partial=config.allow_partial_cbwc)
     return model
 
 
@@ -183,11 +183,11 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
     if device.type == "cuda":
         torch.cuda.set_device(device)
     is_main = dist.rank == 0
+    raw_model = model if model is not None else build_model(config, device)  # may refuse: nothing written yet
     out_dir.mkdir(parents=True, exist_ok=True)
     if is_main:
         (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
 
-    raw_model = model if model is not None else build_model(config, device)
     splits = TokenSplits(encode(load_text(config.data)), config.model.block_size, config.val_fraction)
     optimizer = make_optimizer(raw_model, config)
     train_model: nn.Module = raw_model
