@@ -63,18 +63,18 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
         raise TypeError(f"stored_dtype must be a floating torch.dtype, got {stored_dtype!r}")
     generator = torch.Generator().manual_seed(seed)
     inputs = [run for call in calls for run in [call] + [_random_like(call, generator) for _ in range(num_random)]]
-    runs = [_cast(run, dtype) for run in inputs]
+    runs = [cast_floats(run, dtype) for run in inputs]
     model_dtype = _float_dtype(original)
 
     # Each model runs once per input: the original's outputs are recorded before its copy is folded.
     reference = _cast_copy(original, dtype)
-    ref_outputs = [_outputs(reference, *run) for run in runs]
+    ref_outputs = [model_outputs(reference, *run) for run in runs]
     if exact_transform is not None:
         candidate = exact_transform(reference)
     else:
         candidate = _in_dtype(folded if folded_exact is None else folded_exact, dtype)
     del reference
-    hooks, ratios = _watch_rms_inputs(candidate, rms_norm_paths)
+    hooks, ratios = watch_rms_inputs(candidate, rms_norm_paths)
     try:
         outputs, why = _compare_runs(ref_outputs, candidate, runs, dtype)
     finally:
@@ -85,8 +85,8 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
 
     own_rel, own_outputs = None, None  # the original in its own dtype: reported, and the stored dtype's own error
     if why is None and model_dtype is not None and model_dtype != dtype:
-        own_runs = [_cast(run, model_dtype) for run in inputs]
-        own_outputs = [_outputs(original, *run) for run in own_runs]
+        own_runs = [cast_floats(run, model_dtype) for run in inputs]
+        own_outputs = [model_outputs(original, *run) for run in own_runs]
         own_rows, _ = _compare_runs(own_outputs, folded, own_runs, model_dtype)
         outputs += own_rows
         own_rel = max((o["max_rel"] for o in own_rows), default=0.0)
@@ -98,7 +98,7 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
         low_outputs = own_outputs if stored_dtype == model_dtype else None
         if low_outputs is None:
             low = _cast_copy(original, stored_dtype)
-            low_outputs = [_outputs(low, *_cast(run, stored_dtype)) for run in inputs]
+            low_outputs = [model_outputs(low, *cast_floats(run, stored_dtype)) for run in inputs]
         stored_own = _own_error(ref_outputs, low_outputs, stored_dtype, dtype)
         tolerance, rule = measured_tolerance(stored_own, stored_dtype)
     else:
@@ -134,8 +134,8 @@ def own_error(model: nn.Module, inputs: list[tuple[tuple, dict]], low_dtype: tor
     """
     reference = _cast_copy(model, dtype) if reference is None else reference
     low = _cast_copy(model, low_dtype)
-    ref = [_outputs(reference, *_cast(run, dtype)) for run in inputs]
-    return _own_error(ref, [_outputs(low, *_cast(run, low_dtype)) for run in inputs], low_dtype, dtype)
+    ref = [model_outputs(reference, *cast_floats(run, dtype)) for run in inputs]
+    return _own_error(ref, [model_outputs(low, *cast_floats(run, low_dtype)) for run in inputs], low_dtype, dtype)
 
 
 def _own_error(ref_outputs, low_outputs, low_dtype: torch.dtype, dtype: torch.dtype) -> float:
@@ -145,7 +145,7 @@ def _own_error(ref_outputs, low_outputs, low_dtype: torch.dtype, dtype: torch.dt
         pairs, why = _pair(ref, out)
         if why is not None:
             raise ValueError(f"the model returns different outputs in {_name(low_dtype)} and {_name(dtype)}: {why}")
-        worst = max([worst] + [_errors(r, o, where_finite=True)[0] for _, r, o, _ in pairs])
+        worst = max([worst] + [max_errors(r, o, where_finite=True)[0] for _, r, o, _ in pairs])
     return worst
 
 
@@ -204,7 +204,7 @@ def _in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return _cast_copy(model, dtype)
 
 
-def _cast(value, dtype):
+def cast_floats(value, dtype):
     """``value`` with every floating tensor cast to ``dtype`` (containers rebuilt as pytrees)."""
     return pytree.tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
@@ -222,7 +222,8 @@ def _random_like(value, generator):
     return pytree.tree_map_only(Tensor, fresh, value)
 
 
-def _outputs(model: nn.Module, args, kwargs) -> list[tuple[str, object]]:
+def model_outputs(model: nn.Module, args, kwargs) -> list[tuple[str, object]]:
+    """``model(*args, **kwargs)`` in eval mode without gradients, flattened (:func:`flatten_outputs`)."""
     with eval_mode(model), torch.no_grad():
         return flatten_outputs(model(*args, **kwargs))
 
@@ -232,11 +233,11 @@ def _compare_runs(ref_outputs, model, runs, dtype) -> tuple[list[dict], str | No
     same runs, and why the comparison is void (None when it is not)."""
     rows, compared = [], 0
     for i, (ref_run, (args, kwargs)) in enumerate(zip(ref_outputs, runs)):
-        pairs, why = _pair(ref_run, _outputs(model, args, kwargs))
+        pairs, why = _pair(ref_run, model_outputs(model, args, kwargs))
         if why is not None:
             return rows, f"input {i}: {why}"
         for name, ref, out, is_tensor in pairs:
-            rel, abs_ = _errors(ref, out)
+            rel, abs_ = max_errors(ref, out)
             rows.append({"input": i, "name": name, "dtype": _name(dtype), "max_abs": abs_, "max_rel": rel,
                          "argmax_agreement": _argmax_agreement(ref, out)})
             if is_tensor:  # NaN matching NaN proves nothing: only finite (or integer) elements count
@@ -289,7 +290,7 @@ def _short(names: list[str], limit: int = 6) -> str:
     return f"[{shown}]"
 
 
-def _errors(ref: Tensor, out: Tensor, *, where_finite: bool = False) -> tuple[float, float]:
+def max_errors(ref: Tensor, out: Tensor, *, where_finite: bool = False) -> tuple[float, float]:
     """(max relative, max absolute) error; inf when inf/nan sit in different places, unless
     ``where_finite``: then only elements finite in both count."""
     if not ref.is_floating_point():
@@ -314,7 +315,7 @@ def _argmax_agreement(ref: Tensor, out: Tensor) -> float | None:
     return (ref.argmax(-1) == out.argmax(-1)).double().mean().item()
 
 
-def _watch_rms_inputs(model: nn.Module, paths):
+def watch_rms_inputs(model: nn.Module, paths):
     """Forward pre-hooks on normfold RMSNorms recording max |mean(x)| / rms(x) over rows."""
     ratios: list[float] = []
 
@@ -325,3 +326,8 @@ def _watch_rms_inputs(model: nn.Module, paths):
     hooks = [m.register_forward_pre_hook(hook) for path, m in model.named_modules()
              if isinstance(m, RMSNorm) and (wanted is None or path in wanted)]
     return hooks, ratios
+
+
+# The private names other layers imported before these helpers were public (rotate.calibration,
+# hf.streaming.blocks): kept until they import the public ones.
+_cast, _outputs, _errors, _watch_rms_inputs = cast_floats, model_outputs, max_errors, watch_rms_inputs
