@@ -26,6 +26,8 @@ ONLY = {
     "ops": {"ops", "_deps", "_progress"},
     "nn": {"nn", "ops", "_deps", "_progress"},
     "fuse": {"fuse", "ops", "nn", "fold", "_deps", "_progress"},
+    # rotation builds on the exact fold and nothing above it
+    "rotate": {"rotate", "ops", "nn", "fold", "_deps", "_progress"},
 }
 # layer -> layers it must never import (besides TOP, which no lower layer imports)
 NEVER = {
