@@ -32,6 +32,7 @@ _NOTES = {  # what a key's name does not say
     "data": "comma-separated files; empty: CPython's pydoc topics",
     "allow_partial_cbwc": "cbwc_rmsnorm: train the LayerNorms CBWC cannot convert as LayerNorms, with a warning, "
                           "instead of refusing",
+    "compile": "torch.compile the model for training (Inductor); the first steps pay for compilation",
 }
 
 
@@ -46,7 +47,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
         shown = ",".join(default) if isinstance(default, list) else default
         extra = f" (one of {', '.join(choices[name])})" if name in choices else ""
         extra += f" ({_NOTES[name]})" if name in _NOTES else ""
-        if isinstance(default, bool):  # a flag alone means true: --allow-partial-cbwc
+        if isinstance(default, bool):  # a flag alone means true: --compile, --allow-partial-cbwc
             keys.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar="V", nargs="?", const="true",
                               help=f"true/false, alone: true; default: {shown!s}{extra}")
         else:

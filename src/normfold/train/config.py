@@ -39,6 +39,7 @@ class TrainConfig:
     save_rank_weights: bool = False  # every DDP rank saves its final weights (to check they agree)
     progress: bool = True  # rich progress bar on a terminal; plain lines otherwise
     allow_partial_cbwc: bool = False  # cbwc_rmsnorm: train LayerNorms CBWC cannot convert as LayerNorms (else refuse)
+    compile: bool = False  # torch.compile the training forward/backward (Inductor); the first steps compile
 
     def __post_init__(self) -> None:
         if isinstance(self.model, dict):

@@ -1,4 +1,4 @@
-"""The training loop: AdamW, warmup + cosine decay, autocast, DDP, CSV log, checkpoint.
+"""The training loop: AdamW, warmup + cosine decay, autocast, DDP, torch.compile, CSV log, checkpoint.
 
 One process, or N under ``torchrun --nproc_per_node=N`` (DistributedDataParallel; gloo on CPU,
 nccl on GPU). Rank 0 writes the log, the resolved config, the summary and the checkpoint.
@@ -194,6 +194,8 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
     if dist.enabled:
         ids = [device.index] if device.type == "cuda" else None
         train_model = nn.parallel.DistributedDataParallel(raw_model, device_ids=ids)
+    if config.compile:  # after DDP, as torch.compile's DDP support expects; evaluation stays eager
+        train_model = torch.compile(train_model)
     # each rank draws its own batches; the seed makes the sequence reproducible
     generator = torch.Generator().manual_seed(config.seed * 100_003 + dist.rank)
     tokens_per_step = config.batch_size * config.model.block_size * dist.world_size

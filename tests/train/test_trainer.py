@@ -1,0 +1,42 @@
+"""The trainer's options: ``compile`` trains the same model through torch.compile."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from normfold.cli import main
+from normfold.train import resolve_config, train
+
+TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=16)
+
+
+def _losses(tmp_path, name, **values):
+    config = resolve_config(**TINY, max_steps=3, batch_size=2, eval_interval=3, eval_iters=1, progress=False,
+                            save_checkpoint=False, out_dir=str(tmp_path / name), **values)
+    return train(config)["train_losses"]
+
+
+@pytest.mark.parametrize("norm", ["cbwc_rmsnorm", "rmsnorm"])
+def test_compile_trains_through_torch_compile_with_the_eager_losses(tmp_path, monkeypatch, norm):
+    compiled = []
+    real_compile = torch.compile
+
+    def aot_eager_compile(model, **kwargs):  # Inductor's C++ build takes a minute; the graph is the same
+        compiled.append(model)
+        return real_compile(model, backend="aot_eager", **kwargs)
+
+    monkeypatch.setattr(torch, "compile", aot_eager_compile)
+    eager = _losses(tmp_path, "eager", norm=norm)
+    assert not compiled  # off by default
+    with_compile = _losses(tmp_path, "compiled", norm=norm, compile=True)
+    assert len(compiled) == 1
+    torch.testing.assert_close(with_compile, eager, rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("argv, expected", [([], False), (["--compile"], True), (["--compile=false"], False),
+                                            (["--compile", "true"], True)])
+def test_compile_is_a_flag_on_the_command_line(capsys, argv, expected):
+    assert main(["train", *argv, "--print-config"]) == 0
+    assert json.loads(capsys.readouterr().out)["compile"] is expected
