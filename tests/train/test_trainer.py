@@ -1,4 +1,4 @@
-"""The trainer's options: ``compile`` trains the same model through torch.compile."""
+"""The trainer: ``compile`` trains the same model through torch.compile; evaluation centers CBWC weights once."""
 from __future__ import annotations
 
 import json
@@ -8,6 +8,9 @@ import torch
 
 from normfold.cli import main
 from normfold.train import resolve_config, train
+from normfold.train.cbwc import Centered
+from normfold.train.data import TokenSplits, encode, load_text
+from normfold.train.trainer import build_model, estimate_val_loss
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=16)
 
@@ -40,3 +43,16 @@ def test_compile_trains_through_torch_compile_with_the_eager_losses(tmp_path, mo
 def test_compile_is_a_flag_on_the_command_line(capsys, argv, expected):
     assert main(["train", *argv, "--print-config"]) == 0
     assert json.loads(capsys.readouterr().out)["compile"] is expected
+
+
+def test_evaluation_centers_each_cbwc_weight_once_not_once_per_batch(monkeypatch):
+    config = resolve_config(**TINY, norm="cbwc_rmsnorm", batch_size=2, eval_iters=3)
+    model = build_model(config)
+    centered = sum(isinstance(m, Centered) for m in model.modules())
+    calls = []
+    forward = Centered.forward
+    monkeypatch.setattr(Centered, "forward", lambda self, w: calls.append(1) or forward(self, w))
+    splits = TokenSplits(encode(load_text([])), config.model.block_size, config.val_fraction)
+    loss = estimate_val_loss(model, splits, config, torch.device("cpu"))
+    assert centered == 10 and len(calls) == centered  # 30 before: every batch recomputed every V
+    assert loss > 0

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..hf.load import CheckpointError
 from .cbwc import cbwc_
@@ -96,6 +97,20 @@ def build_model(config: TrainConfig, device: torch.device | str = "cpu") -> GPT:
     return model
 
 
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+               config: TrainConfig) -> torch.Tensor:
+    """One optimizer step on the batch (x, y): forward under the config's autocast, backward, global-norm
+    clipping, AdamW. Returns the detached loss (not synchronized with the device)."""
+    with _autocast(config, x.device):
+        _, loss = model(x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if config.grad_clip > 0:
+        nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+    optimizer.step()
+    return loss.detach()
+
+
 class _Progress:
     """A rich progress bar on a terminal, plain lines elsewhere, nothing when disabled."""
 
@@ -125,16 +140,20 @@ class _Progress:
 
 @torch.no_grad()
 def estimate_val_loss(model: nn.Module, splits: TokenSplits, config: TrainConfig, device: torch.device) -> float:
-    """Mean loss over ``eval_iters`` fixed validation batches."""
+    """Mean loss over ``eval_iters`` fixed validation batches.
+
+    CBWC's centered weights V = P·W do not change between the batches: computed once (``cached``).
+    """
     was_training = model.training
     model.eval()
     generator = torch.Generator().manual_seed(_VAL_SEED)
     losses = []
-    for _ in range(config.eval_iters):
-        x, y = splits.batch("val", config.batch_size, generator)
-        with _autocast(config, device):
-            _, loss = model(x.to(device), y.to(device))
-        losses.append(loss.item())
+    with parametrize.cached():
+        for _ in range(config.eval_iters):
+            x, y = splits.batch("val", config.batch_size, generator)
+            with _autocast(config, device):
+                _, loss = model(x.to(device), y.to(device))
+            losses.append(loss.item())
     model.train(was_training)
     return sum(losses) / len(losses)
 
@@ -218,14 +237,7 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            with _autocast(config, device):
-                _, loss = train_model(x, y)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.grad_clip > 0:
-                nn.utils.clip_grad_norm_(raw_model.parameters(), config.grad_clip)
-            optimizer.step()
-            loss_value = loss.detach()
+            loss_value = train_step(train_model, optimizer, x, y, config)
             if dist.enabled:
                 torch.distributed.all_reduce(loss_value, op=torch.distributed.ReduceOp.AVG)
             loss_value = loss_value.item()  # synchronizes with the device
