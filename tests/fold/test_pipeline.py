@@ -1,5 +1,6 @@
 """fold()'s pipeline around the exact LayerNorm fold: BatchNorm merging first, approximate folding last."""
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -177,3 +178,39 @@ def test_a_batchnorm_one_example_call_does_not_run_is_kept_naming_that_call():
     assert isinstance(folded.bn, nn.BatchNorm1d) and report.verification.ok
     for args in ((x,), (x, False)):
         torch.testing.assert_close(folded(*args), model(*args), rtol=1e-5, atol=1e-5)
+
+
+def _tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99, n_positions=64)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_the_folder_path_proves_on_a_short_example_that_still_mixes_tokens():
+    """The example inputs the folder fold proves on are short (each token costs float64 forwards) but
+    keep >= 2 positions, so attention mixes tokens, and >= 1 row."""
+    from normfold.hf.inputs import example_inputs_for
+
+    ids = example_inputs_for(_tiny_gpt2())["input_ids"]
+    assert ids.shape[0] >= 1 and 2 <= ids.shape[1] <= 4
+
+
+def test_a_corrupted_fold_of_gpt2_fails_its_proof_on_the_short_example(monkeypatch):
+    """The cheap proof is still a proof: one centering step left out of the transform (of the returned
+    fold and of the float64 one alike) is caught on the folder path's short example inputs."""
+    from normfold.fold import FoldVerificationError, transform
+    from normfold.hf.inputs import example_inputs_for
+
+    model = _tiny_gpt2()
+    inputs = example_inputs_for(model)
+    _, report = normfold.fold(model, inputs)
+    assert report.verification.ok and report.verification.max_rel_error <= 1e-9
+    real = transform.apply_plan
+
+    def one_centering_left_out(m, plan):
+        return real(m, replace(plan, center=[s for s in plan.center if s.fqn != "transformer.h.0.attn.c_proj.weight"]))
+
+    monkeypatch.setattr(transform, "apply_plan", one_centering_left_out)
+    with pytest.raises(FoldVerificationError, match="relative error"):
+        normfold.fold(model, inputs)
