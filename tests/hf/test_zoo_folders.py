@@ -114,7 +114,8 @@ def _build_and_fold(model_type: str, root: Path) -> ZooFold | str:
     except Exception as err:  # noqa: BLE001  a config the size rules cannot shrink consistently
         return f"{model_type}: no tiny model from its shrunk default config ({type(err).__name__}: {err})"
     stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        patch.setenv("NORMFOLD_PROGRESS", "0")  # stderr holds only what the command says, whatever the environment
         code = main(["fold", str(folder), "-o", str(out)])
     return ZooFold(folder, out, code, stdout.getvalue(), stderr.getvalue())
 

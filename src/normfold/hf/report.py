@@ -1,5 +1,6 @@
-"""The folder report (``normfold_report.json``) of a folded folder, built once for the in-memory and
-the streaming fold, and its views: per-norm rows (for the table and the picture) and markdown."""
+"""The folder report (``normfold_report.json``) of a folded folder, built by one function for every
+path that writes one (the in-memory and the streaming fold, ``normfold.save_pretrained``), and its
+views: per-norm rows (for the table and the picture) and markdown."""
 from __future__ import annotations
 
 import os
