@@ -1,0 +1,175 @@
+"""Training step time: nn.LayerNorm vs CBWC + normfold RMSNorm vs normfold RMSNorm, interleaved.
+
+One optimizer step is what ``normfold train`` times (``normfold.train.trainer.train_step``): forward,
+backward, global-norm clipping, AdamW. All contenders live in one process and run once per round in
+rotating order, so load from other work hits them alike; an A/A control (a second LayerNorm model)
+shows this run's noise. Reported: the median step time, and each median over LayerNorm's with a
+95% bootstrap interval; "faster"/"slower" only where that interval clears the control's band.
+A second table times one norm call (forward + backward at the model's (batch·seq, width)) along each
+route a training call could take.
+
+    python experiments/step_time.py                  # widths 144 and 384, ≤ 5 min
+    python experiments/step_time.py --widths 144 --budget-s 30
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch.nn import functional as F
+
+from _common import RESULTS, Stopwatch, command_line, machine, markdown_table, write_csv
+
+from normfold.bench.stats import median_and_iqr, ratio_ci, verdict
+from normfold.bench.timing import rotated
+from normfold.ops import _library, rms_norm
+from normfold.train import resolve_config
+from normfold.train.trainer import build_model, make_optimizer, train_step
+
+# the norm_comparison experiment's GPT (4 layers, batch 16 × 128 tokens), at its width and a wider one
+SETUP = dict(n_layer=4, block_size=128, batch_size=16)
+HEADS = {144: 4, 384: 6}  # head size 36 / 64
+BASE = "layernorm"
+CONTROL = "layernorm (A/A control)"
+
+
+def contenders(width: int, compile_too: bool) -> dict[str, tuple]:
+    """name -> (model, optimizer, config): LayerNorm, its A/A copy, CBWC, normfold RMSNorm (same seed)."""
+    made = {}
+    for norm in (BASE, "cbwc_rmsnorm", "rmsnorm"):
+        config = resolve_config(**SETUP, n_embd=width, n_head=HEADS.get(width, 4), norm=norm)
+        model = build_model(config)
+        made[norm] = (model, make_optimizer(model, config), config)
+    control = copy.deepcopy(made[BASE][0])  # same math, its own memory
+    made[CONTROL] = (control, make_optimizer(control, made[BASE][2]), made[BASE][2])
+    if compile_too:
+        for norm in ("cbwc_rmsnorm", "rmsnorm"):
+            config = resolve_config(**SETUP, n_embd=width, n_head=HEADS.get(width, 4), norm=norm, compile=True)
+            model = build_model(config)
+            made[f"{norm} (compiled)"] = (torch.compile(model), make_optimizer(model, config), config)
+    return made
+
+
+def time_steps(made: dict[str, tuple], budget_s: float, max_rounds: int, min_rounds: int) -> dict[str, list[float]]:
+    """Seconds per optimizer step of every contender, round by round in rotating order."""
+    x = torch.randint(256, (SETUP["batch_size"], SETUP["block_size"]), generator=torch.Generator().manual_seed(0))
+    for model, optimizer, config in made.values():  # warm-up: allocator, AdamW state, compilation
+        for _ in range(2):
+            train_step(model, optimizer, x, x, config)
+    names, times = list(made), {name: [] for name in made}
+    start = time.perf_counter()
+    for r in range(max_rounds):
+        if r >= min_rounds and time.perf_counter() - start > budget_s:
+            break
+        for name in rotated(names, r):
+            model, optimizer, config = made[name]
+            t0 = time.perf_counter()
+            train_step(model, optimizer, x, x, config).item()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def step_rows(width: int, times: dict[str, list[float]]) -> list[dict]:
+    """Median step time and time / LayerNorm's with its 95% bootstrap interval and verdict, per contender."""
+    base = times[BASE]
+    # ratio_ci gives median(base)/median(other), a speed ratio; invert it for time
+    speed = {name: ratio_ci(base, t, resamples=2000, confidence=0.95) for name, t in times.items()}
+    rows = []
+    for name, t in times.items():
+        median, (q1, q3) = median_and_iqr(t)
+        point, low, high = speed[name]
+        row = SimpleNamespace(ratio_ci={"contender": (low, high), "control": speed[CONTROL][1:]})
+        rows.append(dict(width=width, contender=name, rounds=len(t), median_ms=round(median * 1e3, 1),
+                         q1_ms=round(q1 * 1e3, 1), q3_ms=round(q3 * 1e3, 1), time_vs_ln=round(1 / point, 3),
+                         ci_low=round(1 / high, 3), ci_high=round(1 / low, 3),
+                         verdict="—" if name in (BASE, CONTROL) else verdict(row, "contender")))
+    return rows
+
+
+def op_rows(width: int, repeats: int) -> list[dict]:
+    """Forward + backward of one norm call at (batch·seq, width), each route a training call could take."""
+    m = SETUP["batch_size"] * SETUP["block_size"]
+    x = torch.randn(m, width, requires_grad=True)
+    weight, bias = torch.ones(width, requires_grad=True), torch.zeros(width, requires_grad=True)
+    grad = torch.randn(m, width)
+    routes = {
+        "torch.nn.functional.layer_norm (what nn.LayerNorm runs)": lambda: F.layer_norm(x, (width,), weight, bias, 1e-5),
+        "normfold.ops.rms_norm (eager: _EagerNorm, the route training takes)": lambda: rms_norm(x, weight, bias, 1e-5),
+        "torch.ops.normfold.norm_fwd (the custom op, as traced code calls it)":
+            lambda: _library.norm_fwd(x, weight, bias, None, 1e-5, 0.0, True)[0],
+        "torch.nn.functional.rms_norm + bias (plain torch)": lambda: F.rms_norm(x, (width,), weight, 1e-5) + bias,
+    }
+    times = {name: [] for name in routes}
+    for call in routes.values():
+        call().backward(grad)
+    for r in range(repeats):
+        for name in rotated(list(routes), r):
+            t0 = time.perf_counter()
+            routes[name]().backward(grad)
+            times[name].append(time.perf_counter() - t0)
+    ln = median_and_iqr(times[next(iter(routes))])[0]
+    return [dict(width=width, route=name, median_us=round(median_and_iqr(t)[0] * 1e6), time_vs_ln=round(
+        median_and_iqr(t)[0] / ln, 2)) for name, t in times.items()]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--widths", default="144,384", help="comma-separated model widths")
+    parser.add_argument("--budget-s", type=float, default=100.0, help="timing seconds per width (after min rounds)")
+    parser.add_argument("--min-rounds", type=int, default=8)
+    parser.add_argument("--max-rounds", type=int, default=60)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads (1: on a shared machine two threads wait on each other)")
+    parser.add_argument("--compile", action="store_true", help="also time compiled CBWC / RMSNorm (minutes)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    widths = [int(w) for w in args.widths.split(",") if w]
+    clock = Stopwatch()
+    steps, ops = [], []
+    for width in widths:
+        ops += op_rows(width, repeats=100)
+        times = time_steps(contenders(width, args.compile), args.budget_s, args.max_rounds, args.min_rounds)
+        steps += step_rows(width, times)
+        print(f"[{clock}] width {width}: " + ", ".join(f"{r['contender']} {r['median_ms']} ms ({r['time_vs_ln']}×)"
+                                                     for r in steps if r["width"] == width), flush=True)
+    write_csv(args.out / "step_time.csv", steps)
+    write_csv(args.out / "step_time_ops.csv", ops)
+    (args.out / "step_time.md").write_text(report(steps, ops, args, clock))
+    print(f"[{clock}] wrote {args.out / 'step_time.md'}")
+
+
+def report(steps: list[dict], ops: list[dict], args, clock: Stopwatch) -> str:
+    step_table = markdown_table(
+        ["width", "contender", "rounds", "median step ms (q1–q3)", "time vs LN", "95% CI", "verdict"],
+        [[r["width"], r["contender"], r["rounds"], f"{r['median_ms']} ({r['q1_ms']}–{r['q3_ms']})",
+          f"{r['time_vs_ln']:.3f}×", f"{r['ci_low']:.3f}–{r['ci_high']:.3f}", r["verdict"]] for r in steps])
+    op_table = markdown_table(["width", "route", "median µs", "time vs layer_norm"],
+                              [[r["width"], r["route"], r["median_us"], f"{r['time_vs_ln']:.2f}×"] for r in ops])
+    control = {r["width"]: (r["ci_low"], r["ci_high"]) for r in steps if r["contender"] == CONTROL}
+    lines = [
+        "# Training step time: LayerNorm vs CBWC + normfold RMSNorm vs normfold RMSNorm", "",
+        f"One optimizer step (forward, backward, clipping, AdamW) of the {SETUP['n_layer']}-layer GPT at batch "
+        f"{SETUP['batch_size']} × {SETUP['block_size']} tokens, per width. Contenders interleaved in one process "
+        "(rotating order); the A/A control is a copy of the LayerNorm model. A verdict says faster/slower only where "
+        "the 95% bootstrap interval of the ratio clears the control's band (widened to 1).", "",
+        step_table, "",
+        "A/A control's interval per width (this run's noise): "
+        + ", ".join(f"{w}: {lo:.3f}–{hi:.3f}" for w, (lo, hi) in control.items()) + ".", "",
+        "## One norm call, forward + backward, by route", "",
+        f"At ({SETUP['batch_size'] * SETUP['block_size']}, width), 100 interleaved repetitions, median. Eager "
+        "training calls take the second route (`_EagerNorm`: the C++ kernels without the dispatcher round trip).", "",
+        op_table, "",
+        f"Command: `{command_line()}` (wall time {clock}).",
+        f"Machine: {machine()}. The machine was shared with other jobs while this ran (see the load average): "
+        "read the ratios with the control's interval, not the absolute times.", "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
