@@ -36,8 +36,9 @@ def approximate_step(min_cosine: float):
 def _approximate(original: nn.Module, folded: nn.Module, report: FoldReport, batches: list, sentence_encoder: bool,
                  step: Step, *, min_cosine: float):
     config = ApproximateConfig(batches, min_cosine=min_cosine, output_fn=mean_pooled if sentence_encoder else None)
+    step(f"approximate fold on {len(batches)} calibration batch(es)")  # approximate_fold draws its own bars
     return approximate_fold(original, folded, report, config.calibration, min_cosine=config.min_cosine,
-                            output_fn=config.output_fn, progress=lambda message: step(f"approximate: {message}"))
+                            output_fn=config.output_fn)
 
 
 def is_approximate(report: dict[str, Any]) -> bool:
