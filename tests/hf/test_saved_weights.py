@@ -86,3 +86,13 @@ def test_compare_weights_requires_the_same_key_set(stored_names, why):
 def test_compare_weights_that_compared_nothing_fails():
     result = compare_weights({}, [], lambda name: None, {})
     assert result["ok"] is False and "compared nothing" in result["why"]
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_comparing_the_stored_tensors_shows_a_bar_over_them_only_when_progress_is_on(capsys, monkeypatch, setting):
+    pytest.importorskip("tqdm")
+    monkeypatch.setenv("NORMFOLD_PROGRESS", setting)
+    derived = {name: _bf16([1.0, 2.0]) for name in ("a", "b", "c")}
+    assert compare_weights(derived, list(derived), lambda name: derived[name].clone(), {})["ok"]
+    err = capsys.readouterr().err
+    assert ("comparing stored tensors: " in err and "| 0/3 " in err) if setting == "1" else err == ""
