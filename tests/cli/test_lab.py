@@ -79,6 +79,12 @@ def test_inspect_text_feeds_real_text_and_counts_every_conv1d_output(gpt2_with_t
     assert code == EXIT_OK and "9 linear-like outputs traced" in out
 
 
+@pytest.mark.parametrize("value", ["texts.txt", "data/missing", "   "])
+def test_inspect_text_refuses_a_missing_file_rather_than_inspecting_its_name(gpt2_with_tokenizer, capsys, value):
+    code, _, err = _run(capsys, "inspect", gpt2_with_tokenizer, "--text", value)
+    assert code == EXIT_USAGE and "--text names no file" in _one_error_line(err)
+
+
 def test_inspect_text_needs_the_folder_tokenizer(bert_dir, capsys):
     code, _, err = _run(capsys, "inspect", bert_dir, "--text", "no tokenizer in this folder")
     assert code == EXIT_USAGE and "tokenizer" in _one_error_line(err)

@@ -27,9 +27,18 @@ def _inputs(args, model, source: Path) -> list:
     """Batches for the model: ``--text`` tokenized by the folder's tokenizer, else seeded random ids."""
     if getattr(args, "text", None) is None:
         return [example_inputs_for(model, batch=args.batch, seq=args.seq)]
-    texts = read_calibration_file(args.text) if Path(args.text).is_file() else [args.text]
+    texts = read_calibration_file(args.text) if Path(args.text).is_file() else [_inline_text(args.text)]
     return calibration_batches(model, load_tokenizer(source, trust_remote_code=args.trust_remote_code), texts,
                                batch_size=args.batch)
+
+
+def _inline_text(value: str) -> str:
+    """``--text`` that names no file is the text itself, unless it reads as a path (one word with a folder
+    or a text-file suffix): then a mistyped file name is refused instead of being inspected as text."""
+    path = Path(value)
+    if not value.split() or (len(value.split()) == 1 and ("/" in value or path.suffix in {".txt", ".text", ".md"})):
+        raise UsageError(f"--text names no file: {value!r} (give a UTF-8 file, one text per line, or the text itself)")
+    return value
 
 
 def _run_inspect(args) -> int:
