@@ -10,7 +10,7 @@
 Exit codes: 0 ok, 1 verification failed (or ``check --strict`` found warnings), 2 usage or input
 error, always one line on stderr (``NORMFOLD_TRACEBACK=1`` re-raises an unexpected error instead).
 
-Subcommands are registered by the modules listed in ``COMMAND_MODULES``: each defines
+Subcommands are registered by the modules in ``COMMAND_MODULES``: each defines
 ``add_commands(subparsers)``, which adds its parsers and sets ``run=`` (``args -> exit code``) with
 ``set_defaults``. Options are spelled with dashes; :func:`build_parser` accepts the underscore
 spelling of every one as a hidden alias (``--out_dir`` for ``--out-dir``).
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import logging
 import os
 import sys
@@ -29,13 +28,15 @@ import torch
 from .. import __version__
 from ..fold import FoldError, FoldVerificationError
 from ..hf.load import CheckpointError
+from ..train import cli as train_cli
 from ..train.cli import TrainConfigError
+from . import bench, folder, lab
 from ._common import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, UsageError
 
 __all__ = ["main", "build_parser", "COMMAND_MODULES", "UsageError", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY_FAILED"]
 
 # Modules that add subcommands (each defines ``add_commands(subparsers)``; see the module docstring).
-COMMAND_MODULES: list[str] = ["normfold.cli.folder", "normfold.train.cli", "normfold.cli.lab", "normfold.cli.bench"]
+COMMAND_MODULES = (folder, train_cli, lab, bench)
 
 TRACEBACK_ENV = "NORMFOLD_TRACEBACK"  # set to re-raise an unexpected error with its traceback (for bug reports)
 
@@ -58,8 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="normfold", description="LayerNorm's behaviour at RMSNorm's cost.")
     parser.add_argument("--version", action="version", version=_version_line())
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", help="`normfold COMMAND --help` for its options")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).add_commands(subparsers)
+    for module in COMMAND_MODULES:
+        module.add_commands(subparsers)
     for sub in subparsers.choices.values():
         dash_options(sub)
     return parser
