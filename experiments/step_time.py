@@ -59,7 +59,7 @@ def time_steps(made: dict[str, tuple], budget_s: float, max_rounds: int, min_rou
     x = torch.randint(256, (SETUP["batch_size"], SETUP["block_size"]), generator=torch.Generator().manual_seed(0))
     for model, optimizer, config in made.values():  # warm-up: allocator, AdamW state, compilation
         for _ in range(2):
-            train_step(model, optimizer, x, x, config)
+            train_step(model, optimizer, [(x, x)], config)
     names, times = list(made), {name: [] for name in made}
     start = time.perf_counter()
     for r in range(max_rounds):
@@ -68,7 +68,7 @@ def time_steps(made: dict[str, tuple], budget_s: float, max_rounds: int, min_rou
         for name in rotated(names, r):
             model, optimizer, config = made[name]
             t0 = time.perf_counter()
-            train_step(model, optimizer, x, x, config).item()
+            train_step(model, optimizer, [(x, x)], config).item()
             times[name].append(time.perf_counter() - t0)
     return times
 

@@ -96,12 +96,14 @@ def test_gradients_equal_the_layernorm_models_and_are_zero_mean_along_the_center
 
 
 # float64: measured 5.6e-16 over 100 steps, so 1e-10 leaves room for reordering yet catches a 1e-8 bug
-@pytest.mark.parametrize("precision, steps, bound", [("fp64", 100, 1e-10), ("fp32", 50, 1e-3)])
+@pytest.mark.parametrize("precision, steps, bound, accum", [("fp64", 100, 1e-10, 1), ("fp32", 50, 1e-3, 1),
+                                                            ("fp64", 100, 1e-10, 2)])
 def test_training_losses_match_the_layernorm_model_at_every_step_with_adamw_weight_decay_and_clipping(
-        tmp_path, precision, steps, bound):
+        tmp_path, precision, steps, bound, accum):
     runs = {}
     for norm in ("layernorm", "cbwc_rmsnorm"):
         config = resolve_config(**TINY, norm=norm, precision=precision, max_steps=steps, batch_size=2, lr=3e-3,
+                                grad_accum_steps=accum,
                                 min_lr=3e-4, warmup_steps=5, weight_decay=0.1, grad_clip=0.1, eval_interval=steps,
                                 eval_iters=1, out_dir=str(tmp_path / norm), progress=False, save_checkpoint=False)
         runs[norm] = train(config)["train_losses"]

@@ -1,4 +1,5 @@
-"""The trainer: ``compile`` trains the same model through torch.compile; evaluation centers CBWC weights once."""
+"""The trainer: ``compile`` trains the same model through torch.compile; gradient accumulation takes the step of
+the whole batch; CBWC's centered weights are computed once per optimizer step and once per evaluation."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from normfold.cli import main
 from normfold.train import resolve_config, train
 from normfold.train.cbwc import Centered
 from normfold.train.data import TokenSplits, encode, load_text
-from normfold.train.trainer import build_model, estimate_val_loss
+from normfold.train.trainer import build_model, estimate_val_loss, make_optimizer, train_step
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=16)
 
@@ -56,3 +57,34 @@ def test_evaluation_centers_each_cbwc_weight_once_not_once_per_batch(monkeypatch
     loss = estimate_val_loss(model, splits, config, torch.device("cpu"))
     assert centered == 10 and len(calls) == centered  # 30 before: every batch recomputed every V
     assert loss > 0
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "cbwc_rmsnorm"])
+def test_accumulating_equal_micro_batches_takes_the_step_of_their_concatenation(norm):
+    # no clipping: it would hide a gradient off by a factor (and AdamW nearly does too), so gradients are compared
+    config = resolve_config(**TINY, norm=norm, precision="fp64", weight_decay=0.1, grad_clip=0.0)
+    whole, split = build_model(config), build_model(config)  # same seed: same weights
+    x = torch.randint(256, (4, 16), generator=torch.Generator().manual_seed(1))
+    loss_whole = train_step(whole, make_optimizer(whole, config), [(x, x)], config)
+    loss_split = train_step(split, make_optimizer(split, config), [(x[:2], x[:2]), (x[2:], x[2:])], config)
+    torch.testing.assert_close(loss_split, loss_whole, rtol=1e-12, atol=0)
+    for (name, a), b in zip(whole.named_parameters(), split.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-10, atol=1e-15, msg=name)
+        torch.testing.assert_close(b, a, rtol=1e-10, atol=1e-15, msg=name)
+
+
+def test_a_training_step_centers_each_cbwc_weight_once_for_all_micro_batches(monkeypatch):
+    config = resolve_config(**TINY, norm="cbwc_rmsnorm", batch_size=2)
+    model = build_model(config)
+    calls = []
+    forward = Centered.forward
+    monkeypatch.setattr(Centered, "forward", lambda self, w: calls.append(1) or forward(self, w))
+    x = torch.randint(256, (2, 16))
+    train_step(model, make_optimizer(model, config), [(x, x)] * 3, config)
+    assert len(calls) == sum(isinstance(m, Centered) for m in model.modules()) == 10
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_grad_accum_steps_must_be_a_positive_int():
+    with pytest.raises(ValueError, match="grad_accum_steps must be a positive int, got 0"):
+        resolve_config(grad_accum_steps=0)

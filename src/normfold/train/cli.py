@@ -32,6 +32,7 @@ _NOTES = {  # what a key's name does not say
     "data": "comma-separated files; empty: CPython's pydoc topics",
     "allow_partial_cbwc": "cbwc_rmsnorm: train the LayerNorms CBWC cannot convert as LayerNorms, with a warning, "
                           "instead of refusing",
+    "grad_accum_steps": "micro-batches of batch_size per optimizer step, gradients accumulated",
     "compile": "torch.compile the model for training (Inductor); the first steps pay for compilation",
 }
 

@@ -21,8 +21,9 @@ class TrainConfig:
     val_fraction: float = 0.1  # the last 10% of the text is validation: deterministic, never trained on
     out_dir: str = "runs/gpt"  # CSV log, resolved config, summary and checkpoint go here
     seed: int = 0  # initial weights and batch order
-    batch_size: int = 16  # sequences per step per process
-    max_steps: int = 400  # optimizer steps; tokens seen = max_steps · batch_size · block_size · world size
+    batch_size: int = 16  # sequences per micro-batch per process
+    grad_accum_steps: int = 1  # micro-batches per optimizer step (gradients accumulated; one CBWC centering)
+    max_steps: int = 400  # optimizer steps; tokens = max_steps · batch_size · grad_accum_steps · block_size · world size
     lr: float = 1e-3  # peak learning rate; small models tolerate nanoGPT's Shakespeare-char value
     min_lr: float = 1e-4  # cosine decay floor, lr/10 as in Chinchilla-style schedules
     warmup_steps: int = 40  # linear warmup (10% of the default run); 0 disables it
@@ -46,7 +47,8 @@ class TrainConfig:
             self.model = GPTConfig(**self.model)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        check_positive_ints(self, ("batch_size", "max_steps", "eval_interval", "eval_iters", "log_interval"))
+        check_positive_ints(self, ("batch_size", "grad_accum_steps", "max_steps", "eval_interval", "eval_iters",
+                                   "log_interval"))
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         if not 0 <= self.min_lr <= self.lr:

@@ -97,18 +97,39 @@ def build_model(config: TrainConfig, device: torch.device | str = "cpu") -> GPT:
     return model
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+def _no_sync(model: nn.Module, sync: bool):
+    """DDP's ``no_sync`` (gradients accumulate locally) unless ``sync``; a no-op for other models."""
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if sync or not isinstance(inner, nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext()
+    return inner.no_sync()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
                config: TrainConfig) -> torch.Tensor:
-    """One optimizer step on the batch (x, y): forward under the config's autocast, backward, global-norm
-    clipping, AdamW. Returns the detached loss (not synchronized with the device)."""
-    with _autocast(config, x.device):
-        _, loss = model(x, y)
+    """One optimizer step over the micro-batches ``[(x, y), ...]``: each forward under the config's autocast
+    and backward of loss / len(batches) (the gradient of the mean loss; DDP all-reduces on the last only),
+    then global-norm clipping and AdamW. Returns the detached mean loss (not synchronized with the device).
+
+    CBWC's centered weights V = P·W depend only on W, which changes at ``optimizer.step()``: they are computed
+    once for all micro-batches (``parametrize.cached``), and every micro-batch's backward reaches W through
+    that one V: the centering saves no tensors for backward, so its graph can be walked once per micro-batch
+    without ``retain_graph`` (which would keep each micro-batch's activations alive into the next).
+    """
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    losses = []
+    with parametrize.cached():
+        for i, (x, y) in enumerate(batches):
+            last = i == len(batches) - 1
+            with _autocast(config, x.device):
+                _, loss = model(x, y)
+            with _no_sync(model, sync=last):
+                (loss / len(batches)).backward()
+            losses.append(loss.detach())
     if config.grad_clip > 0:
         nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
     optimizer.step()
-    return loss.detach()
+    return torch.stack(losses).mean()
 
 
 class _Progress:
@@ -217,7 +238,7 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
         train_model = torch.compile(train_model)
     # each rank draws its own batches; the seed makes the sequence reproducible
     generator = torch.Generator().manual_seed(config.seed * 100_003 + dist.rank)
-    tokens_per_step = config.batch_size * config.model.block_size * dist.world_size
+    tokens_per_step = config.batch_size * config.grad_accum_steps * config.model.block_size * dist.world_size
 
     log_file = open(out_dir / "log.csv", "w", newline="") if is_main else None
     writer = csv.writer(log_file) if log_file else None
@@ -232,12 +253,12 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
             lr = lr_at(step, config)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            x, y = splits.batch("train", config.batch_size, generator)
-            x, y = x.to(device), y.to(device)
+            batches = [tuple(t.to(device) for t in splits.batch("train", config.batch_size, generator))
+                       for _ in range(config.grad_accum_steps)]
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss_value = train_step(train_model, optimizer, x, y, config)
+            loss_value = train_step(train_model, optimizer, batches, config)
             if dist.enabled:
                 torch.distributed.all_reduce(loss_value, op=torch.distributed.ReduceOp.AVG)
             loss_value = loss_value.item()  # synchronizes with the device
