@@ -10,6 +10,7 @@ route a training call could take.
 
     python experiments/step_time.py                  # widths 144 and 384, ≤ 5 min
     python experiments/step_time.py --widths 144 --budget-s 30
+    python experiments/step_time.py --widths 144 --compile       # eager and compiled, step_time_compiled.md
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def contenders(width: int, compile_too: bool) -> dict[str, tuple]:
     control = copy.deepcopy(made[BASE][0])  # same math, its own memory
     made[CONTROL] = (control, make_optimizer(control, made[BASE][2]), made[BASE][2])
     if compile_too:
-        for norm in ("cbwc_rmsnorm", "rmsnorm"):
+        for norm in (BASE, "cbwc_rmsnorm", "rmsnorm"):
             config = resolve_config(**SETUP, n_embd=width, n_head=HEADS.get(width, 4), norm=norm, compile=True)
             model = build_model(config)
             made[f"{norm} (compiled)"] = (torch.compile(model), make_optimizer(model, config), config)
@@ -124,7 +125,9 @@ def main(argv=None) -> None:
     parser.add_argument("--max-rounds", type=int, default=60)
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (1: on a shared machine two threads wait on each other)")
-    parser.add_argument("--compile", action="store_true", help="also time compiled CBWC / RMSNorm (minutes)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time the three models torch.compiled (Inductor; minutes to compile); "
+                             "writes step_time_compiled.*")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -137,10 +140,11 @@ def main(argv=None) -> None:
         steps += step_rows(width, times)
         print(f"[{clock}] width {width}: " + ", ".join(f"{r['contender']} {r['median_ms']} ms ({r['time_vs_ln']}×)"
                                                      for r in steps if r["width"] == width), flush=True)
-    write_csv(args.out / "step_time.csv", steps)
-    write_csv(args.out / "step_time_ops.csv", ops)
-    (args.out / "step_time.md").write_text(report(steps, ops, args, clock))
-    print(f"[{clock}] wrote {args.out / 'step_time.md'}")
+    name = "step_time_compiled" if args.compile else "step_time"
+    write_csv(args.out / f"{name}.csv", steps)
+    write_csv(args.out / f"{name}_ops.csv", ops)
+    (args.out / f"{name}.md").write_text(report(steps, ops, args, clock))
+    print(f"[{clock}] wrote {args.out / f'{name}.md'}")
 
 
 def report(steps: list[dict], ops: list[dict], args, clock: Stopwatch) -> str:

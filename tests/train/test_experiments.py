@@ -60,3 +60,15 @@ def test_cbwc_equivalence_quick_reports_a_rounding_level_gap_without_dropout(tmp
     rows = _rows(tmp_path / "cbwc_equivalence_quick.csv")
     exact = [r for r in rows if r["model"] == "cbwc_rmsnorm"]
     assert len(exact) == 1 and float(exact[0]["max_rel_gap_train_loss"]) < 1e-12
+
+
+def test_step_time_writes_every_contender_with_a_ratio_to_layernorm_and_its_interval(tmp_path, experiment):
+    experiment("step_time").main(["--widths=16", "--budget-s=0", "--min-rounds=3", f"--out={tmp_path}"])
+    rows = _rows(tmp_path / "step_time.csv")
+    assert [r["contender"] for r in rows] == ["layernorm", "cbwc_rmsnorm", "rmsnorm", "layernorm (A/A control)"]
+    assert all(int(r["rounds"]) == 3 for r in rows)
+    assert rows[0]["time_vs_ln"] == "1.0" and rows[0]["verdict"] == "—"
+    for r in rows[1:]:
+        assert float(r["ci_low"]) <= float(r["time_vs_ln"]) <= float(r["ci_high"])
+    assert len(_rows(tmp_path / "step_time_ops.csv")) == 4
+    assert "A/A control's interval" in (tmp_path / "step_time.md").read_text()

@@ -7,7 +7,10 @@
 Every producer that the fold engine (``normfold.analyze``) would center is reparametrized as
 V = W − mean(W, dim) — for a linear weight, V = (I − 11ᵀ/m)·W — with W the free parameter, and every
 foldable LayerNorm becomes a ``normfold.nn.RMSNorm`` holding the same γ/β Parameters. The producers'
-outputs are then zero-mean for every W, and RMSNorm(x) = LayerNorm(x) for zero-mean x.
+outputs are then zero-mean for every W, and RMSNorm(x) = LayerNorm(x) for zero-mean x. A model in
+which some LayerNorm's input cannot be proved zero-mean (Post-LN, a sandwich's pre-norms, per-head QK
+norms) is refused with ``PartialCBWCError``, each kept norm with the engine's reason, unless
+``allow_partial=True``: a "CBWC model" that trains LayerNorms must not pass unnoticed.
 
 Why training is identical, AdamW weight decay included. LayerNorm ignores a shift of its input:
 LN(h) = LN(P·h) with P = I − 11ᵀ/m, and for the zero-mean P·h, LN = RMSNorm with the same eps, γ, β.
