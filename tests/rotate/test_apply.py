@@ -11,6 +11,7 @@ import normfold
 from normfold import FoldError
 from normfold.rotate import kept_directions
 from normfold.rotate.apply import rotate_along, sliced_rms_eps
+from normfold.train import GPT, GPTConfig
 
 from toys import Stream, token_ids
 
@@ -152,3 +153,14 @@ def test_a_rotation_off_by_one_part_per_million_is_caught_by_the_proof(monkeypat
     with pytest.raises(normfold.FoldVerificationError, match="rotated model differs from the original"):
         normfold.rotate(model, (token_ids(),), method="pca", calibration=[(token_ids(),)],
                         slice_fraction=slice_fraction)
+
+
+def test_a_model_whose_code_reads_the_stream_width_is_refused_when_sliced_not_crashed():
+    # normfold.train.GPT splits q, k, v by x.shape[-1]: at the sliced width its attention breaks
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=16, tie_embeddings=False)).eval()
+    calls = [(token_ids(2, 8, seed=s) % 256,) for s in range(2)]
+    with pytest.raises(FoldError, match=r"cannot slice: the sliced model does not run \(ValueError: .*x\.shape\[-1\]"):
+        normfold.rotate(model, calls[0], method="pca", calibration=calls, slice_fraction=0.25)
+    rotated, report = normfold.rotate(model, calls[0], method="pca", calibration=calls)  # unsliced: exact
+    assert report.verification.ok

@@ -28,7 +28,7 @@ from ..fold.transform import apply_plan
 from ..fold.report import FoldReport
 from ..fold.verify import FOLD_TOLERANCE, verify
 from .apply import apply_rotation, rotate_along
-from .calibration import OutputAgreement, output_agreement, stream_second_moments
+from .calibration import OutputAgreement, output_agreement, run_error, stream_second_moments
 from .closure import Stream, StreamTensor, find_streams
 from .hadamard import randomized_hadamard
 from .orthogonal import haar_orthogonal, orthogonality_error, pca_basis
@@ -86,9 +86,21 @@ def _slice(model, folded, folded64, example_inputs, report: RotationReport, kept
     report.streams = [_sliced(r, k, e) for r, k, e in zip(report.streams, kept, energies)]
     bases = [r.basis for r in report.streams]
     sliced64 = apply_rotation(folded64, streams, bases)
+    _check_runs_sliced(sliced64, calibration_calls[0], kept)
     report.slicing = SliceReport(slice_fraction, len(calibration_calls),
                                  output_agreement(reference, sliced64, calibration_calls))
     return apply_rotation(folded, streams, bases), report
+
+
+def _check_runs_sliced(sliced64: nn.Module, call, kept: list[int]) -> None:
+    """``FoldError`` when the sliced model's own code fails at the narrower stream."""
+    error = run_error(sliced64, call)
+    if error is not None:
+        message = (str(error).strip().splitlines() or [""])[0][:200]
+        raise FoldError(f"cannot slice: the sliced model does not run ({type(error).__name__}: {message}); its code "
+                        f"probably takes a size from the stream's width (e.g. splits q, k, v by x.shape[-1]), which "
+                        f"slicing shrinks to {', '.join(map(str, kept))}. The rotation itself is exact: use "
+                        "slice_fraction=0, or a model whose layers take their sizes from their config") from error
 
 
 def _prove(original: nn.Module, rotated: nn.Module, rotated64: nn.Module, example_inputs, report: RotationReport):

@@ -37,6 +37,17 @@ def stream_second_moments(model: nn.Module, streams: list[Stream], calls: list[t
     return sums
 
 
+def run_error(model: nn.Module, call: tuple[tuple, dict]) -> Exception | None:
+    """The error ``model`` raises on ``call`` (run in float64), or None when it runs: a sliced model
+    whose own code takes a size from the stream's width fails here."""
+    args, kwargs = _cast(call, torch.float64)
+    try:
+        _outputs(model, args, kwargs)
+    except (RuntimeError, ValueError, IndexError) as error:  # the model's own code, at the sliced width
+        return error
+    return None
+
+
 @dataclass
 class OutputAgreement:
     """How close a candidate's outputs stay to a reference's on calibration inputs (float64).
