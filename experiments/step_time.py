@@ -22,6 +22,7 @@ from types import SimpleNamespace
 
 import torch
 from torch.nn import functional as F
+from torch.nn.utils import parametrize
 
 from _common import RESULTS, Stopwatch, command_line, machine, markdown_table, write_csv
 
@@ -117,6 +118,25 @@ def op_rows(width: int, repeats: int) -> list[dict]:
         median_and_iqr(t)[0] / ln, 2)) for name, t in times.items()]
 
 
+def centering_row(width: int, repeats: int, ln_step_s: float) -> dict:
+    """What CBWC adds to a step: every centered weight read through its parametrization (V = P·W, forward and
+    backward), against the same tensors read plain, interleaved; also as a share of LayerNorm's step."""
+    config = resolve_config(**SETUP, n_embd=width, n_head=HEADS.get(width, 4), norm="cbwc_rmsnorm")
+    model = build_model(config)
+    held = [(m, attr) for m in model.modules() if parametrize.is_parametrized(m) for attr in m.parametrizations]
+    reads = {"centered": lambda: sum(getattr(m, attr).sum() for m, attr in held),
+             "plain": lambda: sum(m.parametrizations[attr].original.sum() for m, attr in held)}
+    times = {name: [] for name in reads}
+    for r in range(repeats):
+        for name in rotated(list(reads), r):
+            t0 = time.perf_counter()
+            reads[name]().backward()
+            times[name].append(time.perf_counter() - t0)
+    added = median_and_iqr(times["centered"])[0] - median_and_iqr(times["plain"])[0]
+    return dict(width=width, centered_tensors=len(held), added_ms=round(added * 1e3, 2),
+                share_of_ln_step=round(added / ln_step_s, 4))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--widths", default="144,384", help="comma-separated model widths")
@@ -133,21 +153,22 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     widths = [int(w) for w in args.widths.split(",") if w]
     clock = Stopwatch()
-    steps, ops = [], []
+    steps, ops, centering = [], [], []
     for width in widths:
         ops += op_rows(width, repeats=100)
         times = time_steps(contenders(width, args.compile), args.budget_s, args.max_rounds, args.min_rounds)
         steps += step_rows(width, times)
+        centering.append(centering_row(width, 100, median_and_iqr(times[BASE])[0]))
         print(f"[{clock}] width {width}: " + ", ".join(f"{r['contender']} {r['median_ms']} ms ({r['time_vs_ln']}×)"
                                                      for r in steps if r["width"] == width), flush=True)
     name = "step_time_compiled" if args.compile else "step_time"
     write_csv(args.out / f"{name}.csv", steps)
     write_csv(args.out / f"{name}_ops.csv", ops)
-    (args.out / f"{name}.md").write_text(report(steps, ops, args, clock))
+    (args.out / f"{name}.md").write_text(report(steps, ops, centering, clock))
     print(f"[{clock}] wrote {args.out / f'{name}.md'}")
 
 
-def report(steps: list[dict], ops: list[dict], args, clock: Stopwatch) -> str:
+def report(steps: list[dict], ops: list[dict], centering: list[dict], clock: Stopwatch) -> str:
     step_table = markdown_table(
         ["width", "contender", "rounds", "median step ms (q1–q3)", "time vs LN", "95% CI", "verdict"],
         [[r["width"], r["contender"], r["rounds"], f"{r['median_ms']} ({r['q1_ms']}–{r['q3_ms']})",
@@ -164,6 +185,13 @@ def report(steps: list[dict], ops: list[dict], args, clock: Stopwatch) -> str:
         step_table, "",
         "A/A control's interval per width (this run's noise): "
         + ", ".join(f"{w}: {lo:.3f}–{hi:.3f}" for w, (lo, hi) in control.items()) + ".", "",
+        "## What CBWC's centering adds to a step", "",
+        "Every centered weight read through its parametrization (V = W − mean(W), forward and backward) minus the "
+        "same tensors read plain, median of 100 interleaved repetitions; each V is computed once per optimizer step.",
+        "",
+        markdown_table(["width", "centered tensors", "added ms per step", "share of LayerNorm's step"],
+                       [[r["width"], r["centered_tensors"], r["added_ms"], f"{r['share_of_ln_step']:.1%}"]
+                        for r in centering]), "",
         "## One norm call, forward + backward, by route", "",
         f"At ({SETUP['batch_size'] * SETUP['block_size']}, width), 100 interleaved repetitions, median. Eager "
         "training calls take the second route (`_EagerNorm`: the C++ kernels without the dispatcher round trip).", "",

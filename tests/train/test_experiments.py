@@ -71,4 +71,5 @@ def test_step_time_writes_every_contender_with_a_ratio_to_layernorm_and_its_inte
     for r in rows[1:]:
         assert float(r["ci_low"]) <= float(r["time_vs_ln"]) <= float(r["ci_high"])
     assert len(_rows(tmp_path / "step_time_ops.csv")) == 4
-    assert "A/A control's interval" in (tmp_path / "step_time.md").read_text()
+    text = (tmp_path / "step_time.md").read_text()
+    assert "A/A control's interval" in text and "What CBWC's centering adds to a step" in text
