@@ -20,6 +20,7 @@ from torch import fx, nn
 
 from ..nn.kinds import LAYER_NORM_TYPES, RMS_NORM_TYPES
 from .affine import affine_steps
+from .errors import FoldError
 from .graph import Captured, describe, module_path, module_stack, shape, single_use_param, use_alias
 from .graph import op_packet as _packet  # the short name reads better in the walks below
 from .plan import AffineFoldStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
@@ -376,15 +377,20 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
 def _centering_steps(foldable: list[_Norm], parents, captured: Captured):
     """One CenterStep per distinct tensor; UntieSteps for its names that must keep the original."""
     by_tensor: dict[str, tuple[int, int | None]] = {}
+    norm_of: dict[str, str] = {}  # canonical tensor -> a norm that centers it (for the error below)
     for norm in foldable:
         for fqn, dim, group in norm.params:
             by_tensor[_canonical(fqn, captured)] = (dim, group)
+            norm_of[_canonical(fqn, captured)] = norm.path
     centered_names = {use_alias(captured, need.node, user) for norm in foldable for need in norm.zero_mean_graph
                       if need.node in captured.param_fqn for user in parents.get(need, ())}
     center, untie, untied = [], [], []
     for canonical, (dim, group) in sorted(by_tensor.items()):
         names = captured.aliases.get(canonical, (canonical,))
         kept = [n for n in names if n in centered_names]
+        if not kept:  # e.g. a LayerNorm applied straight to a parameter: no use of it to center was recorded
+            raise FoldError(f"norm {norm_of[canonical]}: planning the centering step: no use of parameter "
+                            f"{canonical} inside its zero-mean graph was found, so it cannot be centered")
         center.append(CenterStep(kept[0], dim, group))
         for other in names:
             if other not in centered_names:

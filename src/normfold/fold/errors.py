@@ -1,6 +1,8 @@
 """Exceptions of the fold engine."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 
 class FoldError(RuntimeError):
     """The model cannot be analysed or folded (e.g. torch.export cannot capture it)."""
@@ -8,3 +10,24 @@ class FoldError(RuntimeError):
 
 class FoldVerificationError(FoldError):
     """The folded model's outputs differ from the original's beyond the float64 bound."""
+
+
+def model_name(model) -> str:
+    """How errors name a model: its class, and its Hugging Face model type when it has one."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return type(model).__name__ + (f" ({model_type})" if model_type else "")
+
+
+@contextmanager
+def failures_as_fold_error(name: str, step: str):
+    """Re-raise any exception of ``step`` other than a FoldError as a FoldError naming the model and
+    the step (the original exception chained), so callers see one error type with its context."""
+    try:
+        yield
+    except FoldError as err:
+        if type(err) is not FoldError or str(err).startswith(name):
+            raise  # a subclass carries its own meaning (and arguments): kept as it is
+        raise FoldError(f"{name}: {step}: {err}") from err
+    except Exception as err:  # noqa: BLE001  the model's own code, or an engine bug: either way, say where
+        message = (str(err).strip().splitlines() or [""])[0][:300]
+        raise FoldError(f"{name}: {step} failed: {type(err).__name__}: {message}") from err

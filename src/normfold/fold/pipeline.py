@@ -20,7 +20,7 @@ from torch import nn
 
 from .analysis import analyze_calls
 from .batchnorm import has_batchnorms, plan_batchnorms
-from .errors import FoldVerificationError
+from .errors import FoldVerificationError, failures_as_fold_error, model_name
 from .graph import capture, check_model_and_inputs, describe_call, split_example_inputs
 from .plan import FoldPlan, PlanConstraints
 from .report import FoldReport, VerifyResult
@@ -34,7 +34,12 @@ def plan_fold(model: nn.Module, example_inputs, constraints: PlanConstraints = P
     BatchNorms merge first, so a Linear → BatchNorm → LayerNorm chain is analysed as the
     Linear → LayerNorm it becomes (on a copy with the merges applied).
     """
-    calls = check_model_and_inputs(model, example_inputs)
+    calls = check_model_and_inputs(model, example_inputs)  # the user's errors first, as TypeError/ValueError
+    with failures_as_fold_error(model_name(model), "planning (capture and analysis)"):
+        return _plan(model, calls, constraints)
+
+
+def _plan(model: nn.Module, calls: list, constraints: PlanConstraints) -> FoldReport:
     bn_steps, bn_entries = [], []
     if constraints.fold_batchnorm and has_batchnorms(model):
         bn_steps, bn_entries = plan_batchnorms(model, [capture(model, call) for call in calls], constraints)
@@ -55,7 +60,8 @@ def _dropping_module(step):
 
 def apply_fold(model: nn.Module, plan: FoldPlan) -> nn.Module:
     """A copy of ``model`` with ``plan`` applied (the original is untouched)."""
-    return transform.apply_plan(copy.deepcopy(model), plan)
+    with failures_as_fold_error(model_name(model), "applying the plan"):
+        return transform.apply_plan(copy.deepcopy(model), plan)
 
 
 def prove_fold(model: nn.Module, folded: nn.Module, example_inputs, plan: FoldPlan) -> VerifyResult:

@@ -39,6 +39,8 @@ class VerifyResult:
     tolerance_rule: str = "fixed"  # how `tolerance` was set ("fixed", or the measured rule with its numbers)
     stored_dtype_own_error: float | None = None  # measured rule: the original's own error in the stored dtype
     why: str | None = None         # set when the outputs could not be compared (then never ok)
+    compared_in: str = "float64"   # the dtype the judged comparison ran in
+    fallback: str | None = None    # why it is not float64 (the model cannot run in float64), else None
 
     @property
     def ok(self) -> bool:
@@ -48,12 +50,14 @@ class VerifyResult:
         return {**asdict(self), "ok": self.ok}
 
     def __str__(self) -> str:
+        fallback = "" if self.fallback is None else f" ({self.fallback})"
         if self.why is not None:
-            return f"verify: FAILED over {self.num_runs} inputs: {self.why}"
+            return f"verify: FAILED over {self.num_runs} inputs{fallback}: {self.why}"
         mean = "n/a" if self.max_input_mean_ratio is None else f"{self.max_input_mean_ratio:.1e}"
         own = "n/a" if self.model_dtype_max_rel_error is None else f"{self.model_dtype_max_rel_error:.1e}"
         rule = "" if self.tolerance_rule == "fixed" else f" = {self.tolerance_rule}"
-        return (f"verify: {'OK' if self.ok else 'FAILED'} over {self.num_runs} inputs; float64 max rel err "
+        return (f"verify: {'OK' if self.ok else 'FAILED'} over {self.num_runs} inputs{fallback}; "
+                f"{self.compared_in} max rel err "
                 f"{self.max_rel_error:.1e} (tolerance {self.tolerance:.1e}{rule}), max abs err "
                 f"{self.max_abs_error:.1e}; model dtype max rel err {own}; RMSNorm inputs max |mean|/rms {mean}")
 

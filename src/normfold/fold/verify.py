@@ -4,6 +4,12 @@ A comparison that compared nothing, or compared outputs of different structure, 
 (``VerifyResult.why``), never a pass: outputs are flattened as pytrees (tuples, lists, dicts,
 namedtuples, registered pytrees such as Hugging Face ``ModelOutput``) and plain dataclasses by
 their fields, and both sides must give the same names, shapes and kinds of values.
+
+Fresh inputs are built from the user's example (its integers permuted, its floats perturbed), so
+structured integers (token ids, bounding boxes) stay valid. A model that cannot run in float64
+(it raises, or gives inf/nan where its own dtype is finite) is checked in its own dtype instead,
+against a tolerance measured from its own rounding error, and the result says so
+(``VerifyResult.compared_in``, ``.fallback``): never a silent pass.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ..nn import RMSNorm
+from .errors import failures_as_fold_error, model_name
 from .graph import eval_mode, split_example_calls
 from .math import mean_over_rms
 from .report import VerifyResult
@@ -34,7 +41,8 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
            num_random: int = 2, tolerance: float | None = None, seed: int = 0, rms_norm_paths=None,
            folded_exact: nn.Module | None = None, stored_dtype: torch.dtype | None = None,
            exact_transform: Callable[[nn.Module], nn.Module] | None = None) -> VerifyResult:
-    """Compare outputs on the example call(s) and ``num_random`` fresh inputs of the same shapes each.
+    """Compare outputs on the example call(s) and ``num_random`` fresh inputs of the same shapes each
+    (:func:`fresh_inputs_like`: the example's integers permuted, its floats perturbed).
 
     ``example_inputs``: a tuple of positional arguments, a dict of keyword arguments, or a list of
     such calls (each is compared). Both models run as float64 copies (float inputs cast too); the
@@ -51,6 +59,12 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
     ``tolerance`` (default 1e-9): the largest float64 relative error that passes. ``stored_dtype``
     instead: the folded weights were rounded to that dtype, so the tolerance is measured
     (:func:`measured_tolerance`) from the original's own error in that dtype on these inputs.
+
+    When the original cannot run in float64 (it raises, or gives inf/nan where it is finite in its
+    own dtype) the comparison runs in the model's own dtype: original against ``folded``, with the
+    tolerance measured the same way from the original's own error, estimated as the change of its
+    outputs when every weight moves by one unit in the last place (:func:`perturbed_own_error`);
+    the result's ``compared_in`` and ``fallback`` say so.
     """
     calls = split_example_calls(example_inputs)
     if num_random < 0:
@@ -61,14 +75,30 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
         raise ValueError("give folded_exact or exact_transform, not both: each says what the float64 fold is")
     if stored_dtype is not None and (not isinstance(stored_dtype, torch.dtype) or not stored_dtype.is_floating_point):
         raise TypeError(f"stored_dtype must be a floating torch.dtype, got {stored_dtype!r}")
+    with failures_as_fold_error(model_name(original), "verifying (running both models)"):
+        return _verify(original, folded, calls, dtype=dtype, num_random=num_random, tolerance=tolerance, seed=seed,
+                       rms_norm_paths=rms_norm_paths, folded_exact=folded_exact, stored_dtype=stored_dtype,
+                       exact_transform=exact_transform)
+
+
+def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_norm_paths, folded_exact,
+            stored_dtype, exact_transform) -> VerifyResult:
+    """:func:`verify` once its arguments are checked."""
     generator = torch.Generator().manual_seed(seed)
-    inputs = [run for call in calls for run in [call] + [_random_like(call, generator) for _ in range(num_random)]]
+    inputs = [run for call in calls for run in [call] + [fresh_inputs_like(call, generator) for _ in range(num_random)]]
     runs = [cast_floats(run, dtype) for run in inputs]
     model_dtype = _float_dtype(original)
+    own_outputs = None  # the original in its own dtype: reported, the stored dtype's own error, the fallback
+    if model_dtype is not None and model_dtype != dtype:
+        own_outputs = [model_outputs(original, *cast_floats(run, model_dtype)) for run in inputs]
 
     # Each model runs once per input: the original's outputs are recorded before its copy is folded.
     reference = _cast_copy(original, dtype)
-    ref_outputs = [model_outputs(reference, *run) for run in runs]
+    ref_outputs, unusable = _outputs_if_usable(reference, runs, own_outputs, dtype)
+    if unusable is not None:
+        del reference
+        return _verify_in_own_dtype(original, folded, inputs, own_outputs, unusable, rms_norm_paths=rms_norm_paths,
+                                    rounding_dtype=stored_dtype or model_dtype, generator=generator)
     if exact_transform is not None:
         candidate = exact_transform(reference)
     else:
@@ -83,11 +113,9 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
     max_rel = max((o["max_rel"] for o in outputs), default=0.0)
     max_abs = max((o["max_abs"] for o in outputs), default=0.0)
 
-    own_rel, own_outputs = None, None  # the original in its own dtype: reported, and the stored dtype's own error
-    if why is None and model_dtype is not None and model_dtype != dtype:
-        own_runs = [cast_floats(run, model_dtype) for run in inputs]
-        own_outputs = [model_outputs(original, *run) for run in own_runs]
-        own_rows, _ = _compare_runs(own_outputs, folded, own_runs, model_dtype)
+    own_rel = None
+    if why is None and own_outputs is not None:
+        own_rows, _ = _compare_runs(own_outputs, folded, [cast_floats(run, model_dtype) for run in inputs], model_dtype)
         outputs += own_rows
         own_rel = max((o["max_rel"] for o in own_rows), default=0.0)
 
@@ -108,19 +136,88 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
                         stored_dtype_own_error=stored_own, why=why)
 
 
-def measured_tolerance(own: float, stored_dtype: torch.dtype) -> tuple[float, str]:
+def _outputs_if_usable(reference: nn.Module, runs, own_outputs, dtype: torch.dtype):
+    """(the float64 reference outputs, None), or (None, why float64 is unusable for this model): running
+    it raised, or an output is inf/nan in float64 where it is finite in the model's own dtype
+    (``own_outputs``; a model whose own dtype is float64 has no fallback, so its errors propagate)."""
+    try:
+        ref_outputs = [model_outputs(reference, *run) for run in runs]
+    except Exception as err:  # noqa: BLE001  any failure of the model's own code in float64
+        if own_outputs is None:
+            raise
+        return None, f"it raises {type(err).__name__} in {_name(dtype)}: {_first_line(err)}"
+    for i, (ref, own) in enumerate(zip(ref_outputs, own_outputs or ())):
+        for (name, r), (_, o) in zip(ref, own):
+            if isinstance(r, Tensor) and isinstance(o, Tensor) and r.is_floating_point() and r.shape == o.shape:
+                lost = int((torch.isfinite(o) & ~torch.isfinite(r)).sum())
+                if lost:
+                    return None, (f"input {i}: {name} has {lost} inf/nan elements in {_name(dtype)} that are "
+                                  f"finite in {_name(o.dtype)}")
+    return ref_outputs, None
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:200]
+
+
+def _verify_in_own_dtype(original: nn.Module, folded: nn.Module, inputs, own_outputs, unusable: str, *,
+                         rms_norm_paths, rounding_dtype: torch.dtype, generator) -> VerifyResult:
+    """The fallback check of a model that cannot run in float64: ``folded`` against the original's
+    outputs in the model's own dtype (``own_outputs``), judged by :func:`measured_tolerance` of the
+    original's own error estimated by :func:`perturbed_own_error` (weights moved by one unit of
+    ``rounding_dtype``, the dtype the folded weights were rounded to)."""
+    model_dtype = _float_dtype(original)
+    runs = [cast_floats(run, model_dtype) for run in inputs]
+    hooks, ratios = watch_rms_inputs(folded, rms_norm_paths)
+    try:
+        rows, why = _compare_runs(own_outputs, folded, runs, model_dtype)
+    finally:
+        for h in hooks:
+            h.remove()
+    fallback = f"the model cannot run in float64 ({unusable}): checked in {_name(model_dtype)} instead"
+    max_rel = max((o["max_rel"] for o in rows), default=0.0)
+    max_abs = max((o["max_abs"] for o in rows), default=0.0)
+    if why is not None:
+        tolerance, rule, own = 0.0, "not measured: the outputs could not be compared", None
+    else:
+        own = perturbed_own_error(original, runs, own_outputs, rounding_dtype, generator)
+        tolerance, rule = measured_tolerance(own, rounding_dtype, measured_as=(
+            f"the original's own error in {_name(model_dtype)}: the change of its outputs when every weight "
+            f"moves by one {_name(rounding_dtype)} unit in the last place"))
+    return VerifyResult(rows, max_rel, max_abs, max_rel, max(ratios) if ratios else None, tolerance=tolerance,
+                        num_runs=len(inputs), tolerance_rule=rule, stored_dtype_own_error=own, why=why,
+                        compared_in=_name(model_dtype), fallback=fallback)
+
+
+def perturbed_own_error(model: nn.Module, runs, outputs, rounding_dtype: torch.dtype, generator) -> float:
+    """The model's own rounding error where no float64 reference exists: the largest relative change of
+    its ``outputs`` on ``runs`` when every floating weight w becomes w·(1 ± eps) (eps of
+    ``rounding_dtype``, random signs), i.e. what one rounding of every weight does to the outputs
+    (elements finite in both count)."""
+    eps = torch.finfo(rounding_dtype).eps
+    perturbed = copy.deepcopy(model)
+    with torch.no_grad():
+        for t in (*perturbed.parameters(), *perturbed.buffers()):
+            if t.is_floating_point():
+                signs = torch.randint(0, 2, t.shape, generator=generator).double() * 2 - 1
+                t.copy_((t.double() * (1 + eps * signs)).to(t.dtype))
+    return _own_error(outputs, [model_outputs(perturbed, *run) for run in runs], rounding_dtype, rounding_dtype)
+
+
+def measured_tolerance(own: float, stored_dtype: torch.dtype, *, measured_as: str | None = None) -> tuple[float, str]:
     """(tolerance, the rule in words) for a model whose weights are stored in ``stored_dtype``.
 
     tolerance = OWN_ERROR_MULTIPLE · own + u, where ``own`` is the original's own relative error
     when run in ``stored_dtype`` against its float64 self on the inputs compared (:func:`own_error`)
     and u = eps/2 is the dtype's unit roundoff (one rounding is always allowed, so a model that
-    happens to compute exactly in the dtype is not held to exactness).
+    happens to compute exactly in the dtype is not held to exactness). ``measured_as``: how ``own``
+    was measured, in words, when not against float64 (the fallback check).
     """
     unit_roundoff = torch.finfo(stored_dtype).eps / 2
     tolerance = OWN_ERROR_MULTIPLE * own + unit_roundoff
     name = _name(stored_dtype)
-    rule = (f"{OWN_ERROR_MULTIPLE:g} x {own:.2e} (the original's own error in {name}: run in {name} vs "
-            f"float64 on the same inputs) + {unit_roundoff:.1e} ({name} unit roundoff)")
+    measured_as = measured_as or f"the original's own error in {name}: run in {name} vs float64 on the same inputs"
+    rule = f"{OWN_ERROR_MULTIPLE:g} x {own:.2e} ({measured_as}) + {unit_roundoff:.1e} ({name} unit roundoff)"
     return tolerance, rule
 
 
@@ -209,17 +306,43 @@ def cast_floats(value, dtype):
     return pytree.tree_map_only(Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
 
-def _random_like(value, generator):
-    """Fresh values of the same shapes: normal floats, ints in [min(0, lo), hi+1), bools and others copied."""
+FRESH_FLOAT_NOISE = 0.1  # fresh float inputs: the example plus this fraction of its RMS times normal noise
+
+
+def fresh_inputs_like(value, generator: torch.Generator):
+    """Fresh inputs of the same shapes built from the user's example ``value`` (a call or any pytree).
+
+    Integer tensors: the example's own values permuted over the leading (batch, position) dims, each
+    trailing row kept whole, so token ids stay in the vocabulary and structured integers (a bounding
+    box's ordered corners) stay valid, which independent random integers would break. Float tensors:
+    x + 0.1·rms(x)·z, z ~ N(0, 1), on finite elements (inf/nan, e.g. masks, kept). Bools, complex
+    and other values: copied.
+    """
     def fresh(t: Tensor) -> Tensor:
         if t.is_floating_point():
-            return torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.dtype)
-        if t.dtype != torch.bool and not t.is_complex() and t.numel():
-            high, low = int(t.max()) + 1, min(int(t.min()), 0)
-            return torch.randint(low, max(high, low + 1), t.shape, generator=generator, dtype=t.dtype)
+            return _perturbed(t, generator)
+        if t.dtype != torch.bool and not t.is_complex() and t.dim():
+            return _permuted_rows(t, generator)
         return t.clone()
 
     return pytree.tree_map_only(Tensor, fresh, value)
+
+
+def _permuted_rows(t: Tensor, generator: torch.Generator) -> Tensor:
+    """``t`` with its rows over the first two dims (every element for a 1-D tensor) shuffled."""
+    rows = t.reshape(-1, *t.shape[2:]) if t.dim() > 1 else t
+    order = torch.randperm(rows.shape[0], generator=generator, device="cpu").to(t.device)
+    return rows[order].reshape(t.shape).clone()
+
+
+def _perturbed(t: Tensor, generator: torch.Generator) -> Tensor:
+    """``t`` + FRESH_FLOAT_NOISE · rms · z on its finite elements (rms 1 when the example is all zeros)."""
+    x = t.detach().double()
+    finite = torch.isfinite(x)
+    rms = x[finite].pow(2).mean().sqrt().item() if finite.any() else 0.0
+    noise = torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.device)
+    fresh = torch.where(finite, x + FRESH_FLOAT_NOISE * (rms or 1.0) * noise, x)
+    return fresh.to(t.dtype)
 
 
 def model_outputs(model: nn.Module, args, kwargs) -> list[tuple[str, object]]:
