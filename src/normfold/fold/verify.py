@@ -104,12 +104,7 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
     else:
         candidate = _in_dtype(folded if folded_exact is None else folded_exact, dtype)
     del reference
-    hooks, ratios = watch_rms_inputs(candidate, rms_norm_paths)
-    try:
-        outputs, why = _compare_runs(ref_outputs, candidate, runs, dtype)
-    finally:
-        for h in hooks:
-            h.remove()
+    outputs, why, ratio = _compare_watched(ref_outputs, candidate, runs, dtype, rms_norm_paths)
     max_rel = max((o["max_rel"] for o in outputs), default=0.0)
     max_abs = max((o["max_abs"] for o in outputs), default=0.0)
 
@@ -131,9 +126,8 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
         tolerance, rule = measured_tolerance(stored_own, stored_dtype)
     else:
         tolerance, rule = 0.0, "not measured: the outputs could not be compared"
-    return VerifyResult(outputs, max_rel, max_abs, own_rel, max(ratios) if ratios else None,
-                        tolerance=tolerance, num_runs=len(inputs), tolerance_rule=rule,
-                        stored_dtype_own_error=stored_own, why=why)
+    return VerifyResult(outputs, max_rel, max_abs, own_rel, ratio, tolerance=tolerance, num_runs=len(inputs),
+                        tolerance_rule=rule, stored_dtype_own_error=stored_own, why=why)
 
 
 def _outputs_if_usable(reference: nn.Module, runs, own_outputs, dtype: torch.dtype):
@@ -168,12 +162,7 @@ def _verify_in_own_dtype(original: nn.Module, folded: nn.Module, inputs, own_out
     ``rounding_dtype``, the dtype the folded weights were rounded to)."""
     model_dtype = _float_dtype(original)
     runs = [cast_floats(run, model_dtype) for run in inputs]
-    hooks, ratios = watch_rms_inputs(folded, rms_norm_paths)
-    try:
-        rows, why = _compare_runs(own_outputs, folded, runs, model_dtype)
-    finally:
-        for h in hooks:
-            h.remove()
+    rows, why, ratio = _compare_watched(own_outputs, folded, runs, model_dtype, rms_norm_paths)
     fallback = f"the model cannot run in float64 ({unusable}): checked in {_name(model_dtype)} instead"
     max_rel = max((o["max_rel"] for o in rows), default=0.0)
     max_abs = max((o["max_abs"] for o in rows), default=0.0)
@@ -184,7 +173,7 @@ def _verify_in_own_dtype(original: nn.Module, folded: nn.Module, inputs, own_out
         tolerance, rule = measured_tolerance(own, rounding_dtype, measured_as=(
             f"the original's own error in {_name(model_dtype)}: the change of its outputs when every weight "
             f"moves by one {_name(rounding_dtype)} unit in the last place"))
-    return VerifyResult(rows, max_rel, max_abs, max_rel, max(ratios) if ratios else None, tolerance=tolerance,
+    return VerifyResult(rows, max_rel, max_abs, max_rel, ratio, tolerance=tolerance,
                         num_runs=len(inputs), tolerance_rule=rule, stored_dtype_own_error=own, why=why,
                         compared_in=_name(model_dtype), fallback=fallback)
 
@@ -349,6 +338,18 @@ def model_outputs(model: nn.Module, args, kwargs) -> list[tuple[str, object]]:
     """``model(*args, **kwargs)`` in eval mode without gradients, flattened (:func:`flatten_outputs`)."""
     with eval_mode(model), torch.no_grad():
         return flatten_outputs(model(*args, **kwargs))
+
+
+def _compare_watched(ref_outputs, model, runs, dtype, rms_norm_paths):
+    """:func:`_compare_runs` with the inputs of ``model``'s RMSNorms at ``rms_norm_paths`` watched:
+    (rows, why, the largest |mean|/rms seen or None)."""
+    hooks, ratios = watch_rms_inputs(model, rms_norm_paths)
+    try:
+        rows, why = _compare_runs(ref_outputs, model, runs, dtype)
+    finally:
+        for h in hooks:
+            h.remove()
+    return rows, why, max(ratios) if ratios else None
 
 
 def _compare_runs(ref_outputs, model, runs, dtype) -> tuple[list[dict], str | None]:
