@@ -2,6 +2,8 @@
 #   make demo   fold the bundled default model and print the report
 #   make test   the whole test suite (Triton kernels run on the CPU through TRITON_INTERPRET=1)
 #   make wheel-check   build the wheel and sdist, install the wheel into a fresh venv, walk a user's path there
+#   make docs   the API reference (build/docs) from the docstrings; fails on any warning
+#   make oldest-stack   ops tests and GPU dry runs on the oldest supported torch/triton (separate venv)
 # Each creates or reuses .venv/ idempotently. torch is installed first with an overridable spec,
 # because a bare torch requirement would pull a multi-GB CUDA build on CPU machines.
 
@@ -13,7 +15,7 @@ STAMP := $(VENV)/.normfold-installed
 PYTEST_ARGS ?=
 N ?= 2000
 
-.PHONY: venv demo test wheel-check fuzz bench bench-e2e bench-fold-large default-model gpu-check gpu-e2e clean
+.PHONY: venv demo test wheel-check docs oldest-stack fuzz bench bench-e2e bench-fold-large default-model gpu-check gpu-e2e clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -50,7 +52,6 @@ wheel-check: venv
 
 # The API reference (build/docs/index.html) from the docstrings of the public API (each module's
 # __all__); any warning (an annotation pdoc cannot resolve, a module that fails to import) fails it.
-.PHONY: docs
 docs: venv
 	rm -rf build/docs
 	$(PY) -W error -m pdoc --docformat google normfold -o build/docs
@@ -103,7 +104,6 @@ $(OLDEST_STAMP):
 	$(OLDEST_PY) -m pip install -q ninja "pytest>=8" "hypothesis>=6" "transformers>=4.45" "safetensors>=0.4"
 	touch $@
 
-.PHONY: oldest-stack
 oldest-stack: $(OLDEST_STAMP)
 	$(OLDEST_PY) -c "import sys, torch, triton, numpy; print('oldest stack: python', sys.version.split()[0], \
 	  'torch', torch.__version__, 'triton', triton.__version__, 'numpy', numpy.__version__)"
