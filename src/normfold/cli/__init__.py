@@ -4,6 +4,7 @@
     normfold fold [MODEL_DIR] -o OUT_DIR [--json]     fold, verify in float64, write OUT_DIR
         [--approximate --calibration FILE [--min-cosine 0.999]]   also replace the other norms, within a cosine bar
     normfold verify ORIG_DIR FOLDED_DIR               check a folded folder against its original
+    normfold rotate [MODEL_DIR] -o OUT_DIR            fold, rotate the residual stream, prove in float64, write OUT_DIR
     normfold demo                                     fold the bundled model into a temp folder
     normfold inspect | check | train | bench          the lab, training and benchmarks
 
@@ -30,13 +31,13 @@ from ..fold import FoldError, FoldVerificationError
 from ..hf.load import CheckpointError
 from ..train import cli as train_cli
 from ..train.cli import TrainConfigError
-from . import bench, folder, lab
+from . import bench, folder, lab, rotate
 from ._common import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, UsageError
 
 __all__ = ["main", "build_parser", "COMMAND_MODULES", "UsageError", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY_FAILED"]
 
 # Modules that add subcommands (each defines ``add_commands(subparsers)``; see the module docstring).
-COMMAND_MODULES = (folder, train_cli, lab, bench)
+COMMAND_MODULES = (folder, rotate, train_cli, lab, bench)
 
 TRACEBACK_ENV = "NORMFOLD_TRACEBACK"  # set to re-raise an unexpected error with its traceback (for bug reports)
 
