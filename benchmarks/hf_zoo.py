@@ -46,8 +46,8 @@ def _zoo_helpers():
     return module
 
 
-class _TimeBox(Exception):
-    pass
+class _TimeBox(BaseException):
+    """The time box ran out (a BaseException: normfold turns every Exception inside a fold into a FoldError)."""
 
 
 def _alarm(signum, frame):
