@@ -135,3 +135,13 @@ def test_help_says_what_folders_do_not_support_yet(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--method" in text and "--seed" in text and "--overwrite" in text and "--json" in text
     assert text.count("not supported for folders yet") == 3  # --method pca, --slice, --stream
+
+
+def test_verify_checks_a_rotated_folder_through_its_outputs_and_says_why_not_its_weights(
+        tiny_dirs, rotated_dir, capsys):  # noqa: F811
+    code = main(["verify", str(tiny_dirs["gpt2"]), str(rotated_dir)])
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code == EXIT_OK
+    assert "a rotated folder (random, seed 3)" in text and "checked through the outputs only" in text
+    assert "older normfold" not in text  # the reason given before: the report looked like an old one

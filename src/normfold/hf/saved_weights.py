@@ -123,9 +123,13 @@ REDERIVE_KEYS = ("fold_affine", "saved_dtype", "plan")  # what a report must rec
 
 def why_not_rederivable(report: Mapping[str, Any]) -> str | None:
     """Why the fold a report describes cannot be re-derived from the original (the reason to skip
-    the weight check), or None when it can: an ``--approximate`` fold (fitted on calibration
+    the weight check), or None when it can: a rotated folder, an ``--approximate`` fold (fitted on calibration
     sentences the folder does not hold), a report lacking :data:`REDERIVE_KEYS` (an older
     normfold, or ``normfold.save_pretrained``), a saved dtype normfold does not write."""
+    rotation = report.get("rotation")
+    if rotation:
+        return (f"a rotated folder ({rotation.get('method')}, seed {rotation.get('seed')}): the rotation is not "
+                "re-derived here, so its weights are checked through the outputs only")
     if report.get("num_approximate"):
         return (f"folded with --approximate ({report['num_approximate']} norm(s) fitted on calibration "
                 "sentences the folder does not hold): its weights cannot be re-derived")
