@@ -61,11 +61,13 @@ def print_norm_table(report: dict) -> None:
 
 
 _FIGURES = {  # verification figure -> how the table names it (a figure the result lacks is not shown)
-    "max_rel_error": "max relative error, float64",
-    "max_abs_error": "max absolute error, float64",
+    "compared_in": "compared in",
+    "fallback": "why not float64",
+    "max_rel_error": "max relative error",
+    "max_abs_error": "max absolute error",
     "model_dtype_max_rel_error": "max relative error, model dtype",
     "max_input_mean_ratio": "RMSNorm inputs: max |mean| / rms",
-    "tolerance": "tolerance (relative, float64)",
+    "tolerance": "tolerance (relative)",
     "tolerance_rule": "tolerance rule",
     "stored_dtype_own_error": "original's own error in the stored dtype",
     "num_runs": "inputs compared",
@@ -118,7 +120,8 @@ def print_verification(ver: dict) -> None:
     table.add_column("figure")
     table.add_column("value", justify="right")
     for key, label in _FIGURES.items():
-        if key in ver:  # numbers line up on the right; sentences (the tolerance rule) read from the left
+        if key in ver and not (key == "fallback" and ver[key] is None):  # the reason shows only when there is one
+            # numbers line up on the right; sentences (the tolerance rule) read from the left
             text = _figure_text(key, ver[key])
             table.add_row(label, text_mod.Text(text, justify="right" if _is_number(text) else "left"))
     console().print(table)
