@@ -225,7 +225,7 @@ def test_every_option_is_spelled_with_dashes_and_the_underscore_form_is_a_hidden
 def test_dash_options_refuses_two_options_that_differ_only_in_spelling():
     import argparse
 
-    from normfold.cli import dash_options
+    from normfold._options import dash_options
 
     parser = argparse.ArgumentParser(prog="p")
     parser.add_argument("--out-dir", help="one")

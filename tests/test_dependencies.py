@@ -23,6 +23,7 @@ ONLY = {
     # leaf modules every layer may use: optional-dependency imports and progress output
     "_deps": {"_deps"},
     "_progress": {"_progress"},
+    "_options": {"_options"},
     "ops": {"ops", "_deps", "_progress"},
     "nn": {"nn", "ops", "_deps", "_progress"},
     "fuse": {"fuse", "ops", "nn", "fold", "_deps", "_progress"},

@@ -211,3 +211,18 @@ def test_cli_plugs_into_the_normfold_command_and_resolves_space_separated_values
 def test_bf16_autocast_trains_on_cpu(tmp_path):
     summary = train(_tiny_train_config(tmp_path, precision="bf16", max_steps=2))
     assert all(torch.isfinite(torch.tensor(summary["train_losses"])))
+
+
+def test_python_m_normfold_train_spells_options_with_dashes_and_accepts_underscores(capsys):
+    from normfold.train.cli import main
+
+    for spelling in ("--max-steps=7", "--max_steps=7"):
+        assert main([spelling, "--print-config"]) == 0
+        assert '"max_steps": 7' in capsys.readouterr().out
+    main_help = None
+    try:
+        main(["--help"])
+    except SystemExit as exit_:
+        main_help = exit_.code
+    out = capsys.readouterr().out
+    assert main_help == 0 and "--max-steps" in out and "--max_steps" not in out

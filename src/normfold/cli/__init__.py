@@ -27,6 +27,7 @@ import sys
 import torch
 
 from .. import __version__
+from .._options import dash_options
 from ..fold import FoldError, FoldVerificationError
 from ..hf.load import CheckpointError
 from ..train import cli as train_cli
@@ -65,18 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     for sub in subparsers.choices.values():
         dash_options(sub)
     return parser
-
-
-def dash_options(parser: argparse.ArgumentParser) -> None:
-    """Spell every long option with dashes (``--out-dir``) and accept its underscore spelling (``--out_dir``)
-    as a hidden alias (parsed, not shown by ``--help``). ``dest`` is unchanged, so the command reads the same
-    attribute."""
-    for action in parser._actions:
-        action.option_strings = [s.replace("_", "-") if s.startswith("--") else s for s in action.option_strings]
-        for dashed in action.option_strings:
-            for spelling in {dashed, dashed[:2] + dashed[2:].replace("-", "_")}:
-                if parser._option_string_actions.setdefault(spelling, action) is not action:
-                    raise ValueError(f"{parser.prog}: {spelling} names two different options")
 
 
 def subcommand_parsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:

@@ -10,13 +10,14 @@ import dataclasses
 import json
 from typing import Sequence
 
+from .._options import dash_options
 from .config import PRECISIONS, TrainConfig, resolve_config
 from .model import NORMS, PLACEMENTS, GPTConfig
 from .trainer import train
 
 _EPILOG = """\
 examples:
-  python -m normfold.train --norm=rmsnorm --placement=pre --max_steps=200 --out_dir=runs/rms
+  python -m normfold.train --norm=rmsnorm --placement=pre --max-steps=200 --out-dir=runs/rms
   python -m normfold.train --config=my.toml --norm=cbwc_rmsnorm
   torchrun --nproc_per_node=2 -m normfold.train --config=my.toml"""
 
@@ -41,7 +42,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="a .json or .toml config file (flat, or with a [model] table)")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--overwrite", action="store_true",
-                        help="write into a non-empty --out_dir that holds no earlier training run (replaces its files)")
+                        help="write into a non-empty --out-dir that holds no earlier training run (replaces its files)")
     choices = {"norm": NORMS, "placement": PLACEMENTS, "precision": PRECISIONS}
     keys = parser.add_argument_group("config keys (values are checked by TrainConfig / GPTConfig)")
     for name, default in _config_keys():
@@ -103,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m normfold.train", description=__doc__, epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)
+    dash_options(parser)  # --max-steps, as `normfold train` spells it; --max_steps still parses
     args = parser.parse_args(argv)
     try:
         return run(args)
