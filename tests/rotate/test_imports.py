@@ -9,8 +9,7 @@ from normfold.rotate import closure
 
 ROTATE = Path(closure.__file__).parent  # normfold.rotate is also the function's name
 
-# fold/verify.py's helpers rotate.calibration still uses: public names are that module's to give.
-NOT_YET_PUBLIC = {("fold.verify", "_cast"), ("fold.verify", "_outputs")}
+NOT_YET_PUBLIC: set[tuple[str, str]] = set()  # none left: fold.verify's helpers are public
 
 
 def _private_fold_imports(source: str) -> set[tuple[str, str]]:

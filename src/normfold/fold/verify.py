@@ -454,7 +454,3 @@ def watch_rms_inputs(model: nn.Module, paths):
              if isinstance(m, RMSNorm) and (wanted is None or path in wanted)]
     return hooks, ratios
 
-
-# The private names other layers imported before these helpers were public (rotate.calibration,
-# hf.streaming.blocks): kept until they import the public ones.
-_cast, _outputs, _errors, _watch_rms_inputs = cast_floats, model_outputs, max_errors, watch_rms_inputs

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .._progress import progress
 from ..fold.graph import eval_mode
-from ..fold.verify import _cast, _outputs
+from ..fold.verify import cast_floats, model_outputs
 from .closure import Stream
 
 
@@ -29,7 +29,7 @@ def stream_second_moments(model: nn.Module, streams: list[Stream], calls: list[t
     try:
         with eval_mode(model), torch.no_grad():
             for args, kwargs in progress(calls, desc="rotate: calibration (PCA basis)", unit="batch"):
-                args, kwargs = _cast((args, kwargs), torch.float64)
+                args, kwargs = cast_floats((args, kwargs), torch.float64)
                 model(*args, **kwargs)
     finally:
         for h in hooks:
@@ -40,9 +40,9 @@ def stream_second_moments(model: nn.Module, streams: list[Stream], calls: list[t
 def run_error(model: nn.Module, call: tuple[tuple, dict]) -> Exception | None:
     """The error ``model`` raises on ``call`` (run in float64), or None when it runs: a sliced model
     whose own code takes a size from the stream's width fails here."""
-    args, kwargs = _cast(call, torch.float64)
+    args, kwargs = cast_floats(call, torch.float64)
     try:
-        _outputs(model, args, kwargs)
+        model_outputs(model, args, kwargs)
     except (RuntimeError, ValueError, IndexError) as error:  # the model's own code, at the sliced width
         return error
     return None
@@ -68,8 +68,8 @@ def output_agreement(reference: nn.Module, candidate: nn.Module, calls: list[tup
     """Compare two float64 models on the calls (see :class:`OutputAgreement`)."""
     cosines, worst, losses = [], 0.0, {}
     for args, kwargs in calls:
-        args, kwargs = _cast((args, kwargs), torch.float64)
-        ref, out = dict(_outputs(reference, args, kwargs)), dict(_outputs(candidate, args, kwargs))
+        args, kwargs = cast_floats((args, kwargs), torch.float64)
+        ref, out = dict(model_outputs(reference, args, kwargs)), dict(model_outputs(candidate, args, kwargs))
         for name, a in ref.items():
             b = out.get(name)
             if not isinstance(a, Tensor) or not isinstance(b, Tensor) or not a.is_floating_point():

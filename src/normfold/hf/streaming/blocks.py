@@ -17,7 +17,7 @@ from torch import nn
 
 from ...fold.graph import parameter_aliases
 from ...fold.math import center
-from ...fold.verify import _cast, _errors, _watch_rms_inputs, measured_tolerance
+from ...fold.verify import cast_floats, max_errors, measured_tolerance, watch_rms_inputs
 from ..inputs import example_inputs_for
 from ..load import CheckpointError, check_model_dir, load_config, model_class_for
 from ..output_dir import REPORT_JSON
@@ -91,11 +91,11 @@ def check_loaded_block(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint
         original = load_block(skeleton, orig, block_path)
         stream = first_output(call_block(original, call, x))
         ref = project(stream)
-        own = _own_error([ref], original, lambda m, dt: [project(first_output(call_block(m, _cast(call, dt), x.to(dt))).double())],
+        own = _own_error([ref], original, lambda m, dt: [project(first_output(call_block(m, cast_floats(call, dt), x.to(dt))).double())],
                          stored)
         del original
         block = load_block(skeleton, folded, block_path, swapped)
-        _, ratios = _watch_rms_inputs(block, None)  # |mean|/rms of every RMSNorm input: 0 when exactly folded
+        _, ratios = watch_rms_inputs(block, None)  # |mean|/rms of every RMSNorm input: 0 when exactly folded
         out = first_output(call_block(block, call, project(x)))
     error = _rel_error(ref, out)
     return {"block": block_path, "centered": centered, "max_rel_error": error, **_judged(error, own, stored),
@@ -133,7 +133,7 @@ def _own_error(reference: list[torch.Tensor], original: nn.Module,
     :func:`normfold.fold.verify.own_error`."""
     low = run(original.to(low_dtype), low_dtype)
     assert len(low) == len(reference), "the piece gave other outputs in the stored dtype"
-    return max((_errors(r, o.double(), where_finite=True)[0] for r, o in zip(reference, low)), default=0.0)
+    return max((max_errors(r, o.double(), where_finite=True)[0] for r, o in zip(reference, low)), default=0.0)
 
 
 def _judged(error: float, own: float, stored: torch.dtype) -> dict[str, Any]:
@@ -176,7 +176,7 @@ def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swap
     inputs = example_inputs_for(model, seed=seed)
     ref, ref_calls = _run_shell(model, list(stacks), inputs)
     ref_seen = _shell_quantities(ref, ref_calls, stacks)
-    own = _own_error(ref_seen, model, lambda m, dt: _shell_quantities(*_run_shell(m, list(stacks), _cast(inputs, dt)),
+    own = _own_error(ref_seen, model, lambda m, dt: _shell_quantities(*_run_shell(m, list(stacks), cast_floats(inputs, dt)),
                                                                        stacks), stored)
     del model
     model, keys = _load_shell(folded_dir, swapped, list(stacks), trust_remote_code)
