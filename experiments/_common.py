@@ -15,6 +15,7 @@ import torch
 from normfold.bench import cpu_model
 
 from normfold.train import resolve_config, train
+from normfold.train.data import TokenSplits, corpus_sha256, load_documents
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -34,6 +35,22 @@ def machine() -> str:
 
 def command_line() -> str:
     return "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:])
+
+
+def corpus_line(block_size: int, val_fraction: float = 0.1) -> str:
+    """What the trainer reads (default corpus): documents, bytes, SHA-256 and the validation split made."""
+    documents = load_documents()
+    splits = TokenSplits.from_documents(documents, block_size, val_fraction)
+    size = sum(len(d.encode("utf-8")) for d in documents)
+    return (f"CPython {platform.python_version()}'s pydoc topics, {len(documents)} documents, {size:,} bytes, "
+            f"SHA-256 `{corpus_sha256(documents)}`; validation: {splits.description}, {len(splits.val):,} tokens "
+            f"({len(splits.train):,} for training)")
+
+
+def provenance(budget: str, data: str, clock: "Stopwatch") -> str:
+    """The lines every report carries: command, machine, the budget and what was spent, the data and its hash."""
+    return "\n".join([f"Command: `{command_line()}`.", f"Machine: {machine()}.",
+                      f"Budget: {budget}; wall time {clock}.", f"Data: {data}."])
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:

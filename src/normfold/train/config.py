@@ -18,7 +18,7 @@ class TrainConfig:
 
     model: GPTConfig = field(default_factory=GPTConfig)
     data: list[str] = field(default_factory=list)  # text files; empty = CPython's pydoc topics
-    val_fraction: float = 0.1  # the last 10% of the text is validation: deterministic, never trained on
+    val_fraction: float = 0.1  # whole documents (seeded draw, the same every run) up to 10% of the bytes are validation
     out_dir: str = "runs/gpt"  # CSV log, resolved config, summary and checkpoint go here
     seed: int = 0  # initial weights and batch order
     batch_size: int = 16  # sequences per micro-batch per process

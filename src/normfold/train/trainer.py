@@ -24,7 +24,7 @@ from ..hf.load import CheckpointError
 from .cbwc import cbwc_
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
-from .data import TokenSplits, encode, load_text
+from .data import TokenSplits, load_documents
 from .model import GPT
 
 _VAL_SEED = 1234  # the validation batches are the same for every run, seed and norm variant
@@ -228,7 +228,7 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
     if is_main:
         (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
 
-    splits = TokenSplits(encode(load_text(config.data)), config.model.block_size, config.val_fraction)
+    splits = TokenSplits.from_documents(load_documents(config.data), config.model.block_size, config.val_fraction)
     optimizer = make_optimizer(raw_model, config)
     train_model: nn.Module = raw_model
     if dist.enabled:
