@@ -2,7 +2,9 @@
 exactly by ``normfold.from_pretrained``; every refusal one line, exit 2, nothing written."""
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -11,10 +13,11 @@ import pytest
 import torch
 
 import normfold
-from normfold.cli import EXIT_OK, EXIT_USAGE, main
-from normfold.hf.inputs import example_inputs_for
+from normfold.cli import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, main
+from normfold.hf.inputs import example_inputs_for, read_calibration_file
 from normfold.hf.load import load_model
 from normfold.hf.output_dir import REPORT_JSON
+from normfold.hf.rotate_folder import calibration_calls
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("rich")
@@ -94,7 +97,7 @@ def test_side_files_are_copied_and_overwrite_replaces_an_earlier_output(tiny_dir
     assert json.loads((out / REPORT_JSON).read_text())["rotation"]["seed"] == 1
 
 
-@pytest.mark.parametrize("option", [["--method", "pca"], ["--slice", "0.2"], ["--stream"]])
+@pytest.mark.parametrize("option", [["--stream"]])
 def test_options_folders_do_not_support_yet_are_refused_in_one_line(tiny_dirs, tmp_path, capsys, option):  # noqa: F811
     out = tmp_path / "out"
     code, printed, err = _run(capsys, tiny_dirs["gpt2"], "-o", out, *option)
@@ -134,7 +137,8 @@ def test_help_says_what_folders_do_not_support_yet(capsys):
     assert main(["rotate", "--help"]) == EXIT_OK
     text = " ".join(capsys.readouterr().out.split())
     assert "--method" in text and "--seed" in text and "--overwrite" in text and "--json" in text
-    assert text.count("not supported for folders yet") == 3  # --method pca, --slice, --stream
+    assert text.count("not supported for folders yet") == 1  # --stream
+    assert "--calibration" in text and "--slice" in text and "SliceGPT" in text
 
 
 def test_verify_checks_a_rotated_folder_through_its_outputs_and_says_why_not_its_weights(
@@ -145,3 +149,138 @@ def test_verify_checks_a_rotated_folder_through_its_outputs_and_says_why_not_its
     assert code == EXIT_OK
     assert "a rotated folder (random, seed 3)" in text and "checked through the outputs only" in text
     assert "older normfold" not in text  # the reason given before: the report looked like an old one
+
+
+# ------------------------------------------------------------------ --method pca --calibration FILE [--slice F]
+
+def _char_tokenizer(vocab_size: int):
+    """A character tokenizer built offline: character chr(32 + i) is token i (the tiny GPT-2's 96 ids)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {chr(32 + i): i for i in range(vocab_size)}
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="?"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex("."), "isolated")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="?", eos_token=" ", pad_token=" ")
+
+
+@pytest.fixture(scope="module")
+def gpt2_with_tokenizer(tiny_dirs, tmp_path_factory):  # noqa: F811
+    """The tiny GPT-2 folder with a character tokenizer, and a calibration file of 24 lines."""
+    root = tmp_path_factory.mktemp("pca")
+    folder = root / "gpt2"
+    shutil.copytree(tiny_dirs["gpt2"], folder)
+    _char_tokenizer(96).save_pretrained(folder)
+    calibration = root / "calibration.txt"
+    calibration.write_text("\n".join(f"The {i}th LAYER folds, {i * 7 % 13} times OVER." for i in range(24)) + "\n\n")
+    return folder, calibration
+
+
+@pytest.fixture(scope="module")
+def sliced_dir(gpt2_with_tokenizer, tmp_path_factory):
+    """``normfold rotate gpt2 -o OUT --method pca --calibration FILE --slice 0.25 --json``."""
+    folder, calibration = gpt2_with_tokenizer
+    out = tmp_path_factory.mktemp("sliced") / "sliced"
+    code = main(["rotate", str(folder), "-o", str(out), "--method", "pca", "--calibration", str(calibration),
+                 "--slice", "0.25", "--json"])
+    assert code == EXIT_OK
+    return out
+
+
+def _in_memory(folder, calibration, **options):
+    original = load_model(folder)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    calls = calibration_calls(original, tokenizer, read_calibration_file(calibration))
+    return original, normfold.rotate(original, example_inputs_for(original), method="pca", calibration=calls,
+                                     **options)
+
+
+def test_sliced_folder_reloads_to_the_in_memory_sliced_model_with_its_narrower_widths(gpt2_with_tokenizer,
+                                                                                     sliced_dir):
+    folder, calibration = gpt2_with_tokenizer
+    original, (in_memory, report) = _in_memory(folder, calibration, slice_fraction=0.25)
+    reloaded = normfold.from_pretrained(sliced_dir)
+    assert reloaded.transformer.wte.weight.shape == (96, 24)  # ⌊0.75 · 32⌋ directions kept
+    assert reloaded.transformer.h[0].attn.c_proj.weight.shape == (32, 24)  # heads' width unchanged, stream sliced
+    assert reloaded.transformer.h[0].attn.c_proj.nf == 24 and reloaded.transformer.ln_f.normalized_shape == (24,)
+    fresh = torch.randint(0, 96, (3, 13), generator=torch.Generator().manual_seed(7))
+    assert _rel(_logits(reloaded, fresh), _logits(in_memory, fresh)) <= 1e-5
+    assert _rel(_logits(reloaded, fresh), _logits(original, fresh)) > 1e-4  # sliced: approximate, not the original
+    assert json.loads((sliced_dir / "config.json").read_text())["n_embd"] == 32  # the config is the original's
+
+
+def test_sliced_report_records_method_calibration_fraction_and_the_proof_of_the_whole_rotation(
+        gpt2_with_tokenizer, sliced_dir):
+    _, calibration = gpt2_with_tokenizer
+    report = json.loads((sliced_dir / REPORT_JSON).read_text())
+    rotation = report["rotation"]
+    assert rotation["method"] == "pca" and rotation["seed"] == 0 and rotation["exact"] is False
+    assert report["plan"]["rotation"] == {"method": "pca", "seed": 0, "slice_fraction": 0.25, "kept": [24],
+                                          "calibration_sha256": hashlib.sha256(calibration.read_bytes()).hexdigest()}
+    assert report["calibration"]["num_sentences"] == 24 and len(report["calibration"]["sentences"]) == 24
+    slicing = rotation["slicing"]
+    assert slicing["fraction"] == 0.25 and 0.5 < slicing["min_cosine"] < 1.0
+    (loss_before, loss_after), = slicing["losses"].values()  # a causal LM: its next-token loss, before and after
+    assert math.isfinite(loss_before) and loss_before != loss_after
+    assert report["verification"]["ok"] is True and report["verification"]["max_rel_error"] <= 1e-9
+    assert {e["name"] for e in report["resized"]} >= {"transformer.wte.weight", "lm_head.weight"}
+    assert "sliced: approximate" in report["stock_warning"]
+
+
+def test_pca_without_slicing_is_exact_and_reloads_to_the_original(gpt2_with_tokenizer, tmp_path, capsys):
+    folder, calibration = gpt2_with_tokenizer
+    out = tmp_path / "pca"
+    code, printed, _ = _run(capsys, folder, "-o", out, "--method", "pca", "--calibration", calibration)
+    assert code == EXIT_OK and "sliced" not in printed
+    report = json.loads((out / REPORT_JSON).read_text())
+    assert report["rotation"]["exact"] is True and report["resized"] == []
+    fresh = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
+    assert _rel(_logits(normfold.from_pretrained(out), fresh), _logits(load_model(folder), fresh)) <= 1e-5
+
+
+def test_verify_of_a_sliced_folder_measures_the_cosine_and_never_says_exact(gpt2_with_tokenizer, sliced_dir,
+                                                                           tmp_path, capsys):
+    folder, _ = gpt2_with_tokenizer
+    assert main(["verify", str(folder), str(sliced_dir)]) == EXIT_OK
+    text = " ".join(capsys.readouterr().out.split())
+    assert "approximate, not exact" in text and "proved in float64 when written" in text
+    assert "min cosine" in text and "exact fold" not in text
+    # a sliced folder whose weights were changed afterwards fails its measured cosine
+    tampered = tmp_path / "tampered"
+    shutil.copytree(sliced_dir, tampered)
+    safetensors = pytest.importorskip("safetensors.torch")
+    weights = safetensors.load_file(tampered / "model.safetensors")
+    weights["transformer.h.1.mlp.c_proj.weight"] *= 3.0
+    safetensors.save_file(weights, tampered / "model.safetensors", metadata={"format": "pt"})
+    assert main(["verify", str(folder), str(tampered)]) == EXIT_VERIFY_FAILED
+    assert "below the recorded" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--method", "pca", "--calibration", "{cal}", "--slice", "1.0"], r"--slice must be in [0, 1)"),
+    (["--method", "pca", "--calibration", "{cal}", "--slice", "-0.1"], r"--slice must be in [0, 1)"),
+    (["--method", "pca", "--calibration", "{cal}", "--slice", "nan"], r"--slice must be in [0, 1)"),
+    (["--slice", "0.2"], "needs --method pca"),
+    (["--method", "random", "--calibration", "{cal}", "--slice", "0.2"], "needs --method pca"),
+    (["--method", "pca"], "--method pca needs --calibration FILE"),
+    (["--calibration", "{cal}"], "used only by --method pca"),
+    (["--method", "pca", "--calibration", "{missing}"], "calibration file not found"),
+    (["--method", "pca", "--calibration", "{empty}"], "is empty"),
+    (["--method", "pca", "--calibration", "{cal}", "--slice", "0.96"], "fewer than the model's 2 attention heads"),
+])
+def test_bad_pca_and_slice_options_are_refused_in_one_line_before_anything_is_written(
+        gpt2_with_tokenizer, tmp_path, capsys, options, message):
+    folder, calibration = gpt2_with_tokenizer
+    (tmp_path / "empty.txt").write_text("\n  \n")
+    paths = {"cal": calibration, "missing": tmp_path / "missing.txt", "empty": tmp_path / "empty.txt"}
+    out = tmp_path / "out"
+    code, printed, err = _run(capsys, folder, "-o", out, *(o.format(**paths) for o in options))
+    assert code == EXIT_USAGE and printed == ""
+    assert err.startswith("normfold: error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_pca_on_a_folder_without_tokenizer_is_refused(tiny_dirs, gpt2_with_tokenizer, tmp_path, capsys):  # noqa: F811
+    _, calibration = gpt2_with_tokenizer
+    out = tmp_path / "out"
+    code, _, err = _run(capsys, tiny_dirs["gpt2"], "-o", out, "--method", "pca", "--calibration", calibration)
+    assert code == EXIT_USAGE and "no tokenizer" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()

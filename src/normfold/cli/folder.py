@@ -13,6 +13,7 @@ from . import _output as output
 from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_model_dir, add_trust_remote_code, model_dir
 from .approximate import (DEFAULT_MIN_COSINE, approximate_step, is_approximate, read_report,
                           verify_approximate_folder)
+from .rotate import is_sliced, verify_sliced
 
 _JSON_KEYS = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype",
               "streaming", "num_approximate", "calibration_min_cosine", "approximate", "skipped_files",
@@ -80,6 +81,8 @@ def _run_verify(args) -> int:
         verify_fn = verify_by_blocks
     else:
         report = read_report(args.folded_dir)
+        if is_sliced(report):  # a sliced rotation: measured against its recorded cosine, never exact
+            return verify_sliced(args, report)
         if is_approximate(report):  # the promise is a cosine bar, not an exact bound
             return _verify_approximate(args, report)
         verify_fn = verify_folders

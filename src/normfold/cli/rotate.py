@@ -1,54 +1,157 @@
 """``normfold rotate DIR -o OUT``: rotate a folder's residual stream (``normfold.rotate``, proved in
 float64) and write the result atomically, composed here: hf loads and saves, ``rotate`` rotates
-(hf never imports rotate)."""
+(hf never imports rotate). ``--method pca --calibration FILE [--slice F]`` takes the basis from the
+calibration text and may slice it (SliceGPT): the whole rotation is proved first, the sliced model is
+measured (cosine, loss) and ``normfold verify`` measures it again, never calling it exact."""
 from __future__ import annotations
 
+import copy
 import json
-from functools import partial
+import math
+import sys
+from pathlib import Path
 
-from ..hf.rotate_folder import rotate_folder
+import torch
+
+from ..hf.inputs import load_tokenizer
+from ..hf.load import load_config, load_model
+from ..hf.rotate_folder import calibration_calls, rotate_folder
+from ..hf.saving import from_pretrained
 from ..hf.streaming import is_sharded
-from ..rotate import rotate
+from ..rotate import kept_directions, rotate
+from ..rotate.calibration import output_agreement
 from . import _output as output
-from ._common import EXIT_OK, UsageError, add_model_dir, add_trust_remote_code, model_dir
+from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_model_dir, add_trust_remote_code, model_dir
 
-FOLDER_METHODS = ("hadamard", "random")  # "pca" needs calibration inputs and slicing: API only for now
+_JSON_KEYS = ("rotation", "verification", "calibration", "model", "out_dir", "saved_dtype", "stock_compatible",
+              "stock_warning", "skipped_files")
 
-_JSON_KEYS = ("rotation", "verification", "model", "out_dir", "saved_dtype", "stock_compatible", "stock_warning",
-              "skipped_files")
+# a sliced folder, measured again: its weights are float32 (the report's cosine was measured in float64
+# on the float64 sliced model), so the re-measured lowest cosine may sit this far below the recorded one
+COSINE_SLACK = 1e-6
 
 
 def _run_rotate(args) -> int:
     source = model_dir(args)
-    _check_supported(args, sharded=is_sharded(source))
-    rotate_step = partial(rotate, method=args.method, seed=args.seed)
+    _check_supported(args, source)
     with output.steps(not args.json) as step:
-        report = rotate_folder(source, args.output, rotate_step, overwrite=args.overwrite,
-                               trust_remote_code=args.trust_remote_code, step=step)
+        report = rotate_folder(source, args.output, _rotation(args), calibration_file=args.calibration,
+                               overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step)
     if args.json:
         print(json.dumps({k: report[k] for k in _JSON_KEYS if k in report}, indent=2, default=str))
     else:
         rotation = report["rotation"]
         output.console().print(f"rotated ({rotation['method']}, seed {rotation['seed']}): "
                                f"{len(rotation['streams'])} residual stream(s)")
+        if rotation["slicing"] is not None:
+            output.console().print("the whole rotation, before slicing, proved in float64:")
         output.print_verification(report["verification"])
+        if rotation["slicing"] is not None:
+            output.console().print(_slicing_line(rotation["slicing"], rotation["streams"]))
         output.console().print(f"wrote [bold]{report['out_dir']}[/bold]")
     output.warn(report["stock_warning"])
     output.warn_skipped_files(report)
     return EXIT_OK
 
 
-def _check_supported(args, *, sharded: bool) -> None:
-    """UsageError, before any loading, for what ``normfold.rotate`` does but folders do not yet."""
-    if args.method not in FOLDER_METHODS:
-        raise UsageError(f"--method {args.method} (it needs calibration inputs) is not supported for folders yet: "
-                         f"use {' or '.join(FOLDER_METHODS)}, or normfold.rotate in Python")
-    if args.slice is not None:
-        raise UsageError("--slice is not supported for folders yet: slicing is approximate and needs --method pca; "
-                         "use normfold.rotate(..., method='pca', slice_fraction=...) in Python")
-    if args.stream or sharded:
+def _rotation(args):
+    """hf's ``Rotate``: normfold.rotate with the command's method, seed and slice fraction."""
+    def run(model, example, calibration):
+        return rotate(model, example, method=args.method, seed=args.seed, calibration=calibration,
+                      slice_fraction=args.slice or 0.0)
+    return run
+
+
+def _slicing_line(slicing: dict, streams: list[dict]) -> str:
+    widths = ", ".join(f"{s['stream']['width']} -> {s['kept']}" for s in streams)
+    losses = "".join(f"; {name} {a:.4f} -> {b:.4f}" for name, (a, b) in slicing["losses"].items())
+    return (f"sliced {slicing['fraction']:.0%} (width {widths}): approximate, not exact: on "
+            f"{slicing['calibration_calls']} calibration batch(es) min cosine {slicing['min_cosine']:.6f}, mean "
+            f"{slicing['mean_cosine']:.6f}{losses}")
+
+
+def _check_supported(args, source: Path) -> None:
+    """UsageError, before any loading, for bad combinations and what folders do not support yet."""
+    if args.slice is not None and not 0.0 <= args.slice < 1.0:  # also refuses NaN
+        raise UsageError(f"--slice must be in [0, 1) (the share of the stream's directions to drop), got {args.slice}")
+    if args.slice and args.method != "pca":
+        raise UsageError(f"--slice keeps the stream's most used directions, so it needs --method pca (with "
+                         f"--calibration FILE), got --method {args.method}")
+    if args.method == "pca" and args.calibration is None:
+        raise UsageError("--method pca needs --calibration FILE (UTF-8 text, one example per line, tokenized with the "
+                         "folder's tokenizer): the principal directions are those of its residual stream")
+    if args.method != "pca" and args.calibration is not None:
+        raise UsageError(f"--calibration is used only by --method pca, got --method {args.method}")
+    if args.stream or is_sharded(source):
         raise UsageError("--stream (and sharded checkpoints) is not supported for folders yet: rotate loads the whole "
                          "model in memory")
+    if args.slice:
+        _check_heads_keep_directions(source, args.slice, args.trust_remote_code)
+
+
+def _check_heads_keep_directions(source: Path, fraction: float, trust_remote_code: bool) -> None:
+    """UsageError when slicing ``fraction`` of the stream leaves fewer directions than the model has
+    attention heads (each head must still read at least one), read from the config alone."""
+    config = load_config(source, trust_remote_code=trust_remote_code).get_text_config()
+    width, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if not isinstance(width, int) or not isinstance(heads, int):
+        return  # no such config fields: normfold.rotate still refuses a fraction that keeps nothing
+    kept = kept_directions(width, fraction)
+    if kept < heads:
+        raise UsageError(f"--slice {fraction} keeps {kept} of the {width} directions of the residual stream, fewer "
+                         f"than the model's {heads} attention heads (at least one each): use a fraction of at most "
+                         f"{1 - heads / width:.4f}")
+
+
+def is_sliced(report: dict) -> bool:
+    """Whether a folder's report records a sliced (approximate) rotation."""
+    rotation = report.get("rotation") or {}
+    return bool(rotation.get("slicing"))
+
+
+def verify_sliced(args, report: dict) -> int:
+    """``normfold verify ORIG OUT`` for a sliced folder: what can be checked, said as such. The whole
+    rotation's float64 proof was made when OUT was written (the unsliced model is not stored, so it is
+    shown as recorded); the sliced model is measured again against the original on the calibration
+    sentences the report keeps, and must keep the recorded lowest cosine (within float32 storage)."""
+    slicing, calibration = report["rotation"]["slicing"], report.get("calibration") or {}
+    sentences = calibration.get("sentences")
+    if not sentences:
+        raise UsageError(f"{args.folded_dir}: a sliced folder whose report lacks its calibration sentences: its cosine "
+                         "cannot be measured again")
+    with output.steps(not args.json) as step:
+        step("loading")
+        original = load_model(args.orig_dir, trust_remote_code=args.trust_remote_code)
+        sliced = from_pretrained(args.folded_dir, trust_remote_code=args.trust_remote_code)
+        calls = calibration_calls(original, load_tokenizer(args.folded_dir, trust_remote_code=args.trust_remote_code),
+                                  sentences)
+        step(f"measuring the sliced model against the original on {len(sentences)} calibration sentences (float64)")
+        calls = [((), call) for call in calls]
+        agreement = output_agreement(copy.deepcopy(original).double(), sliced.double(), calls)
+    recorded = slicing["min_cosine"]
+    ok = math.isfinite(agreement.min_cosine) and agreement.min_cosine >= recorded - COSINE_SLACK
+    proof = report["verification"]
+    ver = {"ok": ok, "kind": "sliced rotation (approximate)",
+           "checks": ("the whole rotation was proved in float64 when the folder was written (recorded, not "
+                      "re-run: the unsliced model is not stored); the sliced model is measured, not proved"),
+           "unsliced_proof_recorded": {k: proof.get(k) for k in ("ok", "max_rel_error", "tolerance")},
+           "min_cosine": agreement.min_cosine, "mean_cosine": agreement.mean_cosine,
+           "recorded_min_cosine": recorded, "losses": agreement.losses, "num_sentences": len(sentences),
+           "why": None if ok else (f"the lowest output cosine {agreement.min_cosine!r} is below the recorded "
+                                   f"{recorded!r} (less {COSINE_SLACK}) on the calibration sentences")}
+    if args.json:
+        print(json.dumps({"verification": ver}, indent=2, default=str))
+    else:
+        output.console().print(f"verification: {'[green]passed[/green]' if ok else '[red]FAILED[/red]'} (sliced: "
+                               "approximate, not exact)")
+        output.console().print(f"the whole rotation before slicing: proved in float64 when written, max rel err "
+                               f"{proof.get('max_rel_error'):.1e} (recorded)")
+        output.console().print(f"the sliced model: min cosine {agreement.min_cosine:.6f} (recorded {recorded:.6f}), "
+                               f"mean {agreement.mean_cosine:.6f} on {len(sentences)} calibration sentences"
+                               + "".join(f"; {n} {a:.4f} -> {b:.4f}" for n, (a, b) in agreement.losses.items()))
+    if not ok:
+        print(f"normfold: verification failed, {ver['why']}", file=sys.stderr)
+    return EXIT_OK if ok else EXIT_VERIFY_FAILED
 
 
 def add_commands(subparsers) -> None:
@@ -59,11 +162,14 @@ def add_commands(subparsers) -> None:
     p.add_argument("-o", "--output", metavar="OUT_DIR", required=True,
                    help="new folder to write (must not exist; not the input, inside it or above it)")
     p.add_argument("--method", choices=["hadamard", "random", "pca"], default="hadamard",
-                   help="the orthogonal basis: a seeded randomised Hadamard (default) or a seeded Haar-random "
-                        "matrix; pca is not supported for folders yet")
+                   help="the orthogonal basis: a seeded randomised Hadamard (default), a seeded Haar-random "
+                        "matrix, or the principal directions of the stream on --calibration")
     p.add_argument("--seed", type=int, default=0, help="seed of the random signs / matrix (default 0)")
+    p.add_argument("--calibration", metavar="FILE",
+                   help="with --method pca: UTF-8 text, one example per line, tokenized with the folder's tokenizer")
     p.add_argument("--slice", type=float, metavar="FRACTION",
-                   help="not supported for folders yet (slicing is approximate; use normfold.rotate in Python)")
+                   help="with --method pca: drop this share of the stream's directions, the least used (SliceGPT); "
+                        "approximate: the whole rotation is proved first, the sliced model measured on the calibration")
     p.add_argument("--stream", action="store_true",
                    help="not supported for folders yet (sharded checkpoints are refused: rotate loads the model)")
     p.add_argument("--overwrite", action="store_true",

@@ -73,10 +73,12 @@ def model_class_for(config, *, trust_remote_code: bool = False) -> type:
 
 
 def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-               trust_remote_code: bool = False) -> nn.Module:
+               trust_remote_code: bool = False, ignore_mismatched_sizes: bool = False) -> nn.Module:
     """Load a folder offline (``local_files_only``) in ``dtype``, eval mode, eager attention.
 
     Eager attention because ``torch.export`` + decompositions fail on SDPA for some models.
+    ``ignore_mismatched_sizes``: tensors whose shape differs from the config's are left initialised
+    (``normfold.from_pretrained`` then loads a sliced folder's resized tensors itself).
     """
     path = check_model_dir(model_dir)
     config = load_config(path, trust_remote_code=trust_remote_code)
@@ -84,7 +86,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     _check_weight_files(path)
     try:
         model = cls.from_pretrained(path, config=config, local_files_only=True, trust_remote_code=trust_remote_code,
-                                    dtype=dtype, attn_implementation="eager")
+                                    dtype=dtype, attn_implementation="eager",
+                                    ignore_mismatched_sizes=ignore_mismatched_sizes)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, NotImplementedError) as err:
         raise CheckpointError(f"could not load the weights in {path}: {_first_line(err)}") from err
     return model.eval()

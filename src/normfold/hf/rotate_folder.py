@@ -9,6 +9,8 @@ x·Q, whose mean is not zero, so the LayerNorm stock transformers rebuilds there
 """
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import os
 from collections.abc import Callable
@@ -17,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from .._deps import require
 from .folder import Step, _noop
-from .inputs import example_inputs_for
+from .inputs import calibration_batches, example_inputs_for, load_tokenizer, read_calibration_file
 from .load import check_model_dir, load_model
 from .output_dir import REPORT_JSON, atomic_output_dir
 from .report import describe_model, folder_report
@@ -28,49 +31,105 @@ from .side_files import copy_side_files
 if TYPE_CHECKING:  # the rotation's report type, for annotations only: hf never imports rotate
     from ..rotate import RotationReport
 
-# The rotation, as the caller composes it (the CLI: normfold.rotate with the user's method and seed):
-# (model, example inputs) -> (rotated copy proved equal in float64, its RotationReport)
-Rotate = Callable[[nn.Module, dict], "tuple[nn.Module, RotationReport]"]
+# The rotation, as the caller composes it (the CLI: normfold.rotate with the user's method, seed and
+# slice fraction): (model, example inputs, calibration calls or None) -> (rotated copy, its RotationReport);
+# the whole rotation proved equal in float64 (when sliced, before slicing)
+Rotate = Callable[[nn.Module, dict, "list[dict] | None"], "tuple[nn.Module, RotationReport]"]
 
 STOCK_WARNING = ("rotated: load with normfold.from_pretrained; stock transformers would rebuild the weightless "
                  "RMSNorms as LayerNorms, which re-center the rotated residual stream (its mean is not zero), "
                  "so its outputs would be wrong")
+SLICED_WARNING = ("sliced: approximate, not exact; the whole rotation was proved in float64 before slicing, the "
+                  "sliced model is only measured (cosine and loss on the calibration text, in the report)")
 
 
 def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rotate: Rotate, *,
-                  overwrite: bool = False, trust_remote_code: bool = False, step: Step = _noop) -> dict[str, Any]:
+                  calibration_file: str | os.PathLike | None = None, overwrite: bool = False,
+                  trust_remote_code: bool = False, step: Step = _noop) -> dict[str, Any]:
     """Rotate a folder's residual stream with ``rotate`` and write OUT_DIR only once it returned (its
     float64 proof passed); any refusal or failed proof raises and leaves no OUT_DIR.
+
+    ``calibration_file`` (PCA): UTF-8 text, one example per line, tokenized with the folder's own
+    tokenizer (:func:`normfold.hf.inputs.read_calibration_file`, as ``fold --approximate`` reads it),
+    in batches with language-model labels where the model takes them, so the report gives the
+    sliced model's loss. A missing or empty file, or a folder without a tokenizer, raises
+    ``CheckpointError`` before the model is loaded.
 
     The weights are saved in the dtype they were proved in (float32, the dtype ``load_model`` gives):
     rounding rotated weights to 16 bits is a change no proof covered. Side files (tokenizer, ...) are
     copied as ``normfold fold`` copies them. Returns the report written to ``normfold_report.json``.
     """
     model_dir = check_model_dir(model_dir)
+    sentences = tokenizer = None
+    if calibration_file is not None:  # every user error before the model is loaded
+        sentences = read_calibration_file(calibration_file)
+        tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     with atomic_output_dir(out_dir, overwrite=overwrite, protect=(model_dir,)) as tmp:
         step("loading")
         model = load_model(model_dir, trust_remote_code=trust_remote_code)
+        calibration = None if sentences is None else calibration_calls(model, tokenizer, sentences)
         step("rotating and proving in float64")
-        rotated, rotation = rotate(model, example_inputs_for(model))
+        rotated, rotation = rotate(model, example_inputs_for(model), calibration)
         layout = folded_layout(rotated)
         saved_dtype = next(rotated.parameters()).dtype
         step("saving")
         save_folded(rotated, tmp)
+        sections = {} if sentences is None else {
+            "calibration": calibration_record(calibration_file, sentences, len(calibration))}
         out = rotated_report(rotation, layout, saved_dtype=str(saved_dtype).replace("torch.", ""),
-                             model=describe_model(model, model_dir), skipped_files=copy_side_files(model_dir, tmp))
+                             model=describe_model(model, model_dir), skipped_files=copy_side_files(model_dir, tmp),
+                             **sections)
         (tmp / REPORT_JSON).write_text(json.dumps(out, indent=2, default=str) + "\n")
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
 
 
+def calibration_calls(model: nn.Module, tokenizer, sentences: list[str]) -> list[dict[str, Any]]:
+    """The sentences as padded batches (:func:`normfold.hf.inputs.calibration_batches`), with
+    ``labels`` (the ids, padding masked by -100) when the model is a causal language model taking
+    them, so that its loss is measured too."""
+    batches = calibration_batches(model, tokenizer, sentences)
+    if not takes_lm_labels(model):
+        return batches
+    return [{**b, "labels": b["input_ids"].masked_fill(b["attention_mask"] == 0, -100) if "attention_mask" in b
+             else b["input_ids"]} for b in batches]
+
+
+def takes_lm_labels(model: nn.Module) -> bool:
+    """Whether ``model`` is a causal language model whose forward computes the next-token loss from ``labels``."""
+    transformers = require("transformers")
+    causal = transformers.AutoModelForCausalLM._model_mapping
+    try:
+        is_causal = type(model) is causal[type(model.config)]
+    except (KeyError, ValueError):
+        is_causal = False
+    return is_causal and "labels" in inspect.signature(type(model).forward).parameters
+
+
+def calibration_record(path: str | os.PathLike, sentences: list[str], batches: int) -> dict[str, Any]:
+    """What the report keeps of the calibration text: the file's name and SHA-256, the counts, and the
+    sentences themselves (``normfold verify`` measures the sliced model on them again)."""
+    return {"file": Path(path).name, "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+            "num_sentences": len(sentences), "num_batches": batches, "sentences": sentences}
+
+
 def rotated_report(rotation: RotationReport, layout: dict[str, Any], *, saved_dtype: str,
                    **sections: Any) -> dict[str, Any]:
     """The folder report of a rotated folder: the exact fold's report and layout (:func:`folder_report`),
-    the rotation (method, seed, bases, its float64 proof as ``verification``), and ``stock_compatible``
-    false with the reason in ``stock_warning``."""
-    if not rotation.exact or rotation.verification is None:
-        raise ValueError("only an exact, proved rotation is written to a folder (a sliced one is approximate)")
+    the rotation (method, seed, bases, slicing), the float64 proof of the whole rotation as
+    ``verification`` (when sliced, of the rotation before slicing: ``exact`` false, the slicing's
+    cosine and loss under ``rotation.slicing``), the rotation recorded in ``plan`` too, and
+    ``stock_compatible`` false with the reason in ``stock_warning``."""
+    if rotation.verification is None or not rotation.verification.ok:
+        raise ValueError("only a rotation proved in float64 (before any slicing) is written to a folder")
     report = folder_report(rotation.fold, layout, saved_dtype=saved_dtype, **sections)
+    slicing = rotation.slicing
+    calibration = sections.get("calibration") or {}
+    report["plan"]["rotation"] = {"method": rotation.method, "seed": rotation.seed,
+                                  "slice_fraction": 0.0 if slicing is None else slicing.fraction,
+                                  "kept": [s.kept for s in rotation.streams],
+                                  "calibration_sha256": calibration.get("sha256")}
     report.update(rotation=rotation.to_dict(), verification=rotation.verification.to_dict(),
-                  stock_compatible=False, stock_warning=STOCK_WARNING)
+                  stock_compatible=False,
+                  stock_warning=STOCK_WARNING if slicing is None else f"{STOCK_WARNING}; {SLICED_WARNING}")
     return report

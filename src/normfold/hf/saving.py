@@ -25,6 +25,7 @@ from ..fold.plan import PlanConstraints
 from ..fold.report import FoldReport
 from ..fold.transform import norm_like, untie_config
 from ..nn import RMSNorm
+from ..nn.resize import replace_parameter
 from .._deps import require
 from .load import CheckpointError, _first_line, check_model_dir, load_model
 from .output_dir import REPORT_JSON, atomic_output_dir
@@ -109,6 +110,8 @@ def folded_layout(folded: nn.Module) -> dict[str, Any]:
     - ``identity``: norms the fold precomputed into a table, now ``nn.Identity``;
     - ``extra_parameters``: parameters the fold created where the stock class has none (``lm_head.bias``
       when ``normfold.fold`` moved GPT-2's ln_f γ/β into the head), ``[{"name", "shape"}]``;
+    - ``resized``: parameters of another shape than the stock class's (a sliced residual stream,
+      ``normfold rotate --slice``), ``[{"name", "shape"}]``;
     - ``stock_compatible``: no identity and no extra parameters, so stock ``from_pretrained`` builds the
       same model (each swapped RMSNorm comes back as the LayerNorm it equals on its zero-mean input).
 
@@ -141,8 +144,11 @@ def folded_layout(folded: nn.Module) -> dict[str, Any]:
     if problems:
         raise ValueError(f"cannot save {type(folded).__name__} so that normfold.from_pretrained rebuilds it: "
                          f"{'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}")
-    return {"swapped": swapped, "identity": identity, "extra_parameters": extra,
-            "stock_compatible": not identity and not extra}
+    stock_shapes = dict(stock.named_parameters(remove_duplicate=False))
+    resized = [{"name": name, "shape": list(p.shape)} for name, p in params.items()
+               if name in stock_shapes and p.shape != stock_shapes[name].shape]
+    return {"swapped": swapped, "identity": identity, "extra_parameters": extra, "resized": resized,
+            "stock_compatible": not identity and not extra and not resized}
 
 
 def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
@@ -234,11 +240,13 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     path = check_model_dir(path)
     layout = _read_layout(path)
     stored = _stored_tensors(path)
-    missing = [e["name"] for e in layout["extra_parameters"] if e["name"] not in stored]
+    missing = [e["name"] for e in layout["extra_parameters"] + layout["resized"] if e["name"] not in stored]
     if missing:
         raise CheckpointError(f"{path / REPORT_JSON} lists parameters the weights in {path} do not hold: "
                               f"{', '.join(missing)}")
-    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    # resized (sliced) tensors do not fit the class built from the config: loaded below, once it is built
+    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                       ignore_mismatched_sizes=bool(layout["resized"]))
     try:
         for module_path in layout["identity"]:
             parent_path, _, attr = module_path.rpartition(".")
@@ -250,6 +258,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
                               f"{_first_line(err)}") from err
     for entry in layout["extra_parameters"]:
         _restore_parameter(model, entry, stored)
+    for entry in layout["resized"]:
+        _restore_resized(model, entry, stored)
     _check_every_parameter_stored(model, stored, path)
     return model
 
@@ -264,7 +274,9 @@ def _read_layout(path: Path) -> dict[str, Any]:
         report = json.loads(report_file.read_text())
         layout = {"swapped": list(report["swapped"]), "identity": [str(p) for p in report.get("identity", [])],
                   "extra_parameters": [{"name": str(e["name"]), "shape": [int(n) for n in e["shape"]]}
-                                       for e in report.get("extra_parameters", [])]}
+                                       for e in report.get("extra_parameters", [])],
+                  "resized": [{"name": str(e["name"]), "shape": [int(n) for n in e["shape"]]}
+                              for e in report.get("resized", [])]}
         for entry in layout["swapped"]:
             absent = {"path", "normalized_shape", "eps", "weight", "bias"} - set(entry)
             if absent:
@@ -317,12 +329,28 @@ def _restore_parameter(model: nn.Module, entry: Mapping[str, Any], stored: Mappi
         owner = model.get_submodule(owner_path)
     except AttributeError as err:
         raise CheckpointError(f"{type(model).__name__} has no module {owner_path!r} to hold {entry['name']}") from err
+    like = next(model.parameters())
+    value = _recorded_tensor(entry, stored)
+    owner.register_parameter(attr, nn.Parameter(value.to(device=like.device, dtype=like.dtype)))
+
+
+def _restore_resized(model: nn.Module, entry: Mapping[str, Any], stored: Mapping[str, Path]) -> None:
+    """Give ``model``'s parameter ``entry["name"]`` the stored values of the recorded shape (a sliced
+    stream), its layer's shape attributes following (:func:`normfold.nn.resize.replace_parameter`)."""
+    try:
+        old = model.get_parameter(entry["name"])
+    except AttributeError as err:
+        raise CheckpointError(f"{type(model).__name__} has no parameter {entry['name']} to resize") from err
+    replace_parameter(model, old, _recorded_tensor(entry, stored).to(device=old.device, dtype=old.dtype))
+
+
+def _recorded_tensor(entry: Mapping[str, Any], stored: Mapping[str, Path]) -> torch.Tensor:
+    """The stored tensor ``entry["name"]``, CheckpointError unless it has the shape the report records."""
     value = _read_tensor(stored[entry["name"]], entry["name"])
     if list(value.shape) != entry["shape"]:
         raise CheckpointError(f"{entry['name']}: the report says shape {entry['shape']}, the weights hold "
                               f"{list(value.shape)}")
-    like = next(model.parameters())
-    owner.register_parameter(attr, nn.Parameter(value.to(device=like.device, dtype=like.dtype)))
+    return value
 
 
 def _check_every_parameter_stored(model: nn.Module, stored: Mapping[str, Path], path: Path) -> None:

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ..fold.math import compute_dtype
 from ..nn import RMSNorm
+from ..nn.resize import replace_parameter
 from .closure import Stream
 
 
@@ -60,39 +61,11 @@ def apply_rotation(model: nn.Module, streams: list[Stream], bases: list[Tensor])
                 if new.shape == param.shape:
                     param.copy_(new)
                 else:
-                    _replace_parameter(model, param, new)
+                    replace_parameter(model, param, new)
             if kept != stream.width:
                 for path in stream.norms:
                     _swap_sliced_norm(model, path, stream.width, kept)
     return model
-
-
-def _replace_parameter(model: nn.Module, old: nn.Parameter, value: Tensor) -> None:
-    """Every module attribute holding ``old`` (tied names too) gets one new Parameter ``value``;
-    layer attributes that state the shape (in_features, embedding_dim, Conv1D's nf ...) follow."""
-    new = nn.Parameter(value, requires_grad=old.requires_grad)
-    for fqn, p in list(model.named_parameters(remove_duplicate=False)):
-        if p is old:
-            owner_path, _, attr = fqn.rpartition(".")
-            owner = model.get_submodule(owner_path)
-            setattr(owner, attr, new)
-            _sync_shape_attributes(owner)
-
-
-def _sync_shape_attributes(module: nn.Module) -> None:
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, Tensor):
-        return
-    if isinstance(module, nn.Linear):
-        module.out_features, module.in_features = weight.shape
-    elif isinstance(module, nn.Embedding):
-        module.embedding_dim = weight.shape[1]
-    elif isinstance(module, nn.modules.conv._ConvNd):
-        out_dim, in_dim = (1, 0) if module.transposed else (0, 1)
-        module.out_channels = weight.shape[out_dim] * (module.groups if module.transposed else 1)
-        module.in_channels = weight.shape[in_dim] * (1 if module.transposed else module.groups)
-    elif type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # Hugging Face: weight (nx, nf)
-        module.nx, module.nf = weight.shape
 
 
 def _swap_sliced_norm(model: nn.Module, path: str, width: int, kept: int) -> None:
