@@ -433,7 +433,8 @@ def test_a_norm_whose_input_holds_another_norms_affine_output_is_blocked():
 
 
 class ConflictingGroups(nn.Module):
-    """One producer read by a whole-dim norm and by a per-head norm: no centering satisfies both."""
+    """One producer read by a whole-dim norm and by a per-head norm: no centering satisfies both, but
+    the per-head norm, kept, absorbs the whole-dim centering shift (constant over each head)."""
 
     def __init__(self):
         super().__init__()
@@ -445,9 +446,9 @@ class ConflictingGroups(nn.Module):
         return self.whole(h), self.per_head(h.view(B, T, H, D))
 
 
-def test_a_parameter_needed_along_two_groupings_is_a_conflict():
-    _, report = fold_checked(ConflictingGroups(), (_x(B, T, C),), {"whole": False, "per_head": False})
-    assert any("conflict" in e.reason for e in report.norms), str(report)
+def test_a_parameter_needed_along_two_groupings_keeps_the_grouped_norm():
+    _, report = fold_checked(ConflictingGroups(), (_x(B, T, C),), {"whole": True, "per_head": False})
+    assert "its centering is per group of 4" in reason_of(report, "per_head"), str(report)
 
 
 class BufferSource(nn.Module):

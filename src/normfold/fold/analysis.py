@@ -5,15 +5,18 @@ For each norm, the requirement "its input is zero-mean along the last dim" is wa
 the rules table (memoized on (node, dim, group)) to parameter sources or to a Break. A norm whose
 walk ends only in sources is a candidate; it is foldable when its zero-mean graph is *closed*:
 every node whose value centering changes is read only along the requirement edges of foldable
-norms, or as the input of a LayerNorm (which ignores a shift along its normalized dim). Dropping a
-candidate can invalidate another, so the check runs to a fixpoint.
+norms, or by ops that carry the centering shift (x − m·1, the rules table's shift column) to the
+inputs of LayerNorms that stay LayerNorms (which ignore a shift along their normalized dim). Dead
+code and shape-only reads are not readers. Which norms fold decides which absorb, so the check
+runs to a fixpoint.
 
-One idea, about 480 lines: the walk, the closedness check and its fixpoint decide together which
+One idea, about 600 lines: the walk, the closedness check and its fixpoint decide together which
 norms fold; splitting them would spread one decision over files (γ/β placement is apart, in affine.py).
 """
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -28,8 +31,8 @@ from .graph import Captured, describe, module_path, module_stack, shape, single_
 from .graph import op_packet as _packet  # the short name reads better in the walks below
 from .plan import AffineFoldStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
-from .rules import (METADATA_OPS, MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, classify, make_need,
-                    norm_call)
+from .rules import (MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, classify, make_need, norm_call,
+                    reads_only_shape, shift_is_additive, shift_passes)
 
 _aten = torch.ops.aten
 _NOTHING: Mapping[str, str] = MappingProxyType({})
@@ -114,19 +117,46 @@ class _Norm:
 
 
 def effective_users(node: fx.Node):
-    """Users of a node, seeing through list-returning ops (split, chunk, unbind) to their getitems."""
+    """Users that read a node's values, seeing through list-returning ops (split, chunk, unbind) to their
+    getitems; dead code (no path to an output, no side effect) and shape-only reads (``sym_size``,
+    ``expand_as``'s second argument, ``new_zeros``...) are skipped: a change of the values never reaches them."""
+    live = live_nodes(node.graph)
     for user in node.users:
+        if user not in live or reads_only_shape(user, node):
+            continue
         if _packet(user) in MULTI_OUTPUT_OPS:
-            yield from (item for item in user.users if item.users)  # unread parts are dead code
+            yield from (item for item in user.users if item in live)
         else:
             yield user
 
 
 def _is_ln_input(user: fx.Node, need: Need) -> bool:
-    """``user`` is a LayerNorm over the last dim reading ``need.node`` as its input, whole-dim."""
+    """``user`` is a LayerNorm over the last dim reading ``need.node`` as its input, whole-dim: one
+    that stays absorbs the centering, one that folds has this very need as its root."""
     call = norm_call(user)
     return (call is not None and not call.is_rms and call.x is need.node and call.num_dims == 1
             and need.dim == len(shape(need.node)) - 1 and need.group is None)
+
+
+_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def live_nodes(graph: fx.Graph) -> frozenset[fx.Node]:
+    """Nodes with a path to the output or to a side effect (in-place ops, asserts); the rest is dead code.
+
+    Computed once per graph and node count (the analysis only reads graphs)."""
+    count, live = _LIVE.get(graph, (-1, frozenset()))
+    if count != len(graph.nodes):
+        stack = [n for n in graph.nodes if n.op == "output" or n.is_impure()]
+        reached: set[fx.Node] = set()
+        while stack:
+            node = stack.pop()
+            if node not in reached:
+                reached.add(node)
+                stack.extend(node.all_input_nodes)
+        live = frozenset(reached)
+        _LIVE[graph] = (len(graph.nodes), live)
+    return live
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -244,7 +274,10 @@ def _walk_norms(walker: Walker, norms: list[_Norm]) -> None:
 
 
 def _close(walker: Walker, norms: list[_Norm], captured: Captured) -> dict[Need, set[fx.Node]]:
-    """Drop candidates until every changed node is read only where a rule or a norm allows it.
+    """Drop candidates until every changed node is read only where a rule allows it or through ops that
+    carry its centering shift to LayerNorms that stay LayerNorms: a fixed point, since which norms fold
+    decides which absorb. Failures that hold whatever else folds are dropped first; a failure that only
+    a folding norm causes (its shift reaching that norm) waits until no other is left.
 
     Returns the requirement edges of the foldable norms: Need -> the nodes that asked for it.
     """
@@ -255,37 +288,134 @@ def _close(walker: Walker, norms: list[_Norm], captured: Captured) -> dict[Need,
             for need in norm.zero_mean_graph:
                 for child in walker.memo[need].children:
                     parents.setdefault(child, set()).add(need.node)
-        dropped = False
+        folding = _FoldingSet.of(walker, active, captured)
+        failures = []
         for norm in active:
-            failure = _closedness_failure(walker, norm, parents, captured)
+            failure = _closedness_failure(walker, norm, parents, captured, folding)
             if failure is None:
                 failure = _conflict(norm, active, captured)
             if failure is not None:
-                norm.foldable, norm.reason = False, failure
-                dropped = True
-        if not dropped:
+                failures.append((norm, failure))
+        firm = [(norm, f) for norm, f in failures if not f.waits_on_others]
+        for norm, failure in firm or failures:
+            norm.foldable, norm.reason = False, failure.reason
+        if not failures:
             return parents
 
 
-def _closedness_failure(walker: Walker, norm: _Norm, parents, captured: Captured) -> str | None:
-    """Why centering this norm's producers would leak into something that is not a norm, or None."""
+@dataclass(frozen=True)
+class _Failure:
+    reason: str
+    waits_on_others: bool  # would pass if some other norm stayed a LayerNorm
+
+
+@dataclass(frozen=True)
+class _FoldingSet:
+    """What a centering shift must not reach while these norms fold."""
+
+    norm_paths: Mapping[fx.Node, str]   # norm op node -> path, for every norm that folds (or becomes Identity)
+    zero_mean_nodes: frozenset          # nodes that a folding norm needs zero-mean
+    changed: frozenset                  # nodes whose values centering may change (downstream of centered tensors)
+
+    @classmethod
+    def of(cls, walker: Walker, active: list[_Norm], captured: Captured) -> _FoldingSet:
+        graph_needs = [need for norm in active for need in norm.zero_mean_graph]
+        centered = {need.node for need in graph_needs if need.node in captured.param_fqn and walker.memo[need].changed}
+        changed, stack = set(), list(centered)
+        while stack:
+            node = stack.pop()
+            if node not in changed:
+                changed.add(node)
+                stack.extend(effective_users(node))
+        return cls({call.node: norm.path for norm in active for call in norm.calls},
+                   frozenset(need.node for need in graph_needs), frozenset(changed))
+
+
+def _closedness_failure(walker: Walker, norm: _Norm, parents, captured: Captured,
+                        folding: _FoldingSet) -> _Failure | None:
+    """Why centering this norm's producers would leak into something that no norm absorbs, or None.
+
+    A use outside the zero-mean graph is allowed when the centering shift it reads (x − m·1 = x + δ)
+    reaches, through ops that pass it, only the inputs of LayerNorms that stay LayerNorms
+    (LN(x + c·1) = LN(x)). A failure that another norm folding causes is returned only if none other is.
+    """
+    waiting = None
     for need in sorted(norm.zero_mean_graph, key=lambda n: n.node.name):
         if not walker.memo[need].changed:
             continue
         inside = parents.get(need, set())
         for user in effective_users(need.node):
-            if user in inside or _packet(user) in METADATA_OPS or _is_ln_input(user, need):
+            if user in inside or _is_ln_input(user, need):
                 continue
             if need.node in captured.param_fqn and _untieable(captured, need.node, user, inside):
                 continue
             what = captured.param_fqn.get(need.node) or describe(need.node)
             other = next((k for k, users in parents.items() if k.node is need.node and k != need and user in users), None)
             if other is not None:
-                return (f"conflict: {what} must be zero-mean along dim {need.dim} (group {need.group}) and along "
-                        f"dim {other.dim} (group {other.group}); no centering gives both")
+                return _Failure(f"conflict: {what} must be zero-mean along dim {need.dim} (group {need.group}) and "
+                                f"along dim {other.dim} (group {other.group}); no centering gives both",
+                                _whole_waits_for_grouped((need.dim, need.group), [(other.dim, other.group)]))
             if user.op == "output":
-                return f"not closed: {what} is a model output"
-            return f"not closed: {what} also feeds {describe(user)}, which is not a norm input"
+                return _Failure(f"not closed: {what} is a model output", False)
+            unread = f"not closed: {what} also feeds {describe(user)}, which is not a norm input"
+            if need.group is not None:
+                return _Failure(f"{unread}, and its centering is per group of {need.group} along dim {need.dim}: "
+                                "no LayerNorm over a whole dim absorbs that", False)
+            dims = need.dim if isinstance(need.dim, tuple) else (need.dim,)
+            blocker = _shift_blocker(user, need.node, dims, folding)
+            if blocker is not None:
+                failure = _Failure(f"{unread}, and its centering shift reaches {blocker.reason}", blocker.waits_on_others)
+                if not failure.waits_on_others:
+                    return failure
+                waiting = waiting or failure
+    return waiting
+
+
+def _shift_blocker(reader: fx.Node, changed: fx.Node, dims: tuple[int, ...], folding: _FoldingSet) -> _Failure | None:
+    """Follow the shift that centering adds to ``changed`` (constant along ``dims``) forward from
+    ``reader``: None when every path ends at the input of a LayerNorm that stays one, else the first
+    place it is not absorbed (a model output, an op that does not pass it, a norm that folds...)."""
+    stack, seen = [(reader, changed, dims)], set()
+    while stack:
+        user, operand, dims = stack.pop()
+        if (user, operand, dims) in seen:
+            continue
+        seen.add((user, operand, dims))
+        if user.op == "output":
+            return _Failure("a model output", False)
+        call = norm_call(user)
+        if call is not None and call.x is operand and operand not in (call.weight, call.bias):
+            failure = _absorbs(call, operand, dims, folding)
+            if failure is not None:
+                return failure
+            continue
+        if user in folding.zero_mean_nodes:
+            return _Failure(f"{describe(user)}, which a folding norm needs zero-mean", True)
+        out_dims = shift_passes(user, operand, dims)
+        if out_dims is None:
+            return _Failure(f"{describe(user)}, which does not pass a ones-vector shift", False)
+        if not shift_is_additive(user) and any(
+                other is not operand and other in folding.changed for other in user.all_input_nodes):
+            return _Failure(f"{describe(user)}, whose other operand changes too", False)
+        stack.extend((nxt, user, out_dims) for nxt in effective_users(user))
+    return None
+
+
+def _absorbs(call: NormCall, x: fx.Node, dims: tuple[int, ...], folding: _FoldingSet) -> _Failure | None:
+    """None when this norm removes a shift of its input that is constant along ``dims``: a LayerNorm
+    that stays one, over its last dim alone, which is among ``dims`` (LN(x + c·1) = LN(x)); else why not."""
+    where = describe(call.node)
+    if call.is_rms:
+        return _Failure(f"{where}, an RMSNorm (an RMSNorm does not absorb a shift)", False)
+    if call.num_dims != 1:
+        return _Failure(f"{where}, a LayerNorm over {call.num_dims} dims together (it absorbs a shift along all "
+                        "of them, not along one)", False)
+    if len(shape(x)) - 1 not in dims:
+        return _Failure(f"{where}, which normalizes dim {len(shape(x)) - 1}, while the shift is constant along "
+                        f"dims {dims} only", False)
+    if call.node in folding.norm_paths:
+        return _Failure(f"{folding.norm_paths[call.node]}, which folds to an RMSNorm (an RMSNorm does not absorb "
+                        "a shift)", True)
     return None
 
 
@@ -299,7 +429,7 @@ def _canonical(fqn: str, captured: Captured) -> str:
     return captured.aliases.get(fqn, (fqn,))[0]
 
 
-def _conflict(norm: _Norm, active: list[_Norm], captured: Captured) -> str | None:
+def _conflict(norm: _Norm, active: list[_Norm], captured: Captured) -> _Failure | None:
     """A tensor centered along two different (dim, group)s cannot satisfy both requirements."""
     wanted: dict[str, set] = {}
     for other in active:
@@ -308,8 +438,17 @@ def _conflict(norm: _Norm, active: list[_Norm], captured: Captured) -> str | Non
     for fqn, dim, group in norm.params:
         ways = wanted[_canonical(fqn, captured)]
         if len(ways) > 1:
-            return f"conflict: {fqn} must be zero-mean along {sorted(ways, key=str)} for different norms"
+            return _Failure(f"conflict: {fqn} must be zero-mean along {sorted(ways, key=str)} for different norms",
+                            _whole_waits_for_grouped((dim, group), ways - {(dim, group)}))
     return None
+
+
+def _whole_waits_for_grouped(mine: tuple, others) -> bool:
+    """In a conflict between centering a dim whole (mine) and per group (the others), the grouped norms
+    go first: once they stay LayerNorms over their groups, they absorb the whole-dim shift, and the
+    whole-dim norm may fold (the reverse never holds: a per-group shift is not constant along a whole dim)."""
+    dim, group = mine
+    return group is None and all(d == dim and g is not None for d, g in others)
 
 
 # --------------------------------------------------------------------------- entry point

@@ -39,7 +39,7 @@ class Need(NamedTuple):
 
     ``dim`` may also be a sorted tuple of dims, with group None: zero-mean jointly over that block
     (features split and permuted by layout ops, e.g. (H, D) → (D, H) before a merge back to C).
-    Only layout rules accept blocks; every other op breaks on them.
+    Only layout rules (and scaling by a number) accept blocks; every other op breaks on them.
     """
 
     node: fx.Node
@@ -131,7 +131,7 @@ def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> 
     if rule is None:
         return Break(f"{op_name(node)} is not in the rules table (unknown ops break)")
     if isinstance(dim, tuple) and rule not in BLOCK_RULES:
-        return Break(f"{op_name(node)} would need zero mean jointly over dims {dim} (only layout ops allow that)")
+        return Break(f"{op_name(node)} would need zero mean jointly over dims {dim} (only layout ops and scaling by a number allow that)")
     return rule(node, dim, group)
 
 
@@ -225,8 +225,17 @@ def _add_sub(node, dim, group):
     return _collect(node, [_broadcast_operand(node, a, dim, group), _broadcast_operand(node, b, dim, group)])
 
 
+def _scaled_block(node, x, scale, dim):
+    """x·s or x/s over a block of dims: P_block(x)·s = P_block(x·s) when s is a number."""
+    if isinstance(scale, (int, float, bool)) and isinstance(x, fx.Node):
+        return Requires((make_need(x, dim, None),))
+    return Break(f"{op_name(node)} would need zero mean jointly over dims {dim} with a tensor factor")
+
+
 def _mul(node, dim, group):
     a, b = node.args[0], node.args[1]
+    if isinstance(dim, tuple):
+        return _scaled_block(node, a, b, dim) if isinstance(a, fx.Node) else _scaled_block(node, b, a, dim)
     a_row, b_row = _is_row_scalar(node, a, dim), _is_row_scalar(node, b, dim)
     if a_row and b_row:
         return Break(f"{op_name(node)} of two factors that are constant along the normalized dim")
@@ -240,6 +249,8 @@ def _mul(node, dim, group):
 def _div(node, dim, group):
     if "rounding_mode" in node.kwargs and node.kwargs["rounding_mode"] is not None:
         return Break(f"{op_name(node)} with rounding")
+    if isinstance(dim, tuple):
+        return _scaled_block(node, node.args[0], node.args[1], dim)
     if not _is_row_scalar(node, node.args[1], dim):
         return Break(f"{op_name(node)}: division by a tensor that varies along the normalized dim")
     return _collect(node, [_broadcast_operand(node, node.args[0], dim, group)])
@@ -546,6 +557,232 @@ def _zero_source(node, dim, group):
     return Break(f"{op_name(node)} with a non-zero fill value")
 
 
+# --------------------------------------------------------------------------- the shift column
+#
+# Centering a producer changes it from x to x − m·1 along a dim (m a per-row mean): a *ones-vector
+# shift* δ that is constant along that dim. The shift column follows such a δ forward: a rule gets
+# the dims along which the operand's δ is constant and returns the output dims along which
+# op(x + δ) − op(x) is constant, for every x and δ of that form (empty or None: the op does not pass
+# it). Exact, not merely sufficient; ops not in the column break. A rule decides only how δ flows
+# through the operand it arrives on; ops outside SHIFT_ADDITIVE also need their other tensor
+# operands unchanged (the closedness check verifies that). A LayerNorm over the last dim removes δ
+# when the last dim is among them: LN(x + c·1) = LN(x).
+
+Dims = tuple[int, ...]
+
+
+def shift_passes(node: fx.Node, operand: fx.Node, dims: Dims) -> Dims | None:
+    """The output dims of ``node`` along which a shift of ``operand``, constant along ``dims``, comes out
+    constant; None when ``node`` does not pass it (unknown ops, nonlinearities, mixing those dims)."""
+    if node.op != "call_function" or shape(node) is None or shape(operand) is None:
+        return None
+    rule = SHIFT_RULES.get(getattr(node.target, "overloadpacket", node.target))
+    out = rule(node, operand, frozenset(dims)) if rule is not None else None
+    return tuple(sorted(out)) if out else None
+
+
+def shift_is_additive(node: fx.Node) -> bool:
+    """The op's output change is the sum of each operand's own (add, sub, cat, stack): shifts on several
+    operands superpose, so the other operands may change too."""
+    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in SHIFT_ADDITIVE
+
+
+def reads_only_shape(user: fx.Node, operand: fx.Node) -> bool:
+    """``user`` reads ``operand`` only for its shape, dtype or device: a change of its values cannot reach it
+    (``sym_size``, ``new_zeros``, ``zeros_like``, the second argument of ``expand_as`` / ``view_as`` ...)."""
+    packet = getattr(user.target, "overloadpacket", None) if user.op == "call_function" else None
+    if packet in METADATA_OPS:
+        return True
+    index = _SHAPE_SOURCE_ARG.get(packet)
+    if index is None:
+        return False
+    value_args = [a for i, a in enumerate(user.args) if i != index] + list(user.kwargs.values())
+    return len(user.args) > index and user.args[index] is operand and operand not in value_args
+
+
+def _only_at(node: fx.Node, operand: fx.Node, index: int) -> bool:
+    """``operand`` is argument ``index`` of ``node`` and no other argument."""
+    args = list(node.args) + list(node.kwargs.values())
+    return len(node.args) > index and node.args[index] is operand and sum(a is operand for a in args) == 1
+
+
+def _broadcast_dims(out: fx.Node, operand: fx.Node, dims) -> set[int]:
+    """Output dims of a broadcasting op along which the operand's shift is constant: its own dims
+    (right-aligned) and every dim it is broadcast along (absent or of size 1 there)."""
+    offset = _rank(out) - _rank(operand)
+    s_in, s_out = shape(operand), shape(out)
+    spread = {d for d in range(_rank(out)) if d < offset or (s_in[d - offset] == 1 and s_out[d] != 1)}
+    return {d + offset for d in dims} | spread
+
+
+def _shift_same(node, operand, dims):
+    return dims if _only_at(node, operand, 0) else None
+
+
+def _shift_dropout(node, operand, dims):
+    return None if _arg(node, 2, "train", False) else _shift_same(node, operand, dims)
+
+
+def _shift_add_sub(node, operand, dims):
+    """(x + δ) ± y = (x ± y) ± δ, δ broadcast to the output (also when x is on both sides: 0 or 2δ)."""
+    return _broadcast_dims(node, operand, dims)
+
+
+def _shift_mul(node, operand, dims):
+    """(x + δ)·s = x·s + δ·s: constant along the dims where both δ and s are."""
+    a, b = node.args[0], node.args[1]
+    if (a is operand) == (b is operand):
+        return None
+    other = b if a is operand else a
+    return {d for d in _broadcast_dims(node, operand, dims) if _is_row_scalar(node, other, d)}
+
+
+def _shift_div(node, operand, dims):
+    if node.kwargs.get("rounding_mode") is not None or not _only_at(node, operand, 0):
+        return None
+    return {d for d in _broadcast_dims(node, operand, dims) if _is_row_scalar(node, node.args[1], d)}
+
+
+def _shift_in_place(rule):
+    """``a.add_(b)``: the functional rule, if nothing else reads ``a`` (whose value it overwrites)."""
+    def in_place_shift(node, operand, dims):
+        target = node.args[0]
+        if isinstance(target, fx.Node) and len(target.users) != 1:
+            return None
+        return rule(node, operand, dims)
+    return in_place_shift
+
+
+def view_groups(in_s: tuple[int, ...], out_s: tuple[int, ...]) -> list[tuple[range, range]]:
+    """A reshape as its smallest blocks of input dims and output dims holding the same elements
+    ((6, 4) -> (2, 3, 4): [(0..0, 0..1), (1..1, 2..2)]); size-1 dims join the block next to them."""
+    groups, i, j = [], 0, 0
+    while i < len(in_s) or j < len(out_s):
+        i0, j0 = i, j
+        a = in_s[i] if i < len(in_s) else 1
+        b = out_s[j] if j < len(out_s) else 1
+        i, j = min(i + 1, len(in_s)), min(j + 1, len(out_s))
+        while a != b:
+            if (i >= len(in_s) and a < b) or (j >= len(out_s) and b < a):  # not a reshape (empty tensors)
+                return [(range(len(in_s)), range(len(out_s)))]
+            if a < b:
+                a, i = a * in_s[i], i + 1
+            else:
+                b, j = b * out_s[j], j + 1
+        groups.append((range(i0, i), range(j0, j)))
+    return groups
+
+
+def _shift_view(node, operand, dims):
+    """A reshape: an output dim is constant where every input dim of its block (size > 1) is."""
+    if not _only_at(node, operand, 0):
+        return None
+    in_s, out_s = shape(operand), shape(node)
+    out = set()
+    for ins, outs in view_groups(in_s, out_s):
+        if all(d in dims or in_s[d] == 1 for d in ins):
+            out.update(outs)
+    return out
+
+
+def _shift_permute(node, operand, dims):
+    order = [d % _rank(node) for d in node.args[1]]
+    return {k for k, d in enumerate(order) if d in dims} if _only_at(node, operand, 0) else None
+
+
+def _shift_transpose(node, operand, dims):
+    r = _rank(node)
+    a, b = node.args[1] % r, node.args[2] % r
+    return {b if d == a else a if d == b else d for d in dims} if _only_at(node, operand, 0) else None
+
+
+def _shift_t(node, operand, dims):
+    return {1 - d for d in dims} if _rank(node) == 2 and _only_at(node, operand, 0) else _shift_same(node, operand, dims)
+
+
+def _shift_numpy_t(node, operand, dims):
+    return {_rank(node) - 1 - d for d in dims} if _only_at(node, operand, 0) else None
+
+
+def _shift_expand(node, operand, dims):
+    """Broadcasting copies δ along new or size-1 dims: constant along those too."""
+    return _broadcast_dims(node, operand, dims) if _only_at(node, operand, 0) else None
+
+
+def _shift_slice(node, operand, dims):
+    """Any part of a constant run (even along the dim itself, with any step) is constant."""
+    return dims if _only_at(node, operand, 0) else None
+
+
+def _shift_select(node, operand, dims):
+    ds = node.args[1] % _rank(operand)
+    return {d if d < ds else d - 1 for d in dims if d != ds} if _only_at(node, operand, 0) else None
+
+
+def _shift_index_select(node, operand, dims):
+    return dims if _only_at(node, operand, 0) else None  # picked entries of a constant run are constant
+
+
+def _shift_cat(node, operand, dims):
+    """Joined with parts shifted on their own (or not at all): constant along every dim but the joined one."""
+    if _rank(operand) != _rank(node):
+        return None
+    return dims - {_arg(node, 1, "dim", 0) % _rank(node)}
+
+
+def _shift_stack(node, operand, dims):
+    ds = _arg(node, 1, "dim", 0) % _rank(node)
+    return {d if d < ds else d + 1 for d in dims}
+
+
+def _shift_pad(node, operand, dims):
+    """Padding with a constant: the change is δ inside and 0 in the padding, constant along unpadded dims."""
+    pad = list(node.args[1])
+    r = _rank(node)
+    padded = {r - 1 - k for k in range(len(pad) // 2) if pad[2 * k] or pad[2 * k + 1]}
+    return dims - padded if _only_at(node, operand, 0) else None
+
+
+def _shift_reduce(node, operand, dims):
+    """Summing (averaging) over other dims: Σ δ is constant where δ was."""
+    reduce = _arg(node, 1, "dim", None)
+    if reduce is None or not _only_at(node, operand, 0):
+        return None
+    reduced = {d % _rank(operand) for d in ([reduce] if isinstance(reduce, int) else reduce)}
+    if _arg(node, 2, "keepdim", False):
+        return dims - reduced
+    return {d - sum(r < d for r in reduced) for d in dims - reduced}
+
+
+def _shift_linear(node, operand, dims):
+    """(x + δ)·Wᵀ + b = (x·Wᵀ + b) + δ·Wᵀ: constant along δ's dims except the features, which W mixes."""
+    last = _rank(operand) - 1
+    return {d + _rank(node) - _rank(operand) for d in dims if d != last} if _only_at(node, operand, 0) else None
+
+
+def _shift_mm(node, operand, dims):
+    """(a + δ)·b = a·b + δ·b, constant along the rows where δ is; a·(b + δ), along the columns."""
+    a, b = node.args[0], node.args[1]
+    if a is b or _rank(a) < 2 or _rank(b) < 2:
+        return None
+    if operand is a and _rank(a) - 2 in dims:
+        return {_rank(node) - 2}
+    if operand is b and _rank(b) - 1 in dims:
+        return {_rank(node) - 1}
+    return None
+
+
+def _shift_getitem(node, operand, dims):
+    """A part of a split along any dim keeps its constant runs; unbinding a dim drops it."""
+    src = node.args[0]
+    packet = getattr(getattr(src, "target", None), "overloadpacket", None) if isinstance(src, fx.Node) else None
+    name = str(packet).removeprefix("aten.") if packet is not None else None
+    if name not in _SPLIT_DIM_ARG or src.args[0] is not operand:
+        return None
+    ds = _arg(src, _SPLIT_DIM_ARG[name], "dim", 0) % _rank(operand)
+    return {d if d < ds else d - 1 for d in dims if d != ds} if name == "unbind" else dims
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -557,44 +794,54 @@ _ZERO_OPS = set(_packets("zeros", "zeros_like", "new_zeros"))
 # op -> index of its fill value: full(size, v), full_like(x, v), fill(x, v), new_full(x, size, v)
 _FULL_OPS = {**{p: 1 for p in _packets("full", "full_like", "fill")}, **{p: 2 for p in _packets("new_full")}}
 
-# (aten op names, rule): the whole table, read top to bottom; an op listed twice takes its last rule
-_TABLE: list[tuple[tuple[str, ...], Callable[[fx.Node, int, int | None], Answer]]] = [
+# (aten op names, zero-mean rule, shift rule): the whole table, read top to bottom; an op listed twice
+# takes its last rules. The shift column (None: the op does not pass a shift) is read by the
+# closedness check: where a ones-vector shift that centering adds to an input comes out.
+_TABLE: list[tuple[tuple[str, ...], Callable[[fx.Node, int, int | None], Answer], Callable | None]] = [
     # value-preserving: copies, casts, eval dropout
     (("clone", "contiguous", "alias", "_to_copy", "to", "detach", "lift_fresh_copy", "type_as", "positive"),
-     _same_dim),
-    (("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"), _dropout),
+     _same_dim, _shift_same),
+    (("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"), _dropout, _shift_dropout),
     # arithmetic (in place: the same rule if nothing else reads the overwritten tensor)
-    (("add", "sub"), _add_sub), (("add_", "sub_"), _in_place(_add_sub)),
-    (("mul",), _mul), (("mul_",), _in_place(_mul)),
-    (("div",), _div), (("div_",), _in_place(_div)),
-    (("neg",), _same_dim),  # -P·x = P·(-x)
+    (("add", "sub"), _add_sub, _shift_add_sub), (("add_", "sub_"), _in_place(_add_sub), _shift_in_place(_shift_add_sub)),
+    (("mul",), _mul, _shift_mul), (("mul_",), _in_place(_mul), _shift_in_place(_shift_mul)),
+    (("div",), _div, _shift_div), (("div_",), _in_place(_div), _shift_in_place(_shift_div)),
+    (("neg",), _same_dim, _shift_same),  # -P·x = P·(-x)
     # layout
     (("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as", "reshape_as"),
-     _view),
-    (("permute",), _permute), (("transpose", "swapaxes"), _transpose), (("t",), _t), (("numpy_T",), _numpy_t),
-    (("expand", "expand_as", "broadcast_to"), _expand),
+     _view, _shift_view),
+    (("permute",), _permute, _shift_permute), (("transpose", "swapaxes"), _transpose, _shift_transpose),
+    (("t",), _t, _shift_t), (("numpy_T",), _numpy_t, _shift_numpy_t),
+    (("expand", "expand_as", "broadcast_to"), _expand, _shift_expand),
     # indexing, joining, padding, reducing
-    (("slice",), _slice), (("select",), _select), (("index_select",), _index_select), (("index",), _index),
-    (("cat", "concat", "concatenate"), _cat), (("stack",), _stack),
-    (("constant_pad_nd",), _constant_pad), (("pad",), _pad),
-    (("mean", "sum"), _reduce_other_dims),
+    (("slice",), _slice, _shift_slice), (("select",), _select, _shift_select),
+    (("index_select",), _index_select, _shift_index_select), (("index",), _index, None),
+    (("cat", "concat", "concatenate"), _cat, _shift_cat), (("stack",), _stack, _shift_stack),
+    (("constant_pad_nd",), _constant_pad, _shift_pad), (("pad",), _pad, None),
+    (("mean", "sum"), _reduce_other_dims, _shift_reduce),
     # linear maps: zero-mean outputs iff the weight is centered (the parameter sources)
-    (("linear",), _linear), (("addmm",), _addmm), (("mm", "matmul", "bmm"), _mm), (("baddbmm",), _baddbmm),
-    (("scaled_dot_product_attention",), _sdpa),
-    (("conv1d", "conv2d", "conv3d"), _conv),
-    (("conv_transpose1d", "conv_transpose2d", "conv_transpose3d"), _conv_transpose),
-    (("embedding",), _embedding),
-    # sources
-    (("layer_norm",), _layer_norm_source),
+    (("linear",), _linear, _shift_linear), (("addmm",), _addmm, None), (("mm", "matmul", "bmm"), _mm, _shift_mm),
+    (("baddbmm",), _baddbmm, None),
+    (("scaled_dot_product_attention",), _sdpa, None),
+    (("conv1d", "conv2d", "conv3d"), _conv, None),
+    (("conv_transpose1d", "conv_transpose2d", "conv_transpose3d"), _conv_transpose, None),
+    (("embedding",), _embedding, None),
+    # sources (a LayerNorm absorbs a shift of its input: the closedness check decides that, not this column)
+    (("layer_norm",), _layer_norm_source, None),
 ]
 RULES: dict[object, Callable[[fx.Node, int, int | None], Answer]] = {
-    packet: rule for names, rule in _TABLE for packet in _packets(*names)}
+    packet: rule for names, rule, _ in _TABLE for packet in _packets(*names)}
 RULES[operator.getitem] = _getitem
 RULES[_aten.convolution] = lambda n, d, g: _conv(n, d, g, transposed_index=6, groups_index=8)
 RULES.update(dict.fromkeys((*_ZERO_OPS, *_FULL_OPS), _zero_source))
+SHIFT_RULES: dict[object, Callable[[fx.Node, fx.Node, int], int | None]] = {
+    packet: shift for names, _, shift in _TABLE if shift is not None for packet in _packets(*names)}
+SHIFT_RULES[operator.getitem] = _shift_getitem
 
-# rules that also answer for a block of dims (pure layout: copies, casts, reshapes, permutations)
-BLOCK_RULES = {_same_dim, _dropout, _view, _permute, _transpose, _t, _numpy_t, _layer_norm_source}
+SHIFT_ADDITIVE = set(_packets("add", "sub", "add_", "sub_", "cat", "concat", "concatenate", "stack"))
+
+# rules that also answer for a block of dims (pure layout: copies, casts, reshapes, permutations; scaling by a number)
+BLOCK_RULES = {_same_dim, _dropout, _view, _permute, _transpose, _t, _numpy_t, _layer_norm_source, _mul, _div}
 
 # ops that only read metadata (shape, dtype): a change of their input's values cannot reach them
 METADATA_OPS = set(_packets("_assert_tensor_metadata", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
@@ -602,3 +849,5 @@ METADATA_OPS = set(_packets("_assert_tensor_metadata", "sym_size", "sym_stride",
                             "new_empty", "new_full"))
 # ops whose result is a list consumed through getitem
 MULTI_OUTPUT_OPS = set(_packets(*_SPLIT_DIM_ARG))
+# op -> the argument read only for its shape (or dtype): ``expand_as(x, other)``, ``view_as(x, other)``
+_SHAPE_SOURCE_ARG = {p: 1 for p in _packets("expand_as", "view_as", "reshape_as", "type_as")}
