@@ -2,28 +2,46 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
 from normfold.bench import cpu_model
 
-from normfold.train import resolve_config, train
+from normfold.train import GPT, TrainConfig, resolve_config, train
 from normfold.train.data import TokenSplits, corpus_sha256, load_documents
+from normfold.train.model import set_dropout
+from normfold.train.trainer import build_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run(out_dir: Path, **values: Any) -> dict[str, Any]:
-    """One training run (no checkpoint, no progress bar); returns the trainer's summary."""
+def run(out_dir: Path, model: Callable[[TrainConfig], torch.nn.Module] | None = None, **values: Any) -> dict[str, Any]:
+    """One training run (no checkpoint, no progress bar); returns the trainer's summary. ``model``, when given,
+    builds the model from the resolved config (otherwise the trainer's ``build_model``)."""
     config = resolve_config(out_dir=str(out_dir), progress=False, save_checkpoint=False, **values)
-    return train(config)
+    return train(config, model(config) if model is not None else None)
+
+
+def without_dropout(config: TrainConfig) -> TrainConfig:
+    """``config`` with dropout 0 (everything else, the seed included, the same)."""
+    return dataclasses.replace(config, model=dataclasses.replace(config.model, dropout=0.0))
+
+
+def cbwc_model(config: TrainConfig) -> GPT:
+    """The CBWC model of ``config`` (norm="cbwc_rmsnorm") with dropout, as seed 002 trains it: ``cbwc_`` is proved
+    on the dropout-free twin (the fold engine will not center through dropout, whose rescaling breaks the zero
+    mean), then the config's dropout is switched on. Same seed, same initial weights as the LayerNorm run."""
+    model = build_model(without_dropout(config))
+    set_dropout(model, config.model.dropout)
+    return model
 
 
 def machine() -> str:
@@ -45,6 +63,25 @@ def corpus_line(block_size: int, val_fraction: float = 0.1) -> str:
     return (f"CPython {platform.python_version()}'s pydoc topics, {len(documents)} documents, {size:,} bytes, "
             f"SHA-256 `{corpus_sha256(documents)}`; validation: {splits.description}, {len(splits.val):,} tokens "
             f"({len(splits.train):,} for training)")
+
+
+STALL_MARGIN = 0.05  # nats/byte: a run ending this close to the unigram entropy learned no context
+
+
+def unigram_loss() -> float:
+    """Entropy (nats/byte) of the training split's byte frequencies: the loss of a model that ignores context."""
+    train_tokens = TokenSplits.from_documents(load_documents(), block_size=8).train
+    p = torch.bincount(train_tokens, minlength=256).double() / len(train_tokens)
+    p = p[p > 0]
+    return float(-(p * p.log()).sum())
+
+
+def outcome(summary: dict[str, Any], unigram: float) -> str:
+    """"diverged" (a non-finite loss), "failed" (validation loss within STALL_MARGIN of ``unigram``), or "trained"."""
+    val = summary["final_val_loss"]
+    if summary["diverged"]:
+        return "diverged"
+    return "failed" if val is None or val >= unigram - STALL_MARGIN else "trained"
 
 
 def provenance(budget: str, data: str, clock: "Stopwatch") -> str:
@@ -86,6 +123,18 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_figure(fig, axes, path: Path) -> None:
+    """Grid every axis, add a legend where something is labelled, lay out, write ``path`` (PNG) and close."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    fig.clf()
+    pyplot().close(fig)
 
 
 class Stopwatch:

@@ -17,7 +17,8 @@ import math
 import tempfile
 from pathlib import Path
 
-from _common import RESULTS, Stopwatch, command_line, machine, markdown_table, pyplot, run, write_csv
+from _common import (RESULTS, STALL_MARGIN, Stopwatch, command_line, machine, markdown_table, outcome, pyplot, run,
+                     unigram_loss, write_csv)
 
 from normfold.train import PLACEMENTS
 
@@ -29,20 +30,6 @@ FULL_GRID = dict(depths=(2, 6, 12), warmups=(0, 60))
 QUICK = dict(n_head=2, n_embd=32, block_size=32, batch_size=8, max_steps=60, lr=1e-2, min_lr=1e-3,
              eval_interval=30, eval_iters=4, grad_clip=0.0)
 QUICK_GRID = dict(depths=(2, 8), warmups=(0, 10))
-_STALL_MARGIN = 0.05  # nats/byte: a run ending this close to the unigram entropy learned no context
-
-
-def unigram_loss() -> float:
-    """Entropy (nats/byte) of the training text's byte frequencies: the loss of a model that ignores context."""
-    import torch
-
-    from normfold.train.data import TokenSplits, encode, load_text
-
-    train = TokenSplits(encode(load_text()), block_size=8).train
-    p = torch.bincount(train, minlength=256).double() / len(train)
-    p = p[p > 0]
-    return float(-(p * p.log()).sum())
-
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,15 +65,14 @@ def main(argv=None) -> None:
                             warmup_steps=warmup, seed=args.seed, **setup)
                     first_bad = next((i + 1 for i, x in enumerate(s["train_losses"]) if not math.isfinite(x)), None)
                     val = s["final_val_loss"]
-                    outcome = ("diverged" if s["diverged"] else
-                               "failed" if val is None or val >= failed_above - _STALL_MARGIN else "trained")
+                    result = outcome(s, failed_above)
                     results.append(dict(placement=placement, depth=depth, warmup_steps=warmup, steps=s["steps"],
                                         final_train_loss=s["final_train_loss"], final_val_loss=val,
-                                        diverged=s["diverged"], diverged_at_step=first_bad or "", outcome=outcome,
+                                        diverged=s["diverged"], diverged_at_step=first_bad or "", outcome=result,
                                         tokens_per_s=round(s["tokens_per_s"] or float("nan"), 1)))
                     curves += [dict(placement=placement, depth=depth, warmup_steps=warmup, step=i + 1, train_loss=x)
                                for i, x in enumerate(s["train_losses"])]
-                    print(f"[{clock}] {placement} depth {depth} warmup {warmup}: {outcome}, val {val}", flush=True)
+                    print(f"[{clock}] {placement} depth {depth} warmup {warmup}: {result}, val {val}", flush=True)
     write_csv(args.out / f"{name}.csv", results)
     write_csv(args.out / f"{name}_curves.csv", curves)
     _report(args, setup, grid, warmups, placements, results, curves, name, clock, failed_above)
@@ -114,7 +100,7 @@ def _report(args, setup, grid, warmups, placements, results, curves, name, clock
 Final validation loss (nats/byte, {setup['eval_iters']} fixed batches) of a LayerNorm GPT after
 {setup['max_steps']} steps at peak learning rate {setup['lr']:g} (cosine decay to {setup['min_lr']:g}),
 seed {args.seed}, one run per cell. "diverged": the loss became non-finite (the run stops);
-"failed": final validation loss ≥ {failed_above - _STALL_MARGIN:.3f}, within {_STALL_MARGIN} of the entropy of the\nbyte frequencies ({failed_above:.3f}): the model learned next to nothing from the context.
+"failed": final validation loss ≥ {failed_above - STALL_MARGIN:.3f}, within {STALL_MARGIN} of the entropy of the\nbyte frequencies ({failed_above:.3f}): the model learned next to nothing from the context.
 
 {markdown_table(header, rows)}
 

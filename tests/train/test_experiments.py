@@ -73,3 +73,104 @@ def test_step_time_writes_every_contender_with_a_ratio_to_layernorm_and_its_inte
     assert len(_rows(tmp_path / "step_time_ops.csv")) == 4
     text = (tmp_path / "step_time.md").read_text()
     assert "A/A control's interval" in text and "What CBWC's centering adds to a step" in text
+
+
+def test_batch_norms_quick_writes_every_norm_batch_and_seed_with_interval_prose(tmp_path, experiment):
+    pytest.importorskip("sklearn")
+    experiment("batch_norms").main(["--quick", "--seeds=2", "--epochs=1", "--batch-sizes=2,8", f"--out={tmp_path}"])
+    rows = _rows(tmp_path / "batch_norms_quick.csv")
+    assert sorted((r["norm"], r["batch_size"], r["seed"]) for r in rows) == sorted(
+        (n, b, s) for n in ("batchnorm", "groupnorm", "layernorm") for b in ("2", "8") for s in "01")
+    assert all(0.0 <= float(r["test_accuracy"]) <= 1.0 for r in rows)
+    report = (tmp_path / "batch_norms_quick.md").read_text()
+    assert report.count("groupnorm − batchnorm") == 2 and "(95% CI, 2 paired seeds)" in report
+    assert "SHA-256" in report and "Command:" in report and "Budget:" in report
+    assert (tmp_path / "batch_norms_quick.png").stat().st_size > 1000
+
+
+
+def test_dropout_quick_answers_between_from_paired_intervals(tmp_path, experiment):
+    experiment("dropout").main(["--quick", "--seeds=2", "--steps=2", f"--out={tmp_path}"])
+    rows = _rows(tmp_path / "dropout_quick.csv")
+    assert [(r["variant"], r["seed"]) for r in rows] == [(v, s) for s in "01"
+                                                         for v in ("layernorm", "cbwc_rmsnorm", "rmsnorm")]
+    report = (tmp_path / "dropout_quick.md").read_text()
+    assert "is cbwc_rmsnorm between" in report and "SHA-256" in report and "whole documents" in report
+    assert (tmp_path / "dropout_quick.png").stat().st_size > 1000
+
+
+
+def test_the_cbwc_model_with_dropout_is_all_rmsnorm_and_keeps_the_dropout(experiment):
+    from torch import nn
+
+    from normfold.train import resolve_config
+    model = experiment("_common").cbwc_model(resolve_config(n_layer=1, n_head=1, n_embd=8, block_size=8,
+                                                                   norm="cbwc_rmsnorm", dropout=0.1))
+    assert not any(isinstance(m, nn.LayerNorm) for m in model.modules())
+    assert {m.p for m in model.modules() if isinstance(m, nn.Dropout)} == {0.1}
+    assert model.transformer.h[0].attn.attn_dropout == 0.1
+
+
+def test_stability_quick_measures_logits_and_depth_profile(tmp_path, experiment):
+    experiment("stability").main(["--quick", "--seeds=2", "--lrs=0.01", "--placements=post", f"--out={tmp_path}"])
+    rows = _rows(tmp_path / "stability_quick.csv")
+    assert len(rows) == 2 * 3 * 2  # QK-norm × (norm, clipping) variants × seeds
+    assert {r["placement"] for r in rows} == {"post"}
+    for r in rows:
+        if r["outcome"] != "diverged":
+            assert float(r["max_attention_logit"]) > 0 and float(r["rms_block1"]) > 0
+    report = (tmp_path / "stability_quick.md").read_text()
+    assert "largest stable lr" in report and "QK-norm raises" in report and "SHA-256" in report
+    assert (tmp_path / "stability_quick.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_stability_measures_the_logits_softmax_sees_and_the_stream_rms(experiment, qk_norm):
+    import math
+
+    import torch
+
+    from normfold.train import GPT, GPTConfig
+    stability = experiment("stability")
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, qk_norm=qk_norm)).eval()
+    x = torch.randint(256, (2, 6))
+    logit, rms = stability.measure(model, x)
+    with torch.no_grad():  # the same numbers computed by hand, block by block
+        h = model.transformer.wte(x) + model.transformer.wpe(torch.arange(6))
+        expected_logit, expected_rms = 0.0, []
+        for block in model.transformer.h:
+            q, k, _ = block.attn.c_attn(block.ln_1(h)).split(8, dim=2)
+            q, k = q.view(2, 6, 2, 4), k.view(2, 6, 2, 4)
+            if qk_norm:
+                q, k = block.attn.q_norm(q), block.attn.k_norm(k)
+            scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(4)
+            expected_logit = max(expected_logit, scores.abs().masked_select(torch.ones(6, 6).tril().bool()).max().item())
+            h = block(h)
+            expected_rms.append(h.pow(2).mean().sqrt().item())
+    assert logit == pytest.approx(expected_logit, rel=1e-5)
+    assert rms == pytest.approx(expected_rms, rel=1e-5)
+
+
+def test_cbwc_equivalence_runs_with_dropout_and_reads_the_gap_from_the_numbers(tmp_path, experiment):
+    experiment("cbwc_equivalence").main(["--quick", "--steps=2", "--precisions=fp32", "--dropouts=0.1",
+                                         f"--out={tmp_path}"])
+    rows = _rows(tmp_path / "cbwc_equivalence_quick.csv")
+    assert [r["model"] for r in rows] == ["cbwc_rmsnorm", "fold_once"] and {r["dropout"] for r in rows} == {"0.1"}
+    report = (tmp_path / "cbwc_equivalence_quick.md").read_text()
+    assert "CBWC, fp32, dropout 0.1: largest relative gap" in report and "SHA-256" in report
+    assert "CBWC is exact" not in report and "~1e-15" not in report
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("batch_norms", ["--quick", "--batch-sizes=0"]),  # a batch of nothing
+    ("dropout", ["--quick", "--seeds=1"]),  # a paired interval needs 2 seeds
+    ("stability", ["--quick", "--placements=middle"]),  # not a placement
+    ("stability", ["--quick", "--seeds=1"]),
+])
+def test_new_experiments_refuse_settings_they_cannot_report_on(tmp_path, experiment, script, argv):
+    if script == "batch_norms":
+        pytest.importorskip("sklearn")
+    with pytest.raises(SystemExit) as exc:
+        experiment(script).main([*argv, f"--out={tmp_path}"])
+    assert exc.value.code == 2

@@ -172,6 +172,24 @@ class Block(nn.Module):
         return x + self.ln_2_post(self.mlp(self.ln_2(x)))
 
 
+def set_dropout(model: nn.Module, rate: float) -> None:
+    """Set every dropout rate of an experiment GPT (its ``nn.Dropout`` modules and attention's) and its config.
+
+    For a model built without dropout and changed afterwards, e.g. CBWC proved on the dropout-free model
+    (the fold engine will not center through dropout) and then trained with dropout, as in seed 002.
+    """
+    if not isinstance(model, GPT):
+        raise TypeError(f"model must be a normfold.train.GPT, got {type(model).__name__}")
+    if not 0.0 <= rate < 1.0:
+        raise ValueError(f"dropout must be in [0, 1), got {rate!r}")
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = rate
+        elif isinstance(module, CausalSelfAttention):
+            module.attn_dropout = rate
+    model.config.dropout = rate
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
