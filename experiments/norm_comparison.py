@@ -16,7 +16,9 @@ import json
 import tempfile
 from pathlib import Path
 
-from _common import RESULTS, Stopwatch, command_line, machine, markdown_table, mean_std, pyplot, run, write_csv
+from _common import (RESULTS, Stopwatch, command_line, corpus_line, machine, markdown_table, mean_std, pyplot, run,
+                     write_csv)
+from stats import compare, mean_ci, paired_ci
 
 from normfold.train import NORMS
 
@@ -108,9 +110,11 @@ Command: `{command_line()}` (wall time {clock}).
 Machine: {machine()}. Runs alternate between variants, so load drifts hit all of them alike;
 compare timings only within this table, and read a large ± as load from other work during those runs.
 
-Variants that compute the same function from the same initial weights give the same losses:
-layernorm = layernorm_handrolled = cbwc_rmsnorm (CBWC is exact), and the three RMSNorm
-implementations agree with each other (up to float32 rounding); their curves overlap in the plot.
+## Paired by seed, 95% t-intervals
+
+{chr(10).join("- " + line for line in _paired_sentences(runs, variants))}
+
+Data: {corpus_line(setup["block_size"])}.
 
 Curves: `{name}_loss.png` (train loss, mean over seeds; validation points), `{name}_speed.png`
 (tokens/s, mean ± std). Raw data: `{name}.csv` (per run), `{name}_curves.csv` (per step).
@@ -118,6 +122,27 @@ Curves: `{name}_loss.png` (train loss, mean over seeds; validation points), `{na
     (args.out / f"{name}.md").write_text(text)
     _plots(args.out, name, variants, stats, curves)
     print(text)
+
+
+def _paired_sentences(runs: list[dict], variants) -> list[str]:
+    """Per variant against LayerNorm: the validation-loss difference and the time ratio, from their intervals."""
+    def per_seed(variant: str, key: str) -> dict[int, float]:
+        return {r["seed"]: r[key] for r in runs if r["variant"] == variant and not r["diverged"]}
+
+    if "layernorm" not in variants:
+        return ["no layernorm runs: nothing to pair with"]
+    ln_val, ln_time = per_seed("layernorm", "final_val_loss"), per_seed("layernorm", "train_time_s")
+    sentences = []
+    for v in variants:
+        if v == "layernorm":
+            continue
+        sentences.append(compare(v, "layernorm", paired_ci(per_seed(v, "final_val_loss"), ln_val), "validation loss"))
+        mine = per_seed(v, "train_time_s")
+        ratio = mean_ci([mine[k] / ln_time[k] for k in sorted(set(mine) & set(ln_time))])
+        allows = "allows" if ratio.n > 1 and ratio.low <= 1.0 else "does not allow"
+        sentences.append(f"training time {v} / layernorm = {ratio.text(3, signed=False)} (95% CI, {ratio.n} paired "
+                         f"seeds): the interval {allows} ≤ 1.00×")
+    return sentences
 
 
 def _plots(out: Path, name: str, variants, stats, curves) -> None:

@@ -33,7 +33,8 @@ def test_norm_comparison_quick_writes_one_row_per_variant_and_seed(tmp_path, exp
     assert [(r["variant"], r["seed"]) for r in rows] == expected
     assert all(float(r["final_val_loss"]) > 0 for r in rows)
     report = (tmp_path / "norm_comparison_quick.md").read_text()
-    assert "| cbwc_rmsnorm |" in report and "Command:" in report
+    assert "| cbwc_rmsnorm |" in report and "Command:" in report and "SHA-256" in report
+    assert "validation loss cbwc_rmsnorm − layernorm" in report and "CBWC is exact" not in report
     for png in ("norm_comparison_quick_loss.png", "norm_comparison_quick_speed.png"):
         assert (tmp_path / png).stat().st_size > 1000
 
