@@ -3,7 +3,8 @@ reader outside its zero-mean graph; the fold is allowed when that shift reaches 
 stay LayerNorms (LN(x + c·1) = LN(x)), decided as a fixed point over which norms fold.
 
 Each positive case folds and is exact in float64 on fresh inputs; each negative case names the first
-op that does not absorb the shift (a model output, a ReLU, an RMSNorm, a LayerNorm over two dims).
+op that does not absorb the shift (a model output, a ReLU, an RMSNorm, a LayerNorm over two dims, an
+in-place op whose tensor is seen through a view after it changes).
 """
 from __future__ import annotations
 
@@ -181,6 +182,32 @@ class _Interleaved(nn.Module):
 def test_a_shift_passes_a_feature_permutation_and_scaling_to_a_kept_layer_norm():
     norms = _fold(_Interleaved(), (_x(),))
     assert norms["ln1"].foldable and not norms["ln2"].foldable
+
+
+class _ScaledInPlaceAfterItsNorm(nn.Module):
+    """h feeds a LayerNorm, then is scaled in place (h.mul_(0.5)) and read by a kept LayerNorm: the norm
+    ran before h changed, and h is new memory (a Linear's output), so mul_ acts like mul."""
+
+    def __init__(self, view_first: bool = False):
+        super().__init__()
+        self.w = nn.Linear(C, C)
+        self.ln1, self.ln2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.view_first = view_first
+
+    def forward(self, x):
+        h = self.w(x)
+        alias = h.view(B, T, C) if self.view_first else h  # a view read after mul_ sees it
+        a = self.ln1(h)
+        h.mul_(0.5)
+        return a, self.ln2(torch.tanh(x) + alias)
+
+
+def test_an_in_place_op_after_every_other_reader_acts_like_its_out_of_place_form_unless_a_view_sees_it():
+    norms = _fold(_ScaledInPlaceAfterItsNorm(), (_x(),))
+    assert norms["ln1"].foldable, norms["ln1"].reason
+    norms = _fold(_ScaledInPlaceAfterItsNorm(view_first=True), (_x(),))
+    assert not norms["ln1"].foldable
+    assert "its centering shift reaches aten.mul_, which does not pass a ones-vector shift" in norms["ln1"].reason
 
 
 def _graph_node(fn, *args, target: str):

@@ -257,13 +257,32 @@ def _div(node, dim, group):
 
 
 def _in_place(rule):
-    """``a.add_(b)`` etc.: the functional rule, if nothing else reads ``a`` (whose value it overwrites)."""
+    """``a.add_(b)`` etc.: the functional rule, if no other reader can see ``a`` overwritten."""
     def in_place_rule(node, dim, group):
-        target = node.args[0]
-        if isinstance(target, fx.Node) and len(target.users) != 1:
+        if not overwrites_a_private_value(node):
             return Break(f"{op_name(node)} overwrites a tensor that is also read elsewhere")
         return rule(node, dim, group)
     return in_place_rule
+
+
+def overwrites_a_private_value(node: fx.Node) -> bool:
+    """An in-place op ``a.op_(...)`` acts like its out-of-place form: ``a`` is read by nothing else, or
+    ``a`` is new memory (no view, no input) whose other readers all ran before it and return new memory
+    too (so no view of ``a`` is read after it changes)."""
+    target = node.args[0]
+    if not isinstance(target, fx.Node) or len(target.users) == 1:
+        return True
+    if target.op != "call_function" or getattr(target.target, "overloadpacket", None) not in _FRESH_OUTPUT_OPS:
+        return False
+    others = {u for u in target.users if u is not node}
+    if any(u.op != "call_function" or getattr(u.target, "overloadpacket", None) not in _FRESH_OUTPUT_OPS
+           for u in others):
+        return False
+    for earlier in target.graph.nodes:  # graph order is run order
+        if earlier is node:
+            return not others
+        others.discard(earlier)
+    return False
 
 
 def _numpy_t(node, dim, group):
@@ -644,12 +663,9 @@ def _shift_div(node, operand, dims):
 
 
 def _shift_in_place(rule):
-    """``a.add_(b)``: the functional rule, if nothing else reads ``a`` (whose value it overwrites)."""
+    """``a.add_(b)``: the functional rule, if no other reader can see ``a`` overwritten."""
     def in_place_shift(node, operand, dims):
-        target = node.args[0]
-        if isinstance(target, fx.Node) and len(target.users) != 1:
-            return None
-        return rule(node, operand, dims)
+        return rule(node, operand, dims) if overwrites_a_private_value(node) else None
     return in_place_shift
 
 
@@ -847,6 +863,11 @@ BLOCK_RULES = {_same_dim, _dropout, _view, _permute, _transpose, _t, _numpy_t, _
 METADATA_OPS = set(_packets("_assert_tensor_metadata", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
                             "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones",
                             "new_empty", "new_full"))
+# ops whose output is always new memory (never their input, never a view of it)
+_FRESH_OUTPUT_OPS = set(_packets(
+    "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "conv1d", "conv2d", "conv3d", "convolution", "add", "sub",
+    "mul", "div", "neg", "embedding", "layer_norm", "rms_norm", "gelu", "relu", "silu", "tanh", "softmax", "cat",
+    "stack", "clone", "scaled_dot_product_attention"))
 # ops whose result is a list consumed through getitem
 MULTI_OUTPUT_OPS = set(_packets(*_SPLIT_DIM_ARG))
 # op -> the argument read only for its shape (or dtype): ``expand_as(x, other)``, ``view_as(x, other)``
