@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
+from functools import partial
 from pathlib import Path
 
 from ..hf.folder import analyze_folder, fold_folder, verify_folders
@@ -13,7 +14,7 @@ from . import _output as output
 from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_model_dir, add_trust_remote_code, model_dir
 from .approximate import (DEFAULT_MIN_COSINE, approximate_step, is_approximate, read_report,
                           verify_approximate_folder)
-from .rotate import is_sliced, verify_sliced
+from .rotate import is_sliced, rotated_stream_map, verify_sliced
 
 _JSON_KEYS = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype",
               "streaming", "num_approximate", "calibration_min_cosine", "approximate", "skipped_files",
@@ -78,7 +79,7 @@ def _approximate_options(args, source: Path) -> dict:
 
 def _run_verify(args) -> int:
     if is_sharded(args.orig_dir) or is_sharded(args.folded_dir):  # checked block by block, never loaded whole
-        verify_fn = verify_by_blocks
+        verify_fn = partial(verify_by_blocks, stream_map=rotated_stream_map(read_report(args.folded_dir)))
     else:
         report = read_report(args.folded_dir)
         if is_sliced(report):  # a sliced rotation: measured against its recorded cosine, never exact

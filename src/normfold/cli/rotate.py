@@ -15,11 +15,12 @@ import torch
 
 from ..hf.inputs import load_tokenizer
 from ..hf.load import load_config, load_model
-from ..hf.rotate_folder import calibration_calls, rotate_folder
+from ..hf.rotate_folder import calibration_calls, rotate_checkpoint, rotate_folder, rotation_after_fold
 from ..hf.saving import from_pretrained
 from ..hf.streaming import is_sharded
 from ..rotate import kept_directions, rotate
 from ..rotate.calibration import output_agreement
+from ..rotate.streaming import plan_rotation, stream_rotation
 from . import _output as output
 from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_model_dir, add_trust_remote_code, model_dir
 
@@ -33,20 +34,25 @@ COSINE_SLACK = 1e-6
 
 def _run_rotate(args) -> int:
     source = model_dir(args)
-    _check_supported(args, source)
+    streaming = args.stream or is_sharded(source)  # sharded checkpoints are streamed: never loaded whole
+    _check_supported(args, source, streaming=streaming)
     with output.steps(not args.json) as step:
-        report = rotate_folder(source, args.output, _rotation(args), calibration_file=args.calibration,
-                               overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step)
+        if streaming:
+            report = rotate_checkpoint(source, args.output, _streaming_rotation(args), overwrite=args.overwrite,
+                                       trust_remote_code=args.trust_remote_code, step=step)
+        else:
+            report = rotate_folder(source, args.output, _rotation(args), calibration_file=args.calibration,
+                                   overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step)
     if args.json:
         print(json.dumps({k: report[k] for k in _JSON_KEYS if k in report}, indent=2, default=str))
     else:
         rotation = report["rotation"]
         output.console().print(f"rotated ({rotation['method']}, seed {rotation['seed']}): "
                                f"{len(rotation['streams'])} residual stream(s)")
-        if rotation["slicing"] is not None:
+        if rotation.get("slicing") is not None:
             output.console().print("the whole rotation, before slicing, proved in float64:")
         output.print_verification(report["verification"])
-        if rotation["slicing"] is not None:
+        if rotation.get("slicing") is not None:
             output.console().print(_slicing_line(rotation["slicing"], rotation["streams"]))
         output.console().print(f"wrote [bold]{report['out_dir']}[/bold]")
     output.warn(report["stock_warning"])
@@ -62,6 +68,26 @@ def _rotation(args):
     return run
 
 
+def _streaming_rotation(args):
+    """hf's ``PlanAfterFold`` for a checkpoint rewritten tensor by tensor: the data-free rotation
+    (``rotate.streaming.plan_rotation``) with the command's method and seed."""
+    def plan(skeleton, fold_report, example):
+        rotation = plan_rotation(skeleton, fold_report, example, method=args.method, seed=args.seed)
+        return rotation_after_fold(rotation.report.to_dict(), set(rotation.along), rotation.rotate_tensor,
+                                   rotation.rotate_stream)
+    return plan
+
+
+def rotated_stream_map(report: dict):
+    """For ``normfold verify`` of a streamed rotated folder: x ↦ x·Q with the Q its report's method,
+    seed and width give again; None for a folder that is not rotated."""
+    rotation = report.get("rotation")
+    if not rotation:
+        return None
+    (stream,) = rotation["streams"]
+    return stream_rotation(rotation["method"], int(rotation["seed"]), int(stream["stream"]["width"])).rotate_stream
+
+
 def _slicing_line(slicing: dict, streams: list[dict]) -> str:
     widths = ", ".join(f"{s['stream']['width']} -> {s['kept']}" for s in streams)
     losses = "".join(f"; {name} {a:.4f} -> {b:.4f}" for name, (a, b) in slicing["losses"].items())
@@ -70,7 +96,7 @@ def _slicing_line(slicing: dict, streams: list[dict]) -> str:
             f"{slicing['mean_cosine']:.6f}{losses}")
 
 
-def _check_supported(args, source: Path) -> None:
+def _check_supported(args, source: Path, *, streaming: bool) -> None:
     """UsageError, before any loading, for bad combinations and what folders do not support yet."""
     if args.slice is not None and not 0.0 <= args.slice < 1.0:  # also refuses NaN
         raise UsageError(f"--slice must be in [0, 1) (the share of the stream's directions to drop), got {args.slice}")
@@ -82,9 +108,9 @@ def _check_supported(args, source: Path) -> None:
                          "folder's tokenizer): the principal directions are those of its residual stream")
     if args.method != "pca" and args.calibration is not None:
         raise UsageError(f"--calibration is used only by --method pca, got --method {args.method}")
-    if args.stream or is_sharded(source):
-        raise UsageError("--stream (and sharded checkpoints) is not supported for folders yet: rotate loads the whole "
-                         "model in memory")
+    if streaming and args.method == "pca":
+        raise UsageError("--method pca needs the stream's covariance over the calibration text, so the whole model in "
+                         "memory: not available with --stream or sharded folders (use --method hadamard or random)")
     if args.slice:
         _check_heads_keep_directions(source, args.slice, args.trust_remote_code)
 
@@ -171,7 +197,9 @@ def add_commands(subparsers) -> None:
                    help="with --method pca: drop this share of the stream's directions, the least used (SliceGPT); "
                         "approximate: the whole rotation is proved first, the sliced model measured on the calibration")
     p.add_argument("--stream", action="store_true",
-                   help="not supported for folders yet (sharded checkpoints are refused: rotate loads the model)")
+                   help="rewrite the safetensors shard by shard without loading the model (automatic for sharded "
+                        "folders; hadamard or random): every block proved in float64 against the original's with "
+                        "Q applied to its stream")
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT_DIR if it is empty or an earlier normfold output, once the new one is proved")
     p.add_argument("--json", action="store_true", help="print only the JSON report on stdout (numbers in full)")

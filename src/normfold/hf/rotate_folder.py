@@ -27,6 +27,7 @@ from .output_dir import REPORT_JSON, atomic_output_dir
 from .report import describe_model, folder_report
 from .saving import folded_layout, save_folded
 from .side_files import copy_side_files
+from .streaming.publish import AfterFold, PlanAfterFold, fold_checkpoint
 
 if TYPE_CHECKING:  # the rotation's report type, for annotations only: hf never imports rotate
     from ..rotate import RotationReport
@@ -82,6 +83,24 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
         (tmp / REPORT_JSON).write_text(json.dumps(out, indent=2, default=str) + "\n")
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
+
+
+def rotate_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, plan: PlanAfterFold, *,
+                      overwrite: bool = False, trust_remote_code: bool = False, step: Step = _noop) -> dict[str, Any]:
+    """Rotate a safetensors checkpoint without loading it (sharded ones larger than memory): the
+    streaming fold (:func:`normfold.hf.streaming.fold_checkpoint`) with the rotation ``plan`` (the CLI
+    composes it from ``normfold.rotate.streaming.plan_rotation``) as its step after the fold: every
+    stream tensor rewritten as t·Q after its fold, every block proved in float64 against the original
+    block with Q applied to its stream, the folder published only then. Returns the report."""
+    return fold_checkpoint(model_dir, out_dir, overwrite=overwrite, trust_remote_code=trust_remote_code,
+                           after_fold=plan, step=step)
+
+
+def rotation_after_fold(rotation: dict[str, Any], names: set[str], tensor: Callable, stream: Callable) -> AfterFold:
+    """The streaming fold's step after the fold for a rotation (its report section ``rotation``, the
+    tensors it rotates, t ↦ t·Q by name and the stream map x ↦ x·Q), with the stock warning."""
+    return AfterFold(frozenset(names), tensor, stream,
+                     {"rotation": rotation, "stock_compatible": False, "stock_warning": STOCK_WARNING})
 
 
 def calibration_calls(model: nn.Module, tokenizer, sentences: list[str]) -> list[dict[str, Any]]:

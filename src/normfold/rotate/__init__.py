@@ -57,19 +57,18 @@ def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: 
     calls = check_model_and_inputs(model, example_inputs)
     calibration_calls = _check_arguments(method, seed, calibration, slice_fraction)
     folded, fold_report = fold_engine(model, example_inputs, verify=False)  # proved below, with the rotation
-    streams = _streams(folded, calls, fold_report)
+    streams = closed_streams(folded, calls, fold_report)
     if slice_fraction > 0:
         _check_sliceable(streams, slice_fraction)
     folded64 = apply_plan(copy.deepcopy(model).to(torch.float64), fold_report.plan)  # the fold, exact
-    generator = torch.Generator().manual_seed(seed)
-    moments = stream_second_moments(folded64, streams, calibration_calls) if method == "pca" else [None] * len(streams)
-    rotations, energies = zip(*(_basis(stream, method, generator, moment) for stream, moment in zip(streams, moments)))
-    report = RotationReport(method, seed, fold_report, list(rotations))
+    moments = stream_second_moments(folded64, streams, calibration_calls) if method == "pca" else None
+    rotations, energies = bases(streams, method, seed, moments)
+    report = RotationReport(method, seed, fold_report, rotations)
     kept = [kept_directions(stream.width, slice_fraction) for stream in streams]
     if all(k == stream.width for k, stream in zip(kept, streams)):
-        bases = [r.basis for r in rotations]
-        rotated = apply_rotation(folded, streams, bases)  # our own copy: rotated in place
-        report.verification = _prove(model, rotated, apply_rotation(folded64, streams, bases), example_inputs, report)
+        qs = [r.basis for r in rotations]
+        rotated = apply_rotation(folded, streams, qs)  # our own copy: rotated in place
+        report.verification = _prove(model, rotated, apply_rotation(folded64, streams, qs), example_inputs, report)
         return rotated, report
     return _slice(model, folded, folded64, example_inputs, report, kept, energies, calibration_calls, slice_fraction)
 
@@ -84,12 +83,12 @@ def _slice(model, folded, folded64, example_inputs, report: RotationReport, kept
     report.verification = _prove(reference, whole, whole, example_inputs, report)
     del whole
     report.streams = [_sliced(r, k, e) for r, k, e in zip(report.streams, kept, energies)]
-    bases = [r.basis for r in report.streams]
-    sliced64 = apply_rotation(folded64, streams, bases)
+    qs = [r.basis for r in report.streams]
+    sliced64 = apply_rotation(folded64, streams, qs)
     _check_runs_sliced(sliced64, calibration_calls[0], kept)
     report.slicing = SliceReport(slice_fraction, len(calibration_calls),
                                  output_agreement(reference, sliced64, calibration_calls))
-    return apply_rotation(folded, streams, bases), report
+    return apply_rotation(folded, streams, qs), report
 
 
 def _check_runs_sliced(sliced64: nn.Module, call, kept: list[int]) -> None:
@@ -138,7 +137,7 @@ def _check_arguments(method, seed, calibration, slice_fraction) -> list[tuple[tu
     return split_example_calls(example_calls(calibration))
 
 
-def _streams(folded: nn.Module, calls: list, fold_report: FoldReport) -> list[Stream]:
+def closed_streams(folded: nn.Module, calls: list, fold_report: FoldReport) -> list[Stream]:
     """The folded model's streams, the same for every example call (else ``FoldError``)."""
     found = [find_streams(folded, capture(folded, call), fold_report) for call in calls]
     for i, other in enumerate(found[1:], start=1):
@@ -162,6 +161,17 @@ def _check_sliceable(streams: list[Stream], slice_fraction: float) -> None:
         if both:
             raise FoldError(f"cannot slice: {both[0]} both writes the stream and reads its norm (a tied table), so it "
                             "cannot take the readers' √(d/k) norm scale; untie it first")
+
+
+def bases(streams: list[Stream], method: str, seed: int,
+          moments: list[Tensor] | None = None) -> tuple[list[StreamRotation], list[Tensor | None]]:
+    """Each stream's whole basis and, for PCA (``moments``: each stream's second moment), the energy of
+    each direction. One seeded generator draws the streams' bases in order, so the same streams,
+    method and seed give the same Q wherever they are built (in memory or streaming a checkpoint)."""
+    generator = torch.Generator().manual_seed(seed)
+    built = [_basis(stream, method, generator, None if moments is None else moment)
+             for stream, moment in zip(streams, moments or [None] * len(streams))]
+    return [rotation for rotation, _ in built], [energy for _, energy in built]
 
 
 def _basis(stream: Stream, method: str, generator: torch.Generator,
@@ -195,4 +205,4 @@ def _sliced(rotation: StreamRotation, kept: int, energies: Tensor) -> StreamRota
 
 
 __all__ = ["rotate", "RotationReport", "StreamRotation", "SliceReport", "Stream", "StreamTensor", "OutputAgreement",
-           "rotate_along", "kept_directions", "METHODS"]
+           "rotate_along", "kept_directions", "bases", "METHODS"]

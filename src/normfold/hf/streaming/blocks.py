@@ -48,6 +48,7 @@ from .planning import NORM_TYPES, meta_skeleton
 # same inputs, plus one rounding.
 
 Call = tuple[tuple, dict]  # the (args, kwargs) a stack's first block is called with inside the model
+StreamMap = Callable[[torch.Tensor], torch.Tensor]  # the original's stream -> the folded model's (x ↦ x·Q)
 
 
 def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, block_path: str, *,
@@ -83,10 +84,11 @@ def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, bloc
 
 def check_loaded_block(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, block_path: str,
                  swapped: list[dict[str, Any]], centered: bool, call: Call | None, x: torch.Tensor,
-                 stored: torch.dtype) -> tuple[dict[str, Any], torch.Tensor]:
+                 stored: torch.dtype, stream_map: StreamMap | None = None) -> tuple[dict[str, Any], torch.Tensor]:
     """:func:`check_block` on open checkpoints; also returns the original block's output on ``x``
-    (the stream the next block reads). One block in float64 in memory at a time."""
-    project = (lambda t: center(t, -1)) if centered else (lambda t: t)
+    (the stream the next block reads). One block in float64 in memory at a time. ``stream_map``: the
+    folded model's stream is ``stream_map`` of the (centered) original's (a rotation: x·Q)."""
+    project = folded_stream(centered, stream_map)
     with torch.no_grad():
         original = load_block(skeleton, orig, block_path)
         stream = first_output(call_block(original, call, x))
@@ -95,11 +97,21 @@ def check_loaded_block(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint
                          stored)
         del original
         block = load_block(skeleton, folded, block_path, swapped)
-        _, ratios = watch_rms_inputs(block, None)  # |mean|/rms of every RMSNorm input: 0 when exactly folded
+        # |mean|/rms of every RMSNorm input: 0 when exactly folded (not after a rotation: x·Q has a mean)
+        _, ratios = watch_rms_inputs(block, None) if stream_map is None else (None, [])
         out = first_output(call_block(block, call, project(x)))
     error = _rel_error(ref, out)
     return {"block": block_path, "centered": centered, "max_rel_error": error, **_judged(error, own, stored),
             "max_input_mean_ratio": max(ratios) if ratios else None}, stream
+
+
+def folded_stream(centered: bool, stream_map: StreamMap | None = None) -> StreamMap:
+    """The folded model's stream as a function of the original's: P·x in a centered stack, then
+    ``stream_map`` (a rotation after the fold), else x."""
+    def project(t: torch.Tensor) -> torch.Tensor:
+        t = center(t, -1) if centered else t
+        return t if stream_map is None else stream_map(t)
+    return project
 
 
 def load_block(skeleton: nn.Module, checkpoint: Checkpoint, block_path: str,
@@ -158,7 +170,8 @@ def call_block(block: nn.Module, call: Call | None, x: torch.Tensor):
 
 def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swapped: list[dict[str, Any]],
                 stacks: dict[str, bool], *, stored_dtype: torch.dtype | None = None, seed: int = 0,
-                trust_remote_code: bool = False) -> tuple[dict[str, Any], dict[str, Call]]:
+                trust_remote_code: bool = False, stream_map: StreamMap | None = None,
+                extra_parameters: list[str] = ()) -> tuple[dict[str, Any], dict[str, Call]]:
     """Run the model cut to the first block of each stack (``stacks``: path -> centered) from both
     folders in float64, one after the other, and compare every float output and, where each stack
     starts, the folded stream with P·(the original's) (centered) or the original's.
@@ -168,18 +181,20 @@ def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swap
     ``stored_dtype`` (default: the folded checkpoint's) on the same inputs and quantities, as in
     :func:`check_block`. Returns the result (worst relative error, its tolerance, what was
     compared, the checkpoint keys the folded shell loaded under ``keys``) and, per stack, the
-    arguments the original model called its first block with.
+    arguments the original model called its first block with. ``stream_map``: the folded stream is
+    that of the (centered) original's stream (a rotation: x·Q); ``extra_parameters``: parameters the
+    folded folder holds and its class lacks (a created ``lm_head.bias``), given to the folded shell.
     """
     orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
     stored = stored_dtype or DTYPES[stored_dtype_name(folded_dir)]
     model, _ = _load_shell(orig_dir, [], list(stacks), trust_remote_code)
     inputs = example_inputs_for(model, seed=seed)
     ref, ref_calls = _run_shell(model, list(stacks), inputs)
-    ref_seen = _shell_quantities(ref, ref_calls, stacks)
+    ref_seen = _shell_quantities(ref, ref_calls, stacks, stream_map)
     own = _own_error(ref_seen, model, lambda m, dt: _shell_quantities(*_run_shell(m, list(stacks), cast_floats(inputs, dt)),
-                                                                       stacks), stored)
+                                                                       stacks, stream_map), stored)
     del model
-    model, keys = _load_shell(folded_dir, swapped, list(stacks), trust_remote_code)
+    model, keys = _load_shell(folded_dir, swapped, list(stacks), trust_remote_code, extra_parameters)
     out, calls = _run_shell(model, list(stacks), inputs)
     del model
     problems = []
@@ -188,7 +203,8 @@ def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swap
                         "(expected the same number and shapes, at least one)")
     problems += [f"the stream entering {stack} was not seen (its first block was never called)"
                  for stack in stacks if stack not in ref_calls or stack not in calls]
-    errors = [] if problems else [_rel_error(a, b) for a, b in zip(ref_seen, _shell_quantities(out, calls, stacks))]
+    folded_seen = _shell_quantities(out, calls, {stack: False for stack in stacks} if stream_map else stacks)
+    errors = [] if problems else [_rel_error(a, b) for a, b in zip(ref_seen, folded_seen)]
     error = max(errors, default=math.nan)
     result = {"block": "model cut to its first block" if stacks else "model", "max_rel_error": error,
               **_judged(error, own, stored), "outputs": len(out), "stack_entries": len(stacks), "problems": problems,
@@ -196,21 +212,22 @@ def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swap
     return result, ref_calls
 
 
-def _shell_quantities(outputs: list[torch.Tensor], calls: dict[str, Call],
-                      stacks: dict[str, bool]) -> list[torch.Tensor]:
+def _shell_quantities(outputs: list[torch.Tensor], calls: dict[str, Call], stacks: dict[str, bool],
+                      stream_map: StreamMap | None = None) -> list[torch.Tensor]:
     """What the shell check compares: the float outputs, then the stream entering each stack seen,
-    centered (P·x) for a centered stack. Computed in float64."""
+    centered (P·x) for a centered stack, then through ``stream_map``. Computed in float64."""
     entries = [hidden_states(calls[stack]).double() for stack in stacks if stack in calls]
     centered = [stacks[stack] for stack in stacks if stack in calls]
-    return [t.double() for t in outputs] + [center(h, -1) if c else h for h, c in zip(entries, centered)]
+    return [t.double() for t in outputs] + [folded_stream(c, stream_map)(h) for h, c in zip(entries, centered)]
 
 
 
 
 def _load_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str],
-                trust_remote_code: bool) -> tuple[nn.Module, set[str]]:
+                trust_remote_code: bool, extra_parameters: list[str] = ()) -> tuple[nn.Module, set[str]]:
     """``folder``'s model with ``num_hidden_layers`` = 1 (0 without ``stacks``) in float64, its
-    tensors loaded from the checkpoint and the RMSNorms swapped in; and the keys loaded."""
+    tensors loaded from the checkpoint (the ``extra_parameters`` its class lacks registered where
+    their module is in the shell) and the RMSNorms swapped in; and the keys loaded."""
     config = load_config(folder, trust_remote_code=trust_remote_code)
     config.num_hidden_layers = 1 if stacks else 0
     cls = model_class_for(config, trust_remote_code=trust_remote_code)
@@ -226,6 +243,12 @@ def _load_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str],
             state[name] = checkpoint.read(key).double()
             keys.add(key)
     model.load_state_dict(state, strict=False)
+    for name in extra_parameters:
+        owner_path, _, attr = name.rpartition(".")
+        with contextlib.suppress(AttributeError):  # a module of a block the shell does not hold
+            owner = model.get_submodule(owner_path)
+            owner.register_parameter(attr, nn.Parameter(checkpoint.read(name).double(), requires_grad=False))
+            keys.add(name)
     for entry in swapped:
         with contextlib.suppress(AttributeError):  # norms of blocks the shell does not hold
             swap_in_rmsnorm(model, entry)

@@ -2,6 +2,7 @@
 is never touched, only the norms' γ/β read from the files, then the fold engine's analysis."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -22,13 +23,17 @@ NORM_TYPES: tuple[type[nn.Module], ...] = LAYER_NORM_TYPES + RMS_NORM_TYPES + GR
 
 
 def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remote_code: bool = False,
-                        stored_dtype: torch.dtype | None = None) -> tuple[FoldReport, nn.Module, Checkpoint]:
+                        stored_dtype: torch.dtype | None = None,
+                        stock_loadable: bool = True) -> tuple[FoldReport, nn.Module, Checkpoint]:
     """Analyse the model of a checkpoint without loading its weights.
 
     Returns ``(report, skeleton, checkpoint)``: the fold pipeline's FoldReport, planned within what
     stock transformers loads from a folder stored in ``stored_dtype`` (default: the checkpoint's
     own; ``normfold.hf.saving.stock_constraints``), the model built on uninitialised storage (only its
-    norms' γ/β are real), and the checkpoint.
+    norms' γ/β are real), and the checkpoint. ``stock_loadable=False`` (a rotated folder, which only
+    ``normfold.from_pretrained`` loads): the plan may create parameters the class lacks (GPT-2's
+    ``lm_head.bias``, so that the final norm loses its γ/β), as ``normfold.fold`` does; it still
+    keeps every module (streaming rewrites tensors, never modules).
     """
     config = load_config(model_dir, trust_remote_code=trust_remote_code)
     cls = model_class_for(config, trust_remote_code=trust_remote_code)
@@ -41,6 +46,8 @@ def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remo
     skeleton.tie_weights()  # to_empty gives tied parameters separate storage; the analysis must see the tie
     _load_norm_parameters(skeleton, checkpoint)
     constraints = stock_constraints(skeleton, stored_dtype or dtype, fold_affine=fold_affine)
+    if not stock_loadable:
+        constraints = dataclasses.replace(constraints, loadable_keys=None)
     return plan_fold(skeleton, example_inputs_for(skeleton), constraints), skeleton, checkpoint
 
 

@@ -6,19 +6,23 @@ import json
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..._progress import progress
 from ...fold.errors import FoldVerificationError
 from ...fold.plan import FoldPlan
+from ...fold.report import FoldReport
 from ..folder import write_report_files
 from ..load import CheckpointError, check_model_dir
 from ..output_dir import atomic_output_dir
 from ..report import describe_model, folder_report, require_norms
-from ..saving import DTYPES
+from ..inputs import example_inputs_for
+from ..saving import DTYPES, stock_parameter_shapes
 from ..side_files import copy_side_files
 from .checkpoint import INDEX, stored_dtype_name, write_safetensors
 from .planning import plan_for_checkpoint
@@ -26,8 +30,26 @@ from .rewrite import CheckpointRewrite, Prefetcher
 from .verification import failure_summary, verify_by_blocks
 
 
+@dataclass
+class AfterFold:
+    """A step after the fold that rewrites tensors one at a time (``normfold rotate``: t ↦ t·Q), as the
+    caller composes it: ``tensor(name, folded tensor)`` gives the new tensor (same shape and dtype) of
+    each of ``names``; ``stream`` maps the folded model's residual stream to the new one (x ↦ x·Q), for
+    the per-block proof; ``sections`` go into the report."""
+
+    names: frozenset[str]
+    tensor: Callable[[str, torch.Tensor], torch.Tensor]
+    stream: Callable[[torch.Tensor], torch.Tensor]
+    sections: dict[str, Any]
+
+
+# (skeleton, its fold report, example inputs) -> the step after the fold, planned from the structure alone
+PlanAfterFold = Callable[[nn.Module, FoldReport, dict], AfterFold]
+
+
 def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
                     dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
+                    after_fold: PlanAfterFold | None = None,
                     step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Fold a safetensors folder shard by shard without loading the model, verify the result
     piece by piece (:func:`~normfold.hf.streaming.verify_by_blocks`), and only then publish it as ``out_dir``.
@@ -37,15 +59,21 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
     ``overwrite``, the previous output stays). Output shards mirror the input shards (same names
     and keys; an untied copy goes into its source's shard). Returns the report dict
     (``streaming`` holds bytes and seconds, ``verification`` the checks).
+
+    ``after_fold`` (``normfold rotate``): planned on the skeleton after the fold's plan, which may then
+    create parameters the class lacks (the folder is for ``normfold.from_pretrained`` only); its
+    tensors are rewritten after the fold's math, and every block is proved against the original's
+    stream mapped by its ``stream``.
     """
     model_dir = check_model_dir(model_dir)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     with atomic_output_dir(out_dir, overwrite=overwrite, protect=(model_dir,)) as tmp:
-        report = _write_folded_checkpoint(model_dir, tmp, fold_affine=fold_affine, dtype=dtype,
-                                          trust_remote_code=trust_remote_code, step=step)
+        report, stream = _write_folded_checkpoint(model_dir, tmp, fold_affine=fold_affine, dtype=dtype,
+                                                  trust_remote_code=trust_remote_code, after_fold=after_fold,
+                                                  step=step)
         report["verification"] = verify_by_blocks(model_dir, tmp, report, dtype=dtype, check_weights=False,
-                                                  trust_remote_code=trust_remote_code, step=step)
+                                                  trust_remote_code=trust_remote_code, stream_map=stream, step=step)
         if not report["verification"]["ok"]:
             raise FoldVerificationError(f"{failure_summary(report['verification'])}; nothing was written to {out_dir}")
         step("writing the report")
@@ -55,20 +83,28 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
 
 
 def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool, dtype: str | None,
-                             trust_remote_code: bool, step: Callable[[str], None]) -> dict[str, Any]:
+                             trust_remote_code: bool, after_fold: PlanAfterFold | None,
+                             step: Callable[[str], None]) -> tuple[dict[str, Any], Callable | None]:
     """Plan, then rewrite every shard into ``folder`` (config and side files too); returns the
-    report dict without verification. ``folder`` is private: nothing here is checked yet."""
+    report dict without verification, and the after-fold step's stream map (None without one).
+    ``folder`` is private: nothing here is checked yet."""
     out_dtype = DTYPES[dtype] if dtype else None
     t0 = time.perf_counter()
     step("planning (no weights loaded)")
     report, skeleton, checkpoint = plan_for_checkpoint(model_dir, fold_affine=fold_affine,
-                                                      trust_remote_code=trust_remote_code, stored_dtype=out_dtype)
+                                                      trust_remote_code=trust_remote_code, stored_dtype=out_dtype,
+                                                      stock_loadable=after_fold is None)
     require_norms(report, type(skeleton).__name__)
+    after = None if after_fold is None else after_fold(skeleton, report, example_inputs_for(skeleton))
     t_plan = time.perf_counter() - t0
-    rewrite = CheckpointRewrite(report.plan, skeleton, checkpoint, out_dtype)
+    rewrite = CheckpointRewrite(report.plan, skeleton, checkpoint, out_dtype, None if after is None else after.tensor)
     layout = {name: list(keys) for name, keys in checkpoint.files.items()}
     for new, src in rewrite.new_keys.items():
         layout[checkpoint.file_of.get(src) or checkpoint.file_of[rewrite.new_keys[src]]].append(new)
+    keys = {k for ks in layout.values() for k in ks}
+    if after is not None and not after.names <= keys:  # a tensor it would change, never written: nothing proved
+        raise CheckpointError(f"the step after the fold changes {sorted(after.names - keys)[:3]}, which the "
+                              "checkpoint does not store under those names")
     written, weight_map = 0, {}
     step(f"rewriting {len(layout)} shard{'s' if len(layout) != 1 else ''}")
     with Prefetcher(rewrite, [k for keys in layout.values() for k in keys]) as tensors:
@@ -84,9 +120,15 @@ def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool
     streaming = {"bytes_read": checkpoint.bytes_read, "bytes_written": written, "plan_seconds": round(t_plan, 2),
                  "read_seconds": round(checkpoint.read_seconds, 2), "math_seconds": round(rewrite.math_seconds, 2),
                  "seconds": round(time.perf_counter() - t0, 2)}
-    return folder_report(report, {"swapped": swapped_from_plan(report.plan)},
-                         saved_dtype=dtype or stored_dtype_name(model_dir), model=describe_model(skeleton, model_dir),
-                         fold_affine=fold_affine, skipped_files=skipped_files, streaming=streaming)
+    layout = {"swapped": swapped_from_plan(report.plan)}
+    if after is not None:  # parameters the class lacks (a created lm_head.bias): normfold.from_pretrained adds them
+        stock = stock_parameter_shapes(skeleton.config, type(skeleton))
+        layout["extra_parameters"] = [{"name": k, "shape": rewrite.output_meta(k)[1]}
+                                      for k in sorted(rewrite.new_keys) if k not in stock]
+    out = folder_report(report, layout, saved_dtype=dtype or stored_dtype_name(model_dir),
+                        model=describe_model(skeleton, model_dir), fold_affine=fold_affine, skipped_files=skipped_files,
+                        streaming=streaming, **({} if after is None else after.sections))
+    return out, None if after is None else after.stream
 
 
 def swapped_from_plan(plan: FoldPlan) -> list[dict[str, Any]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -18,11 +19,17 @@ from ..load import CheckpointError
 from .checkpoint import SAFETENSORS_DTYPES, TORCH_DTYPES, Checkpoint, resolve_key
 
 
+# A transform of each folded tensor, by output key, the same shape and dtype out (``normfold rotate``:
+# t ↦ t·Q along the stream dim): (key, folded tensor) -> new tensor
+PostFold = Callable[[str, torch.Tensor], torch.Tensor]
+
+
 class CheckpointRewrite:
-    """The plan restated per checkpoint key, with the groups of keys that must be computed together."""
+    """The plan restated per checkpoint key, with the groups of keys that must be computed together;
+    ``post`` (optional) transforms each folded tensor before it is cast to its output dtype."""
 
     def __init__(self, plan: FoldPlan, skeleton: nn.Module, checkpoint: Checkpoint,
-                 out_dtype: torch.dtype | None) -> None:
+                 out_dtype: torch.dtype | None, post: PostFold | None = None) -> None:
         if getattr(plan, "precompute", None):
             raise CheckpointError("streaming folds cannot precompute embedding norms (internal: plan has precompute steps)")
         if any(not s.keep_module for s in plan.batchnorm):
@@ -31,6 +38,7 @@ class CheckpointRewrite:
         aliases = parameter_aliases(skeleton)
         self.checkpoint = checkpoint
         self.out_dtype = out_dtype
+        self.post = post
 
         def key(fqn: str) -> str:
             k = resolve_key(fqn, aliases, checkpoint)
@@ -125,7 +133,7 @@ class CheckpointRewrite:
         """New values for every key of ``key``'s group, in the checkpoint's dtype (the math runs
         in ``fold.math.compute_dtype`` on slices of at most :data:`_CHUNK` elements, then rounds once per step)."""
         if key not in self.group_of:
-            return {key: self._cast(key, self.checkpoint.read(key))}
+            return {key: self._cast(key, self._post(key, self.checkpoint.read(key)))}
         keys = self.groups[self.group_of[key]]
         vals = {k: self.checkpoint.read(k) for k in keys if k in self.checkpoint.meta}
         t0 = time.perf_counter()
@@ -150,7 +158,16 @@ class CheckpointRewrite:
                 dtype, shape = self.output_meta(k)
                 vals[k] = torch.full(shape, self.fill[k], dtype=TORCH_DTYPES[dtype])
         self.math_seconds += time.perf_counter() - t0
-        return {k: self._cast(k, v) for k, v in vals.items()}
+        return {k: self._cast(k, self._post(k, v)) for k, v in vals.items()}
+
+    def _post(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        """The folded tensor ``key`` through the ``post`` transform (a rotation), in its own dtype."""
+        if self.post is None:
+            return t
+        t0 = time.perf_counter()
+        out = self.post(key, t)
+        self.math_seconds += time.perf_counter() - t0
+        return out
 
     def _cast(self, key: str, t: torch.Tensor) -> torch.Tensor:
         return t.to(TORCH_DTYPES[self.output_meta(key)[0]])

@@ -18,7 +18,7 @@ from ..load import CheckpointError, _first_line, check_model_dir
 from ..output_dir import REPORT_JSON
 from ..saved_weights import compare_weights, not_compared, same_plan, skipped, why_not_rederivable
 from ..saving import DTYPES
-from .blocks import (Call, call_block, check_loaded_block, check_shell, compare_copies, first_output, hidden_states,
+from .blocks import (Call, StreamMap, call_block, check_loaded_block, check_shell, compare_copies, first_output, hidden_states,
                      load_block, random_stream, stacks_of)
 from .checkpoint import SAFETENSORS_DTYPES, TORCH_DTYPES, Checkpoint, stored_dtype_name
 from .planning import meta_skeleton, plan_for_checkpoint
@@ -27,7 +27,7 @@ from .rewrite import CheckpointRewrite
 
 def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, report: dict[str, Any] | None = None,
                      *, dtype: str | None = None, trust_remote_code: bool = False, check_weights: bool = True,
-                     step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
+                     stream_map: StreamMap | None = None, step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Prove a folded checkpoint equal to its original without loading either whole (the argument is
     the comment at the top of :mod:`normfold.hf.streaming.blocks`): the shell, every block of every
     stack (run on the original's stream, or compared as a copy when unchanged), and every remaining
@@ -44,6 +44,9 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
     ``check_weights=False`` skips the weight check (``fold_checkpoint``: the tensors were just
     written by the same code a re-derivation runs, so it would re-read both checkpoints whole to
     compare that code with itself; ``normfold verify`` runs it).
+    ``stream_map``: a transform of the stream after the fold (``normfold rotate``: x ↦ x·Q); every
+    piece then compares the folded model's stream with that of the (centered) original's, and the
+    shell holds the parameters the report lists under ``extra_parameters``.
     Memory: the shell (embeddings, head, one block per stack) in float64, then one block at a time;
     the weight check holds one group of tensors the fold rewrites together.
     """
@@ -60,7 +63,8 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
     step("checking the embeddings, final norm and head in float64")
     try:
         shell, calls = check_shell(orig_dir, folded_dir, swapped, {s: c for s, (_, c) in stacks.items()},
-                                   stored_dtype=stored, trust_remote_code=trust_remote_code)
+                                   stored_dtype=stored, trust_remote_code=trust_remote_code, stream_map=stream_map,
+                                   extra_parameters=[e["name"] for e in report.get("extra_parameters", [])])
     except Exception as err:  # a model that cannot run cut short: not proved, so not ok
         shell, calls = {"block": "model cut to its first block", "max_rel_error": math.nan, "ok": False, "keys": [],
                         "problems": [f"could not run the model cut to one block per stack: {_first_line(err)}"]}, {}
@@ -69,7 +73,8 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
     for stack, (n, centered) in stacks.items():
         step(f"checking the {n} blocks of {stack} in float64")
         stack_checks, stack_problems, stack_keys, stack_copies = _check_stack(
-            skeleton, orig, folded, [f"{stack}.{i}" for i in range(n)], centered, calls.get(stack), swapped, stored)
+            skeleton, orig, folded, [f"{stack}.{i}" for i in range(n)], centered, calls.get(stack), swapped, stored,
+            stream_map)
         checks += stack_checks
         problems += stack_problems
         covered |= stack_keys
@@ -101,15 +106,15 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
 
 
 def _check_stack(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, paths: list[str], centered: bool,
-                 call: Call | None, swapped: list[dict[str, Any]],
-                 stored: torch.dtype) -> tuple[list[dict[str, Any]], list[str], set[str], int]:
+                 call: Call | None, swapped: list[dict[str, Any]], stored: torch.dtype,
+                 stream_map: StreamMap | None = None) -> tuple[list[dict[str, Any]], list[str], set[str], int]:
     """Every block of one stack (``paths``, in order) on the original's stream: each block whose
     tensors changed (every block of a centered stack) is checked, one that is a copy of the original
     only run to carry the stream on. Returns the checks, the problems, the checkpoint keys the blocks
     hold and how many of them were compared as copies."""
     keys = {path: sorted(k for k in orig.meta.keys() | folded.meta.keys() if k.startswith(path + "."))
             for path in paths}
-    run = [path for path in paths if centered or compare_copies(orig, folded, keys[path])]
+    run = [path for path in paths if centered or stream_map or compare_copies(orig, folded, keys[path])]
     copies = sum(len(keys[path]) for path in paths if path not in run)
     checks, problems = [], []
     x = hidden_states(call) if call else random_stream(skeleton, paths[0])  # no shell run: its problem is listed
@@ -117,7 +122,8 @@ def _check_stack(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, path
     for path in progress(needed, desc=f"checking {paths[0].rpartition('.')[0]}", unit="block"):
         try:
             if path in run:
-                result, x = check_loaded_block(skeleton, orig, folded, path, swapped, centered, call, x, stored)
+                result, x = check_loaded_block(skeleton, orig, folded, path, swapped, centered, call, x, stored,
+                                               stream_map)
                 checks.append(result)
             else:  # a copy: only the stream the next block reads is needed
                 with torch.no_grad():

@@ -1,0 +1,118 @@
+"""``normfold rotate`` on sharded checkpoints: the streaming fold with the rotation as its step after
+the fold (t ↦ t·Q tensor by tensor), every block proved against the original block with Q applied to
+its stream, published atomically; the same tensors as the in-memory ``normfold.rotate``."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import normfold
+from normfold.cli import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, main
+from normfold.hf.inputs import example_inputs_for
+from normfold.hf.load import load_model
+from normfold.hf.output_dir import REPORT_JSON
+from normfold.hf.streaming import INDEX
+from normfold.rotate.streaming import TensorRotations
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("rich")
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_dirs, tmp_path_factory):
+    """name -> the tiny GPT-2 / OPT folder saved in shards of 20 KB (7-9 files)."""
+    root = tmp_path_factory.mktemp("sharded")
+    folders = {}
+    for name in ("gpt2", "opt"):
+        load_model(tiny_dirs[name]).save_pretrained(root / name, max_shard_size="20KB", safe_serialization=True)
+        assert (root / name / INDEX).is_file()
+        folders[name] = root / name
+    return folders
+
+
+def _rotate(capsys, source, out, *options) -> tuple[int, str]:
+    code = main(["rotate", str(source), "-o", str(out), *map(str, options)])
+    return code, capsys.readouterr().err
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("name, method", [("gpt2", "random"), ("opt", "hadamard")])
+def test_streamed_rotation_is_bitwise_the_in_memory_rotation_and_reloads_to_the_original(sharded, tmp_path, capsys,
+                                                                                         name, method):
+    out = tmp_path / "out"
+    code, _ = _rotate(capsys, sharded[name], out, "--method", method, "--seed", 3)
+    assert code == EXIT_OK and (out / INDEX).is_file()
+    original = load_model(sharded[name])
+    in_memory, _ = normfold.rotate(original, example_inputs_for(original), method=method, seed=3)
+    reloaded = normfold.from_pretrained(out)
+    expected, got = in_memory.state_dict(), reloaded.state_dict()
+    assert got.keys() == expected.keys()
+    assert [k for k in expected if not torch.equal(expected[k], got[k])] == []  # bit for bit, float32
+    fresh = torch.randint(0, 96, (3, 13), generator=torch.Generator().manual_seed(5))
+    ref = _logits(original, fresh)
+    assert ((_logits(reloaded, fresh) - ref).abs().max() / ref.abs().max()).item() <= 1e-5
+    assert not torch.equal(got["lm_head.weight"], original.state_dict()["lm_head.weight"])  # really rotated
+
+
+def test_report_records_the_rotation_and_a_proof_of_every_block(sharded, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert _rotate(capsys, sharded["gpt2"], out, "--seed", 1)[0] == EXIT_OK
+    report = json.loads((out / REPORT_JSON).read_text())
+    assert report["rotation"]["method"] == "hadamard" and report["rotation"]["seed"] == 1
+    assert report["rotation"]["streams"][0]["stream"]["width"] == 32
+    ver = report["verification"]
+    assert ver["ok"] is True and [b["block"] for b in ver["blocks"]] == ["transformer.h.0", "transformer.h.1"]
+    assert all(b["max_rel_error"] <= b["tolerance"] for b in ver["blocks"]) and ver["shell"]["ok"] is True
+    assert report["extra_parameters"] == [{"name": "lm_head.bias", "shape": [96]}]  # ln_f's β, into the head
+    assert report["stock_compatible"] is False and "normfold.from_pretrained" in report["stock_warning"]
+    assert report["streaming"]["bytes_written"] > 0
+
+
+def test_stream_option_rotates_a_single_file_folder_the_same_way(tiny_dirs, sharded, tmp_path, capsys):
+    streamed, sharded_out = tmp_path / "streamed", tmp_path / "sharded"
+    assert _rotate(capsys, tiny_dirs["gpt2"], streamed, "--stream")[0] == EXIT_OK
+    assert _rotate(capsys, sharded["gpt2"], sharded_out)[0] == EXIT_OK
+    a, b = normfold.from_pretrained(streamed).state_dict(), normfold.from_pretrained(sharded_out).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("left_alone", ["transformer.h.1.mlp.c_proj.weight", "transformer.wpe.weight",
+                                        "lm_head.weight"])
+def test_a_corrupted_rotation_is_refused_and_nothing_is_written(sharded, tmp_path, capsys, monkeypatch, left_alone):
+    rotate_tensor = TensorRotations.rotate_tensor
+    monkeypatch.setattr(TensorRotations, "rotate_tensor",
+                        lambda self, fqn, t: t if fqn == left_alone else rotate_tensor(self, fqn, t))
+    out = tmp_path / "out"
+    code, err = _rotate(capsys, sharded["gpt2"], out)
+    assert code == EXIT_VERIFY_FAILED and "nothing was written" in err
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_verify_draws_q_again_and_catches_a_tensor_changed_afterwards(sharded, tmp_path, capsys):
+    safetensors = pytest.importorskip("safetensors.torch")
+    out = tmp_path / "out"
+    assert _rotate(capsys, sharded["opt"], out, "--method", "random", "--seed", 2)[0] == EXIT_OK
+    assert main(["verify", str(sharded["opt"]), str(out)]) == EXIT_OK
+    assert "checked through the outputs only" in capsys.readouterr().out.replace("\n", " ").replace("│", " ")
+    key = "model.decoder.layers.0.fc1.weight"
+    shard = out / json.loads((out / INDEX).read_text())["weight_map"][key]
+    tensors = safetensors.load_file(shard)
+    tensors[key] = tensors[key] * 1.5
+    safetensors.save_file(tensors, shard, metadata={"format": "pt"})
+    assert main(["verify", str(sharded["opt"]), str(out)]) == EXIT_VERIFY_FAILED
+    assert "model.decoder.layers.0" in capsys.readouterr().err
+
+
+def test_pca_on_a_sharded_folder_is_refused_in_one_line(sharded, tmp_path, capsys):
+    calibration = tmp_path / "calibration.txt"
+    calibration.write_text("some text\n")
+    out = tmp_path / "out"
+    code, err = _rotate(capsys, sharded["gpt2"], out, "--method", "pca", "--calibration", calibration)
+    assert code == EXIT_USAGE and "whole model in memory" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists()
