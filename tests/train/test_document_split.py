@@ -40,9 +40,11 @@ def test_token_splits_from_documents_keep_validation_text_out_of_training():
     assert "whole documents" in splits.description
 
 
-def test_one_document_falls_back_to_its_tail_and_says_so():
-    splits = TokenSplits.from_documents(["x" * 200], block_size=8, val_fraction=0.1)
-    assert len(splits.val) == 20 and "one token stream" in splits.description
+@pytest.mark.parametrize("documents", [["x" * 200], ["x" * 100, "y" * 100]])
+def test_documents_too_large_to_hold_out_whole_fall_back_to_the_tail_and_say_so(documents):
+    splits = TokenSplits.from_documents(documents, block_size=8, val_fraction=0.1)
+    assert len(splits.val) == int(len(DOCUMENT_SEPARATOR.join(documents)) * 0.1)
+    assert "one token stream" in splits.description and "none small enough to hold out whole" in splits.description
 
 
 @pytest.mark.parametrize("documents, fraction, message", [

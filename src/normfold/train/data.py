@@ -101,9 +101,14 @@ class TokenSplits:
     @classmethod
     def from_documents(cls, documents: Sequence[str], block_size: int, val_fraction: float = 0.1,
                        seed: int = SPLIT_SEED) -> "TokenSplits":
-        """Whole documents to validation (:func:`split_documents`); one document is split at its tail."""
-        if len(documents) < 2:
-            return cls(encode(DOCUMENT_SEPARATOR.join(documents)), block_size, val_fraction)
+        """Whole documents to validation (:func:`split_documents`). One document, or documents each larger than
+        ``val_fraction`` of the text (two equal files at 10%), are split at the tail, and ``description`` says so."""
+        sizes = [len(d.encode("utf-8")) for d in documents]
+        if len(documents) < 2 or min(sizes) > val_fraction * sum(sizes):
+            splits = cls(encode(DOCUMENT_SEPARATOR.join(documents)), block_size, val_fraction)
+            splits.description += (f" ({len(documents)} document{'s' * (len(documents) != 1)}, none small enough "
+                                   "to hold out whole)")
+            return splits
         train, val = split_documents(documents, val_fraction, seed)
         splits = cls.__new__(cls)
         splits._set(encode(DOCUMENT_SEPARATOR.join(train)), encode(DOCUMENT_SEPARATOR.join(val)), block_size,
