@@ -28,9 +28,10 @@ Tied tables (``lm_head`` ↔ ``wte``): the plan's untie steps name the uses that
 uncentered tensor. CBWC keeps the tie — the lookup sees V, the head sees W, one Parameter gets both
 gradients — which is exactly the LayerNorm model's gradient. ``bake_`` unties them at the end.
 
-Cost: each V is computed once per optimizer step (``trainer.train_step`` caches it across micro-batches)
-and the centering is a mean and a subtraction per tensor, forward and backward: 0.2% of a training step
-of the experiments' GPT at width 144, 0.4% at 384 (``experiments/results/step_time.md``).
+Cost: each V is computed once per optimizer step (``trainer.accumulate_gradients`` caches it across
+micro-batches; under FSDP2 once per micro-batch, see there) and the centering is a mean and a
+subtraction per tensor, forward and backward: 0.2% of a training step of the experiments' GPT at width
+144, 0.4% at 384 (``experiments/results/step_time.md``).
 
 Where the equivalence breaks: dropout on a producer's output in training (residual / embedding
 dropout) rescales elements at random, so the stream is no longer zero-mean and the RMSNorm sees a

@@ -33,18 +33,20 @@ def gpt2_incompatibility(config: GPTConfig) -> str | None:
     return None
 
 
-def _free_state(model: GPT) -> dict[str, torch.Tensor]:
-    """State dict with CBWC parametrizations read as their free tensors (the LayerNorm twin)."""
-    state = {}
-    for name, tensor in model.state_dict().items():
+def _free_state(model: GPT, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """State dict (``state``, else the model's own) with CBWC parametrizations read as their free tensors
+    (the LayerNorm twin)."""
+    free = {}
+    for name, tensor in (model.state_dict() if state is None else state).items():
         name = name.replace(".parametrizations.", ".").replace(".weight.original", ".weight").replace(
             ".bias.original", ".bias")
-        state[name] = tensor.detach()
-    return state
+        free[name] = tensor.detach()
+    return free
 
 
-def to_gpt2(model: GPT):
-    """The equivalent ``transformers.GPT2LMHeadModel`` (eager attention, fp32 weights copied)."""
+def to_gpt2(model: GPT, state: dict[str, torch.Tensor] | None = None):
+    """The equivalent ``transformers.GPT2LMHeadModel`` (eager attention, fp32 weights copied from ``state``,
+    else from the model's own state dict)."""
     reason = gpt2_incompatibility(model.config)
     if reason is not None:
         raise ValueError(f"this model has no GPT-2 equivalent: {reason}")
@@ -60,15 +62,15 @@ def to_gpt2(model: GPT):
         bos_token_id=0, eos_token_id=0, attn_implementation="eager",
     )
     hf = GPT2LMHeadModel(hf_config)
-    state = {}
-    for name, tensor in _free_state(model).items():
+    hf_state = {}
+    for name, tensor in _free_state(model, state).items():
         if name == "lm_head.weight":
             continue  # tied to wte
         # GPT-2's Conv1D stores (in, out): the transpose of nn.Linear's (out, in)
         if name.endswith(".weight") and any(k in name for k in ("c_attn", "c_proj", "c_fc")):
             tensor = tensor.t()
-        state[name] = tensor.to(torch.float32).contiguous()
-    missing, unexpected = hf.load_state_dict(state, strict=False)
+        hf_state[name] = tensor.to(torch.float32).contiguous()
+    missing, unexpected = hf.load_state_dict(hf_state, strict=False)
     missing = [k for k in missing if k != "lm_head.weight"]
     if missing or unexpected:
         raise RuntimeError(f"GPT-2 conversion is out of sync with the model: missing {missing}, unexpected {unexpected}")
@@ -76,14 +78,15 @@ def to_gpt2(model: GPT):
     return hf
 
 
-def save_checkpoint(model: nn.Module, directory: str | Path) -> str:
+def save_checkpoint(model: nn.Module, directory: str | Path, *, state: dict[str, torch.Tensor] | None = None) -> str:
     """Save ``model`` under ``directory``; returns ``"gpt2"`` (a Hugging Face folder) or ``"torch"``
-    (``model.pt`` + ``config.json``, for architectures GPT-2 cannot express)."""
+    (``model.pt`` + ``config.json``, for architectures GPT-2 cannot express). ``state``: the model's whole
+    state dict where its own is sharded (FSDP2: ``parallel.full_model_state``)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if gpt2_incompatibility(model.config) is None:
-        to_gpt2(model).save_pretrained(directory)
+        to_gpt2(model, state).save_pretrained(directory)
         return "gpt2"
-    torch.save(_free_state(model), directory / "model.pt")
+    torch.save(_free_state(model, state), directory / "model.pt")
     (directory / "config.json").write_text(json.dumps({"normfold_gpt": asdict(model.config)}, indent=2))
     return "torch"

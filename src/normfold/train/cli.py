@@ -8,18 +8,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 from typing import Sequence
 
 from .._options import dash_options
 from .config import PRECISIONS, TrainConfig, resolve_config
 from .model import NORMS, PLACEMENTS, GPTConfig
+from .parallel import PARALLEL
 from .trainer import train
 
 _EPILOG = """\
 examples:
   python -m normfold.train --norm=rmsnorm --placement=pre --max-steps=200 --out-dir=runs/rms
   python -m normfold.train --config=my.toml --norm=cbwc_rmsnorm
-  torchrun --nproc_per_node=2 -m normfold.train --config=my.toml"""
+  torchrun --nproc_per_node=2 -m normfold.train --config=my.toml --parallel=fsdp2
+  python -m normfold.train --checkpoint-interval=50 --out-dir=runs/a   # interrupted? then:
+  python -m normfold.train --resume=runs/a"""
 
 
 def _config_keys() -> list[tuple[str, object]]:
@@ -35,6 +39,11 @@ _NOTES = {  # what a key's name does not say
                           "instead of refusing",
     "grad_accum_steps": "micro-batches of batch_size per optimizer step, gradients accumulated",
     "compile": "torch.compile the model for training (Inductor); the first steps pay for compilation",
+    "parallel": "how the processes of torchrun share the model",
+    "checkpoint_interval": "steps between resumable states in OUT_DIR/train_state.pt (and at the end); 0: none",
+    "resume": "a run folder with train_state.pt: continue that run (its config.json is the base config; "
+              "only where and how it reports may change)",
+    "tensorboard": "also log to TensorBoard in OUT_DIR/tensorboard (pip install 'normfold[tensorboard]')",
 }
 
 
@@ -43,7 +52,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--overwrite", action="store_true",
                         help="write into a non-empty --out-dir that holds no earlier training run (replaces its files)")
-    choices = {"norm": NORMS, "placement": PLACEMENTS, "precision": PRECISIONS}
+    choices = {"norm": NORMS, "placement": PLACEMENTS, "precision": PRECISIONS, "parallel": PARALLEL}
     keys = parser.add_argument_group("config keys (values are checked by TrainConfig / GPTConfig)")
     for name, default in _config_keys():
         shown = ",".join(default) if isinstance(default, list) else default
@@ -63,8 +72,11 @@ class TrainConfigError(ValueError):
 def _resolve(args: argparse.Namespace) -> TrainConfig:
     """The config from defaults, ``--config`` and the options; TrainConfigError naming what is wrong."""
     overrides = [f"--{name}={getattr(args, name)}" for name, _ in _config_keys() if hasattr(args, name)]
+    config_file = args.config
+    if config_file is None and getattr(args, "resume", ""):  # the resumed run's own config, options on top
+        config_file = Path(args.resume) / "config.json"
     try:
-        return resolve_config(args.config, overrides)
+        return resolve_config(config_file, overrides)
     except (ValueError, TypeError, OSError) as err:
         raise TrainConfigError(str(err)) from err
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .model import GPTConfig, check_positive_ints
+from .parallel import PARALLEL
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp64")
 
@@ -41,6 +42,10 @@ class TrainConfig:
     progress: bool = True  # rich progress bar on a terminal; plain lines otherwise
     allow_partial_cbwc: bool = False  # cbwc_rmsnorm: train LayerNorms CBWC cannot convert as LayerNorms (else refuse)
     compile: bool = False  # torch.compile the training forward/backward (Inductor); the first steps compile
+    parallel: str = "ddp"  # under torchrun: ddp (replicated weights) or fsdp2 (fully_shard: sharded weights)
+    checkpoint_interval: int = 0  # steps between resumable states (out_dir/train_state.pt; also at the end); 0: none
+    resume: str = ""  # a run folder holding train_state.pt: continue that run where it stopped
+    tensorboard: bool = False  # also log to TensorBoard (out_dir/tensorboard; needs the tensorboard extra)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, dict):
@@ -49,6 +54,11 @@ class TrainConfig:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         check_positive_ints(self, ("batch_size", "grad_accum_steps", "max_steps", "eval_interval", "eval_iters",
                                    "log_interval"))
+        if self.parallel not in PARALLEL:
+            raise ValueError(f"parallel must be one of {PARALLEL}, got {self.parallel!r}")
+        if self.checkpoint_interval < 0:
+            raise ValueError("checkpoint_interval must be >= 0 (0: no resumable state), "
+                             f"got {self.checkpoint_interval!r}")
         if self.warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps!r}")
         if not 0 <= self.min_lr <= self.lr:

@@ -1,7 +1,10 @@
-"""The training loop: AdamW, warmup + cosine decay, autocast, DDP, torch.compile, CSV log, checkpoint.
+"""The training loop: AdamW, warmup + cosine decay, autocast, DDP or FSDP2, torch.compile, gradient
+accumulation, CSV (and TensorBoard) log, checkpoint, resume.
 
-One process, or N under ``torchrun --nproc_per_node=N`` (DistributedDataParallel; gloo on CPU,
-nccl on GPU). Rank 0 writes the log, the resolved config, the summary and the checkpoint.
+One process, or N under ``torchrun --nproc_per_node=N`` (``parallel``: DistributedDataParallel or FSDP2's
+``fully_shard``; gloo on CPU, nccl on GPU), taking the steps one process takes with the N ranks' batches
+together (:mod:`normfold.train.parallel`). Rank 0 writes the log, the resolved config, the summary, the
+resumable state (:mod:`normfold.train.resume`) and the checkpoint.
 """
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,31 +22,18 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from .._deps import require
 from ..hf.load import CheckpointError
 from .cbwc import cbwc_
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
-from .data import TokenSplits, load_documents
+from .data import TokenSplits, corpus_sha256, load_documents
 from .model import GPT
+from .parallel import (Dist, full_model_state, full_optimizer_state, full_tensor, is_sharded, load_full_state,
+                       local_rows, no_sync, wrap_for_training)
+from .resume import capture_rng, read_state, restore_rng, write_state
 
 _VAL_SEED = 1234  # the validation batches are the same for every run, seed and norm variant
-
-
-@dataclass
-class _Dist:
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @classmethod
-    def from_env(cls) -> "_Dist":
-        """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK (absent: one process)."""
-        return cls(int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)),
-                   int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def lr_at(step: int, config: TrainConfig) -> float:
@@ -66,7 +55,7 @@ def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2))
 
 
-def _device(config: TrainConfig, dist: _Dist) -> torch.device:
+def _device(config: TrainConfig, dist: Dist) -> torch.device:
     name = config.device
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -97,39 +86,50 @@ def build_model(config: TrainConfig, device: torch.device | str = "cpu") -> GPT:
     return model
 
 
-def _no_sync(model: nn.Module, sync: bool):
-    """DDP's ``no_sync`` (gradients accumulate locally) unless ``sync``; a no-op for other models."""
-    inner = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-    if sync or not isinstance(inner, nn.parallel.DistributedDataParallel):
-        return contextlib.nullcontext()
-    return inner.no_sync()
-
-
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
-               config: TrainConfig) -> torch.Tensor:
-    """One optimizer step over the micro-batches ``[(x, y), ...]``: each forward under the config's autocast
-    and backward of loss / len(batches) (the gradient of the mean loss; DDP all-reduces on the last only),
-    then global-norm clipping and AdamW. Returns the detached mean loss (not synchronized with the device).
+def accumulate_gradients(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
+                         config: TrainConfig) -> torch.Tensor:
+    """Gradients of the mean loss over the micro-batches ``[(x, y), ...]`` (set, not added to): each forward
+    under the config's autocast and backward of loss / len(batches) (DDP all-reduces on the last only).
+    Returns the detached mean loss (not synchronized with the device).
 
     CBWC's centered weights V = P·W depend only on W, which changes at ``optimizer.step()``: they are computed
     once for all micro-batches (``parametrize.cached``), and every micro-batch's backward reaches W through
     that one V: the centering saves no tensors for backward, so its graph can be walked once per micro-batch
     without ``retain_graph`` (which would keep each micro-batch's activations alive into the next).
+    Not under FSDP2: it reduce-scatters a block's gradients as soon as backward reaches the block's input,
+    and autograd runs the newest nodes first, so the gradient through a V made in an earlier micro-batch's
+    forward would reach W after the reduce-scatter and be lost. There V is computed in each forward.
     """
-    optimizer.zero_grad(set_to_none=True)
     losses = []
-    with parametrize.cached():
+    with contextlib.nullcontext() if is_sharded(model) else parametrize.cached():
         for i, (x, y) in enumerate(batches):
-            last = i == len(batches) - 1
             with _autocast(config, x.device):
                 _, loss = model(x, y)
-            with _no_sync(model, sync=last):
+            with no_sync(model, sync=i == len(batches) - 1):
                 (loss / len(batches)).backward()
             losses.append(loss.detach())
-    if config.grad_clip > 0:
-        nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
-    optimizer.step()
     return torch.stack(losses).mean()
+
+
+def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.Tensor:
+    """Global-norm clipping (``grad_clip`` > 0) and the optimizer step; returns the gradient norm before clipping
+    (whole, also when FSDP2 shards it)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = nn.utils.get_total_norm([p.grad for p in params])
+    if config.grad_clip > 0:
+        nn.utils.clip_grads_with_norm_(params, config.grad_clip, norm)
+    optimizer.step()
+    return full_tensor(norm).detach()
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
+               config: TrainConfig) -> torch.Tensor:
+    """One optimizer step over the micro-batches ``[(x, y), ...]`` (:func:`accumulate_gradients`, then
+    :func:`apply_gradients`); returns the detached mean loss (not synchronized with the device)."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = accumulate_gradients(model, batches, config)
+    apply_gradients(model, optimizer, config)
+    return loss
 
 
 class _Progress:
@@ -160,8 +160,10 @@ class _Progress:
 
 
 @torch.no_grad()
-def estimate_val_loss(model: nn.Module, splits: TokenSplits, config: TrainConfig, device: torch.device) -> float:
-    """Mean loss over ``eval_iters`` fixed validation batches.
+def estimate_val_loss(model: nn.Module, splits: TokenSplits, config: TrainConfig, device: torch.device,
+                      dist: Dist = Dist()) -> float:
+    """Mean loss over ``eval_iters`` fixed validation batches of batch_size · world_size windows, each rank
+    evaluating its rows (averaged over ranks): the same batches and value as one process with that batch.
 
     CBWC's centered weights V = P·W do not change between the batches: computed once (``cached``).
     """
@@ -171,12 +173,16 @@ def estimate_val_loss(model: nn.Module, splits: TokenSplits, config: TrainConfig
     losses = []
     with parametrize.cached():
         for _ in range(config.eval_iters):
-            x, y = splits.batch("val", config.batch_size, generator)
+            x, y = (local_rows(t, dist).to(device) for t in splits.batch("val", config.batch_size * dist.world_size,
+                                                                         generator))
             with _autocast(config, device):
-                _, loss = model(x.to(device), y.to(device))
-            losses.append(loss.item())
+                _, loss = model(x, y)
+            losses.append(loss.float())
     model.train(was_training)
-    return sum(losses) / len(losses)
+    mean = torch.stack(losses).mean()
+    if dist.enabled:
+        torch.distributed.all_reduce(mean, op=torch.distributed.ReduceOp.AVG)
+    return mean.item()
 
 
 def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
@@ -205,17 +211,71 @@ def _is_training_output(folder: Path) -> bool:
     return isinstance(config, dict) and {"model", "out_dir", "max_steps"} <= config.keys()
 
 
+_LOG_COLUMNS = ["step", "tokens", "lr", "train_loss", "val_loss", "elapsed_s", "tokens_per_s", "grad_norm"]
+
+
+def _draw_batches(splits: TokenSplits, config: TrainConfig, dist: Dist, generator: torch.Generator,
+                  device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One step's micro-batches: each the same draw of batch_size · world_size windows on every rank (one
+    generator, one seed), of which this rank trains on its own rows: N ranks see one process's global batch."""
+    return [tuple(local_rows(t, dist).to(device) for t in splits.batch("train", config.batch_size * dist.world_size,
+                                                                         generator))
+            for _ in range(config.grad_accum_steps)]
+
+
+def _summary_writer_class(config: TrainConfig):
+    """TensorBoard's ``SummaryWriter`` when ``config.tensorboard`` (an ImportError naming the extra if it is
+    missing), else None."""
+    if not config.tensorboard:
+        return None
+    require("tensorboard")
+    from torch.utils.tensorboard import SummaryWriter  # not at the top: needs the optional tensorboard package
+
+    return SummaryWriter
+
+
+def _fresh_history() -> dict[str, Any]:
+    """What a run accumulates and a resumed run continues: the curves, the CSV rows and the timing."""
+    return {"train_losses": [], "grad_norms": [], "val_losses": [], "log_rows": [], "train_time": 0.0,
+            "timed_steps": 0}
+
+
+def _save_state(folder: Path, step: int, raw_model: nn.Module, optimizer: torch.optim.Optimizer,
+                generator: torch.Generator, history: dict[str, Any], config: TrainConfig, dist: Dist,
+                corpus: str) -> None:
+    """Every rank's part of the resumable state; rank 0 writes it (a collective: every rank calls it)."""
+    model_state, optimizer_state = full_model_state(raw_model), full_optimizer_state(raw_model, optimizer)
+    rng = [capture_rng(generator)]
+    if dist.enabled:
+        rng = [None] * dist.world_size
+        torch.distributed.all_gather_object(rng, capture_rng(generator))
+    if dist.rank == 0:
+        write_state(folder, {"step": step, "config": config.to_dict(), "world_size": dist.world_size,
+                             "corpus_sha256": corpus, "model": model_state, "optimizer": optimizer_state,
+                             "rng": rng, "history": history})
+
+
 def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: bool = False) -> dict[str, Any]:
     """Train and return a summary (also written to ``out_dir/summary.json`` by rank 0).
 
     ``out_dir`` must be new, empty or a previous run's unless ``overwrite`` (:func:`check_out_dir`).
+    ``checkpoint_interval`` > 0 saves the resumable state (``out_dir/train_state.pt``) every that many steps
+    and at the end; ``resume`` continues the run saved in that folder exactly where it stopped (refused with
+    a ResumeError naming what differs if the config, world size or corpus changed), so the curves equal an
+    uninterrupted run's.
 
-    The summary holds ``train_losses`` (every step, averaged over ranks), ``val_losses``
-    (``(step, loss)`` pairs), ``final_val_loss``, ``tokens_per_s``, ``train_time_s`` and
-    ``diverged`` (a non-finite loss stops the run).
+    The summary holds ``train_losses`` (every step, averaged over ranks), ``grad_norms`` (before clipping),
+    ``val_losses`` (``(step, loss)`` pairs), ``final_val_loss``, ``tokens_per_s``, ``train_time_s``,
+    ``resumed_from`` (the step a resumed run started at, else None) and ``diverged`` (a non-finite loss stops
+    the run).
     """
     out_dir = check_out_dir(config.out_dir, overwrite=overwrite)
-    dist = _Dist.from_env()
+    dist = Dist.from_env()
+    documents = load_documents(config.data)
+    corpus = corpus_sha256(documents)
+    # refusals before any work: a state that does not continue this run, a missing optional package
+    resumed = read_state(config.resume, config.to_dict(), dist.world_size, corpus) if config.resume else None
+    summary_writer_class = _summary_writer_class(config)
     if dist.enabled and not torch.distributed.is_initialized():
         backend = "nccl" if (config.device != "cpu" and torch.cuda.is_available()) else "gloo"
         torch.distributed.init_process_group(backend)
@@ -228,80 +288,109 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
     if is_main:
         (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
 
-    splits = TokenSplits.from_documents(load_documents(config.data), config.model.block_size, config.val_fraction)
-    optimizer = make_optimizer(raw_model, config)
-    train_model: nn.Module = raw_model
-    if dist.enabled:
-        ids = [device.index] if device.type == "cuda" else None
-        train_model = nn.parallel.DistributedDataParallel(raw_model, device_ids=ids)
+    splits = TokenSplits.from_documents(documents, config.model.block_size, config.val_fraction)
+    train_model = wrap_for_training(raw_model, config.parallel, dist, device)
+    optimizer = make_optimizer(raw_model, config)  # after FSDP2 sharded the parameters in place
     if config.compile:  # after DDP, as torch.compile's DDP support expects; evaluation stays eager
         train_model = torch.compile(train_model)
-    # each rank draws its own batches; the seed makes the sequence reproducible
-    generator = torch.Generator().manual_seed(config.seed * 100_003 + dist.rank)
+    generator = torch.Generator().manual_seed(config.seed * 100_003)  # the batch order; the same on every rank
+    history, start = _fresh_history(), 0
+    if resumed is not None:
+        load_full_state(raw_model, optimizer, resumed["model"], resumed["optimizer"])
+        restore_rng(resumed["rng"][dist.rank], generator)
+        history, start = resumed["history"], resumed["step"]
     tokens_per_step = config.batch_size * config.grad_accum_steps * config.model.block_size * dist.world_size
 
     log_file = open(out_dir / "log.csv", "w", newline="") if is_main else None
     writer = csv.writer(log_file) if log_file else None
     if writer:
-        writer.writerow(["step", "tokens", "lr", "train_loss", "val_loss", "elapsed_s", "tokens_per_s"])
+        writer.writerows([_LOG_COLUMNS, *history["log_rows"]])
+    board = summary_writer_class(str(out_dir / "tensorboard"), purge_step=start + 1 if start else None) \
+        if summary_writer_class is not None and is_main else None
     progress = _Progress(config.max_steps, config.progress and is_main)
-    train_losses: list[float] = []
-    val_losses: list[tuple[int, float]] = []
-    train_time, timed_steps, diverged = 0.0, 0, False
+    train_losses, grad_norms, val_losses = history["train_losses"], history["grad_norms"], history["val_losses"]
+    diverged = False
     try:
-        for step in range(config.max_steps):
+        for step in range(start, config.max_steps):
             lr = lr_at(step, config)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            batches = [tuple(t.to(device) for t in splits.batch("train", config.batch_size, generator))
-                       for _ in range(config.grad_accum_steps)]
+            batches = _draw_batches(splits, config, dist, generator, device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss_value = train_step(train_model, optimizer, batches, config)
+            optimizer.zero_grad(set_to_none=True)
+            loss = accumulate_gradients(train_model, batches, config)
+            grad_norm = apply_gradients(train_model, optimizer, config)
             if dist.enabled:
-                torch.distributed.all_reduce(loss_value, op=torch.distributed.ReduceOp.AVG)
-            loss_value = loss_value.item()  # synchronizes with the device
+                torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG)
+            loss_value, grad_norm_value = loss.item(), grad_norm.item()  # synchronizes with the device
             if step > 0:  # step 0 pays for allocation and warm-up: not timed
-                train_time += time.perf_counter() - t0
-                timed_steps += 1
+                history["train_time"] += time.perf_counter() - t0
+                history["timed_steps"] += 1
             train_losses.append(loss_value)
-            if not math.isfinite(loss_value):
-                diverged = True
+            grad_norms.append(grad_norm_value)
+            diverged = not math.isfinite(loss_value)
             last = step == config.max_steps - 1 or diverged
             val_loss = None
             if (step + 1) % config.eval_interval == 0 or last:
-                val_loss = estimate_val_loss(raw_model, splits, config, device) if not diverged else float("nan")
+                val_loss = estimate_val_loss(raw_model, splits, config, device, dist) if not diverged else float("nan")
                 val_losses.append((step + 1, val_loss))
-            tps = timed_steps * tokens_per_step / train_time if train_time > 0 else float("nan")
+            train_time = history["train_time"]
+            tps = history["timed_steps"] * tokens_per_step / train_time if train_time > 0 else float("nan")
             log_line = (step + 1) % config.log_interval == 0 or val_loss is not None
-            if writer and log_line:
-                writer.writerow([step + 1, (step + 1) * tokens_per_step, f"{lr:.6g}", f"{loss_value:.6f}",
-                                 "" if val_loss is None else f"{val_loss:.6f}", f"{train_time:.3f}", f"{tps:.1f}"])
+            if log_line:
+                row = [step + 1, (step + 1) * tokens_per_step, f"{lr:.6g}", f"{loss_value:.6f}",
+                       "" if val_loss is None else f"{val_loss:.6f}", f"{train_time:.3f}", f"{tps:.1f}",
+                       f"{grad_norm_value:.6g}"]
+                history["log_rows"].append(row)
+                if writer:
+                    writer.writerow(row)
+            if board is not None:
+                _log_scalars(board, step + 1, lr=lr, loss=loss_value, grad_norm=grad_norm_value, val_loss=val_loss,
+                             tokens_per_s=tps)
             info = f"loss {loss_value:.4f}" + (f" val {val_loss:.4f}" if val_loss is not None else "") + f" {tps:,.0f} tok/s"
             progress.update(step + 1, info, log_line)
             if diverged:
                 break
+            if config.checkpoint_interval and ((step + 1) % config.checkpoint_interval == 0 or last):
+                if log_file:
+                    log_file.flush()
+                _save_state(out_dir, step + 1, raw_model, optimizer, generator, history, config, dist, corpus)
     finally:
         progress.close()
         if log_file:
             log_file.close()
+        if board is not None:
+            board.close()
 
+    train_time, timed_steps = history["train_time"], history["timed_steps"]
     summary: dict[str, Any] = {
         "norm": config.model.norm, "placement": config.model.placement, "seed": config.seed,
         "num_parameters": raw_model.num_parameters() if hasattr(raw_model, "num_parameters") else None,
-        "world_size": dist.world_size, "steps": len(train_losses), "tokens": len(train_losses) * tokens_per_step,
+        "world_size": dist.world_size, "parallel": config.parallel if dist.enabled else None,
+        "steps": len(train_losses), "tokens": len(train_losses) * tokens_per_step,
         "train_time_s": train_time, "tokens_per_s": timed_steps * tokens_per_step / train_time if train_time else None,
         "final_train_loss": train_losses[-1], "final_val_loss": val_losses[-1][1] if val_losses else None,
-        "diverged": diverged, "train_losses": train_losses, "val_losses": val_losses, "checkpoint": None,
+        "diverged": diverged, "resumed_from": start if resumed is not None else None, "train_losses": train_losses,
+        "grad_norms": grad_norms, "val_losses": val_losses, "checkpoint": None,
     }
-    if config.save_rank_weights:
-        torch.save({k: v.detach().cpu() for k, v in raw_model.state_dict().items()},
+    if config.save_rank_weights:  # this rank's replica (DDP), or the gathered weights (FSDP2: a collective)
+        torch.save({k: full_tensor(v).detach().cpu() for k, v in raw_model.state_dict().items()},
                    out_dir / f"weights_rank{dist.rank}.pt")
+    save = config.save_checkpoint and not diverged and isinstance(raw_model, GPT)  # the same on every rank
+    weights = full_model_state(raw_model) if save else None  # a collective; rank 0 receives it
     if is_main:
-        if config.save_checkpoint and not diverged and isinstance(raw_model, GPT):
-            summary["checkpoint"] = save_checkpoint(raw_model, out_dir / "checkpoint")
+        if save:
+            summary["checkpoint"] = save_checkpoint(raw_model, out_dir / "checkpoint", state=weights)
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if dist.enabled:
         torch.distributed.barrier()
     return summary
+
+
+def _log_scalars(board, step: int, **values: float | None) -> None:
+    """One TensorBoard scalar per value (``val_loss`` under ``val/``, the rest under ``train/``); None skipped."""
+    for name, value in values.items():
+        if value is not None:
+            board.add_scalar("val/loss" if name == "val_loss" else f"train/{name}", value, step)
