@@ -7,7 +7,8 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-_EXTRA = {"transformers": "hf", "safetensors": "hf", "matplotlib": "plot", "rich": "cli", "tqdm": "hf"}
+_EXTRA = {"transformers": "hf", "safetensors": "hf", "matplotlib": "plot", "rich": "cli", "tqdm": "hf",
+          "tensorboard": "tensorboard"}
 
 
 def require(module: str) -> ModuleType:
