@@ -116,3 +116,21 @@ def test_pca_on_a_sharded_folder_is_refused_in_one_line(sharded, tmp_path, capsy
     code, err = _rotate(capsys, sharded["gpt2"], out, "--method", "pca", "--calibration", calibration)
     assert code == EXIT_USAGE and "whole model in memory" in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+def test_rotation_on_slices_matches_the_rotation_of_whole_tensors(sharded, tmp_path, capsys, monkeypatch):
+    import normfold.hf.streaming.rewrite as rewrite
+
+    assert _rotate(capsys, sharded["gpt2"], tmp_path / "whole")[0] == EXIT_OK
+    seen = []
+    rotate_tensor = TensorRotations.rotate_tensor
+    monkeypatch.setattr(TensorRotations, "rotate_tensor",
+                        lambda self, fqn, t: seen.append((fqn, tuple(t.shape))) or rotate_tensor(self, fqn, t))
+    monkeypatch.setattr(rewrite, "_CHUNK", 100)  # every rotated 2-D tensor is cut into many slices
+    assert _rotate(capsys, sharded["gpt2"], tmp_path / "sliced")[0] == EXIT_OK
+    table = [shape for fqn, shape in seen if fqn == "transformer.wte.weight"]
+    assert len(table) > 1 and all(rows < 96 for rows, _ in table)  # never the whole (96, 32) table at once
+    whole = normfold.from_pretrained(tmp_path / "whole").state_dict()
+    sliced = normfold.from_pretrained(tmp_path / "sliced").state_dict()
+    for key in whole:
+        torch.testing.assert_close(sliced[key], whole[key], rtol=1e-6, atol=1e-7, msg=key)

@@ -73,7 +73,7 @@ def _streaming_rotation(args):
     (``rotate.streaming.plan_rotation``) with the command's method and seed."""
     def plan(skeleton, fold_report, example):
         rotation = plan_rotation(skeleton, fold_report, example, method=args.method, seed=args.seed)
-        return rotation_after_fold(rotation.report.to_dict(), set(rotation.along), rotation.rotate_tensor,
+        return rotation_after_fold(rotation.report.to_dict(), rotation.along, rotation.rotate_tensor,
                                    rotation.rotate_stream)
     return plan
 

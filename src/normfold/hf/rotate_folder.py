@@ -27,7 +27,8 @@ from .output_dir import REPORT_JSON, atomic_output_dir
 from .report import describe_model, folder_report
 from .saving import folded_layout, save_folded
 from .side_files import copy_side_files
-from .streaming.publish import AfterFold, PlanAfterFold, fold_checkpoint
+from .streaming.publish import PlanAfterFold, fold_checkpoint
+from .streaming.rewrite import AfterFold
 
 if TYPE_CHECKING:  # the rotation's report type, for annotations only: hf never imports rotate
     from ..rotate import RotationReport
@@ -96,10 +97,10 @@ def rotate_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
                            after_fold=plan, step=step)
 
 
-def rotation_after_fold(rotation: dict[str, Any], names: set[str], tensor: Callable, stream: Callable) -> AfterFold:
-    """The streaming fold's step after the fold for a rotation (its report section ``rotation``, the
-    tensors it rotates, t ↦ t·Q by name and the stream map x ↦ x·Q), with the stock warning."""
-    return AfterFold(frozenset(names), tensor, stream,
+def rotation_after_fold(rotation: dict[str, Any], dims: dict[str, int], tensor: Callable, stream: Callable) -> AfterFold:
+    """The streaming fold's step after the fold for a rotation (its report section ``rotation``, each
+    rotated tensor's stream dim, t ↦ t·Q by name and the stream map x ↦ x·Q), with the stock warning."""
+    return AfterFold(dict(dims), tensor, stream,
                      {"rotation": rotation, "stock_compatible": False, "stock_warning": STOCK_WARNING})
 
 

@@ -6,7 +6,6 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +25,8 @@ from ..saving import DTYPES, stock_parameter_shapes
 from ..side_files import copy_side_files
 from .checkpoint import INDEX, stored_dtype_name, write_safetensors
 from .planning import plan_for_checkpoint
-from .rewrite import CheckpointRewrite, Prefetcher
+from .rewrite import AfterFold, CheckpointRewrite, Prefetcher
 from .verification import failure_summary, verify_by_blocks
-
-
-@dataclass
-class AfterFold:
-    """A step after the fold that rewrites tensors one at a time (``normfold rotate``: t ↦ t·Q), as the
-    caller composes it: ``tensor(name, folded tensor)`` gives the new tensor (same shape and dtype) of
-    each of ``names``; ``stream`` maps the folded model's residual stream to the new one (x ↦ x·Q), for
-    the per-block proof; ``sections`` go into the report."""
-
-    names: frozenset[str]
-    tensor: Callable[[str, torch.Tensor], torch.Tensor]
-    stream: Callable[[torch.Tensor], torch.Tensor]
-    sections: dict[str, Any]
 
 
 # (skeleton, its fold report, example inputs) -> the step after the fold, planned from the structure alone
@@ -97,13 +83,13 @@ def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool
     require_norms(report, type(skeleton).__name__)
     after = None if after_fold is None else after_fold(skeleton, report, example_inputs_for(skeleton))
     t_plan = time.perf_counter() - t0
-    rewrite = CheckpointRewrite(report.plan, skeleton, checkpoint, out_dtype, None if after is None else after.tensor)
+    rewrite = CheckpointRewrite(report.plan, skeleton, checkpoint, out_dtype, after)
     layout = {name: list(keys) for name, keys in checkpoint.files.items()}
     for new, src in rewrite.new_keys.items():
         layout[checkpoint.file_of.get(src) or checkpoint.file_of[rewrite.new_keys[src]]].append(new)
     keys = {k for ks in layout.values() for k in ks}
-    if after is not None and not after.names <= keys:  # a tensor it would change, never written: nothing proved
-        raise CheckpointError(f"the step after the fold changes {sorted(after.names - keys)[:3]}, which the "
+    if after is not None and not after.dims.keys() <= keys:  # a tensor it would change, never written: nothing proved
+        raise CheckpointError(f"the step after the fold changes {sorted(after.dims.keys() - keys)[:3]}, which the "
                               "checkpoint does not store under those names")
     written, weight_map = 0, {}
     step(f"rewriting {len(layout)} shard{'s' if len(layout) != 1 else ''}")

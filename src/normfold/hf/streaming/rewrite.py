@@ -8,6 +8,8 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,17 +21,27 @@ from ..load import CheckpointError
 from .checkpoint import SAFETENSORS_DTYPES, TORCH_DTYPES, Checkpoint, resolve_key
 
 
-# A transform of each folded tensor, by output key, the same shape and dtype out (``normfold rotate``:
-# t ↦ t·Q along the stream dim): (key, folded tensor) -> new tensor
-PostFold = Callable[[str, torch.Tensor], torch.Tensor]
+@dataclass
+class AfterFold:
+    """A step after the fold that rewrites tensors one at a time (``normfold rotate``: t ↦ t·Q), as the
+    caller composes it: ``tensor(name, t)`` gives the new values (same shape and dtype) of a tensor
+    of ``dims`` or of a slice of it cut along another dim than ``dims[name]`` (a row-wise map: the
+    rewrite applies it slice by slice, so no whole table exists in its compute dtype); ``stream``
+    maps the folded model's residual stream to the new one (x ↦ x·Q), for the per-block proof;
+    ``sections`` go into the report."""
+
+    dims: dict[str, int]
+    tensor: Callable[[str, torch.Tensor], torch.Tensor]
+    stream: Callable[[torch.Tensor], torch.Tensor]
+    sections: dict[str, Any]
 
 
 class CheckpointRewrite:
     """The plan restated per checkpoint key, with the groups of keys that must be computed together;
-    ``post`` (optional) transforms each folded tensor before it is cast to its output dtype."""
+    ``after`` (optional) rewrites folded tensors before they are cast to their output dtype."""
 
     def __init__(self, plan: FoldPlan, skeleton: nn.Module, checkpoint: Checkpoint,
-                 out_dtype: torch.dtype | None, post: PostFold | None = None) -> None:
+                 out_dtype: torch.dtype | None, after: AfterFold | None = None) -> None:
         if getattr(plan, "precompute", None):
             raise CheckpointError("streaming folds cannot precompute embedding norms (internal: plan has precompute steps)")
         if any(not s.keep_module for s in plan.batchnorm):
@@ -38,7 +50,7 @@ class CheckpointRewrite:
         aliases = parameter_aliases(skeleton)
         self.checkpoint = checkpoint
         self.out_dtype = out_dtype
-        self.post = post
+        self.after = after
 
         def key(fqn: str) -> str:
             k = resolve_key(fqn, aliases, checkpoint)
@@ -161,13 +173,14 @@ class CheckpointRewrite:
         return {k: self._cast(k, self._post(k, v)) for k, v in vals.items()}
 
     def _post(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """The folded tensor ``key`` through the ``post`` transform (a rotation), in its own dtype."""
-        if self.post is None:
+        """The folded tensor ``key`` (own memory) rewritten in place by the ``after`` step, slice by slice."""
+        if self.after is None or key not in self.after.dims:
             return t
         t0 = time.perf_counter()
-        out = self.post(key, t)
+        for part in _slices(t, self.after.dims[key]):
+            part.copy_(self.after.tensor(key, part))
         self.math_seconds += time.perf_counter() - t0
-        return out
+        return t
 
     def _cast(self, key: str, t: torch.Tensor) -> torch.Tensor:
         return t.to(TORCH_DTYPES[self.output_meta(key)[0]])
