@@ -8,7 +8,9 @@ Steps: the exact fold (``normfold.fold.fold``: norms → RMSNorm, γ/β into the
 check that the stream is closed under rotation (``closure``), the basis (``hadamard``,
 ``orthogonal``; PCA from ``calibration``), the rotation in float64 cast back once (``apply``), and
 the float64 proof against the original, as for a fold (or, when sliced, the cosine on the
-calibration calls). Only torch is imported here.
+calibration calls). ``streaming`` states a data-free rotation per tensor, from a model's structure
+alone, for checkpoints rewritten one tensor at a time (``normfold rotate`` on sharded folders).
+Only torch is imported here.
 """
 from __future__ import annotations
 

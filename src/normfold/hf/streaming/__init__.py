@@ -18,6 +18,10 @@
 
 Peak memory: the largest group in float32 plus the γ/β of all norms while rewriting; while
 verifying, the model without all but one block per stack in float64, then one block at a time.
+
+A step after the fold (``rewrite.AfterFold``; ``normfold rotate``: t ↦ t·Q) rewrites the folded
+tensors it names in step 2, and step 3 then compares every piece with the original's stream mapped
+by it (x ↦ x·Q); the caller composes it, as hf never imports ``rotate``.
 """
 
 from __future__ import annotations
