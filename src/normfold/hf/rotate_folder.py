@@ -1,6 +1,8 @@
 """Writing a rotated Hugging Face folder (``normfold rotate DIR -o OUT``): hf loads the folder, gives the
 example inputs and saves atomically; the rotation itself (``normfold.rotate``, which proves the result
 in float64) is given by the caller, the CLI, since hf never imports ``rotate`` (docs/CONTRIBUTING.md).
+Sharded checkpoints go through the streaming fold with the rotation as its step after the fold
+(:func:`rotate_checkpoint`); PCA and slicing (``calibration_file``) need the model in memory.
 
 A rotated folder is not stock-loadable: its norms are weightless RMSNorms reading a rotated stream
 x·Q, whose mean is not zero, so the LayerNorm stock transformers rebuilds there would subtract it.
