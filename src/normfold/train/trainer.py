@@ -122,14 +122,21 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, config: 
     return full_tensor(norm).detach()
 
 
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
-               config: TrainConfig) -> torch.Tensor:
+def step_with_norm(model: nn.Module, optimizer: torch.optim.Optimizer,
+                   batches: list[tuple[torch.Tensor, torch.Tensor]],
+                   config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over the micro-batches ``[(x, y), ...]`` (:func:`accumulate_gradients`, then
-    :func:`apply_gradients`); returns the detached mean loss (not synchronized with the device)."""
+    :func:`apply_gradients`); returns the detached mean loss and the gradient norm before clipping."""
     optimizer.zero_grad(set_to_none=True)
     loss = accumulate_gradients(model, batches, config)
-    apply_gradients(model, optimizer, config)
-    return loss
+    return loss, apply_gradients(model, optimizer, config)
+
+
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
+               config: TrainConfig) -> torch.Tensor:
+    """One optimizer step (:func:`step_with_norm`); returns the detached mean loss (not synchronized with the
+    device)."""
+    return step_with_norm(model, optimizer, batches, config)[0]
 
 
 class _Progress:
@@ -319,9 +326,7 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            loss = accumulate_gradients(train_model, batches, config)
-            grad_norm = apply_gradients(train_model, optimizer, config)
+            loss, grad_norm = step_with_norm(train_model, optimizer, batches, config)
             if dist.enabled:
                 torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG)
             loss_value, grad_norm_value = loss.item(), grad_norm.item()  # synchronizes with the device
