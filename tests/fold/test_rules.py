@@ -191,8 +191,8 @@ class Scaled(nn.Module):
             h = 3.0 * h / 2.0
         elif self.how == "per_row":
             h = h * x.square().mean(-1, keepdim=True)  # (B, T, 1): one scale per row
-        elif self.how == "vector":
-            h = h * self.gain  # (C,): a different scale per feature
+        elif self.how == "vector":  # (C,): a different scale per feature, not right after the Linear
+            h = (2.0 * h) * self.gain  # (a layer scale there would merge into it: tests/fold/test_layer_scale.py)
         return self.norm(h)
 
 

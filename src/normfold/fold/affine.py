@@ -49,6 +49,8 @@ def affine_steps(norm: _Norm, model: nn.Module, captured: Captured, untied: froz
     call = norm.calls[0]
     if call.weight is None and call.bias is None:
         return [], "no affine"
+    if norm.form is not None and norm.form.offset:  # γ' = γ + offset would have to move, not the parameter γ
+        return [], f"it scales by γ + {norm.form.offset:g}, not by its parameter γ"
     if call.num_dims != 1:  # γ/β span several dims: no per-feature scale to move into a linear layer
         return [], f"γ/β span {call.num_dims} dims {tuple(norm.module.normalized_shape)}, not one feature dim"
     if call.is_rms and (call.eps is None or not isinstance(norm.module, RMS_NORM_TYPES)):

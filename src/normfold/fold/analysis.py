@@ -29,6 +29,8 @@ from .affine import affine_steps
 from .errors import FoldError
 from .graph import Captured, describe, module_path, module_stack, shape, single_use_param, use_alias
 from .graph import op_packet as _packet  # the short name reads better in the walks below
+from .layer_scale import LayerScale, find_layer_scales
+from .norm_forms import NormForm, traced_form
 from .plan import AffineFoldStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
 from .rules import (MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, classify, make_need, norm_call,
@@ -55,9 +57,11 @@ class Walker:
     the same walk for "commutes with a linear map of the dim" (a rule that commutes with centering
     along a whole dim commutes with any linear map of it)."""
 
-    def __init__(self, captured: Captured, precomputed: frozenset = frozenset()):
+    def __init__(self, captured: Captured, precomputed: frozenset = frozenset(),
+                 layer_scales: Mapping[fx.Node, LayerScale] = _NOTHING):
         self.captured = captured
         self.precomputed = precomputed  # layer_norm nodes that become Identity (their table holds LN(W))
+        self.layer_scales = layer_scales  # multiplies by a layer scale: the identity once merged, or refused
         self.memo: dict[Need, Walk] = {}
 
     def walk(self, need: Need) -> Walk:
@@ -65,6 +69,9 @@ class Walker:
             return self.memo[need]
         if need.node in self.precomputed:  # LN(W)[idx] = LN(W[idx]): the norm's output is a lookup
             answer = Requires((make_need(need.node.args[0], need.dim, need.group),))
+        elif need.node in self.layer_scales:  # γ ⊙ x is x once γ merged into x's producer (same shape)
+            scale = self.layer_scales[need.node]
+            answer = Requires((make_need(scale.input, need.dim, need.group),)) if scale.step else Break(scale.refused)
         else:
             answer = classify(need.node, need.dim, need.group, self.captured)
         if isinstance(answer, Break):
@@ -113,6 +120,7 @@ class _Norm:
     zero_mean_graph: set[Need] = field(default_factory=set)
     params: frozenset = frozenset()
     affine: list[AffineFoldStep] = field(default_factory=list)
+    form: NormForm | None = None  # what a LayerNorm module computes, from its traced ops (``norm_forms``)
     forced_keep: bool = False  # kept because another example call cannot fold it (``analyze_calls``)
 
 
@@ -166,7 +174,13 @@ def _has_hooks(module: nn.Module) -> bool:
 
 def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
     """Norm calls grouped by the module that owns them, in graph order; then RMSNorm modules the
-    graph shows no norm op for (e.g. a decomposed implementation)."""
+    graph shows no norm op for (e.g. a decomposed implementation).
+
+    A LayerNorm call belongs to the LayerNorm module that runs it, or, called functionally, to the
+    parameter-free leaf module running it (OLMo's ``OlmoLayerNorm``). What such a module computes
+    is read from its traced ops (``norm_forms.traced_form``), never assumed from its class: one
+    that is not y = LN(x)·(offset + γ) + β is kept, saying what it computes.
+    """
     norms: dict[str, _Norm] = {}
     called: set[str] = set()
     for node in captured.graph.nodes:
@@ -188,16 +202,37 @@ def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
             if isinstance(m, types):
                 path, module = p, m
                 break
+        if path is None and not call.is_rms:
+            path, module = _functional_owner(model, call)
         if path is None:
             path = f"{module_path(node) or '<root>'}:{node.name}"
         reason = "already an RMSNorm" if call.is_rms else ""
         if module is not None and _has_hooks(module):  # a swap would silently drop them: keep it, say why
             module, reason = None, "kept: the module carries hooks, which replacing it would drop"
         norms.setdefault(path, _Norm(path, kind, [], module, reason=reason)).calls.append(call)
+    for norm in norms.values():
+        if norm.kind == "LayerNorm" and norm.module is not None:
+            form = traced_form(norm.calls, norm.path, captured)
+            if isinstance(form, str):
+                norm.module, norm.reason = None, f"kept: {type(model.get_submodule(norm.path)).__name__} {form}"
+            else:
+                norm.form = form
     for path, m in model.named_modules():
         if isinstance(m, RMS_NORM_TYPES) and path in called and path not in norms:
             norms[path] = _Norm(path, "RMSNorm", [], m, reason="already an RMSNorm")
     return list(norms.values())
+
+
+def _functional_owner(model: nn.Module, call: NormCall) -> tuple[str | None, nn.Module | None]:
+    """The module running a functional layer_norm when it is a norm module: a leaf with no parameters
+    (γ/β, if any, come from elsewhere and are judged by ``traced_form``), normalizing one dim."""
+    path = module_path(call.node)
+    if not path or call.num_dims != 1:
+        return None, None
+    module = model.get_submodule(path)
+    if list(module.children()) or list(module.parameters(recurse=False)):
+        return None, None
+    return path, module
 
 
 _LOOKUP_PASS_THROUGH = {_aten.dropout, _aten.clone, _aten.contiguous, _aten.alias, _aten.detach}
@@ -471,13 +506,15 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
             if norm.path in kept:
                 norm.forced_keep, norm.reason = True, kept[norm.path]
         precompute_untie = _find_precomputable(norms, captured) if constraints.precompute else []
-        walker = Walker(captured, frozenset(n.calls[0].node for n in norms if n.precompute is not None))
+        layer_scales = find_layer_scales(captured)
+        walker = Walker(captured, frozenset(n.calls[0].node for n in norms if n.precompute is not None), layer_scales)
         _walk_norms(walker, norms)
         parents = _close(walker, norms, captured)
     finally:
         sys.setrecursionlimit(limit)
     plan = FoldPlan()
     foldable = [n for n in norms if n.foldable]
+    plan.layer_scale = _merged_layer_scales(layer_scales, foldable)
     plan.center, plan.untie, untied = _centering_steps(foldable, parents, captured)
     for step in precompute_untie:
         if step not in plan.untie:
@@ -486,8 +523,7 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
     plan.precompute = [n.precompute for n in norms if n.precompute is not None]
     for norm in norms:
         if norm.precompute is not None:
-            plan.swap.append(SwapStep(norm.path, "Identity", int(norm.module.normalized_shape[0]),
-                                      float(norm.module.eps), elementwise_affine=False, bias=False))
+            plan.swap.append(SwapStep(norm.path, "Identity", *_size_and_eps(norm), elementwise_affine=False, bias=False))
         elif norm.foldable:
             n_producers = len({fqn for fqn, _, _ in norm.params})
             norm.reason = f"input zero-mean: centered {n_producers} producer{'s' * (n_producers != 1)}"
@@ -505,15 +541,39 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
         elif why and why != "no affine" and constraints.fold_affine:
             norm.reason += f"; affine kept: {why}"
         if norm.foldable or affine:
-            ln = norm.module
-            plan.swap.append(SwapStep(norm.path, "RMSNorm" if norm.foldable or norm.kind == "RMSNorm" else "LayerNorm",
-                                      int(ln.normalized_shape[0]), float(norm.calls[0].eps if ln.eps is None else ln.eps),
-                                      elementwise_affine=ln.weight is not None and not affine,
-                                      bias=getattr(ln, "bias", None) is not None and not affine))
+            plan.swap.append(_swap_step(norm, "RMSNorm" if norm.foldable or norm.kind == "RMSNorm" else "LayerNorm"))
     entries = [NormEntry(n.path, n.kind, n.foldable, bool(n.affine), n.reason,
                          tuple(sorted({fqn for fqn, _, _ in n.params})) if n.foldable else (),
                          n.blocking_path) for n in norms]
     return entries, plan, untied
+
+
+def _merged_layer_scales(layer_scales: Mapping[fx.Node, LayerScale], foldable: list[_Norm]) -> list:
+    """The merges some folded norm's zero-mean graph walks through (the others would change nothing useful)."""
+    walked = {need.node for norm in foldable for need in norm.zero_mean_graph}
+    steps = [scale.step for node, scale in layer_scales.items() if scale.step is not None and node in walked]
+    return list(dict.fromkeys(steps))
+
+
+def _size_and_eps(norm: _Norm) -> tuple[int, float]:
+    """The normalized size and eps the norm's traced call used (a module's own attributes for an
+    RMSNorm traced without an explicit eps)."""
+    call, module = norm.calls[0], norm.module
+    size = shape(call.x)[-1] if shape(call.x) else module.normalized_shape[0]
+    return int(size), float(module.eps if call.eps is None else call.eps)
+
+
+def _swap_step(norm: _Norm, to: str) -> SwapStep:
+    """The swap of a norm module: its γ/β stay unless they were folded (``norm.affine``); a LayerNorm's
+    come from what its traced call reads (``norm.form``), with the offset of (offset + γ)."""
+    folded = bool(norm.affine)
+    if norm.form is None:  # an RMSNorm module
+        weight, bias, offset = norm.module.weight is not None, getattr(norm.module, "bias", None) is not None, 0.0
+    else:
+        weight, bias, offset = norm.form.weight_fqn is not None, norm.form.bias_fqn is not None, norm.form.offset
+    assert not (folded and offset), "γ read as γ + offset is never folded into a consumer"
+    return SwapStep(norm.path, to, *_size_and_eps(norm), elementwise_affine=(weight or bias) and not folded,
+                    bias=bias and not folded, offset=offset)
 
 
 def _centering_steps(foldable: list[_Norm], parents, captured: Captured):
@@ -567,6 +627,7 @@ def analyze_calls(model: nn.Module, captures: list[Captured], constraints: PlanC
         entries += [e for e in other_entries if e.path not in known]
         known |= {e.path for e in other_entries}
         plan.untie += [u for u in other_plan.untie if u not in plan.untie]
+        plan.layer_scale += [s for s in other_plan.layer_scale if s not in plan.layer_scale]
         untied += [u for u in other_untied if u not in untied]
     return entries, plan, untied
 

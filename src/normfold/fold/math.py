@@ -105,6 +105,25 @@ def fold_batchnorm_into_producer(weight: Tensor, bias: Tensor | None, running_me
     return new_weight.to(weight.dtype), new_bias.to(out_dtype)
 
 
+def scale_output_channels(weight: Tensor, bias: Tensor | None, scale: Tensor) -> tuple[Tensor, Tensor | None]:
+    """(W', b') with W'x + b' = γ ⊙ (Wx + b): a layer scale γ merged into the Linear/Conv before it.
+
+    Output channels are on dim 0 of ``weight``, so W' = diag(γ)·W (each output row or filter
+    scaled) and b' = γ ⊙ b; ``scale`` holds one value per output channel, in any shape that
+    broadcasts over them ((C,) after a Linear, (C, 1, 1) after a Conv2d).
+    """
+    n_out = weight.shape[0]
+    if scale.numel() != n_out:
+        raise ValueError(f"scale must hold one value per output channel ({n_out}), got shape {tuple(scale.shape)}")
+    if bias is not None and bias.shape != (n_out,):
+        raise ValueError(f"bias must have shape ({n_out},), got {tuple(bias.shape)}")
+    dtype = compute_dtype(weight)
+    gamma = scale.detach().to(dtype).reshape(n_out)
+    new_weight = weight.detach().to(dtype) * gamma.reshape(-1, *([1] * (weight.dim() - 1)))
+    new_bias = None if bias is None else (bias.detach().to(dtype) * gamma).to(bias.dtype)
+    return new_weight.to(weight.dtype), new_bias
+
+
 def identity_batchnorm_variance(eps: float, dtype: torch.dtype) -> float | None:
     """The running variance σ² = 1 − eps that makes an eval BatchNorm (γ=1, β=0, μ=0) exactly the
     identity when stored in ``dtype``, or None when it cannot be exact there.

@@ -48,7 +48,7 @@ def _plan(model: nn.Module, calls: list, constraints: PlanConstraints) -> FoldRe
         merged = FoldPlan(batchnorm=[_dropping_module(s) for s in bn_steps])
         base = transform.apply_plan(copy.deepcopy(model), merged)
     entries, plan, untied = analyze_calls(base, [capture(base, call) for call in calls], constraints)
-    plan = FoldPlan(batchnorm=bn_steps, center=plan.center, untie=plan.untie, precompute=plan.precompute,
+    plan = FoldPlan(batchnorm=bn_steps, layer_scale=plan.layer_scale, center=plan.center, untie=plan.untie, precompute=plan.precompute,
                     affine_fold=plan.affine_fold, swap=plan.swap)
     return FoldReport(entries, plan, untied, batchnorms=bn_entries,
                       traced_calls=[describe_call(model, *split_example_inputs(call)) for call in calls])

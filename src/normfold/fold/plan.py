@@ -10,6 +10,9 @@ its math is a pure function in ``normfold.fold.math``. Steps apply in this order
    when ``create_bias``); the BatchNorm becomes ``Identity``, or, with ``keep_module``, stays with
    identity statistics (``math.identity_batchnorm_variance``) for loaders that need its keys.
    The later steps were planned on the model with its BatchNorms merged.
+0b. ``layer_scale``: an elementwise scale γ applied right after a Linear/Conv (layer scale, as in
+   BEiT and DINOv2) merges into it, (W, b) ← ``math.scale_output_channels(W, b, γ)`` and γ ← 1, so
+   the multiply is the identity the analysis saw when it walked through it.
 1. ``untie``: the module attribute gets its own copy of the *original* tensor of ``source_fqn``
    (read it before step 2); in a checkpoint, write it under ``module_path + "." + attr``.
 2. ``precompute``: an embedding table read only by one LayerNorm becomes that norm applied to its
@@ -48,6 +51,16 @@ class BatchNormFoldStep:
     beta_fqn: str | None
     eps: float
     keep_module: bool = False   # an exact identity BatchNorm stays (see above)
+
+
+@dataclass(frozen=True)
+class LayerScaleStep:
+    """Merge the layer scale ``scale_fqn`` (γ in t = γ ⊙ (W h + b), one value per output channel) into
+    the producer: W ← diag(γ)·W along ``weight_fqn``'s dim 0, b ← γ ⊙ b, then γ ← 1."""
+
+    scale_fqn: str
+    weight_fqn: str
+    bias_fqn: str | None        # None: the producer has no bias (γ ⊙ 0 = 0, nothing to scale)
 
 
 @dataclass(frozen=True)
@@ -94,7 +107,11 @@ class AffineFoldStep:
 
 @dataclass(frozen=True)
 class SwapStep:
-    """Replace the norm module at ``path`` by ``to`` ("RMSNorm", "LayerNorm" or "Identity")."""
+    """Replace the norm module at ``path`` by ``to`` ("RMSNorm", "LayerNorm" or "Identity").
+
+    ``offset``: the norm scales by (offset + γ), as Nemotron's ``LayerNorm1P`` (γ + 1) does; the
+    RMSNorm swapped in computes the same (``normfold.nn.RMSNorm(offset=...)``).
+    """
 
     path: str
     to: str
@@ -102,11 +119,13 @@ class SwapStep:
     eps: float
     elementwise_affine: bool
     bias: bool
+    offset: float = 0.0
 
 
 @dataclass
 class FoldPlan:
     batchnorm: list[BatchNormFoldStep] = field(default_factory=list)
+    layer_scale: list[LayerScaleStep] = field(default_factory=list)
     center: list[CenterStep] = field(default_factory=list)
     untie: list[UntieStep] = field(default_factory=list)
     precompute: list[PrecomputeStep] = field(default_factory=list)
@@ -130,8 +149,8 @@ class FoldPlan:
         return any(getattr(self, name) for name in _STEP_TYPES)
 
 
-_STEP_TYPES = {"batchnorm": BatchNormFoldStep, "untie": UntieStep, "precompute": PrecomputeStep, "center": CenterStep,
-               "affine_fold": AffineFoldStep, "swap": SwapStep}
+_STEP_TYPES = {"batchnorm": BatchNormFoldStep, "layer_scale": LayerScaleStep, "untie": UntieStep,
+               "precompute": PrecomputeStep, "center": CenterStep, "affine_fold": AffineFoldStep, "swap": SwapStep}
 
 
 @dataclass(frozen=True)

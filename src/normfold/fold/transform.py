@@ -5,16 +5,18 @@ import torch
 from torch import Tensor, nn
 
 from ..nn import RMSNorm
-from .math import center, fold_affine_into_consumer, fold_batchnorm_into_producer, layer_norm_rows
-from .plan import BatchNormFoldStep, FoldPlan, SwapStep
+from .math import center, fold_affine_into_consumer, fold_batchnorm_into_producer, layer_norm_rows, scale_output_channels
+from .plan import BatchNormFoldStep, FoldPlan, LayerScaleStep, SwapStep
 
 
 def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
-    """Merge BatchNorms, untie, precompute, center, fold affines, swap norms — in that order (see
-    ``normfold.fold.plan``)."""
+    """Merge BatchNorms and layer scales, untie, precompute, center, fold affines, swap norms — in that
+    order (see ``normfold.fold.plan``)."""
     with torch.no_grad():
         for step in plan.batchnorm:
             _merge_batchnorm(model, step)
+        for step in plan.layer_scale:
+            _merge_layer_scale(model, step)
         for step in plan.untie:  # before centering: the copy keeps the original values
             original = model.get_parameter(step.source_fqn)
             owner = model.get_submodule(step.module_path)
@@ -95,6 +97,18 @@ def _merge_batchnorm(model: nn.Module, step: BatchNormFoldStep) -> None:
             p.fill_(value)
 
 
+def _merge_layer_scale(model: nn.Module, step: LayerScaleStep) -> None:
+    """The producer takes the layer scale γ; γ becomes 1 (the multiply stays, now the identity)."""
+    weight = model.get_parameter(step.weight_fqn)
+    bias = model.get_parameter(step.bias_fqn) if step.bias_fqn else None
+    scale = model.get_parameter(step.scale_fqn)
+    new_weight, new_bias = scale_output_channels(weight, bias, scale)
+    weight.copy_(new_weight)
+    if bias is not None:
+        bias.copy_(new_bias)
+    scale.fill_(1.0)
+
+
 def _fold_affine(model: nn.Module, step) -> None:
     w = model.get_parameter(step.weight_fqn)
     gamma = model.get_parameter(step.gamma_fqn) if step.gamma_fqn else None
@@ -124,23 +138,27 @@ def swap_norm(model: nn.Module, step: SwapStep, *, share_parameters: bool = Fals
     new = norm_like(old, cls, step.normalized_shape, step.eps,
                     weight=old.weight if step.elementwise_affine else None,
                     bias=old.bias if step.elementwise_affine and step.bias else None,
-                    share_parameters=share_parameters)
+                    share_parameters=share_parameters, offset=step.offset)
     model.set_submodule(step.path, new)
 
 
 def norm_like(old: nn.Module, cls: type[nn.Module], normalized_shape, eps: float, *, weight: Tensor | None,
-              bias: Tensor | None, share_parameters: bool = False) -> nn.Module:
+              bias: Tensor | None, share_parameters: bool = False, offset: float = 0.0) -> nn.Module:
     """A ``cls`` norm (normfold ``RMSNorm`` or torch ``LayerNorm``) to stand where ``old`` stands:
     on its device and dtype, in its train/eval mode, holding γ = ``weight`` and β = ``bias``.
 
     The one LayerNorm → RMSNorm swap of the fold, the Hugging Face reload, CBWC and the approximate
     fold. Values are copied (cast to ``old``'s dtype), or with ``share_parameters`` the given
-    Parameters themselves are held. Neither given: no affine; β without γ: γ = 1.
+    Parameters themselves are held. Neither given: no affine; β without γ: γ = 1. ``offset``: the
+    RMSNorm scales by (offset + γ) (a torch LayerNorm has no offset: only 0 is accepted for it).
     """
+    if offset and cls is not RMSNorm:
+        raise ValueError(f"only normfold's RMSNorm scales by (offset + γ); got offset={offset} for {cls.__name__}")
     ref = next((t for t in (getattr(old, "weight", None), getattr(old, "bias", None)) if t is not None), None)
     factory = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
     affine = weight is not None or bias is not None
-    new = cls(normalized_shape, eps=eps, elementwise_affine=affine, bias=bias is not None, **factory)
+    options = {"offset": offset} if offset else {}
+    new = cls(normalized_shape, eps=eps, elementwise_affine=affine, bias=bias is not None, **options, **factory)
     with torch.no_grad():
         for name, value in (("weight", weight), ("bias", bias)):
             if value is None:

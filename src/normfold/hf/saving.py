@@ -36,10 +36,11 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def swapped_norms(model: nn.Module) -> list[dict[str, Any]]:
-    """Where ``model`` holds normfold RMSNorms and which affine parameters they kept."""
+    """Where ``model`` holds normfold RMSNorms and which affine parameters they kept (with the
+    ``offset`` of (offset + γ) where it is not 0, e.g. Nemotron's LayerNorm1P)."""
     return [
         {"path": name, "normalized_shape": list(m.normalized_shape), "eps": m.eps,
-         "weight": m.weight is not None, "bias": m.bias is not None}
+         "weight": m.weight is not None, "bias": m.bias is not None, **({"offset": m.offset} if m.offset else {})}
         for name, m in model.named_modules() if isinstance(m, RMSNorm)
     ]
 
@@ -370,7 +371,8 @@ def swap_in_rmsnorm(model: nn.Module, entry: Mapping[str, Any]) -> None:
     keep_w, keep_b = bool(entry["weight"]), bool(entry["bias"])
     model.set_submodule(entry["path"], norm_like(old, RMSNorm, entry["normalized_shape"], entry["eps"],
                                                  weight=getattr(old, "weight", None) if keep_w else None,
-                                                 bias=getattr(old, "bias", None) if keep_b else None))
+                                                 bias=getattr(old, "bias", None) if keep_b else None,
+                                                 offset=float(entry.get("offset", 0.0))))
 
 
 # ------------------------------------------------------------------------------ stock-compatible plans

@@ -121,7 +121,8 @@ def swapped_from_plan(plan: FoldPlan) -> list[dict[str, Any]]:
     """The report's ``swapped`` entries (what ``normfold.from_pretrained`` swaps back in) read from the
     plan: the in-memory fold reads them from the folded model (``normfold.hf.saving.swapped_norms``)."""
     return [{"path": s.path, "normalized_shape": [s.normalized_shape], "eps": s.eps, "weight": s.elementwise_affine,
-             "bias": s.elementwise_affine and s.bias} for s in plan.swap if s.to == "RMSNorm"]
+             "bias": s.elementwise_affine and s.bias, **({"offset": s.offset} if s.offset else {})}
+            for s in plan.swap if s.to == "RMSNorm"]
 
 
 def _write_config(config, folder: Path, *, untied: bool, dtype: torch.dtype | None) -> None:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ...fold.graph import parameter_aliases
-from ...fold.math import center, fold_affine_into_consumer, fold_batchnorm_into_producer
+from ...fold.math import center, fold_affine_into_consumer, fold_batchnorm_into_producer, scale_output_channels
 from ...fold.plan import FoldPlan
 from ..load import CheckpointError
 from .checkpoint import SAFETENSORS_DTYPES, TORCH_DTYPES, Checkpoint, resolve_key
@@ -84,6 +84,15 @@ class CheckpointRewrite:
             union(w, b)
             # the BatchNorm stays for the stock loader as an exact identity: μ=0, σ²=1−ε, γ=1, β=0
             self.fill.update({k: v for k, v in zip(stats, (0.0, 1.0 - s.eps, 1.0, 0.0)) if k})
+        self.layer_scale = []
+        for s in plan.layer_scale:  # then, as in apply_plan: the producer takes γ, γ becomes 1
+            w, g = key(s.weight_fqn), key(s.scale_fqn)
+            b = key(s.bias_fqn) if s.bias_fqn else None
+            self.norm_params.add(g)
+            self.layer_scale.append((w, b, g))
+            self.fill[g] = 1.0
+            if b:
+                union(w, b)
         self.untie = []
         for s in plan.untie:
             new, src = f"{s.module_path}.{s.attr}", key(s.source_fqn)
@@ -112,7 +121,8 @@ class CheckpointRewrite:
                     if k is not None:
                         self.fill[k] = value
         touched = {k for k, *_ in self.center} | {w for w, *_ in self.affine} | {b for _, b, *_ in self.affine if b} \
-            | {w for w, *_ in self.batchnorm} | {b for _, b, *_ in self.batchnorm} | set(self.new_keys) | set(self.fill)
+            | {w for w, *_ in self.batchnorm} | {b for _, b, *_ in self.batchnorm} | set(self.new_keys) | set(self.fill) \
+            | {k for w, b, _ in self.layer_scale for k in (w, b) if k}
         self.groups: dict[str, set[str]] = defaultdict(set)
         for k in touched:
             self.groups[find(k)].add(k)
@@ -153,6 +163,11 @@ class CheckpointRewrite:
             if w in keys:
                 values = [self.norm_values.get(k) for k in (mean, var, gamma, beta)]
                 vals[w], vals[b] = fold_batchnorm_into_producer(vals[w], vals.get(b), *values, eps)
+        for w, b, g in self.layer_scale:
+            if w in keys:
+                vals[w], scaled_bias = scale_output_channels(vals[w], vals.get(b) if b else None, self.norm_values[g])
+                if b:
+                    vals[b] = scaled_bias
         for new, src in self.untie:  # the copy keeps the original values
             if new in keys:
                 vals[new] = vals[src].clone()

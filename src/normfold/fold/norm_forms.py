@@ -1,0 +1,114 @@
+"""What a norm module computes, read from its traced ops rather than assumed from its class.
+
+A module the fold may replace must compute, on its input x, exactly
+
+    y = LayerNorm(x) · (offset + γ) + β      over the last dim of x,
+
+with γ/β its own parameters (or absent) and offset a constant: torch's ``nn.LayerNorm`` (offset 0),
+Nemotron's ``LayerNorm1P`` (``weight + 1``: offset 1) and a parameter-free module calling
+``F.layer_norm(x, shape, None, None, eps)`` (OLMo's) all do; that form is an RMSNorm with the same
+offset once x is zero-mean. Anything else the module runs (a permute to normalize channels-first
+data as ConvNeXt's norm does, a cast to float32 around the norm, arithmetic on its input or output)
+makes it another function, and the module is kept with a reason naming those ops.
+"""
+from __future__ import annotations
+
+import numbers
+import operator
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from .graph import Captured, module_stack, op_packet, op_name
+from .rules import METADATA_OPS, NormCall
+
+_aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class NormForm:
+    """y = LN(x)·(offset + γ) + β: the parameters the traced call reads (None: absent) and the offset."""
+
+    weight_fqn: str | None
+    bias_fqn: str | None
+    offset: float = 0.0
+
+
+def module_nodes(captured: Captured, path: str) -> list[fx.Node]:
+    """The ops the module at ``path`` ran (every call of it), in graph order."""
+    return [n for n in captured.graph.nodes
+            if n.op == "call_function" and any(p == path for p, _ in module_stack(n))]
+
+
+def traced_form(calls: list[NormCall], path: str, captured: Captured) -> NormForm | str:
+    """The form every traced call of the module at ``path`` computes, or why it is not that form:
+    a predicate naming what the module computes instead ("computes aten.permute → ...")."""
+    forms = set()
+    for call in calls:
+        form = _weight_form(call, path, captured)
+        if isinstance(form, str):
+            return form
+        forms.add(form)
+    if len(forms) != 1:
+        return f"reads different parameters in different calls: {sorted(forms, key=str)}"
+    own = {c.node for c in calls} | {c.output for c in calls} | {c.weight for c in calls}
+    extra = [n for n in module_nodes(captured, path) if n not in own and op_packet(n) not in METADATA_OPS
+             and not _is_norm_statistic(n, calls)]
+    if extra:
+        return (f"computes {_ops_around(extra, calls)}, not a layer norm of its input alone "
+                "(normfold's RMSNorm normalizes its input's last dim, with nothing around it)")
+    return forms.pop()
+
+
+def _weight_form(call: NormCall, path: str, captured: Captured) -> NormForm | str:
+    """The call's γ, β and offset when each is the module's own parameter (γ possibly + a constant)."""
+    bias = _own_param(call.bias, path, captured)
+    if call.bias is not None and bias is None:
+        return f"reads β = {_what(call.bias, captured)}, not a parameter of its own"
+    if call.weight is None:
+        return NormForm(None, bias)
+    weight = _own_param(call.weight, path, captured)
+    if weight is not None:
+        return NormForm(weight, bias)
+    shifted = _constant_offset(call.weight, path, captured)
+    if shifted is not None:
+        weight, offset = shifted
+        return NormForm(weight, bias, offset)
+    return f"reads γ = {_what(call.weight, captured)}, not a parameter of its own (plus a constant)"
+
+
+def _own_param(node, path: str, captured: Captured) -> str | None:
+    fqn = captured.param_fqn.get(node) if isinstance(node, fx.Node) else None
+    return fqn if fqn is not None and fqn.rpartition(".")[0] == path else None
+
+
+def _constant_offset(node: fx.Node, path: str, captured: Captured) -> tuple[str, float] | None:
+    """(γ's name, c) when ``node`` is γ + c for a number c and γ a parameter of the module."""
+    if op_packet(node) != _aten.add or len(node.args) != 2 or node.kwargs.get("alpha", 1) != 1:
+        return None
+    for param, number in (node.args, node.args[::-1]):
+        fqn = _own_param(param, path, captured)
+        if fqn is not None and isinstance(number, numbers.Real) and not isinstance(number, bool):
+            return fqn, float(number)
+    return None
+
+
+def _is_norm_statistic(node: fx.Node, calls: list[NormCall]) -> bool:
+    """A getitem of a multi-output norm op (normfold's norm_fwd returns y and its statistics)."""
+    return node.target is operator.getitem and any(node.args[0] is c.node for c in calls)
+
+
+def _ops_around(extra: list[fx.Node], calls: list[NormCall]) -> str:
+    """"aten.permute → the norm → aten.permute": the module's other ops before and after its norm op."""
+    first = calls[0].node
+    order = {n: i for i, n in enumerate(first.graph.nodes)}
+    before = [op_name(n) for n in extra if order[n] < order[first]][-3:]
+    after = [op_name(n) for n in extra if order[n] > order[first]][:3]
+    return " → ".join([*before, op_name(first), *after])
+
+
+def _what(node, captured: Captured) -> str:
+    if isinstance(node, fx.Node):
+        return captured.param_fqn.get(node) or captured.buffer_fqn.get(node) or f"computed by {op_name(node) or node.op}"
+    return repr(node)
