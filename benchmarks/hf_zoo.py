@@ -10,6 +10,9 @@ the engine refuses, its FoldError. Any other exception is a bug and says so in t
 
     python benchmarks/hf_zoo.py                         # every type: benchmarks/results/hf_zoo.{csv,md}
     python benchmarks/hf_zoo.py --types bert gpt2 vit   # some types only
+    python benchmarks/hf_zoo.py --before benchmarks/results/hf_zoo.csv --reached-only --out /tmp/after
+        # only the types the earlier table reached with a LayerNorm or a FoldError, each row with the
+        # earlier folded count (``folded_before``) and a summary of the types whose count rose or fell
 """
 from __future__ import annotations
 
@@ -58,6 +61,8 @@ def tiny_model(model_type: str, zoo, **config_fields) -> nn.Module:
     """The bare model of ``model_type`` from its shrunk default config (``config_fields`` set on it
     last), in eval mode, randomised."""
     config = zoo.shrink(zoo.transformers.CONFIG_MAPPING[model_type](**zoo.CONFIG_OVERRIDES.get(model_type, {})))
+    if hasattr(config, "num_key_value_heads") and config.num_key_value_heads is None:  # a default left unset
+        config.num_key_value_heads = config.num_attention_heads  # (Nemotron's): plain multi-head attention
     for name, value in config_fields.items():
         setattr(config, name, value)
     if hasattr(config, "_attn_implementation"):
@@ -82,9 +87,13 @@ def randomise_constant_parameters(model: nn.Module, scale: float = 0.2, seed: in
 
 
 def has_layer_norm(model: nn.Module) -> bool:
+    """A LayerNorm module, or a parameter-free leaf module named like one (OLMo's ``OlmoLayerNorm``
+    calls ``F.layer_norm``; the fold reads what it computes from the trace)."""
     from normfold.nn.kinds import norm_kind
 
-    return any(norm_kind(m) == "LayerNorm" for m in model.modules())
+    return any(norm_kind(m) == "LayerNorm" or (type(m).__name__.lower().endswith("layernorm")
+                                                and not list(m.children()) and not list(m.parameters()))
+               for m in model.modules())
 
 
 def fold_row(model_type: str, zoo) -> dict:
@@ -112,6 +121,8 @@ def fold_row(model_type: str, zoo) -> dict:
         try:
             folded, report = fold(model, example)
             norms = [n for n in report.norms if n.kind == "LayerNorm"]
+            if not norms:  # the module named like a LayerNorm computes something else
+                return {**row, "status": "no LayerNorm"}
             row.update(norms=len(norms), folded=sum(n.foldable for n in norms),
                        affine_folded=sum(n.affine_folded for n in norms))
             row["refused"] = _reasons(norms)
@@ -153,6 +164,46 @@ def model_types(zoo, wanted: list[str] | None) -> list[str]:
     return list(zoo.MODEL_TYPES) + [t for t in every if t not in zoo.MODEL_TYPES]
 
 
+REACHED = ("proved", "FoldError", "WRONG", "EXCEPTION")  # statuses of the types a fold was tried on
+
+
+def read_table(path: str | Path) -> dict[str, dict]:
+    """An earlier table's rows (``--out``'s CSV) by model type."""
+    with open(path, newline="") as handle:
+        return {row["model_type"]: row for row in csv.DictReader(handle)}
+
+
+def reached_types(before: dict[str, dict]) -> list[str]:
+    """The types an earlier table reached with a LayerNorm or a FoldError, in its order: the ones whose
+    folded count a change of the engine can move (no-LayerNorm and skipped types are left out)."""
+    return [t for t, row in before.items() if row["status"] in REACHED]
+
+
+def folded_before(row: dict, before: dict[str, dict]) -> str:
+    """The earlier table's folded count for this row's type, or its status where it had no count."""
+    old = before.get(row["model_type"])
+    if old is None:
+        return "not in before"
+    return old["folded"] if old["folded"] != "" else old["status"]
+
+
+def folded_changes(rows: list[dict]) -> tuple[list[str], list[str]]:
+    """("type: before → after" for the types whose folded count rose, ... for those where it fell); a
+    type with no count on one side counts as 0 there."""
+    rose, fell = [], []
+    for row in rows:
+        before, after = _count(row.get("folded_before", "")), _count(row["folded"])
+        if after > before:
+            rose.append(f"{row['model_type']}: {row['folded_before'] or 0} → {row['folded'] or 0}")
+        elif after < before:
+            fell.append(f"{row['model_type']}: {row['folded_before'] or 0} → {row['folded'] or 0}")
+    return rose, fell
+
+
+def _count(value: str) -> int:
+    return int(value) if str(value).isdigit() else 0
+
+
 def write_markdown(rows: list[dict], path: Path, command: str, not_reached: list[str] = ()) -> None:
     statuses = collections.Counter(r["status"] for r in rows)
     tried = [r for r in rows if r["status"] in ("proved", "FoldError", "WRONG", "EXCEPTION")]
@@ -165,12 +216,27 @@ def write_markdown(rows: list[dict], path: Path, command: str, not_reached: list
         f"With a LayerNorm: {len(tried)}; norms {sum(int(r['norms'] or 0) for r in tried)}, folded "
         f"{sum(int(r['folded'] or 0) for r in tried)}; wrong claims {statuses['WRONG']}; exceptions other than "
         f"FoldError {statuses['EXCEPTION']}.", "",
-        "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
     ]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
+    columns = columns_of(rows)
+    if "folded_before" in columns:
+        rose, fell = folded_changes(rows)
+        before_total = sum(_count(r["folded_before"]) for r in rows)
+        lines += [f"Folded norms before → after: {before_total} → {sum(_count(r['folded']) for r in rows)}; "
+                  f"rose in {len(rose)} types ({', '.join(rose) or 'none'}); fell in {len(fell)} types "
+                  f"({', '.join(fell) or 'none'}).", ""]
+    lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
     if not_reached:
         lines += ["", f"Not reached within --max-minutes ({len(not_reached)}): {', '.join(not_reached)}"]
     path.write_text("\n".join(lines) + "\n")
+
+
+def columns_of(rows: list[dict]) -> list[str]:
+    """COLUMNS, with ``folded_before`` after ``folded`` when the rows carry it (``--before``)."""
+    if rows and "folded_before" in rows[0]:
+        i = COLUMNS.index("folded") + 1
+        return [*COLUMNS[:i], "folded_before", *COLUMNS[i:]]
+    return list(COLUMNS)
 
 
 def _version(name: str) -> str:
@@ -191,7 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--types", nargs="*", help="model types (default: every type of CONFIG_MAPPING)")
     parser.add_argument("--out", default=str(RESULTS / "hf_zoo"), help="output stem (.csv and .md are added)")
     parser.add_argument("--max-minutes", type=float, default=None, help="try no new type after this long")
+    parser.add_argument("--before", metavar="CSV", help="an earlier table (e.g. benchmarks/results/hf_zoo.csv): "
+                        "adds its folded count as folded_before, and which types rose or fell")
+    parser.add_argument("--reached-only", action="store_true", help="with --before: only the types it reached "
+                        "with a LayerNorm or a FoldError (plus any --types)")
     args = parser.parse_args(argv)
+    if args.reached_only and not args.before:
+        parser.error("--reached-only needs --before CSV")
+    before = read_table(args.before) if args.before else None
     warnings.filterwarnings("ignore")
     zoo = _zoo_helpers()
     zoo.transformers.logging.set_verbosity_error()
@@ -199,19 +272,32 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/hf_zoo.py" + (f" --types {' '.join(args.types)}" if args.types else "")
     if args.max_minutes is not None:
         command += f" --max-minutes {args.max_minutes:g}"
-    rows, types, start = [], model_types(zoo, args.types), time.monotonic()
+    if before is not None:
+        command += f" --before {args.before}" + (" --reached-only" if args.reached_only else "")
+    if args.reached_only:
+        types = list(dict.fromkeys([*reached_types(before), *(args.types or [])]))
+    else:
+        types = model_types(zoo, args.types)
+    rows, start = [], time.monotonic()
+    columns = columns_of([{"folded_before": ""}] if before is not None else [])
     with open(stem.with_suffix(".csv"), "w", newline="") as handle:
-        writer = csv.DictWriter(handle, COLUMNS)
+        writer = csv.DictWriter(handle, columns)
         writer.writeheader()
         for i, model_type in enumerate(types):
             if args.max_minutes is not None and time.monotonic() - start > 60 * args.max_minutes:
                 write_markdown(rows, stem.with_suffix(".md"), command, not_reached=types[i:])
                 break
             rows.append(fold_row(model_type, zoo))
+            if before is not None:
+                rows[-1]["folded_before"] = folded_before(rows[-1], before)
             writer.writerow(rows[-1])
             handle.flush()
             print(" | ".join(str(rows[-1][c]) for c in COLUMNS[:7]), flush=True)
             write_markdown(rows, stem.with_suffix(".md"), command, not_reached=types[i + 1:])
+    if before is not None:
+        rose, fell = folded_changes(rows)
+        print(f"folded count rose in {len(rose)} types: {', '.join(rose) or 'none'}; "
+              f"fell in {len(fell)}: {', '.join(fell) or 'none'}", flush=True)
     return 1 if any(r["status"] in ("WRONG", "EXCEPTION") for r in rows) else 0
 
 

@@ -100,3 +100,32 @@ def test_layoutlm_with_ordered_boxes_is_verified_on_boxes_that_stay_ordered(hf_z
     example["bbox"] = torch.cat([corner, corner + 1 + corner % 7], -1)  # x0 <= x1, y0 <= y1: a valid box
     _, report = fold(model, example)  # before: IndexError (independent random integers unordered the boxes)
     assert report.verification.ok and report.verification.num_runs == 3
+
+
+def test_a_rerun_against_an_earlier_table_shows_folded_before_and_tries_only_the_types_it_reached(hf_zoo, tmp_path):
+    before = tmp_path / "before.csv"
+    with open(before, "w", newline="") as handle:  # an earlier table: the counts of issue 16's first zoo run
+        writer = csv.DictWriter(handle, hf_zoo.COLUMNS)
+        writer.writeheader()
+        writer.writerow({**dict.fromkeys(hf_zoo.COLUMNS, ""), "model_type": "dinov2", "status": "proved",
+                         "norms": 5, "folded": 0})  # every norm blocked at a layer scale
+        writer.writerow({**dict.fromkeys(hf_zoo.COLUMNS, ""), "model_type": "gpt2", "status": "proved",
+                         "norms": 5, "folded": 6})  # a made-up higher count: the summary must show it fell
+        writer.writerow({**dict.fromkeys(hf_zoo.COLUMNS, ""), "model_type": "t5", "status": "no LayerNorm"})
+        writer.writerow({**dict.fromkeys(hf_zoo.COLUMNS, ""), "model_type": "nemotron", "status": "skipped"})
+    out = tmp_path / "after"
+    assert hf_zoo.main(["--before", str(before), "--reached-only", "--types", "nemotron", "--out", str(out)]) == 0
+    with open(out.with_suffix(".csv")) as handle:
+        rows = {row["model_type"]: row for row in csv.DictReader(handle)}
+    assert list(rows) == ["dinov2", "gpt2", "nemotron"]  # t5 had no LayerNorm: not tried; nemotron asked for
+    assert (rows["dinov2"]["folded_before"], rows["dinov2"]["folded"]) == ("0", "5")  # layer scales merged
+    assert (rows["nemotron"]["folded_before"], rows["nemotron"]["folded"]) == ("skipped", "5")  # LayerNorm1P
+    markdown = out.with_suffix(".md").read_text()
+    assert "rose in 2 types (dinov2: 0 → 5, nemotron: skipped → 5); fell in 1 types (gpt2: 6 → 5)" in markdown
+    assert "| folded | folded_before |" in markdown
+
+
+def test_reached_only_needs_an_earlier_table(hf_zoo, capsys):
+    with pytest.raises(SystemExit):
+        hf_zoo.main(["--reached-only"])
+    assert "--reached-only needs --before CSV" in capsys.readouterr().err
