@@ -97,3 +97,11 @@ def test_an_fsdp2_run_resumed_gives_the_uninterrupted_curves_bitwise(fsdp2_check
 def test_parallel_must_name_a_strategy():
     with pytest.raises(ValueError, match=r"parallel must be one of \('ddp', 'fsdp2'\), got 'fsdp'"):
         resolve_config(parallel="fsdp")
+
+
+def test_the_command_line_does_not_import_torch_distributeds_heavy_modules():
+    # every normfold command imports normfold.train.parallel; FSDP, DTensor and checkpoint cost ~1.5 s
+    code = ("import sys, normfold.cli; print(sorted(m for m in ('torch.distributed.fsdp', 'torch.distributed.tensor', "
+            "'torch.distributed.checkpoint') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr
