@@ -52,3 +52,17 @@ def test_python_m_normfold_train_refuses_it_as_a_usage_error(model_folder):
     with pytest.raises(SystemExit) as exc:
         train_main([*TINY_RUN, f"--out_dir={model_folder}"])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_an_interrupted_run_says_what_it_left_not_that_nothing_was_written(capsys, monkeypatch, tmp_path, checkpointing):
+    import normfold.train.cli as train_cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_cli, "train", interrupted)
+    extra = ["--checkpoint_interval=1"] if checkpointing else []
+    code, err = _train(capsys, tmp_path / "run", *extra)
+    assert code == 130 and "nothing was written" not in err and str(tmp_path / "run") in err
+    assert ("--resume=" + str(tmp_path / "run") in err) == checkpointing

@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"normfold: error: {_first_line(err)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("normfold: interrupted; nothing was written", file=sys.stderr)
+        on_interrupt = getattr(args, "on_interrupt", None)  # a command that writes as it goes says what it left
+        print(f"normfold: {on_interrupt(args) if on_interrupt else 'interrupted; nothing was written'}", file=sys.stderr)
         return 130
     except OSError as err:  # the machine, not the model (a full disk, a vanished file): what the system said
         if os.environ.get(TRACEBACK_ENV):

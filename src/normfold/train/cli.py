@@ -109,7 +109,15 @@ def add_commands(subparsers) -> None:
                                    description=__doc__, epilog=_EPILOG,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=run, on_interrupt=_on_interrupt)
+
+
+def _on_interrupt(args) -> str:
+    """What an interrupted run left: its log and, with a checkpoint interval, a state to resume from."""
+    out = getattr(args, "out_dir", None) or getattr(args, "resume", None) or "the --out-dir folder"
+    if str(getattr(args, "checkpoint_interval", "0")).strip() not in ("", "0") or getattr(args, "resume", None):
+        return f"interrupted; {out} keeps the last saved state: continue with --resume={out}"
+    return f"interrupted; {out} keeps the log so far (with --checkpoint-interval=K, --resume could continue it)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
