@@ -209,3 +209,24 @@ def test_a_tiny_random_olmo_keeps_its_norms_naming_their_float32_casts():
     assert [n.path for n in report.norms] == ["layers.0.input_layernorm", "layers.0.post_attention_layernorm",
                                               "layers.1.input_layernorm", "layers.1.post_attention_layernorm", "norm"]
     assert all("OlmoLayerNorm computes aten.to → aten.layer_norm → aten.to" in n.reason for n in report.norms)
+
+
+def test_two_layer_norms_sharing_one_gamma_are_each_judged_as_the_module_that_ran_them():
+    class SharedGamma(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.fc, self.head = nn.Embedding(50, DIM), nn.Linear(DIM, DIM), nn.Linear(DIM, 5)
+            self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+            self.ln2.weight = self.ln1.weight  # one γ under two names
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            h = h + self.fc(self.ln1(h))
+            return self.head(self.ln2(h))
+
+    model = _randomised(SharedGamma())
+    folded, report = fold(model, {"ids": IDS})  # before: both calls filed under ln2, ln1 not reported
+    assert [(n.path, n.foldable) for n in report.norms] == [("ln1", True), ("ln2", True)]
+    assert isinstance(folded.ln1, RMSNorm) and isinstance(folded.ln2, RMSNorm)
+    exact, own = _errors(model, folded, report.plan, OTHER_IDS)
+    assert exact < 1e-12 and own < 1e-5

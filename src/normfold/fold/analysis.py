@@ -189,10 +189,10 @@ def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
         if call is None:
             continue
         kind, types = ("RMSNorm", RMS_NORM_TYPES) if call.is_rms else ("LayerNorm", LAYER_NORM_TYPES)
-        candidates = []
+        # the innermost norm module that ran the op, else the module owning its γ (a functional call)
+        candidates = [p for p, _ in reversed(module_stack(node))]
         if call.weight is not None and call.weight in captured.param_fqn:
             candidates.append(captured.param_fqn[call.weight].rpartition(".")[0])
-        candidates.extend(p for p, _ in reversed(module_stack(node)))
         path, module = None, None
         for p in candidates:
             try:

@@ -79,8 +79,11 @@ def _weight_form(call: NormCall, path: str, captured: Captured) -> NormForm | st
 
 
 def _own_param(node, path: str, captured: Captured) -> str | None:
+    """The name under which the module at ``path`` holds the parameter ``node`` (a tied one has several)."""
     fqn = captured.param_fqn.get(node) if isinstance(node, fx.Node) else None
-    return fqn if fqn is not None and fqn.rpartition(".")[0] == path else None
+    if fqn is None:
+        return None
+    return next((name for name in captured.aliases.get(fqn, (fqn,)) if name.rpartition(".")[0] == path), None)
 
 
 def _constant_offset(node: fx.Node, path: str, captured: Captured) -> tuple[str, float] | None:
