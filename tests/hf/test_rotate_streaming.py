@@ -72,6 +72,7 @@ def test_report_records_the_rotation_and_a_proof_of_every_block(sharded, tmp_pat
     assert report["extra_parameters"] == [{"name": "lm_head.bias", "shape": [96]}]  # ln_f's β, into the head
     assert report["stock_compatible"] is False and "normfold.from_pretrained" in report["stock_warning"]
     assert report["streaming"]["bytes_written"] > 0
+    assert "a rotated folder" in ver["weights"]["skipped"]  # not the fold's 'normfold verify re-derives them'
 
 
 def test_stream_option_rotates_a_single_file_folder_the_same_way(tiny_dirs, sharded, tmp_path, capsys):

@@ -88,7 +88,8 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
         step("re-deriving the fold and comparing every stored tensor")
         weights = check_streamed_weights(orig_dir, folded, report, trust_remote_code=trust_remote_code)
     else:
-        weights = skipped("at fold time the tensors were just written by the streaming code a re-derivation "
+        weights = skipped(why_not_rederivable(report)  # a rotated folder: re-derivation cannot see Q either
+                          or "at fold time the tensors were just written by the streaming code a re-derivation "
                           "would run again; `normfold verify ORIG OUT` re-derives and compares them")
     pieces = [shell, *checks]
     errors = [c["max_rel_error"] for c in pieces]
