@@ -78,6 +78,7 @@ def test_seed_and_method_change_the_written_weights(tiny_dirs, rotated_dir, tmp_
     out = tmp_path / "hadamard"
     code, printed, err = _run(capsys, tiny_dirs["gpt2"], "-o", out, "--seed", "3")
     assert code == EXIT_OK and "wrote" in printed and "normfold.from_pretrained" in err
+    assert "exact rotation: max relative error" in " ".join(printed.split()) and "exact fold" not in printed
     assert json.loads((out / REPORT_JSON).read_text())["rotation"]["method"] == "hadamard"
     a = normfold.from_pretrained(out).transformer.wte.weight
     b = normfold.from_pretrained(rotated_dir).transformer.wte.weight
@@ -128,6 +129,7 @@ def test_verify_checks_a_rotated_folder_through_its_outputs_and_says_why_not_its
     text = out.out + out.err
     assert code == EXIT_OK
     assert "a rotated folder (random, seed 3)" in text and "checked through the outputs only" in text
+    assert "exact rotation:" in text and "exact fold" not in text  # the rule names what was checked
     assert "older normfold" not in text  # the reason given before: the report looked like an old one
 
 

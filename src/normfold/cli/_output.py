@@ -108,8 +108,9 @@ def _saved_dtype_check_text(check: dict) -> str:
             f"tolerance {number(check['tolerance'])}")
 
 
-def print_verification(ver: dict) -> None:
-    """The verification figures as a table, then the rule that judged them in one line."""
+def print_verification(ver: dict, what: str = "fold") -> None:
+    """The verification figures as a table, then the rule that judged them in one line; ``what`` names
+    the exact transform checked ("fold", "rotation")."""
     table_mod, text_mod = require("rich.table"), require("rich.text")
     where = ""
     if "blocks" in ver:  # a streamed fold: checked piece by piece
@@ -125,21 +126,21 @@ def print_verification(ver: dict) -> None:
             text = _figure_text(key, ver[key])
             table.add_row(label, text_mod.Text(text, justify="right" if _is_number(text) else "left"))
     console().print(table)
-    rule = exact_rule_line(ver)
+    rule = exact_rule_line(ver, what)
     if rule:
         console().print(rule)
 
 
-def exact_rule_line(ver: dict[str, Any]) -> str | None:
+def exact_rule_line(ver: dict[str, Any], what: str = "fold") -> str | None:
     """The exact check's verdict with its rule in words, e.g. ``exact fold: max relative error 3.1e-08 ≤
     tolerance 2.5e-07 = 2 x (the original's own error in float32) + float32's unit roundoff``."""
     max_rel, tolerance = ver.get("max_rel_error"), ver.get("tolerance")
     if max_rel is None or tolerance is None or ver.get("why"):
         return None
     rule = ver.get("tolerance_rule") or "fixed"
-    words = ("a fixed bound: the fold is an exact transform, compared in float64" if rule == "fixed" else rule)
+    words = (f"a fixed bound: the {what} is an exact transform, compared in float64" if rule == "fixed" else rule)
     sign = "≤" if max_rel <= tolerance else ">"
-    return f"exact fold: max relative error {number(max_rel)} {sign} tolerance {number(tolerance)}, {words}"
+    return f"exact {what}: max relative error {number(max_rel)} {sign} tolerance {number(tolerance)}, {words}"
 
 
 def approximate_rule_line(ver: dict[str, Any]) -> str:

@@ -92,7 +92,7 @@ def _run_verify(args) -> int:
     if args.json:
         print(json.dumps({"verification": ver}, indent=2, default=str))
     else:
-        output.print_verification(ver)
+        output.print_verification(ver, "rotation" if read_report(args.folded_dir).get("rotation") else "fold")
     if not ver["ok"] and ver.get("why"):
         print(f"normfold: verification failed, {ver['why']}", file=sys.stderr)
     return EXIT_OK if ver["ok"] else EXIT_VERIFY_FAILED

@@ -51,7 +51,7 @@ def _run_rotate(args) -> int:
                                f"{len(rotation['streams'])} residual stream(s)")
         if rotation.get("slicing") is not None:
             output.console().print("the whole rotation, before slicing, proved in float64:")
-        output.print_verification(report["verification"])
+        output.print_verification(report["verification"], "rotation")
         if rotation.get("slicing") is not None:
             output.console().print(_slicing_line(rotation["slicing"], rotation["streams"]))
         output.console().print(f"wrote [bold]{report['out_dir']}[/bold]")
