@@ -77,7 +77,7 @@ def unigram_loss() -> float:
 
 
 def outcome(summary: dict[str, Any], unigram: float) -> str:
-    """"diverged" (a non-finite loss), "failed" (validation loss within STALL_MARGIN of ``unigram``), or "trained"."""
+    """"diverged" (a non-finite loss), "failed" (validation loss not STALL_MARGIN below ``unigram``), or "trained"."""
     val = summary["final_val_loss"]
     if summary["diverged"]:
         return "diverged"

@@ -158,10 +158,10 @@ def largest_stable(rows: list[dict], key: tuple, lrs) -> float | None:
 
 
 def growth(rows: list[dict], placement: str, norm: str, lr: float) -> list[float]:
-    """Per stable seed (QK-norm off, clipping on): RMS after the last block / RMS after the first."""
+    """Per seed with a finite run (QK-norm off, clipping on): RMS after the last block / RMS after the first."""
     return [r[f"rms_block{_last_block(r)}"] / r["rms_block0"] for r in rows
             if (r["placement"], r["norm"], r["lr"], r["qk_norm"], r["grad_clip"]) == (placement, norm, lr, False, 1.0)
-            and r["stable"]]
+            and r["outcome"] != "diverged"]
 
 
 def _last_block(r: dict) -> int:
@@ -170,7 +170,11 @@ def _last_block(r: dict) -> int:
 
 def conclusions(rows: list[dict], lrs, reference_lr: float) -> list[str]:
     """Sentences from the grid: what QK-norm and clipping change in the largest stable lr, activation growth."""
-    sentences = []
+    learned = sum(r["learned"] for r in rows)
+    sentences = [f"{learned} of {len(rows)} runs learned from context (validation loss below the unigram entropy "
+                 f"− {STALL_MARGIN})" + (": fewer than half at this budget, so a largest stable learning rate says "
+                                          "which rate a cell tolerates best, not that its training succeeded"
+                                          if 2 * learned < len(rows) else "")]
     keys = sorted({cell_key(r) for r in rows})
     # each factor against its base: (name, the changed cell from a base cell)
     factors = (("QK-norm", lambda k: (k[0], True, k[2], k[3]) if not k[1] else None),
@@ -210,23 +214,24 @@ def conclusions(rows: list[dict], lrs, reference_lr: float) -> list[str]:
         for norm in NORMS:
             ratio = mean_ci(growth(rows, placement, norm, reference_lr))
             if ratio.n < 2:
-                sentences.append(f"{placement}, {norm}, lr {reference_lr:g}: fewer than 2 stable seeds, no growth estimate")
+                sentences.append(f"{placement}, {norm}, lr {reference_lr:g}: fewer than 2 finite runs, no growth estimate")
                 continue
             shift = mean_ci([g - 1 for g in growth(rows, placement, norm, reference_lr)])
             trend = ("grows with depth" if shift.resolved and shift.mean > 0 else
                      "shrinks with depth" if shift.resolved else "not resolved (the interval contains 1)")
-            sentences.append(f"{placement}, {norm}, lr {reference_lr:g}: stream RMS last/first block = "
-                             f"{ratio.text(2, signed=False)} (95% CI, {ratio.n} seeds): {trend}")
+            sentences.append(f"{placement}, {norm}, clipping, lr {reference_lr:g}: stream RMS last/first block = "
+                             f"{ratio.text(3, signed=False)} (95% CI, {ratio.n} seeds): {trend}")
     logit = {}
     for r in rows:
-        if r["stable"] and r["grad_clip"] == 1.0 and r["lr"] == reference_lr:
-            logit.setdefault((r["placement"], r["norm"], r["qk_norm"]), {})[r["seed"]] = r["max_attention_logit"]
-    for placement in placements:
-        for norm in NORMS:
-            on, off = logit.get((placement, norm, True), {}), logit.get((placement, norm, False), {})
-            if set(on) & set(off):
-                sentences.append(f"{placement}, {norm}, lr {reference_lr:g}: " + compare(
-                    "QK-norm on", "off", paired_ci(on, off), "max attention logit", digits=2))
+        if r["outcome"] != "diverged" and r["grad_clip"] == 1.0:
+            logit.setdefault((r["placement"], r["norm"], r["qk_norm"], r["lr"]), {})[r["seed"]] = r["max_attention_logit"]
+    for lr in sorted({reference_lr, top}):
+        for placement in placements:
+            for norm in NORMS:
+                on, off = logit.get((placement, norm, True, lr), {}), logit.get((placement, norm, False, lr), {})
+                if set(on) & set(off):
+                    sentences.append(f"{placement}, {norm}, clipping, lr {lr:g}: " + compare(
+                        "QK-norm on", "off", paired_ci(on, off), "max attention logit", digits=2))
     return sentences
 
 
@@ -264,7 +269,7 @@ def main(argv=None) -> None:
                   f"{sum(r['learned'] for r in at)}"
                   for lr in lrs for at in [[r for r in mine if r["lr"] == lr]]]
         best = largest_stable(rows, key, lrs)
-        logits = [r["max_attention_logit"] for r in mine if r["lr"] == best and r["stable"]]
+        logits = [r["max_attention_logit"] for r in mine if r["lr"] == best and r["outcome"] != "diverged"]
         table.append([*key[:3], key[3] or "off", *per_lr, "none" if best is None else f"{best:g}",
                       f"{statistics.fmean(logits):.1f}" if logits else "—"])
     header = ["placement", "QK-norm", "norm", "clip", *[f"lr {lr:g}: stable, val loss, learned" for lr in lrs],
@@ -284,8 +289,8 @@ def main(argv=None) -> None:
         *[f"- {s}" for s in conclusions(rows, lrs, reference_lr)], "",
         f"Setup: `{json.dumps(setup)}`, learning rates {list(lrs)}.",
         f"Plot: `{name}.png` (left: residual-stream RMS after each block at lr {reference_lr:g}, QK-norm off, "
-        "clipping on, mean of stable seeds; right: max attention logit vs learning rate, clipping on, mean of "
-        f"stable seeds). Raw data: `{name}.csv` (one row per run).", "",
+        "clipping on, mean of finite runs; right: max attention logit vs learning rate, clipping on, mean of "
+        f"finite runs). Raw data: `{name}.csv` (one row per run).", "",
         provenance(budget, corpus_line(setup["block_size"]), clock), ""])
     (args.out / f"{name}.md").write_text(text)
     plot(args.out / f"{name}.png", rows, lrs, reference_lr)
@@ -298,14 +303,14 @@ def plot(path: Path, rows: list[dict], lrs, reference_lr: float) -> None:
     for placement in PLACEMENTS:
         for norm in NORMS:
             mine = [r for r in rows if (r["placement"], r["norm"], r["lr"], r["qk_norm"], r["grad_clip"])
-                    == (placement, norm, reference_lr, False, 1.0) and r["stable"]]
+                    == (placement, norm, reference_lr, False, 1.0) and r["outcome"] != "diverged"]
             if mine:
                 depth = _last_block(mine[0]) + 1
                 ax_depth.plot(range(1, depth + 1), [statistics.fmean(r[f"rms_block{i}"] for r in mine)
                                                     for i in range(depth)], marker="o", label=f"{placement}, {norm}")
             for qk in (False, True):
                 points = [(lr, statistics.fmean(vals)) for lr in lrs
-                          if (vals := [r["max_attention_logit"] for r in rows if r["stable"] and r["lr"] == lr
+                          if (vals := [r["max_attention_logit"] for r in rows if r["outcome"] != "diverged" and r["lr"] == lr
                                        and (r["placement"], r["norm"], r["qk_norm"], r["grad_clip"])
                                        == (placement, norm, qk, 1.0)])]
                 if points and norm == "layernorm":
