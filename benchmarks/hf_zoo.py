@@ -187,17 +187,34 @@ def folded_before(row: dict, before: dict[str, dict]) -> str:
     return old["folded"] if old["folded"] != "" else old["status"]
 
 
-def folded_changes(rows: list[dict]) -> tuple[list[str], list[str]]:
-    """("type: before → after" for the types whose folded count rose, ... for those where it fell); a
-    type with no count on one side counts as 0 there."""
-    rose, fell = [], []
+def folded_changes(rows: list[dict]) -> tuple[list[str], list[str], list[str]]:
+    """"type: before → after" for the types whose folded count rose, for those where it fell, and for
+    those with a count before that this run skipped (time box, no tiny model): not measured, not fell.
+    A type with no count before counts as 0 there."""
+    rose, fell, unmeasured = [], [], []
     for row in rows:
         before, after = _count(row.get("folded_before", "")), _count(row["folded"])
-        if after > before:
-            rose.append(f"{row['model_type']}: {row['folded_before'] or 0} → {row['folded'] or 0}")
+        change = f"{row['model_type']}: {row['folded_before'] or 0} → {row['folded'] or row['status']}"
+        if row["status"] == "skipped":
+            if before:
+                unmeasured.append(change)
+        elif after > before:
+            rose.append(change)
         elif after < before:
-            fell.append(f"{row['model_type']}: {row['folded_before'] or 0} → {row['folded'] or 0}")
-    return rose, fell
+            fell.append(change)
+    return rose, fell, unmeasured
+
+
+def folded_summary(rows: list[dict]) -> str:
+    """"12 → 20; rose in 2 types (...); fell in 0 types (none); not measured (skipped) in 1 type (...)",
+    over the types measured both times."""
+    rose, fell, unmeasured = folded_changes(rows)
+    measured = [r for r in rows if r["status"] != "skipped"]
+    total_before = sum(_count(r["folded_before"]) for r in measured)
+    parts = [f"{total_before} → {sum(_count(r['folded']) for r in measured)}"]
+    for what, changes in (("rose", rose), ("fell", fell), ("not measured (skipped)", unmeasured)):
+        parts.append(f"{what} in {len(changes)} type{'s' * (len(changes) != 1)} ({', '.join(changes) or 'none'})")
+    return "; ".join(parts)
 
 
 def _count(value: str) -> int:
@@ -219,11 +236,7 @@ def write_markdown(rows: list[dict], path: Path, command: str, not_reached: list
     ]
     columns = columns_of(rows)
     if "folded_before" in columns:
-        rose, fell = folded_changes(rows)
-        before_total = sum(_count(r["folded_before"]) for r in rows)
-        lines += [f"Folded norms before → after: {before_total} → {sum(_count(r['folded']) for r in rows)}; "
-                  f"rose in {len(rose)} types ({', '.join(rose) or 'none'}); fell in {len(fell)} types "
-                  f"({', '.join(fell) or 'none'}).", ""]
+        lines += [f"Folded norms before → after: {folded_summary(rows)}.", ""]
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(r[c]) for c in columns) + " |" for r in rows]
     if not_reached:
@@ -295,9 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             print(" | ".join(str(rows[-1][c]) for c in COLUMNS[:7]), flush=True)
             write_markdown(rows, stem.with_suffix(".md"), command, not_reached=types[i + 1:])
     if before is not None:
-        rose, fell = folded_changes(rows)
-        print(f"folded count rose in {len(rose)} types: {', '.join(rose) or 'none'}; "
-              f"fell in {len(fell)}: {', '.join(fell) or 'none'}", flush=True)
+        print(f"folded norms before → after: {folded_summary(rows)}", flush=True)
     return 1 if any(r["status"] in ("WRONG", "EXCEPTION") for r in rows) else 0
 
 

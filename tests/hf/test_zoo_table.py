@@ -121,8 +121,11 @@ def test_a_rerun_against_an_earlier_table_shows_folded_before_and_tries_only_the
     assert (rows["dinov2"]["folded_before"], rows["dinov2"]["folded"]) == ("0", "5")  # layer scales merged
     assert (rows["nemotron"]["folded_before"], rows["nemotron"]["folded"]) == ("skipped", "5")  # LayerNorm1P
     markdown = out.with_suffix(".md").read_text()
-    assert "rose in 2 types (dinov2: 0 → 5, nemotron: skipped → 5); fell in 1 types (gpt2: 6 → 5)" in markdown
+    assert ("rose in 2 types (dinov2: 0 → 5, nemotron: skipped → 5); fell in 1 type (gpt2: 6 → 5); "
+            "not measured (skipped) in 0 types (none)") in markdown
     assert "| folded | folded_before |" in markdown
+    skipped_now = {"model_type": "cvt", "status": "skipped", "folded": "", "folded_before": "3"}
+    assert hf_zoo.folded_changes([skipped_now]) == ([], [], ["cvt: 3 → skipped"])  # a time box is not a fall
 
 
 def test_reached_only_needs_an_earlier_table(hf_zoo, capsys):
