@@ -113,13 +113,17 @@ class _Sub(torch.Tensor):
 
 def test_shortcut_declines_what_the_full_path_must_handle():
     x, w, b, r = _args()
-    declined = {
-        "x needs grad": lambda: _fast(x.clone().requires_grad_(), w),
-        "weight needs grad": lambda: _fast(x, torch.nn.Parameter(w.clone())),
-        "residual needs grad": lambda: _fast(x, residual=r.clone().requires_grad_()),
-    }
-    for name, call in declined.items():
-        assert call() is None, name
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        declined = {
+            "out= under autograd": lambda: _fast(x.clone().requires_grad_(), w, out=torch.empty_like(x)),
+            "forward-mode dual x": lambda: _fast(dual, w),
+            "forward-mode dual weight": lambda: _fast(x, fwAD.make_dual(w, torch.ones_like(w))),
+            "forward-mode dual residual": lambda: _fast(x, residual=fwAD.make_dual(r, torch.ones_like(r))),
+        }
+        for name, call in declined.items():
+            assert call() is None, name
     with torch.no_grad():
         assert _fast(x, torch.nn.Parameter(w.clone())) is not None  # a Parameter is fine without grad
         declined = {
@@ -186,3 +190,64 @@ def test_jit_trace_records_the_norm_instead_of_baking_in_its_output():
         fresh = torch.randn(4, 33)
         assert traced(fresh).equal(norm(fresh))
     assert "normfold::norm_fwd" in str(traced.graph)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("is_rms", [True, False], ids=["rms", "ln"])
+@pytest.mark.parametrize("options", ["plain", "weight", "weight+bias", "residual", "all+offset", "noncontig"])
+def test_training_calls_take_the_shortcut_with_gradients_bit_identical_to_the_registered_op(dtype, is_rms, options):
+    x, w, b, r = _args(dtype=dtype)
+    weight = w.float() if options in ("weight", "weight+bias", "all+offset") else None  # fp32 params, as in mixed precision
+    bias = b.float() if options in ("weight+bias", "all+offset") else None
+    residual = r if options in ("residual", "all+offset") else None
+    offset = 0.25 if options == "all+offset" and is_rms else 0.0
+    if options == "noncontig":
+        x = x.transpose(0, 1)
+    n = x.shape[-1]
+    leaves = [t.detach().clone().requires_grad_() for t in (x, weight, bias, residual) if t is not None]
+    fast = _fast(*_fill(leaves, weight, bias, residual), 1e-5, offset, is_rms)
+    assert fast is not None, "an eager training call must take the C++ route"
+    y_fast, s_fast = (fast, None) if residual is None else fast
+    assert "EagerNormFunction" in y_fast.grad_fn.name()
+    leaves_op = [t.detach().clone().requires_grad_() for t in leaves]
+    xo, wo, bo, ro = _fill(leaves_op, weight, bias, residual)
+    y_op, s_op, _, _ = torch.ops.normfold.norm_fwd(xo.reshape(-1, n), wo, bo, None if ro is None else ro.reshape(-1, n),
+                                                   1e-5, offset, is_rms)
+    g = torch.Generator().manual_seed(1)
+    dy = torch.randn(x.shape, generator=g).to(dtype)
+    ds = torch.randn(x.shape, generator=g).to(dtype)
+    assert y_fast.reshape(-1, n).equal(y_op)
+    outs_fast, outs_op, grads = [y_fast], [y_op.view(x.shape)], [dy]
+    if residual is not None:
+        assert s_fast.reshape(-1, n).equal(s_op)
+        outs_fast.append(s_fast)
+        outs_op.append(s_op.view(x.shape))
+        grads.append(ds)
+    got = torch.autograd.grad(outs_fast, leaves, grads)
+    expected = torch.autograd.grad(outs_op, leaves_op, grads)
+    for a, e in zip(got, expected):
+        assert a.dtype == e.dtype and a.shape == e.shape and a.equal(e)
+
+
+def _fill(leaves, weight, bias, residual):
+    """(x, weight, bias, residual) from the leaves made of the present ones, None where absent."""
+    it = iter(leaves)
+    return next(it), *(next(it) if t is not None else None for t in (weight, bias, residual))
+
+
+def test_training_shortcut_works_under_activation_checkpointing_and_saved_tensor_hooks():
+    from torch.utils.checkpoint import checkpoint
+
+    x, w, b, _ = _args((4, 7, 64))
+    leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+    expected = torch.autograd.grad(rms_norm(*leaves).square().sum(), leaves)
+    got = torch.autograd.grad(checkpoint(lambda *a: rms_norm(*a).square(), *leaves, use_reentrant=False).sum(),
+                              leaves)
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        y = rms_norm(*leaves)
+        assert "EagerNormFunction" in y.grad_fn.name()  # the C++ route, not the Python autograd.Function
+        hooked = torch.autograd.grad(y.square().sum(), leaves)
+    assert len(packed) >= 3, "x, weight and rstd must go through the saved-tensor hooks"
+    for e, a, h in zip(expected, got, hooked):
+        assert a.equal(e) and h.equal(e)

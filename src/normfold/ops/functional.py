@@ -19,8 +19,9 @@ _eager_cpu_shortcut = True
 
 def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, residual: Tensor | None,
           offset: float, out: Tensor | None, is_rms: bool) -> Tensor | tuple[Tensor, Tensor]:
-    # Eager CPU inference: one C++ call checks that everything is plain and runs the kernel
-    # (~2 µs instead of ~8 µs of Python around it; what a batch-1 decode step is made of).
+    # Eager CPU calls: one C++ call checks that everything is plain and runs the kernel (~2 µs
+    # instead of ~8 µs of Python around it; what a batch-1 decode step is made of); under autograd
+    # it records the kernels' backward in C++ (training's route, without a Python autograd.Function).
     # None means "not plain": the full path below checks, raises, traces or records autograd.
     kernel = _cpu._module  # None until the first full-path call has built / loaded it
     if kernel is not None and _eager_cpu_shortcut and not is_compiling():

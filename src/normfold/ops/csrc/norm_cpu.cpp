@@ -21,9 +21,10 @@
 // Backward, per row, with x̂ = (s − mean)·rstd and g = dy·scale:
 //   sweep 1  Σg and Σg·x̂
 //   sweep 2  dx = rstd·(g − Σg/N − x̂·Σg·x̂/N) (+ ds)   (RMSNorm: no Σg/N term)
-//            dweight += dy·x̂, dbias += dy into this thread's partial row; partial rows are
-//            summed after the parallel loop.
+//            dweight += dy·x̂, dbias += dy into this thread's partial row, kRowBlock rows per
+//            column block; partial rows are summed after the parallel loop.
 #include <torch/extension.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 
 #include <ATen/EmptyTensor.h>
@@ -240,6 +241,11 @@ void forward_rows(const T* x, const T* res, const acc_t<T>* scale, const acc_t<T
   });
 }
 
+// Rows whose dweight / dbias contributions sweep 2 adds while a column block is in registers:
+// each partial-row element is loaded and stored once per kRowBlock rows instead of once per row
+// (the same additions in the same row order, so the sums are bit for bit those of one row at a time).
+constexpr int64_t kRowBlock = 4;
+
 template <typename T, bool kDs>
 void backward_rows(const T* dy, const T* ds, const T* s, const acc_t<T>* scale, const acc_t<T>* mean,
                    const acc_t<T>* rstd, T* dx, acc_t<T>* dw_partial, acc_t<T>* db_partial, int64_t M, int64_t N,
@@ -251,55 +257,70 @@ void backward_rows(const T* dy, const T* ds, const T* s, const acc_t<T>* scale, 
     // this thread's partial sums of dweight and dbias, shape (N,) each
     A* dw = dw_partial ? dw_partial + at::get_thread_num() * N : nullptr;
     A* db = db_partial ? db_partial + at::get_thread_num() * N : nullptr;
-    for (int64_t row = begin; row < end; ++row) {
-      const T* sr = s + row * N;
-      const T* dyr = dy + row * N;
-      T* dxr = dx + row * N;
-      const A mu = is_rms ? A(0) : mean[row];
-      const A r = rstd[row];
-      const V vmu(mu), vr(r);
-      // sweep 1: Σg, Σg·x̂
-      V sg0(0), sg1(0), sgx0(0), sgx1(0);
+    for (int64_t first = begin; first < end; first += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, end - first);
+      A mu[kRowBlock], r[kRowBlock], c1[kRowBlock], c2[kRowBlock];
+      for (int64_t k = 0; k < rows; ++k) {
+        const int64_t row = first + k;
+        const T* sr = s + row * N;
+        const T* dyr = dy + row * N;
+        mu[k] = is_rms ? A(0) : mean[row];
+        r[k] = rstd[row];
+        const V vmu(mu[k]), vr(r[k]);
+        // sweep 1: Σg, Σg·x̂
+        V sg0(0), sg1(0), sgx0(0), sgx1(0);
+        int64_t i = 0;
+        for (; i + 2 * K <= N; i += 2 * K) {
+          V xh0 = (load_acc(sr + i) - vmu) * vr, xh1 = (load_acc(sr + i + K) - vmu) * vr;
+          V g0 = load_acc(dyr + i) * V::loadu(scale + i), g1 = load_acc(dyr + i + K) * V::loadu(scale + i + K);
+          sg0 = sg0 + g0; sg1 = sg1 + g1;
+          sgx0 = at::vec::fmadd(g0, xh0, sgx0); sgx1 = at::vec::fmadd(g1, xh1, sgx1);
+        }
+        for (; i + K <= N; i += K) {
+          V xh = (load_acc(sr + i) - vmu) * vr;
+          V g = load_acc(dyr + i) * V::loadu(scale + i);
+          sg0 = sg0 + g;
+          sgx0 = at::vec::fmadd(g, xh, sgx0);
+        }
+        A sg = hsum<A>(sg0 + sg1), sgx = hsum<A>(sgx0 + sgx1);
+        for (; i < N; ++i) {
+          A xh = (A(sr[i]) - mu[k]) * r[k], g = A(dyr[i]) * scale[i];
+          sg += g;
+          sgx += g * xh;
+        }
+        c1[k] = is_rms ? A(0) : sg / A(N);
+        c2[k] = sgx / A(N);
+      }
+      // sweep 2, column block by column block over the rows: dx = rstd·(g − c1 − x̂·c2) (+ ds);
+      // partial dweight += dy·x̂, dbias += dy
       int64_t i = 0;
-      for (; i + 2 * K <= N; i += 2 * K) {
-        V xh0 = (load_acc(sr + i) - vmu) * vr, xh1 = (load_acc(sr + i + K) - vmu) * vr;
-        V g0 = load_acc(dyr + i) * V::loadu(scale + i), g1 = load_acc(dyr + i + K) * V::loadu(scale + i + K);
-        sg0 = sg0 + g0; sg1 = sg1 + g1;
-        sgx0 = at::vec::fmadd(g0, xh0, sgx0); sgx1 = at::vec::fmadd(g1, xh1, sgx1);
-      }
       for (; i + K <= N; i += K) {
-        V xh = (load_acc(sr + i) - vmu) * vr;
-        V g = load_acc(dyr + i) * V::loadu(scale + i);
-        sg0 = sg0 + g;
-        sgx0 = at::vec::fmadd(g, xh, sgx0);
-      }
-      A sg = hsum<A>(sg0 + sg1), sgx = hsum<A>(sgx0 + sgx1);
-      for (; i < N; ++i) {
-        A xh = (A(sr[i]) - mu) * r, g = A(dyr[i]) * scale[i];
-        sg += g;
-        sgx += g * xh;
-      }
-      const A c1 = is_rms ? A(0) : sg / A(N), c2 = sgx / A(N);
-      // sweep 2: dx = rstd·(g − c1 − x̂·c2) (+ ds); partial dweight, dbias
-      const V vc1(c1), vc2(c2);
-      i = 0;
-      for (; i + K <= N; i += K) {
-        V xh = (load_acc(sr + i) - vmu) * vr;
-        V dyv = load_acc(dyr + i);
-        V g = dyv * V::loadu(scale + i);
-        V out = vr * (g - vc1 - xh * vc2);
-        if constexpr (kDs) out = out + load_acc(ds + row * N + i);
-        store_acc(dxr + i, out);
-        if (dw) at::vec::fmadd(dyv, xh, V::loadu(dw + i)).store(dw + i);
-        if (db) (dyv + V::loadu(db + i)).store(db + i);
+        const V sc = V::loadu(scale + i);
+        V dwv = dw ? V::loadu(dw + i) : V(0), dbv = db ? V::loadu(db + i) : V(0);
+        for (int64_t k = 0; k < rows; ++k) {
+          const int64_t e = (first + k) * N + i;
+          const V vr(r[k]);
+          V xh = (load_acc(s + e) - V(mu[k])) * vr;
+          V dyv = load_acc(dy + e);
+          V out = vr * (dyv * sc - V(c1[k]) - xh * V(c2[k]));
+          if constexpr (kDs) out = out + load_acc(ds + e);
+          store_acc(dx + e, out);
+          dwv = at::vec::fmadd(dyv, xh, dwv);
+          dbv = dyv + dbv;
+        }
+        if (dw) dwv.store(dw + i);
+        if (db) dbv.store(db + i);
       }
       for (; i < N; ++i) {
-        A xh = (A(sr[i]) - mu) * r, dyv = A(dyr[i]), g = dyv * scale[i];
-        A out = r * (g - c1 - xh * c2);
-        if constexpr (kDs) out += A(ds[row * N + i]);
-        dxr[i] = T(out);
-        if (dw) dw[i] += dyv * xh;
-        if (db) db[i] += dyv;
+        for (int64_t k = 0; k < rows; ++k) {
+          const int64_t e = (first + k) * N + i;
+          A xh = (A(s[e]) - mu[k]) * r[k], dyv = A(dy[e]), g = dyv * scale[i];
+          A out = r[k] * (g - c1[k] - xh * c2[k]);
+          if constexpr (kDs) out += A(ds[e]);
+          dx[e] = T(out);
+          if (dw) dw[i] += dyv * xh;
+          if (db) db[i] += dyv;
+        }
       }
     }
   });
@@ -403,72 +424,20 @@ bool out_may_alias(const at::Tensor& out, const at::Tensor& input, bool exact_ok
 
 }  // namespace
 
-// The functional API's shortcut for eager calls that need no autograd: one C++ call that checks
-// the arguments are plain (tensors, dtypes, shapes, numbers) and runs the kernel, allocating only
-// the outputs (no mean/rstd) or writing into ``out``. Returns y, (y, s) with a residual, or None
-// for anything it does not take — then the caller goes the full way, which also raises the errors
-// for bad arguments.
-py::object norm_fwd_eager(py::handle x_obj, py::handle weight_obj, py::handle bias_obj, py::handle residual_obj,
-                          py::handle eps_obj, py::handle offset_obj, bool is_rms, py::handle out_obj) {
-  at::Tensor x;
-  double eps, offset;
-  if (!plain_cpu_tensor(x_obj.ptr(), x) || !is_kernel_dtype(x.scalar_type()) || x.dim() == 0 ||
-      !plain_float(eps_obj.ptr(), true, eps) || !plain_float(offset_obj.ptr(), false, offset))
-    return py::none();
-  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || torch::jit::tracer::isTracing() ||
-      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode))
-    return py::none();
-  const int64_t N = x.size(-1);
-  const bool grad = at::GradMode::is_enabled();
-  if (N == 0 || (grad && x.requires_grad())) return py::none();
-  c10::optional<at::Tensor> params[2];  // weight, bias
-  PyObject* param_objs[2] = {weight_obj.ptr(), bias_obj.ptr()};
-  for (int k = 0; k < 2; ++k) {
-    if (param_objs[k] == Py_None) continue;
-    at::Tensor p;
-    if (!plain_cpu_tensor(param_objs[k], p) || !p.is_floating_point() || p.dim() != 1 || p.size(0) != N ||
-        (grad && p.requires_grad()))
-      return py::none();
-    params[k] = std::move(p);
-  }
-  c10::optional<at::Tensor> residual;
-  at::Tensor r;  // as given: ``residual`` may be a contiguous copy of it
-  if (residual_obj.ptr() != Py_None) {
-    if (!plain_cpu_tensor(residual_obj.ptr(), r) || r.scalar_type() != x.scalar_type() ||
-        r.sizes() != x.sizes() || (grad && r.requires_grad()))
-      return py::none();
-    residual = r.is_contiguous() ? r : r.contiguous();
-  }
-  // out= : written in place when it is a plain contiguous tensor of x's shape and dtype
-  c10::optional<at::Tensor> out;
-  if (out_obj.ptr() != Py_None) {
-    at::Tensor o;
-    if (!plain_cpu_tensor(out_obj.ptr(), o) || o.scalar_type() != x.scalar_type() || o.sizes() != x.sizes() ||
-        !o.is_contiguous() || (grad && o.requires_grad()) || !out_may_alias(o, x, true) ||
-        (r.defined() && !out_may_alias(o, r, true)))
-      return py::none();
-    for (const auto& p : params)
-      if (p.has_value() && !out_may_alias(o, *p, false)) return py::none();
-    out = std::move(o);
-  }
-  // visible to torch.profiler as one op, like the registered op the full path calls (free when off)
-  RECORD_FUNCTION(is_rms ? "normfold::rms_norm" : "normfold::layer_norm", std::vector<c10::IValue>({x}));
-  if (!x.is_contiguous()) x = x.contiguous();
-  const int64_t M = N ? x.numel() / N : 0;
-  at::Tensor y = out.has_value() ? *out : normfold::empty_output(x);
-  c10::optional<at::Tensor> s;
-  if (residual.has_value()) s = normfold::empty_output(x);
-  {
-    // let other Python threads run while a large norm computes; tiny ones keep the GIL (cheaper)
-    c10::optional<py::gil_scoped_release> no_gil;
-    if (M * N >= (int64_t(1) << 16)) no_gil.emplace();
-    launch_forward(x, params[0], params[1], residual, eps, offset, is_rms, y, s, nullptr, nullptr, M, N,
-                   out.has_value());
-  }
-  py::object y_obj = out.has_value() ? py::reinterpret_borrow<py::object>(out_obj)  // the caller's own object
-                                     : py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
-  if (!s.has_value()) return y_obj;
-  return py::make_tuple(y_obj, py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(*s))));
+// The forward a backward needs: y (and s) written for contiguous x of any shape, with N = x.size(-1),
+// and the per-row statistics returned, (mean, rstd) in the accumulation dtype (mean undefined for RMSNorm).
+std::tuple<at::Tensor, at::Tensor> forward_with_stats(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                                                      const c10::optional<at::Tensor>& bias,
+                                                      const c10::optional<at::Tensor>& residual, double eps,
+                                                      double offset, bool is_rms, at::Tensor& y,
+                                                      c10::optional<at::Tensor>& s, bool out_given) {
+  const int64_t N = x.size(-1), M = x.numel() / N;
+  const auto options = x.options().dtype(acc_type(x.scalar_type()));
+  at::Tensor mean = is_rms ? at::Tensor() : at::empty({M}, options);
+  at::Tensor rstd = at::empty({M}, options);
+  launch_forward(x, weight, bias, residual, eps, offset, is_rms, y, s, mean.defined() ? mean.data_ptr() : nullptr,
+                 rstd.data_ptr(), M, N, out_given);
+  return {mean, rstd};
 }
 
 std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at::Tensor> norm_fwd(
@@ -476,8 +445,6 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at:
     const c10::optional<at::Tensor>& residual, double eps, double offset, bool is_rms,
     const c10::optional<at::Tensor>& out, const c10::optional<at::Tensor>& residual_out) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous 2-D CPU tensor");
-  const int64_t M = x.size(0), N = x.size(1);
-  auto acc = acc_type(x.scalar_type());
   if (residual.has_value()) check_2d(*residual, "residual", x);
   at::Tensor y = out.has_value() ? *out : normfold::empty_output(x);
   check_2d(y, "out", x);
@@ -486,12 +453,8 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>, at:
     s = residual_out.has_value() ? *residual_out : normfold::empty_output(x);
     check_2d(*s, "residual_out", x);
   }
-  c10::optional<at::Tensor> mean;
-  if (!is_rms) mean = at::empty({M}, x.options().dtype(acc));
-  at::Tensor rstd = at::empty({M}, x.options().dtype(acc));
-  launch_forward(x, weight, bias, residual, eps, offset, is_rms, y, s,
-                 mean.has_value() ? mean->data_ptr() : nullptr, rstd.data_ptr(), M, N, out.has_value());
-  return {y, s, mean, rstd};
+  auto [mean, rstd] = forward_with_stats(x, weight, bias, residual, eps, offset, is_rms, y, s, out.has_value());
+  return {y, s, mean.defined() ? c10::optional<at::Tensor>(mean) : c10::nullopt, rstd};
 }
 
 std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>> norm_bwd(
@@ -535,6 +498,143 @@ std::tuple<at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>> nor
   return {dx, dweight, dbias};
 }
 
+// Autograd for eager training calls, recorded by the C++ autograd engine: the same kernels as the
+// registered ops (norm_fwd / norm_bwd) without a Python autograd.Function around them (its apply,
+// context and four outputs cost as much as the kernel at (2048, 144)). Inputs: x of any shape with
+// N = x.size(-1); weight, bias (N,); residual of x's shape and dtype. Outputs y, and s with a residual.
+struct EagerNormFunction : public torch::autograd::Function<EagerNormFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                                                const c10::optional<at::Tensor>& weight,
+                                                const c10::optional<at::Tensor>& bias,
+                                                const c10::optional<at::Tensor>& residual, double eps,
+                                                double offset, bool is_rms) {
+    const at::Tensor xc = x.contiguous();
+    c10::optional<at::Tensor> rc;
+    if (residual.has_value()) rc = residual->contiguous();
+    at::Tensor y = normfold::empty_output(xc);
+    c10::optional<at::Tensor> s;
+    if (rc.has_value()) s = normfold::empty_output(xc);
+    auto [mean, rstd] = forward_with_stats(xc, weight, bias, rc, eps, offset, is_rms, y, s, false);
+    // the backward reads the normalized input: x, or the stored sum s (an output, saved as one)
+    ctx->save_for_backward({s.has_value() ? *s : xc, weight.value_or(at::Tensor()), mean, rstd});
+    ctx->set_materialize_grads(false);  // no zero tensors for an unused y or s
+    ctx->saved_data["offset"] = offset;
+    ctx->saved_data["is_rms"] = is_rms;
+    ctx->saved_data["bias_dtype"] = bias.has_value() ? int64_t(bias->scalar_type()) : int64_t(-1);
+    if (s.has_value()) return {y, *s};
+    return {y};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& s = saved[0];
+    const c10::optional<at::Tensor> weight = saved[1].defined() ? c10::optional<at::Tensor>(saved[1]) : c10::nullopt;
+    const c10::optional<at::Tensor> mean = saved[2].defined() ? c10::optional<at::Tensor>(saved[2]) : c10::nullopt;
+    const bool has_residual = grads.size() == 2;
+    const int64_t bias_dtype = ctx->saved_data["bias_dtype"].toInt();
+    const int64_t N = s.size(-1), M = s.numel() / N;
+    // dy is undefined when only the returned stream s was used: its gradient passes straight through
+    const at::Tensor dy = grads[0].defined() ? grads[0].contiguous() : at::zeros_like(s);
+    c10::optional<at::Tensor> ds;
+    if (has_residual && grads[1].defined()) ds = grads[1].contiguous().view({M, N});
+    auto [dx, dweight, dbias] = norm_bwd(dy.view({M, N}), ds, s.view({M, N}), weight, mean, saved[3],
+                                         ctx->saved_data["offset"].toDouble(), ctx->saved_data["is_rms"].toBool(),
+                                         bias_dtype >= 0);
+    dx = dx.view(s.sizes());
+    return {dx, dweight.value_or(at::Tensor()),
+            dbias.has_value() ? dbias->to(static_cast<at::ScalarType>(bias_dtype)) : at::Tensor(),
+            has_residual ? dx : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+// The functional API's shortcut for eager calls: one C++ call that checks the arguments are plain
+// (tensors, dtypes, shapes, numbers) and runs the kernel, allocating only the outputs (no mean/rstd)
+// or writing into ``out``; under autograd it records EagerNormFunction instead (no ``out=``).
+// Returns y, (y, s) with a residual, or None for anything it does not take — then the caller goes
+// the full way, which also raises the errors for bad arguments.
+py::object norm_fwd_eager(py::handle x_obj, py::handle weight_obj, py::handle bias_obj, py::handle residual_obj,
+                          py::handle eps_obj, py::handle offset_obj, bool is_rms, py::handle out_obj) {
+  at::Tensor x;
+  double eps, offset;
+  if (!plain_cpu_tensor(x_obj.ptr(), x) || !is_kernel_dtype(x.scalar_type()) || x.dim() == 0 ||
+      !plain_float(eps_obj.ptr(), true, eps) || !plain_float(offset_obj.ptr(), false, offset))
+    return py::none();
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || torch::jit::tracer::isTracing() ||
+      c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::FuncTorchDynamicLayerFrontMode))
+    return py::none();
+  const int64_t N = x.size(-1);
+  if (N == 0) return py::none();
+  // under autograd when any input needs a gradient; forward-mode AD (dual tensors) is left to the full path
+  const bool grad = at::GradMode::is_enabled();
+  bool needs_grad = grad && x.requires_grad();
+  if (x._fw_grad(/*level=*/0).defined()) return py::none();
+  c10::optional<at::Tensor> params[2];  // weight, bias
+  PyObject* param_objs[2] = {weight_obj.ptr(), bias_obj.ptr()};
+  for (int k = 0; k < 2; ++k) {
+    if (param_objs[k] == Py_None) continue;
+    at::Tensor p;
+    if (!plain_cpu_tensor(param_objs[k], p) || !p.is_floating_point() || p.dim() != 1 || p.size(0) != N ||
+        p._fw_grad(0).defined())
+      return py::none();
+    needs_grad = needs_grad || (grad && p.requires_grad());
+    params[k] = std::move(p);
+  }
+  c10::optional<at::Tensor> residual;
+  at::Tensor r;  // as given: ``residual`` may be a contiguous copy of it
+  if (residual_obj.ptr() != Py_None) {
+    if (!plain_cpu_tensor(residual_obj.ptr(), r) || r.scalar_type() != x.scalar_type() ||
+        r.sizes() != x.sizes() || r._fw_grad(0).defined())
+      return py::none();
+    needs_grad = needs_grad || (grad && r.requires_grad());
+    residual = r;
+  }
+  if (needs_grad) {
+    if (out_obj.ptr() != Py_None) return py::none();  // the full path refuses out= under autograd
+    RECORD_FUNCTION(is_rms ? "normfold::rms_norm" : "normfold::layer_norm", std::vector<c10::IValue>({x}));
+    torch::autograd::variable_list outputs;
+    {
+      c10::optional<py::gil_scoped_release> no_gil;  // as below (saved-tensor hooks take it back themselves)
+      if (x.numel() >= (int64_t(1) << 16)) no_gil.emplace();
+      outputs = EagerNormFunction::apply(x, params[0], params[1], residual, eps, offset, is_rms);
+    }
+    py::object y_obj = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(outputs[0])));
+    if (outputs.size() == 1) return y_obj;
+    return py::make_tuple(y_obj, py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(outputs[1]))));
+  }
+  if (residual.has_value() && !r.is_contiguous()) residual = r.contiguous();
+  // out= : written in place when it is a plain contiguous tensor of x's shape and dtype
+  c10::optional<at::Tensor> out;
+  if (out_obj.ptr() != Py_None) {
+    at::Tensor o;
+    if (!plain_cpu_tensor(out_obj.ptr(), o) || o.scalar_type() != x.scalar_type() || o.sizes() != x.sizes() ||
+        !o.is_contiguous() || (grad && o.requires_grad()) || !out_may_alias(o, x, true) ||
+        (r.defined() && !out_may_alias(o, r, true)))
+      return py::none();
+    for (const auto& p : params)
+      if (p.has_value() && !out_may_alias(o, *p, false)) return py::none();
+    out = std::move(o);
+  }
+  // visible to torch.profiler as one op, like the registered op the full path calls (free when off)
+  RECORD_FUNCTION(is_rms ? "normfold::rms_norm" : "normfold::layer_norm", std::vector<c10::IValue>({x}));
+  if (!x.is_contiguous()) x = x.contiguous();
+  const int64_t M = N ? x.numel() / N : 0;
+  at::Tensor y = out.has_value() ? *out : normfold::empty_output(x);
+  c10::optional<at::Tensor> s;
+  if (residual.has_value()) s = normfold::empty_output(x);
+  {
+    // let other Python threads run while a large norm computes; tiny ones keep the GIL (cheaper)
+    c10::optional<py::gil_scoped_release> no_gil;
+    if (M * N >= (int64_t(1) << 16)) no_gil.emplace();
+    launch_forward(x, params[0], params[1], residual, eps, offset, is_rms, y, s, nullptr, nullptr, M, N,
+                   out.has_value());
+  }
+  py::object y_obj = out.has_value() ? py::reinterpret_borrow<py::object>(out_obj)  // the caller's own object
+                                     : py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(y)));
+  if (!s.has_value()) return y_obj;
+  return py::make_tuple(y_obj, py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(*s))));
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "normfold fused CPU norms";
   m.def("cpu_cache_info", [] { return normfold::OutputCache::instance().info(); },
@@ -542,7 +642,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_stream_sum_bytes", [](int64_t bytes) { return stream_sum_bytes().exchange(bytes); },
         "stream residual sums of at least this many bytes (returns the previous threshold)");
   m.def("empty_cpu_cache", [] { normfold::OutputCache::instance().empty(); }, "free every cached output buffer");
-  m.def("norm_fwd_eager", &norm_fwd_eager, "eager no-autograd forward, or None where the full path is needed",
+  m.def("norm_fwd_eager", &norm_fwd_eager, "eager forward (autograd recorded in C++), or None where the full path is needed",
         py::arg("x"), py::arg("weight"), py::arg("bias"), py::arg("residual"), py::arg("eps"), py::arg("offset"),
         py::arg("is_rms"), py::arg("out") = py::none());
   m.def("norm_fwd", &norm_fwd, "fused RMSNorm/LayerNorm forward", py::arg("x"), py::arg("weight"), py::arg("bias"),
