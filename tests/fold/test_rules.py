@@ -596,3 +596,130 @@ def test_a_norm_module_called_twice_folds_only_if_every_call_does():
     fold_checked(ReusedNorm(True), (_x(B, T, C),), {"norm": True})
     _, report = fold_checked(ReusedNorm(False), (_x(B, T, C),), {"norm": False})
     assert "model input" in report.norms[0].reason
+
+
+# --------------------------------------------------------------------------- grouped convs, a − a, dead readers
+
+
+class GroupedConvHeads(nn.Module):
+    """A grouped 1x1 conv over channels, then a LayerNorm per head of ``head`` channels."""
+
+    def __init__(self, groups: int, head: int):
+        super().__init__()
+        self.conv = nn.Conv1d(C, C, 1, groups=groups)
+        self.head = head
+        self.norm = nn.LayerNorm(head)
+
+    def forward(self, x):  # (B, T, C)
+        y = self.conv(x.transpose(1, 2)).transpose(1, 2)
+        return self.norm(y.reshape(B, T, C // self.head, self.head))
+
+
+@pytest.mark.parametrize("groups, head", [(2, 4), (2, 2), (4, 2)])
+def test_a_head_norm_inside_one_conv_group_folds_and_one_spanning_conv_groups_is_refused(groups, head):
+    """Each head's channels read the same inputs: centering W and b per head is exact. With conv groups of
+    half a head, a head spans two, whose channels read different inputs: refused, saying why."""
+    folded, _ = fold_checked(GroupedConvHeads(groups, head), (_x(B, T, C),), {"norm": True})
+    w = folded.conv.weight.double().reshape(C // head, head, -1)
+    assert w.mean(1).abs().max() < 1e-6 and folded.conv.bias.double().reshape(-1, head).mean(1).abs().max() < 1e-6
+    _, report = fold_checked(GroupedConvHeads(2 * C // head, head), (_x(B, T, C),), {"norm": False})  # head/2 per group
+    assert "inside one conv group" in report.norms[0].reason
+
+
+class SelfDifference(nn.Module):
+    """LN(a − b) where a and b hold the same values (``same``), or not."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.fc = nn.Linear(C, C)
+        self.scale = nn.Parameter(torch.ones(C))
+        self.drop = nn.Dropout(0.1)
+        self.kind = kind
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, x):
+        h = F.gelu(self.fc(x))
+        if self.kind == "same":
+            d = h - h
+        elif self.kind == "same_times_param":
+            d = (h - h) * self.scale
+        elif self.kind == "cat_through_eval_dropout":
+            d = torch.cat([h, self.drop(h)], -1) - torch.cat([self.drop(h), h], -1)
+        elif self.kind == "cat_of_different_values":
+            d = torch.cat([h, 2 * h], -1) - torch.cat([2 * h, h], -1)
+        elif self.kind == "alpha":
+            d = torch.sub(h, h, alpha=2)
+        else:  # "copy_then_in_place": the clone keeps h's old values, h is doubled afterwards
+            c = h.clone()
+            h.mul_(2)
+            d = c - h
+        if d.shape[-1] != C:
+            d = d[..., :C]
+        return self.norm(d), h
+
+
+@pytest.mark.parametrize("same, different", [("same", "alpha"), ("same_times_param", "copy_then_in_place"),
+                                              ("cat_through_eval_dropout", "cat_of_different_values")])
+def test_a_value_minus_itself_is_zero_and_its_norm_folds_but_values_not_proved_equal_are_refused(same, different):
+    """h − h, (h − h)·w and cat(h, drop(h)) − cat(drop(h), h) in eval are zero: the norm folds with
+    nothing centered. h − 2h, cat(h, 2h) − cat(2h, h) and clone(h) − h after h.mul_(2) are not."""
+    _, report = fold_checked(SelfDifference(same), (_x(B, T, C),), {"norm": True})
+    assert report.norms[0].producers == ()
+    _, report = fold_checked(SelfDifference(different), (_x(B, T, C),), {"norm": False})
+    assert "gelu" in report.norms[0].reason
+
+
+class InPlaceAfterDeadReader(nn.Module):
+    """h.mul_ after another op read h: harmless when that reader's result is never used."""
+
+    def __init__(self, reader_used: bool):
+        super().__init__()
+        self.fc = nn.Linear(C, C)
+        self.reader_used = reader_used
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, x):
+        h = self.fc(x)
+        seen = F.silu(h)
+        h.mul_(0.5)
+        return (self.norm(h), seen) if self.reader_used else self.norm(h)
+
+
+def test_an_in_place_op_after_a_dead_reader_folds_and_after_a_live_one_is_refused():
+    """silu(h) then h.mul_(0.5): a silu result nothing uses sees nothing; a returned one reads h, which centering changes."""
+    fold_checked(InPlaceAfterDeadReader(reader_used=False), (_x(B, T, C),), {"norm": True})
+    _, report = fold_checked(InPlaceAfterDeadReader(reader_used=True), (_x(B, T, C),), {"norm": False})
+    assert "silu" in report.norms[0].reason
+
+
+class CancellingSum(nn.Module):
+    """LN of a sum in which gelu(fc(x)) cancels exactly (``cancels``) or not; ``shared`` also returns h + p."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.fc = nn.Linear(C, C)
+        self.proj = nn.Linear(C, C)
+        self.kind = kind
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, x):
+        h, p = F.gelu(self.fc(x)), self.proj(x)
+        if self.kind in ("cancels", "shared"):
+            s = h + p
+            out = self.norm(h - s)  # = −p
+            return (out, s) if self.kind == "shared" else out
+        if self.kind == "cancels_in_quarters":
+            return self.norm(h - (h / 4 + p) - h * 0.75)  # 1 − 1/4 − 3/4 = 0 exactly (h/3 + h·(2/3) would not be)
+        return self.norm(h - (h * 0.5 + p) - h * 0.25)  # "leaves_a_quarter": h·0.25 − p
+
+
+def test_a_term_that_cancels_exactly_in_a_sum_needs_no_zero_mean_and_the_rest_folds():
+    """h − (h + p) = −p: only p needs zero mean. Refused when h's coefficients leave 1/4, or when h + p is
+    also returned (centering p would change it)."""
+    for kind in ("cancels", "cancels_in_quarters"):
+        _, report = fold_checked(CancellingSum(kind), (_x(B, T, C),), {"norm": True})
+        assert report.norms[0].producers == ("proj.bias", "proj.weight")
+    _, report = fold_checked(CancellingSum("leaves_a_quarter"), (_x(B, T, C),), {"norm": False})
+    assert "gelu" in report.norms[0].reason
+    _, report = fold_checked(CancellingSum("shared"), (_x(B, T, C),), {"norm": False})
+    assert "model output" in report.norms[0].reason

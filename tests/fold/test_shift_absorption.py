@@ -240,3 +240,44 @@ def _graph_node(fn, *args, target: str):
 def test_the_shift_column_passes_a_ones_vector_shift_exactly_where_the_math_allows(fn, target, dims, expected):
     node = _graph_node(fn, _x(0), _x(1), target=target)
     assert shift_passes(node, node.args[0] if target != "aten.cat" else node.args[0][0], dims) == expected
+
+
+class _CancelledReader(nn.Module):
+    """LN(−1.5·h) folds by centering fc; h is also read by (h + e) − c·h, a model output."""
+
+    def __init__(self, c: float):
+        super().__init__()
+        self.fc = nn.Linear(C, C)
+        self.emb = nn.Embedding(V, C)
+        self.c = c
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, ids, x):
+        h = self.fc(x)
+        return (h + self.emb(ids)) - self.c * h, self.norm(h * -1.5)
+
+
+class _SumMinusPart(nn.Module):
+    """LN(h + e) folds by centering fc and emb, but (h + e) − e = h, a model output, changes with fc."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(C, C)
+        self.emb = nn.Embedding(V, C)
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, ids, x):
+        e = self.emb(ids)
+        s = self.fc(x) + e
+        return s - e, self.norm(s)
+
+
+def test_a_reader_in_which_the_centered_tensor_cancels_sees_no_change_and_one_where_it_does_not_blocks():
+    """(h + e) − h = e whatever centering does to h: not a reader. With (h + e) − h/2 the shift reaches the
+    output; so it does through (h + e) − e, where the sum, not the cancelled e, carries h's change."""
+    ids = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(1))
+    assert _fold(_CancelledReader(1.0), (ids, _x()))["norm"].foldable
+    refused = _fold(_CancelledReader(0.5), (ids, _x()))["norm"]
+    assert not refused.foldable and "model output" in refused.reason
+    refused = _fold(_SumMinusPart(), (ids, _x()))["norm"]
+    assert not refused.foldable and "model output" in refused.reason

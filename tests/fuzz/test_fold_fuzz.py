@@ -80,8 +80,11 @@ def _spec(blocks, outputs, in_width=8, ties=()):
 
 # Seeds the record of fb70be2 counted as missed folds, one per gap closed since: a producer also read by a
 # kept LayerNorm through an add (82), whole-dim vs per-head centering (202, 1019), a feature interleave
-# and head scaling over a block of dims (995, 1060), an in-place scaling after the norm read its tensor (761)
-FORMERLY_MISSED = (82, 202, 761, 995, 1019, 1060)
+# and head scaling over a block of dims (995, 1060), an in-place scaling after the norm read its tensor (761);
+# and of 21a6c1d: x − (x + p) (473, 1011), a centered h read by (h + e) − h (613), (x − x)·w (1238), an
+# in-place scaling after a dead reader (1269), a head norm inside one group of a grouped conv (1459),
+# cat(x′, x) − cat(x, x′) with eval dropout x′ (1740)
+FORMERLY_MISSED = (82, 202, 761, 995, 1019, 1060, 473, 613, 1011, 1238, 1269, 1459, 1740)
 
 
 @pytest.mark.parametrize("seed", FORMERLY_MISSED)

@@ -7,8 +7,9 @@ walk ends only in sources is a candidate; it is foldable when its zero-mean grap
 every node whose value centering changes is read only along the requirement edges of foldable
 norms, or by ops that carry the centering shift (x − m·1, the rules table's shift column) to the
 inputs of LayerNorms that stay LayerNorms (which ignore a shift along their normalized dim). Dead
-code and shape-only reads are not readers. Which norms fold decides which absorb, so the check
-runs to a fixpoint.
+code, shape-only reads and sums in which the changed term cancels exactly ((h + e) − h, the rules'
+``cancelling_sum``) are not readers. Which norms fold decides which absorb, so the check runs to a
+fixpoint.
 
 One idea, about 600 lines: the walk, the closedness check and its fixpoint decide together which
 norms fold; splitting them would spread one decision over files (γ/β placement is apart, in affine.py).
@@ -16,7 +17,6 @@ norms fold; splitting them would spread one decision over files (γ/β placement
 from __future__ import annotations
 
 import sys
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -33,8 +33,8 @@ from .layer_scale import LayerScale, find_layer_scales
 from .norm_forms import NormForm, traced_form
 from .plan import AffineFoldStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
-from .rules import (MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, classify, make_need, norm_call,
-                    reads_only_shape, shift_is_additive, shift_passes)
+from .rules import (MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, cancelling_sum, classify, live_nodes,
+                    make_need, norm_call, reads_only_shape, shift_is_additive, shift_passes)
 
 _aten = torch.ops.aten
 _NOTHING: Mapping[str, str] = MappingProxyType({})
@@ -144,27 +144,6 @@ def _is_ln_input(user: fx.Node, need: Need) -> bool:
     call = norm_call(user)
     return (call is not None and not call.is_rms and call.x is need.node and call.num_dims == 1
             and need.dim == len(shape(need.node)) - 1 and need.group is None)
-
-
-_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def live_nodes(graph: fx.Graph) -> frozenset[fx.Node]:
-    """Nodes with a path to the output or to a side effect (in-place ops, asserts); the rest is dead code.
-
-    Computed once per graph and node count (the analysis only reads graphs)."""
-    count, live = _LIVE.get(graph, (-1, frozenset()))
-    if count != len(graph.nodes):
-        stack = [n for n in graph.nodes if n.op == "output" or n.is_impure()]
-        reached: set[fx.Node] = set()
-        while stack:
-            node = stack.pop()
-            if node not in reached:
-                reached.add(node)
-                stack.extend(node.all_input_nodes)
-        live = frozenset(reached)
-        _LIVE[graph] = (len(graph.nodes), live)
-    return live
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -382,7 +361,8 @@ def _closedness_failure(walker: Walker, norm: _Norm, parents, captured: Captured
         for user in effective_users(need.node):
             if user in inside or _is_ln_input(user, need):
                 continue
-            if need.node in captured.param_fqn and _untieable(captured, need.node, user, inside):
+            if need.node in captured.param_fqn and _untieable(captured, need.node, user,
+                                                              _with_readers_in_sums(inside, need.node)):
                 continue
             what = captured.param_fqn.get(need.node) or describe(need.node)
             other = next((k for k, users in parents.items() if k.node is need.node and k != need and user in users), None)
@@ -424,6 +404,8 @@ def _shift_blocker(reader: fx.Node, changed: fx.Node, dims: tuple[int, ...], fol
             if failure is not None:
                 return failure
             continue
+        if (user in folding.zero_mean_nodes and _accounted_in_sum(user, operand)) or _cancels_in_sum(user, changed):
+            continue
         if user in folding.zero_mean_nodes:
             return _Failure(f"{describe(user)}, which a folding norm needs zero-mean", True)
         out_dims = shift_passes(user, operand, dims)
@@ -434,6 +416,41 @@ def _shift_blocker(reader: fx.Node, changed: fx.Node, dims: tuple[int, ...], fol
             return _Failure(f"{describe(user)}, whose other operand changes too", False)
         stack.extend((nxt, user, out_dims) for nxt in effective_users(user))
     return None
+
+
+def _with_readers_in_sums(asking: set[fx.Node], term: fx.Node) -> set[fx.Node]:
+    """``asking`` (the nodes that need ``term`` zero-mean) and, where one is a cancelling sum, the nodes inside
+    it that read ``term`` (x + p in x − (x + p)): the names a tied parameter is read by for those needs.
+    Only for naming: their values are not zero-mean, so their other readers are still checked."""
+    readers = set(asking)
+    for node in asking:
+        expansion = cancelling_sum(node)
+        if expansion is not None:
+            readers.update(n for n in expansion.inner if term in n.all_input_nodes)
+    return readers
+
+
+def _accounted_in_sum(node: fx.Node, operand: fx.Node) -> bool:
+    """``node``'s zero-mean rule wrote it as a sum whose terms cancel (x − (x + p) = −p) and ``operand`` is
+    one of the nodes that sum expanded: the change arriving here is part of Σ c·term, which the walk
+    already required zero-mean term by term (a cancelled term's change cancels too)."""
+    expansion = cancelling_sum(node)
+    return expansion is not None and operand in expansion.inner | set(node.all_input_nodes)
+
+
+def _cancels_in_sum(node: fx.Node, changed: fx.Node) -> bool:
+    """``node`` is a sum in which the term ``changed`` cancels and no term that stays depends on it
+    ((h + e) − h = e): whatever centering does to ``changed``, ``node`` does not change (Σ c·Δterm = 0)."""
+    expansion = cancelling_sum(node)
+    if expansion is None or changed not in expansion.cancelled:
+        return False
+    reached, stack = set(), [changed]
+    while stack:
+        n = stack.pop()
+        if n not in reached:
+            reached.add(n)
+            stack.extend(n.users)
+    return not reached.intersection(expansion.terms)
 
 
 def _absorbs(call: NormCall, x: fx.Node, dims: tuple[int, ...], folding: _FoldingSet) -> _Failure | None:
@@ -585,7 +602,8 @@ def _centering_steps(foldable: list[_Norm], parents, captured: Captured):
             by_tensor[_canonical(fqn, captured)] = (dim, group)
             norm_of[_canonical(fqn, captured)] = norm.path
     centered_names = {use_alias(captured, need.node, user) for norm in foldable for need in norm.zero_mean_graph
-                      if need.node in captured.param_fqn for user in parents.get(need, ())}
+                      if need.node in captured.param_fqn
+                      for user in _with_readers_in_sums(parents.get(need, set()), need.node)}
     center, untie, untied = [], [], []
     for canonical, (dim, group) in sorted(by_tensor.items()):
         names = captured.aliases.get(canonical, (canonical,))

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import math
 import operator
+import weakref
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable, NamedTuple
 
 import torch
@@ -54,7 +56,7 @@ class Requires:
 
 @dataclass(frozen=True)
 class Source:
-    kind: str               # "parameter" (centerable), "zero" (literal zeros), "normalized" (weightless LN output)
+    kind: str               # "parameter" (centerable), "zero" (literal zeros, a − a, 0·y), "normalized" (weightless LN output)
     fqn: str | None = None  # the parameter's FQN for kind == "parameter"
 
 
@@ -152,7 +154,7 @@ def _is_zero_literal(value) -> bool:
     if isinstance(value, (int, float, bool)):
         return value == 0
     if isinstance(value, fx.Node) and value.op == "call_function":
-        return classify_zero(value)
+        return classify_zero(value) or _is_self_difference(value)
     return False
 
 
@@ -222,7 +224,146 @@ def _dropout(node, dim, group):
 
 def _add_sub(node, dim, group):
     a, b = node.args[0], _arg(node, 1, "other")
+    if _is_self_difference(node):
+        return Source("zero")
+    cancelled = cancelling_sum(node)
+    if cancelled is not None:  # x − (x + p) = −p: only the terms left need zero mean
+        return _collect(node, [_broadcast_operand(node, t, dim, group) for t in cancelled.terms]) if cancelled.terms \
+            else Source("zero")
     return _collect(node, [_broadcast_operand(node, a, dim, group), _broadcast_operand(node, b, dim, group)])
+
+
+class LinearSum(NamedTuple):
+    """A node written as Σ c·term over tensors that broadcast to its shape, some of whose terms cancel exactly."""
+
+    terms: tuple[fx.Node, ...]      # the terms whose coefficients do not cancel
+    cancelled: frozenset            # the terms whose coefficients sum to exactly 0
+    inner: frozenset                # the add / sub / neg / scaling nodes expanded on the way (not the root)
+
+
+_SUMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cancelling_sum(node: fx.Node) -> LinearSum | None:
+    """``node`` expanded through add, sub (alpha), neg and scaling by a number over nodes of its shape, when
+    some term's coefficients sum to exactly 0 (exact rational arithmetic on the graph's numbers):
+    x − (x + p) = −p. None when nothing cancels or the graph overwrites a tensor (terms read at different
+    times could differ). Memoized per graph (the analysis only reads graphs)."""
+    count, memo = _SUMS.get(node.graph, (-1, {}))
+    if count != len(node.graph.nodes):
+        memo = {}
+        _SUMS[node.graph] = (len(node.graph.nodes), memo)
+    if node not in memo:
+        memo[node] = _expand_sum(node)
+    return memo[node]
+
+
+def _expand_sum(root: fx.Node) -> LinearSum | None:
+    parts_of: dict[fx.Node, list[tuple[fx.Node, Fraction]]] = {}
+    stack = [root]
+    while stack:  # the expandable region above root
+        n = stack.pop()
+        if n not in parts_of and (parts := _linear_parts(n, shape(root))) is not None:
+            parts_of[n] = parts
+            stack.extend(part for part, _ in parts)
+    if root not in parts_of:
+        return None
+    waiting = {n: 0 for n in parts_of}  # readers inside the region not yet propagated
+    for parts in parts_of.values():
+        for part, _ in parts:
+            if part in waiting:
+                waiting[part] += 1
+    coefficients: dict[fx.Node, Fraction] = {root: Fraction(1)}
+    ready = [root]
+    while ready:  # propagate coefficients in topological order: linear in the region, whatever its diamonds
+        n = ready.pop()
+        for part, k in parts_of[n]:
+            coefficients[part] = coefficients.get(part, Fraction(0)) + coefficients[n] * k
+            if part in waiting:
+                waiting[part] -= 1
+                if not waiting[part]:
+                    ready.append(part)
+    terms = {t: c for t, c in coefficients.items() if t not in parts_of}
+    if all(c != 0 for c in terms.values()) or any(_overwrites(n) for n in root.graph.nodes):
+        return None
+    return LinearSum(tuple(t for t, c in terms.items() if c != 0), frozenset(t for t, c in terms.items() if c == 0),
+                     frozenset(parts_of) - {root})
+
+
+def _linear_parts(n, out_shape) -> list[tuple[fx.Node, Fraction]] | None:
+    """n = Σ k·part for an add / sub / neg / scaling by a finite number of shape ``out_shape`` (parts may broadcast)."""
+    if not isinstance(n, fx.Node) or n.op != "call_function" or shape(n) != out_shape:
+        return None
+    packet, args = getattr(n.target, "overloadpacket", None), n.args
+    nodes = [a for a in args if isinstance(a, fx.Node)]
+    if not all(_broadcasts_to(shape(a), out_shape) for a in nodes) or set(n.kwargs) - {"alpha"}:
+        return None
+    numbers = [a for a in args if not isinstance(a, fx.Node)]
+    if not all(isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in numbers):
+        return None
+    if packet in (_aten.add, _aten.sub) and len(nodes) == 2 == len(args):
+        alpha = Fraction(_arg(n, 2, "alpha", 1))
+        return [(args[0], Fraction(1)), (args[1], alpha if packet is _aten.add else -alpha)]
+    if packet is _aten.neg and len(args) == 1:
+        return [(args[0], Fraction(-1))]
+    if packet is _aten.mul and len(nodes) == 1 and len(args) == 2:
+        return [(nodes[0], Fraction(numbers[0]))]
+    if packet is _aten.div and len(args) == 2 and len(nodes) == 1 and args[0] is nodes[0] and numbers[0] != 0:
+        return [(args[0], 1 / Fraction(numbers[0]))]
+    return None
+
+
+def _broadcasts_to(s_in, s_out) -> bool:
+    """A tensor of shape ``s_in`` broadcasts to ``s_out`` unchanged in size (right-aligned, equal or 1)."""
+    return s_in is not None and len(s_in) <= len(s_out) and all(
+        a in (1, b) for a, b in zip(reversed(s_in), reversed(s_out)))
+
+
+def _is_self_difference(node: fx.Node) -> bool:
+    """``a − a`` (alpha 1): zero whatever ``a`` holds, so zero-mean along every dim."""
+    if getattr(node.target, "overloadpacket", None) not in (_aten.sub, _aten.sub_) or _arg(node, 2, "alpha", 1) != 1:
+        return False
+    a, b = node.args[0], _arg(node, 1, "other")
+    return isinstance(a, fx.Node) and isinstance(b, fx.Node) and same_value(a, b)
+
+
+def same_value(a: fx.Node, b: fx.Node) -> bool:
+    """``a`` and ``b`` hold equal values wherever one node reads both: the same node (one tensor, even if
+    overwritten in place before), or, in a graph that overwrites nothing, the same copies and layout ops
+    (eval dropout, clone, cat, view...: bitwise-exact) of equal values. Never a guess: anything else is False."""
+    if a is b:
+        return True  # a copy taken before an in-place op differs after it: no structural match then
+    return _same_layout_value(a, b) and not any(_overwrites(n) for n in a.graph.nodes)
+
+
+def _overwrites(node: fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    return bool(schema is not None and schema.is_mutable)
+
+
+def _through_copies(node):
+    """The node a chain of value copies (clone, contiguous, alias, detach, eval dropout) reads."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.args and (
+            getattr(node.target, "overloadpacket", None) in _COPY_OPS
+            or (getattr(node.target, "overloadpacket", None) in _DROPOUT_OPS and not _arg(node, 2, "train", False))):
+        node = node.args[0]
+    return node
+
+
+def _same_layout_value(a, b) -> bool:
+    """Structural equality of two arguments, seen through copies: nodes of the same layout op on equal
+    arguments, lists elementwise, literals by ==."""
+    if isinstance(a, fx.Node) or isinstance(b, fx.Node):
+        a, b = _through_copies(a), _through_copies(b)
+        if a is b:
+            return True
+        if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or a.op != "call_function" or a.target != b.target \
+                or getattr(a.target, "overloadpacket", None) not in _LAYOUT_OPS or a.kwargs != b.kwargs:
+            return False
+        return _same_layout_value(list(a.args), list(b.args))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same_layout_value(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
 
 
 def _scaled_block(node, x, scale, dim):
@@ -236,6 +377,8 @@ def _mul(node, dim, group):
     a, b = node.args[0], node.args[1]
     if isinstance(dim, tuple):
         return _scaled_block(node, a, b, dim) if isinstance(a, fx.Node) else _scaled_block(node, b, a, dim)
+    if _is_zero_literal(a) or _is_zero_literal(b):
+        return Source("zero")  # 0·y = 0
     a_row, b_row = _is_row_scalar(node, a, dim), _is_row_scalar(node, b, dim)
     if a_row and b_row:
         return Break(f"{op_name(node)} of two factors that are constant along the normalized dim")
@@ -270,11 +413,13 @@ def overwrites_a_private_value(node: fx.Node) -> bool:
     ``a`` is new memory (no view, no input) whose other readers all ran before it and return new memory
     too (so no view of ``a`` is read after it changes)."""
     target = node.args[0]
-    if not isinstance(target, fx.Node) or len(target.users) == 1:
+    if not isinstance(target, fx.Node):
+        return True
+    others = {u for u in target.users if u is not node and u in live_nodes(u.graph)}  # a dead one sees nothing
+    if not others:
         return True
     if target.op != "call_function" or getattr(target.target, "overloadpacket", None) not in _FRESH_OUTPUT_OPS:
         return False
-    others = {u for u in target.users if u is not node}
     if any(u.op != "call_function" or getattr(u.target, "overloadpacket", None) not in _FRESH_OUTPUT_OPS
            for u in others):
         return False
@@ -283,6 +428,27 @@ def overwrites_a_private_value(node: fx.Node) -> bool:
             return not others
         others.discard(earlier)
     return False
+
+
+_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def live_nodes(graph: fx.Graph) -> frozenset[fx.Node]:
+    """Nodes with a path to the output or to a side effect (in-place ops, asserts); the rest is dead code.
+
+    Computed once per graph and node count (the analysis only reads graphs)."""
+    count, live = _LIVE.get(graph, (-1, frozenset()))
+    if count != len(graph.nodes):
+        stack = [n for n in graph.nodes if n.op == "output" or n.is_impure()]
+        reached: set[fx.Node] = set()
+        while stack:
+            node = stack.pop()
+            if node not in reached:
+                reached.add(node)
+                stack.extend(node.all_input_nodes)
+        live = frozenset(reached)
+        _LIVE[graph] = (len(graph.nodes), live)
+    return live
 
 
 def _numpy_t(node, dim, group):
@@ -531,10 +697,19 @@ def _conv(node, dim, group, *, transposed_index=None, groups_index=6):
     channel = 1 if _rank(node) == _rank(w) else 0
     if dim != channel:
         return Break(f"{op_name(node)} along a non-channel dim")
-    if groups != 1:
-        return Break(f"{op_name(node)} with groups={groups} is not a dense map over channels")
+    if groups != 1 and (transposed or not _within_conv_groups(shape(node)[channel] // groups, group)):
+        return Break(f"{op_name(node)} with groups={groups} is not a dense map over channels"
+                     f"{'' if transposed else ' (only blocks inside one conv group are)'}")
     wdim = 1 if transposed else 0
     return _collect(node, [make_need(w, wdim, group), make_need(b, 0, group) if b is not None else None])
+
+
+def _within_conv_groups(per_conv_group: int, group: int | None) -> bool:
+    """A grouped conv's output block of ``group`` channels lies inside one conv group (blocks tile each
+    conv group): all its channels read the same inputs, y_o = Σ_j W[o, j] ⋆ x_j, so Σ_block y_o =
+    Σ_j (Σ_block W[o, j]) ⋆ x_j, and centering W (and b) per block along the outputs is exact.
+    A larger block or the whole dim spans groups that read different inputs: no weight centering commutes."""
+    return group is not None and per_conv_group % group == 0
 
 
 def _conv_transpose(node, dim, group):
@@ -868,6 +1043,12 @@ _FRESH_OUTPUT_OPS = set(_packets(
     "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "conv1d", "conv2d", "conv3d", "convolution", "add", "sub",
     "mul", "div", "neg", "embedding", "layer_norm", "rms_norm", "gelu", "relu", "silu", "tanh", "softmax", "cat",
     "stack", "clone", "scaled_dot_product_attention"))
+# ops that copy their first input's values (eval dropout too, in _DROPOUT_OPS), and ops that only move values
+# (bitwise exact): what ``same_value`` sees through and compares
+_COPY_OPS = set(_packets("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "positive"))
+_DROPOUT_OPS = set(_packets("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"))
+_LAYOUT_OPS = set(_packets("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze",
+                           "permute", "transpose", "t", "expand", "slice", "select", "cat", "concat", "stack"))
 # ops whose result is a list consumed through getitem
 MULTI_OUTPUT_OPS = set(_packets(*_SPLIT_DIM_ARG))
 # op -> the argument read only for its shape (or dtype): ``expand_as(x, other)``, ``view_as(x, other)``
