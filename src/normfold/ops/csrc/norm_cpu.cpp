@@ -21,8 +21,8 @@
 // Backward, per row, with x̂ = (s − mean)·rstd and g = dy·scale:
 //   sweep 1  Σg and Σg·x̂
 //   sweep 2  dx = rstd·(g − Σg/N − x̂·Σg·x̂/N) (+ ds)   (RMSNorm: no Σg/N term)
-//            dweight += dy·x̂, dbias += dy into this thread's partial row, kRowBlock rows per
-//            column block; partial rows are summed after the parallel loop.
+//            dweight += dy·x̂, dbias += dy into this thread's partial row; partial rows are
+//            summed after the parallel loop.
 #include <torch/extension.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/jit/frontend/tracer.h>
@@ -241,11 +241,6 @@ void forward_rows(const T* x, const T* res, const acc_t<T>* scale, const acc_t<T
   });
 }
 
-// Rows whose dweight / dbias contributions sweep 2 adds while a column block is in registers:
-// each partial-row element is loaded and stored once per kRowBlock rows instead of once per row
-// (the same additions in the same row order, so the sums are bit for bit those of one row at a time).
-constexpr int64_t kRowBlock = 4;
-
 template <typename T, bool kDs>
 void backward_rows(const T* dy, const T* ds, const T* s, const acc_t<T>* scale, const acc_t<T>* mean,
                    const acc_t<T>* rstd, T* dx, acc_t<T>* dw_partial, acc_t<T>* db_partial, int64_t M, int64_t N,
@@ -257,70 +252,55 @@ void backward_rows(const T* dy, const T* ds, const T* s, const acc_t<T>* scale, 
     // this thread's partial sums of dweight and dbias, shape (N,) each
     A* dw = dw_partial ? dw_partial + at::get_thread_num() * N : nullptr;
     A* db = db_partial ? db_partial + at::get_thread_num() * N : nullptr;
-    for (int64_t first = begin; first < end; first += kRowBlock) {
-      const int64_t rows = std::min(kRowBlock, end - first);
-      A mu[kRowBlock], r[kRowBlock], c1[kRowBlock], c2[kRowBlock];
-      for (int64_t k = 0; k < rows; ++k) {
-        const int64_t row = first + k;
-        const T* sr = s + row * N;
-        const T* dyr = dy + row * N;
-        mu[k] = is_rms ? A(0) : mean[row];
-        r[k] = rstd[row];
-        const V vmu(mu[k]), vr(r[k]);
-        // sweep 1: Σg, Σg·x̂
-        V sg0(0), sg1(0), sgx0(0), sgx1(0);
-        int64_t i = 0;
-        for (; i + 2 * K <= N; i += 2 * K) {
-          V xh0 = (load_acc(sr + i) - vmu) * vr, xh1 = (load_acc(sr + i + K) - vmu) * vr;
-          V g0 = load_acc(dyr + i) * V::loadu(scale + i), g1 = load_acc(dyr + i + K) * V::loadu(scale + i + K);
-          sg0 = sg0 + g0; sg1 = sg1 + g1;
-          sgx0 = at::vec::fmadd(g0, xh0, sgx0); sgx1 = at::vec::fmadd(g1, xh1, sgx1);
-        }
-        for (; i + K <= N; i += K) {
-          V xh = (load_acc(sr + i) - vmu) * vr;
-          V g = load_acc(dyr + i) * V::loadu(scale + i);
-          sg0 = sg0 + g;
-          sgx0 = at::vec::fmadd(g, xh, sgx0);
-        }
-        A sg = hsum<A>(sg0 + sg1), sgx = hsum<A>(sgx0 + sgx1);
-        for (; i < N; ++i) {
-          A xh = (A(sr[i]) - mu[k]) * r[k], g = A(dyr[i]) * scale[i];
-          sg += g;
-          sgx += g * xh;
-        }
-        c1[k] = is_rms ? A(0) : sg / A(N);
-        c2[k] = sgx / A(N);
-      }
-      // sweep 2, column block by column block over the rows: dx = rstd·(g − c1 − x̂·c2) (+ ds);
-      // partial dweight += dy·x̂, dbias += dy
+    for (int64_t row = begin; row < end; ++row) {
+      const T* sr = s + row * N;
+      const T* dyr = dy + row * N;
+      T* dxr = dx + row * N;
+      const A mu = is_rms ? A(0) : mean[row];
+      const A r = rstd[row];
+      const V vmu(mu), vr(r);
+      // sweep 1: Σg, Σg·x̂
+      V sg0(0), sg1(0), sgx0(0), sgx1(0);
       int64_t i = 0;
+      for (; i + 2 * K <= N; i += 2 * K) {
+        V xh0 = (load_acc(sr + i) - vmu) * vr, xh1 = (load_acc(sr + i + K) - vmu) * vr;
+        V g0 = load_acc(dyr + i) * V::loadu(scale + i), g1 = load_acc(dyr + i + K) * V::loadu(scale + i + K);
+        sg0 = sg0 + g0; sg1 = sg1 + g1;
+        sgx0 = at::vec::fmadd(g0, xh0, sgx0); sgx1 = at::vec::fmadd(g1, xh1, sgx1);
+      }
       for (; i + K <= N; i += K) {
-        const V sc = V::loadu(scale + i);
-        V dwv = dw ? V::loadu(dw + i) : V(0), dbv = db ? V::loadu(db + i) : V(0);
-        for (int64_t k = 0; k < rows; ++k) {
-          const int64_t e = (first + k) * N + i;
-          const V vr(r[k]);
-          V xh = (load_acc(s + e) - V(mu[k])) * vr;
-          V dyv = load_acc(dy + e);
-          V out = vr * (dyv * sc - V(c1[k]) - xh * V(c2[k]));
-          if constexpr (kDs) out = out + load_acc(ds + e);
-          store_acc(dx + e, out);
-          dwv = at::vec::fmadd(dyv, xh, dwv);
-          dbv = dyv + dbv;
-        }
-        if (dw) dwv.store(dw + i);
-        if (db) dbv.store(db + i);
+        V xh = (load_acc(sr + i) - vmu) * vr;
+        V g = load_acc(dyr + i) * V::loadu(scale + i);
+        sg0 = sg0 + g;
+        sgx0 = at::vec::fmadd(g, xh, sgx0);
+      }
+      A sg = hsum<A>(sg0 + sg1), sgx = hsum<A>(sgx0 + sgx1);
+      for (; i < N; ++i) {
+        A xh = (A(sr[i]) - mu) * r, g = A(dyr[i]) * scale[i];
+        sg += g;
+        sgx += g * xh;
+      }
+      const A c1 = is_rms ? A(0) : sg / A(N), c2 = sgx / A(N);
+      // sweep 2: dx = rstd·(g − c1 − x̂·c2) (+ ds); partial dweight, dbias
+      const V vc1(c1), vc2(c2);
+      i = 0;
+      for (; i + K <= N; i += K) {
+        V xh = (load_acc(sr + i) - vmu) * vr;
+        V dyv = load_acc(dyr + i);
+        V g = dyv * V::loadu(scale + i);
+        V out = vr * (g - vc1 - xh * vc2);
+        if constexpr (kDs) out = out + load_acc(ds + row * N + i);
+        store_acc(dxr + i, out);
+        if (dw) at::vec::fmadd(dyv, xh, V::loadu(dw + i)).store(dw + i);
+        if (db) (dyv + V::loadu(db + i)).store(db + i);
       }
       for (; i < N; ++i) {
-        for (int64_t k = 0; k < rows; ++k) {
-          const int64_t e = (first + k) * N + i;
-          A xh = (A(s[e]) - mu[k]) * r[k], dyv = A(dy[e]), g = dyv * scale[i];
-          A out = r[k] * (g - c1[k] - xh * c2[k]);
-          if constexpr (kDs) out += A(ds[e]);
-          dx[e] = T(out);
-          if (dw) dw[i] += dyv * xh;
-          if (db) db[i] += dyv;
-        }
+        A xh = (A(sr[i]) - mu) * r, dyv = A(dyr[i]), g = dyv * scale[i];
+        A out = r * (g - c1 - xh * c2);
+        if constexpr (kDs) out += A(ds[row * N + i]);
+        dxr[i] = T(out);
+        if (dw) dw[i] += dyv * xh;
+        if (db) db[i] += dyv;
       }
     }
   });
