@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,9 +37,24 @@ class NormForm:
 
 
 def module_nodes(captured: Captured, path: str) -> list[fx.Node]:
-    """The ops the module at ``path`` ran (every call of it), in graph order."""
-    return [n for n in captured.graph.nodes
-            if n.op == "call_function" and any(p == path for p, _ in module_stack(n))]
+    """The ops the module at ``path`` ran (every call of it, its submodules' included), in graph order."""
+    return _nodes_by_module(captured.graph).get(path, [])
+
+
+_BY_MODULE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _nodes_by_module(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    """Module path -> the ops it ran, built once per graph and node count (one pass, not one per norm)."""
+    count, ran = _BY_MODULE.get(graph, (-1, {}))
+    if count != len(graph.nodes):
+        ran = {}
+        for node in graph.nodes:
+            if node.op == "call_function":
+                for path in dict.fromkeys(p for p, _ in module_stack(node)):
+                    ran.setdefault(path, []).append(node)
+        _BY_MODULE[graph] = (len(graph.nodes), ran)
+    return ran
 
 
 def traced_form(calls: list[NormCall], path: str, captured: Captured) -> NormForm | str:
