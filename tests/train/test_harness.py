@@ -135,6 +135,7 @@ def test_train_writes_log_config_summary_and_loss_falls(tmp_path):
     assert len(rows) == 1 + 12
     assert json.loads((out / "config.json").read_text())["model"]["n_embd"] == 16
     assert json.loads((out / "summary.json").read_text())["steps"] == 12
+    assert "whole documents" in json.loads((out / "summary.json").read_text())["validation_split"]  # what was held out
     assert len(summary["train_losses"]) == 12 and not summary["diverged"]
     assert summary["train_losses"][-1] < summary["train_losses"][0] - 0.5
     assert summary["tokens_per_s"] > 0

@@ -379,6 +379,7 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
         "final_train_loss": train_losses[-1], "final_val_loss": val_losses[-1][1] if val_losses else None,
         "diverged": diverged, "resumed_from": start if resumed is not None else None, "train_losses": train_losses,
         "grad_norms": grad_norms, "val_losses": val_losses, "checkpoint": None,
+        "validation_split": splits.description,  # which documents were held out (or the tail fallback)
     }
     if config.save_rank_weights:  # this rank's replica (DDP), or the gathered weights (FSDP2: a collective)
         torch.save({k: full_tensor(v).detach().cpu() for k, v in raw_model.state_dict().items()},
