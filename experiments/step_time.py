@@ -11,6 +11,7 @@ route a training call could take.
     python experiments/step_time.py                  # widths 144 and 384, ≤ 5 min
     python experiments/step_time.py --widths 144 --budget-s 30
     python experiments/step_time.py --widths 144 --compile       # eager and compiled, step_time_compiled.md
+    python experiments/step_time.py --op-widths 768              # the per-call table at 768 too
 """
 from __future__ import annotations
 
@@ -36,6 +37,10 @@ from normfold.train.trainer import build_model, make_optimizer, train_step
 SETUP = dict(n_layer=4, block_size=128, batch_size=16)
 HEADS = {144: 4, 384: 6}  # head size 36 / 64
 BASE = "layernorm"
+# What a measurement reads: wall time, or this thread's CPU time (--clock cpu: on a machine shared with other
+# jobs, the time the process waits descheduled drops out; everything here runs on this one thread)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+CLOCK = CLOCKS["wall"]
 CONTROL = "layernorm (A/A control)"
 
 
@@ -69,9 +74,9 @@ def time_steps(made: dict[str, tuple], budget_s: float, max_rounds: int, min_rou
             break
         for name in rotated(names, r):
             model, optimizer, config = made[name]
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             train_step(model, optimizer, [(x, x)], config).item()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(CLOCK() - t0)
     return times
 
 
@@ -93,29 +98,44 @@ def step_rows(width: int, times: dict[str, list[float]]) -> list[dict]:
 
 
 def op_rows(width: int, repeats: int) -> list[dict]:
-    """Forward + backward of one norm call at (batch·seq, width), each route a training call could take."""
+    """Forward + backward of one norm call at (batch·seq, width), each route a training call could take.
+
+    Gradients are dropped after every call (outside the timing), as ``zero_grad`` does: accumulating
+    into the leaves' ``.grad`` would add a read-modify-write of x's size to every route, a cost of
+    the benchmark, not of the norm (in a model, dx flows on to the previous layer).
+    """
     m = SETUP["batch_size"] * SETUP["block_size"]
     x = torch.randn(m, width, requires_grad=True)
     weight, bias = torch.ones(width, requires_grad=True), torch.zeros(width, requires_grad=True)
     grad = torch.randn(m, width)
     routes = {
         "torch.nn.functional.layer_norm (what nn.LayerNorm runs)": lambda: F.layer_norm(x, (width,), weight, bias, 1e-5),
-        "normfold.ops.rms_norm (eager: _EagerNorm, the route training takes)": lambda: rms_norm(x, weight, bias, 1e-5),
+        "normfold.ops.rms_norm (eager C++ route, what training runs)": lambda: rms_norm(x, weight, bias, 1e-5),
         "torch.ops.normfold.norm_fwd (the custom op, as traced code calls it)":
             lambda: _library.norm_fwd(x, weight, bias, None, 1e-5, 0.0, True)[0],
         "torch.nn.functional.rms_norm + bias (plain torch)": lambda: F.rms_norm(x, (width,), weight, 1e-5) + bias,
     }
     times = {name: [] for name in routes}
-    for call in routes.values():
+
+    def run(call) -> float:
+        t0 = CLOCK()
         call().backward(grad)
+        elapsed = CLOCK() - t0
+        x.grad = weight.grad = bias.grad = None
+        return elapsed
+
+    for call in routes.values():
+        run(call)
     for r in range(repeats):
         for name in rotated(list(routes), r):
-            t0 = time.perf_counter()
-            routes[name]().backward(grad)
-            times[name].append(time.perf_counter() - t0)
-    ln = median_and_iqr(times[next(iter(routes))])[0]
-    return [dict(width=width, route=name, median_us=round(median_and_iqr(t)[0] * 1e6), time_vs_ln=round(
-        median_and_iqr(t)[0] / ln, 2)) for name, t in times.items()]
+            times[name].append(run(routes[name]))
+    ln = times[next(iter(routes))]
+    rows = []
+    for name, t in times.items():
+        point, low, high = ratio_ci(ln, t, resamples=2000, confidence=0.95)  # median(ln) / median(t)
+        rows.append(dict(width=width, route=name, repeats=repeats, median_us=round(median_and_iqr(t)[0] * 1e6),
+                         time_vs_ln=round(1 / point, 2), ci_low=round(1 / high, 2), ci_high=round(1 / low, 2)))
+    return rows
 
 
 def centering_row(width: int, repeats: int, ln_step_s: float) -> dict:
@@ -129,9 +149,9 @@ def centering_row(width: int, repeats: int, ln_step_s: float) -> dict:
     times = {name: [] for name in reads}
     for r in range(repeats):
         for name in rotated(list(reads), r):
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             reads[name]().backward()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(CLOCK() - t0)
     added = median_and_iqr(times["centered"])[0] - median_and_iqr(times["plain"])[0]
     return dict(width=width, centered_tensors=len(held), added_ms=round(added * 1e3, 2),
                 share_of_ln_step=round(added / ln_step_s, 4))
@@ -149,13 +169,20 @@ def main(argv=None) -> None:
                         help="also time the three models torch.compiled (Inductor; minutes to compile); "
                              "writes step_time_compiled.*")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="time read: wall, or cpu (this thread's CPU time; needs --threads 1)")
+    parser.add_argument("--op-widths", default="", help="widths timed per norm call besides --widths (e.g. 768)")
+    parser.add_argument("--op-repeats", type=int, default=200, help="interleaved repetitions per norm call route")
     args = parser.parse_args(argv)
+    global CLOCK
+    CLOCK = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
     widths = [int(w) for w in args.widths.split(",") if w]
     clock = Stopwatch()
     steps, ops, centering = [], [], []
+    for width in sorted(set(widths) | {int(w) for w in args.op_widths.split(",") if w}):
+        ops += op_rows(width, repeats=args.op_repeats)
     for width in widths:
-        ops += op_rows(width, repeats=100)
         times = time_steps(contenders(width, args.compile), args.budget_s, args.max_rounds, args.min_rounds)
         steps += step_rows(width, times)
         centering.append(centering_row(width, 100, median_and_iqr(times[BASE])[0]))
@@ -173,15 +200,18 @@ def report(steps: list[dict], ops: list[dict], centering: list[dict], clock: Sto
         ["width", "contender", "rounds", "median step ms (q1–q3)", "time vs LN", "95% CI", "verdict"],
         [[r["width"], r["contender"], r["rounds"], f"{r['median_ms']} ({r['q1_ms']}–{r['q3_ms']})",
           f"{r['time_vs_ln']:.3f}×", f"{r['ci_low']:.3f}–{r['ci_high']:.3f}", r["verdict"]] for r in steps])
-    op_table = markdown_table(["width", "route", "median µs", "time vs layer_norm"],
-                              [[r["width"], r["route"], r["median_us"], f"{r['time_vs_ln']:.2f}×"] for r in ops])
+    op_table = markdown_table(["width", "route", "median µs", "time vs layer_norm", "95% CI"],
+                              [[r["width"], r["route"], r["median_us"], f"{r['time_vs_ln']:.2f}×",
+                                f"{r['ci_low']:.2f}–{r['ci_high']:.2f}"] for r in ops])
     control = {r["width"]: (r["ci_low"], r["ci_high"]) for r in steps if r["contender"] == CONTROL}
     lines = [
         "# Training step time: LayerNorm vs CBWC + normfold RMSNorm vs normfold RMSNorm", "",
         f"One optimizer step (forward, backward, clipping, AdamW) of the {SETUP['n_layer']}-layer GPT at batch "
         f"{SETUP['batch_size']} × {SETUP['block_size']} tokens, per width. Contenders interleaved in one process "
         "(rotating order); the A/A control is a copy of the LayerNorm model. A verdict says faster/slower only where "
-        "the 95% bootstrap interval of the ratio clears the control's band (widened to 1).", "",
+        "the 95% bootstrap interval of the ratio clears the control's band (widened to 1). Times are "
+        + ("this thread's CPU time (`--clock cpu`: time spent descheduled by other jobs drops out)."
+           if CLOCK is CLOCKS["cpu"] else "wall time."), "",
         step_table, "",
         "A/A control's interval per width (this run's noise): "
         + ", ".join(f"{w}: {lo:.3f}–{hi:.3f}" for w, (lo, hi) in control.items()) + ".", "",
@@ -193,8 +223,11 @@ def report(steps: list[dict], ops: list[dict], centering: list[dict], clock: Sto
                        [[r["width"], r["centered_tensors"], r["added_ms"], f"{r['share_of_ln_step']:.1%}"]
                         for r in centering]), "",
         "## One norm call, forward + backward, by route", "",
-        f"At ({SETUP['batch_size'] * SETUP['block_size']}, width), 100 interleaved repetitions, median. Eager "
-        "training calls take the second route (`_EagerNorm`: the C++ kernels without the dispatcher round trip).", "",
+        f"At ({SETUP['batch_size'] * SETUP['block_size']}, width), fp32, weight and bias unless said, "
+        f"{ops[0]['repeats']} repetitions in rotating order, median; "
+        "gradients dropped after each call (as zero_grad does), so no route pays an accumulation into .grad. Eager "
+        "training calls take the second route (one C++ call that records the kernels' backward with the C++ "
+        "autograd engine). The CI is the 95% bootstrap interval of the ratio of medians.", "",
         op_table, "",
         f"Command: `{command_line()}` (wall time {clock}).",
         f"Machine: {machine()}. The machine was shared with other jobs while this ran (see the load average): "
