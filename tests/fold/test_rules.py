@@ -723,3 +723,29 @@ def test_a_term_that_cancels_exactly_in_a_sum_needs_no_zero_mean_and_the_rest_fo
     assert "gelu" in report.norms[0].reason
     _, report = fold_checked(CancellingSum("shared"), (_x(B, T, C),), {"norm": False})
     assert "model output" in report.norms[0].reason
+
+
+class _ZerosFilledThroughAView(nn.Module):
+    """pe = zeros; pe[:, :k] = sin(...): Pegasus-X's positions. ``zeros`` is not zero any more."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(16, d)
+        self.norm = nn.LayerNorm(d)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        pe = torch.zeros(ids.shape[1], h.shape[-1], dtype=h.dtype)
+        pe[:, : h.shape[-1] // 2] = torch.sin(torch.arange(ids.shape[1], dtype=h.dtype))[:, None]
+        return self.head(self.norm(h + pe))
+
+
+def test_a_zeros_tensor_written_through_a_view_is_not_a_zero_source():
+    model = _ZerosFilledThroughAView().eval()
+    ids = torch.randint(0, 16, (2, 5))
+    folded, report = normfold.fold(model, (ids,), verify=False)
+    (norm,) = report.norms
+    assert not norm.foldable and "written in place through a view by aten.copy_" in norm.reason
+    with torch.no_grad():  # and the model is unchanged, as the refusal promises
+        torch.testing.assert_close(folded(ids), model(ids))

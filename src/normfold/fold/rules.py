@@ -116,6 +116,10 @@ def make_need(node: fx.Node, dim, group: int | None) -> Need:
 
 def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> Answer:
     """Answer the zero-mean question for one node: the single entry point of the table."""
+    writer = written_through_a_view(node)
+    if writer is not None:  # later readers of node see what the write left, not what node computed
+        return Break(f"written in place through a view by {op_name(writer)} (t[:, :k] = v): later readers "
+                     "see what the write left, not what the op computed")
     if node.op == "placeholder":
         if node in captured.param_fqn and isinstance(dim, tuple):
             return Break(f"parameter {captured.param_fqn[node]} would be centered jointly over dims {dim}")
@@ -138,6 +142,68 @@ def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> 
 
 
 # --------------------------------------------------------------------------- helpers
+
+def written_through_a_view(node: fx.Node) -> fx.Node | None:
+    """An op that writes into ``node``'s memory through a view of it (``t[:, :k] = v`` is
+    ``copy_(slice(t), v)``) while ``node`` or another view of it is read after the write, or None.
+    Readers of the written view itself are not at risk: the graph points them at the write, whose
+    rule answers for them; likewise an in-place op on ``node`` itself. Views and writes come from
+    the ops' schemas (``Tensor(a)`` aliases, ``Tensor(a!)`` writes); an op without a schema reading a
+    view counts as a write, never a guess."""
+    views, writes = _alias_tree(node)
+    if not writes:
+        return None
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    live = live_nodes(node.graph)
+    for writer, written in writes:
+        for tensor in views:
+            if tensor is written:
+                continue
+            for reader in tensor.users:
+                if reader is not writer and reader not in views and reader in live and order[reader] > order[writer]:
+                    return writer
+    return None
+
+
+def _alias_tree(node: fx.Node) -> tuple[set[fx.Node], list[tuple[fx.Node, fx.Node]]]:
+    """``node`` and every view of it (transitively), and the (writer, written view) pairs of the ops
+    that write into one of those views other than ``node`` itself."""
+    views, writes, stack = {node}, [], [node]
+    while stack:
+        tensor = stack.pop()
+        for user in tensor.users:
+            if user.op != "call_function" or user in views:
+                continue
+            if user.target is operator.getitem:  # an item of a list of views is a view
+                if tensor is not node:
+                    views.add(user)
+                    stack.append(user)
+                continue
+            schema = getattr(user.target, "_schema", None)
+            if schema is None:
+                if tensor is not node:
+                    writes.append((user, tensor))
+                continue
+            for argument, value in _schema_arguments(schema, user):
+                if value is not tensor or argument.alias_info is None:
+                    continue
+                if argument.alias_info.is_write:
+                    if tensor is not node:
+                        writes.append((user, tensor))
+                elif any(r.alias_info is not None for r in schema.returns):  # the output is a view of tensor
+                    views.add(user)
+                    stack.append(user)
+    return views, writes
+
+
+def _schema_arguments(schema, node: fx.Node):
+    """(schema argument, the value passed for it) for each argument of ``node``'s call."""
+    for i, argument in enumerate(schema.arguments):
+        if i < len(node.args):
+            yield argument, node.args[i]
+        elif argument.name in node.kwargs:
+            yield argument, node.kwargs[argument.name]
+
 
 def _arg(node: fx.Node, index: int, name: str, default=None):
     if len(node.args) > index:
