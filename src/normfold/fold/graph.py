@@ -5,7 +5,9 @@ The exported program is only read: the fold engine edits a copy of the user's ow
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
+from typing import Callable, TypeVar
 
 import torch
 from torch import fx, nn
@@ -211,3 +213,16 @@ def single_use_param(node, captured: Captured) -> str | None:
         return None
     fqn = captured.param_fqn[node]
     return fqn if len(node.users) == 1 and len(captured.aliases.get(fqn, (fqn,))) == 1 else None
+
+
+_T = TypeVar("_T")
+
+
+def per_graph(cache: weakref.WeakKeyDictionary, graph: fx.Graph, build: Callable[[fx.Graph], _T]) -> _T:
+    """``build(graph)``, computed once per graph and node count: the analysis only reads graphs, and a
+    graph that gained or lost nodes is built again. ``cache`` is the caller's own weak dictionary."""
+    count, value = cache.get(graph, (-1, None))
+    if count != len(graph.nodes):
+        value = build(graph)
+        cache[graph] = (len(graph.nodes), value)
+    return value

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .graph import Captured, module_stack, op_packet, op_name
+from .graph import Captured, module_stack, op_name, op_packet, per_graph
 from .rules import METADATA_OPS, NormCall
 
 _aten = torch.ops.aten
@@ -46,14 +46,15 @@ _BY_MODULE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _nodes_by_module(graph: fx.Graph) -> dict[str, list[fx.Node]]:
     """Module path -> the ops it ran, built once per graph and node count (one pass, not one per norm)."""
-    count, ran = _BY_MODULE.get(graph, (-1, {}))
-    if count != len(graph.nodes):
-        ran = {}
-        for node in graph.nodes:
-            if node.op == "call_function":
-                for path in dict.fromkeys(p for p, _ in module_stack(node)):
-                    ran.setdefault(path, []).append(node)
-        _BY_MODULE[graph] = (len(graph.nodes), ran)
+    return per_graph(_BY_MODULE, graph, _index_by_module)
+
+
+def _index_by_module(graph: fx.Graph) -> dict[str, list[fx.Node]]:
+    ran: dict[str, list[fx.Node]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function":
+            for path in dict.fromkeys(p for p, _ in module_stack(node)):
+                ran.setdefault(path, []).append(node)
     return ran
 
 

@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import fx
 
-from .graph import Captured, op_name, shape
+from .graph import Captured, op_name, per_graph, shape
 
 _aten = torch.ops.aten
 
@@ -315,10 +315,7 @@ def cancelling_sum(node: fx.Node) -> LinearSum | None:
     some term's coefficients sum to exactly 0 (exact rational arithmetic on the graph's numbers):
     x − (x + p) = −p. None when nothing cancels or the graph overwrites a tensor (terms read at different
     times could differ). Memoized per graph (the analysis only reads graphs)."""
-    count, memo = _SUMS.get(node.graph, (-1, {}))
-    if count != len(node.graph.nodes):
-        memo = {}
-        _SUMS[node.graph] = (len(node.graph.nodes), memo)
+    memo = per_graph(_SUMS, node.graph, lambda graph: {})
     if node not in memo:
         memo[node] = _expand_sum(node)
     return memo[node]
@@ -500,21 +497,19 @@ _LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def live_nodes(graph: fx.Graph) -> frozenset[fx.Node]:
-    """Nodes with a path to the output or to a side effect (in-place ops, asserts); the rest is dead code.
+    """Nodes with a path to the output or to a side effect (in-place ops, asserts); the rest is dead code."""
+    return per_graph(_LIVE, graph, _reach_back_from_effects)
 
-    Computed once per graph and node count (the analysis only reads graphs)."""
-    count, live = _LIVE.get(graph, (-1, frozenset()))
-    if count != len(graph.nodes):
-        stack = [n for n in graph.nodes if n.op == "output" or n.is_impure()]
-        reached: set[fx.Node] = set()
-        while stack:
-            node = stack.pop()
-            if node not in reached:
-                reached.add(node)
-                stack.extend(node.all_input_nodes)
-        live = frozenset(reached)
-        _LIVE[graph] = (len(graph.nodes), live)
-    return live
+
+def _reach_back_from_effects(graph: fx.Graph) -> frozenset[fx.Node]:
+    stack = [n for n in graph.nodes if n.op == "output" or n.is_impure()]
+    reached: set[fx.Node] = set()
+    while stack:
+        node = stack.pop()
+        if node not in reached:
+            reached.add(node)
+            stack.extend(node.all_input_nodes)
+    return frozenset(reached)
 
 
 def _numpy_t(node, dim, group):
