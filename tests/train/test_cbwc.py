@@ -17,7 +17,8 @@ from normfold.fold.plan import AffineFoldStep, CenterStep, FoldPlan, SwapStep
 from normfold.fold.report import FoldReport
 from normfold.nn import RMSNorm
 from normfold.train import GPT, GPTConfig, resolve_config, train
-from normfold.train.cbwc import Centered, PartialCBWCError, bake_, cbwc_
+from normfold.train.cbwc import Centered, PartialCBWCError, bake_, cbwc_, project_centering_
+from normfold.train.trainer import build_model, make_optimizer, train_step
 
 TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=16)
 
@@ -109,6 +110,45 @@ def test_training_losses_match_the_layernorm_model_at_every_step_with_adamw_weig
         runs[norm] = train(config)["train_losses"]
     assert runs["layernorm"][-1] < runs["layernorm"][0] - 0.5  # it trained, so the comparison is not vacuous
     assert _rel_gap(runs["layernorm"], runs["cbwc_rmsnorm"]) <= bound
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_training_by_projection_follows_the_parametrized_trajectory_in_float64(tie):
+    # the trainer's route (project_centering_: plain centered Parameters, g ↦ P·g before clipping, W ↦ P·W
+    # after AdamW) against V = P·W through the parametrization, weight decay, clipping and 2 micro-batches
+    config = resolve_config(**TINY, norm="cbwc_rmsnorm", precision="fp64", batch_size=2, lr=3e-3, weight_decay=0.1,
+                            grad_clip=0.1, tie_embeddings=tie)
+    parametrized, projected = build_model(config), build_model(config)
+    assert project_centering_(projected) == 9 + (not tie)  # the tied table keeps its parametrization
+    assert parametrize.is_parametrized(projected.transformer.wte) == tie
+    optimizers = [make_optimizer(m, config) for m in (parametrized, projected)]
+    generator = torch.Generator().manual_seed(0)
+    losses = {"parametrized": [], "projected": []}
+    for _ in range(60):
+        batches = [(x, x) for x in torch.randint(256, (2, 2, 16), generator=generator)]
+        for name, model, optimizer in zip(losses, (parametrized, projected), optimizers):
+            losses[name].append(train_step(model, optimizer, batches, config).item())
+    assert losses["projected"][-1] < losses["projected"][0] - 0.5  # it trained
+    assert _rel_gap(losses["parametrized"], losses["projected"]) <= 1e-12
+    proj = projected.transformer.h[1].mlp.c_proj.weight
+    assert not parametrize.is_parametrized(projected.transformer.h[1].mlp.c_proj)
+    assert proj.mean(0).abs().max() < 1e-15  # kept centered after every AdamW step
+    torch.testing.assert_close(proj, parametrized.transformer.h[1].mlp.c_proj.weight, rtol=1e-10, atol=1e-13)
+    assert parametrized.transformer.h[1].mlp.c_proj.parametrizations.weight.original.mean(0).abs().max() > 1e-6
+
+
+def test_bake_after_training_by_projection_leaves_plain_centered_weights_and_the_same_function():
+    config = resolve_config(**TINY, norm="cbwc_rmsnorm", precision="fp64", tie_embeddings=False)
+    model = build_model(config)
+    project_centering_(model)
+    idx = torch.randint(256, (2, 16))
+    before = model(idx)[0]
+    bake_(model)
+    assert not any(hasattr(p, "_cbwc_centering") for p in model.parameters())
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())
+    torch.testing.assert_close(model(idx)[0], before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="bake_ found no CBWC parametrizations"):
+        bake_(model)
 
 
 def test_free_weight_mean_drifts_under_adamw_identically_in_both_models():

@@ -57,8 +57,9 @@ def test_the_state_holds_model_optimizer_step_rng_and_data_position_when_asked(t
     train(_config(out, max_steps=2, checkpoint_interval=2))
     state = torch.load(out / STATE_FILE, weights_only=True)
     assert state["step"] == 2 and state["world_size"] == 1 and len(state["corpus_sha256"]) == 64
-    assert "transformer.h.0.mlp.c_proj.parametrizations.weight.original" in state["model"]  # CBWC's free W
-    adam = state["optimizer"]["state"]["transformer.h.0.mlp.c_proj.parametrizations.weight.original"]
+    # CBWC's centered tensors, trained by projection (plain names), and the tied table's free W
+    assert {"transformer.h.0.mlp.c_proj.weight", "transformer.wte.parametrizations.weight.original"} <= state["model"].keys()
+    adam = state["optimizer"]["state"]["transformer.h.0.mlp.c_proj.weight"]
     assert adam["step"].item() == 2 and adam["exp_avg"].abs().sum() > 0
     assert state["rng"][0].keys() >= {"torch", "python", "batches"}
     assert state["config"]["model"]["dropout"] == 0.1 and len(state["history"]["train_losses"]) == 2

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 from normfold.cli import main
 from normfold.train import resolve_config, train
@@ -76,12 +77,13 @@ def test_accumulating_equal_micro_batches_takes_the_step_of_their_concatenation(
 def test_a_training_step_centers_each_cbwc_weight_once_for_all_micro_batches(monkeypatch):
     config = resolve_config(**TINY, norm="cbwc_rmsnorm", batch_size=2)
     model = build_model(config)
-    calls = []
-    forward = Centered.forward
-    monkeypatch.setattr(Centered, "forward", lambda self, w: calls.append(1) or forward(self, w))
+    centered = []  # what Centered.center was applied to: W (forward) or a gradient (backward, per micro-batch)
+    center = Centered.center
+    monkeypatch.setattr(Centered, "center", lambda self, t: centered.append(isinstance(t, nn.Parameter)) or center(self, t))
     x = torch.randint(256, (2, 16))
     train_step(model, make_optimizer(model, config), [(x, x)] * 3, config)
-    assert len(calls) == sum(isinstance(m, Centered) for m in model.modules()) == 10
+    assert sum(centered) == sum(isinstance(m, Centered) for m in model.modules()) == 10  # each W once, not 3×
+    assert len(centered) - sum(centered) == 3 * 10  # each micro-batch's gradient through P
     assert all(p.grad is not None for p in model.parameters())
 
 

@@ -46,15 +46,19 @@ the LayerNorm run over all steps:
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
+from typing import Iterator
 
+import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..fold import FoldError, FoldReport, analyze
 from ..fold.transform import swap_norm, untie_config
 
-__all__ = ["cbwc_", "bake_", "Centered", "PartialCBWCError"]
+__all__ = ["cbwc_", "bake_", "Centered", "PartialCBWCError", "centered_once", "project_centering_",
+           "center_gradients_", "center_parameters_"]
 
 
 class PartialCBWCError(FoldError):
@@ -73,7 +77,15 @@ class Centered(nn.Module):
         super().__init__()
         self.dim, self.group = dim, group
 
+        self.ready: Tensor | None = None  # V set by ``centered_once`` for the duration of its block
+
     def forward(self, w: Tensor) -> Tensor:
+        if self.ready is not None:
+            return self.ready
+        return self.center(w)
+
+    def center(self, w: Tensor) -> Tensor:
+        """P·w; P is symmetric, so this is also the backward's map from ∂L/∂V to ∂L/∂W."""
         if self.group is None:
             return w - w.mean(self.dim, keepdim=True)
         dim = self.dim % w.dim()
@@ -82,6 +94,107 @@ class Centered(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}" + (f", group={self.group}" if self.group is not None else "")
+
+
+class _CenterAll(torch.autograd.Function):
+    """V_i = P_i·W_i for all centered tensors of a model as one autograd node; backward g_i ↦ P_i·g_i.
+
+    One node instead of a mean, an expand and a subtraction per tensor forward and backward: at the
+    experiments' widths the autograd bookkeeping of 18 small centerings cost more than their arithmetic.
+    The node saves no tensors, so micro-batches can each walk it (no ``retain_graph``).
+    """
+
+    @staticmethod
+    def forward(ctx, centerings: tuple[Centered, ...], *weights: Tensor) -> tuple[Tensor, ...]:
+        ctx.centerings = centerings
+        return tuple(c.center(w) for c, w in zip(centerings, weights))
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor | None):
+        return (None, *(None if g is None else c.center(g) for c, g in zip(ctx.centerings, grads)))
+
+
+@contextlib.contextmanager
+def centered_once(model: nn.Module) -> Iterator[None]:
+    """Inside the block, every CBWC weight of ``model`` reads one V = P·W computed on entry, all by one
+    autograd node (gradients still reach W through it). W must not change inside: use it around the
+    forwards and backwards of one optimizer step, not around ``optimizer.step()``. Not for
+    ``torch.compile``d forwards (they would trace the precomputed tensors) nor FSDP2 (see
+    ``trainer.accumulate_gradients``): there ``parametrize.cached()`` or plain reads apply.
+    """
+    held = [(plist[0], plist.original) for module in model.modules() if parametrize.is_parametrized(module)
+            for plist in module.parametrizations.values() if len(plist) == 1 and isinstance(plist[0], Centered)]
+    if any(c.ready is not None for c, _ in held):
+        raise RuntimeError("centered_once is already active for this model")
+    values = _CenterAll.apply(tuple(c for c, _ in held), *(w for _, w in held)) if held else ()
+    try:
+        for (c, _), v in zip(held, values):
+            c.ready = v
+        yield
+    finally:
+        for c, _ in held:
+            c.ready = None
+
+
+# A Parameter that CBWC keeps centered by projection carries its map P here (see project_centering_)
+_CENTERING_ATTR = "_cbwc_centering"
+
+
+def project_centering_(model: nn.Module) -> int:
+    """Train CBWC's centered tensors as plain Parameters held at V = P·W, instead of through the
+    parametrization (in place); returns how many were converted. The training step must then center
+    their gradients before clipping (:func:`center_gradients_`) and the tensors again after the
+    optimizer step (:func:`center_parameters_`), as ``normfold.train``'s ``apply_gradients`` does.
+
+    Why the trajectory is the parametrized one, for AdamW and SGD: the parametrized model's free W
+    receives the gradient P·g and its output depends on P·W only. Both optimizers move W by an update
+    built elementwise from the gradient history plus a decay linear in W, W ← (1 − lr·wd)·W − lr·u; P is
+    linear and idempotent, so re-centering after every step gives P·W_{t+1} = (1 − lr·wd)·P·W_t − lr·P·u:
+    the projected tensor *is* P·W at every step, and the gradients (P·g) and optimizer states agree.
+    Not exact for updates that read W nonlinearly (Adam's L2 decay through the second moment, LAMB's
+    trust ratio): use the parametrization there.
+
+    Why: the forward then reads plain Parameters. The parametrization's property reads and per-step
+    centering cost 2–4% of a training step of the experiments' 64-wide GPT; two in-place means per tensor
+    and step cost a tenth of that. A tensor shared with an uncentered use (a tied ``lm_head``) keeps its
+    parametrization: the head must read the free W. Not for FSDP2-sharded tensors (the mean runs along the
+    sharded dim); the trainer keeps the parametrization there.
+    """
+    converted = 0
+    for module in list(model.modules()):
+        if not parametrize.is_parametrized(module):
+            continue
+        for attr in list(module.parametrizations):
+            plist = module.parametrizations[attr]
+            if len(plist) != 1 or not isinstance(plist[0], Centered):
+                continue
+            original, centering = plist.original, plist[0]
+            if len(_holders(model, original)) > 1:
+                continue  # another use reads the free W (a tied head) or an alias: keep V = P·W computed
+            parametrize.remove_parametrizations(module, attr, leave_parametrized=True)  # same Parameter, now V
+            param = getattr(module, attr)
+            assert param is original, "remove_parametrizations must keep the Parameter object"
+            setattr(param, _CENTERING_ATTR, centering)
+            converted += 1
+    return converted
+
+
+@torch.no_grad()
+def center_gradients_(params) -> None:
+    """Replace each projected Parameter's gradient g by P·g (the parametrized model's gradient of W)."""
+    for p in params:
+        centering = getattr(p, _CENTERING_ATTR, None)
+        if centering is not None and p.grad is not None:
+            p.grad.copy_(centering.center(p.grad))
+
+
+@torch.no_grad()
+def center_parameters_(params) -> None:
+    """Project each projected Parameter back onto the centered subspace after an optimizer step."""
+    for p in params:
+        centering = getattr(p, _CENTERING_ATTR, None)
+        if centering is not None:
+            p.copy_(centering.center(p))
 
 
 def _holders(model: nn.Module, tensor: Tensor) -> list[tuple[str, nn.Module, str]]:
@@ -160,14 +273,18 @@ def cbwc_(model: nn.Module, example_inputs, *, report=None, allow_partial: bool 
 def bake_(model: nn.Module) -> nn.Module:
     """Replace every CBWC parametrization by a plain Parameter holding V = centered W (in place).
 
-    Uses that kept the uncentered tensor (a tied ``lm_head``) keep the free W; the centered side
+    Tensors trained by projection (:func:`project_centering_`) already are such Parameters; they lose their
+    mark. Uses that kept the uncentered tensor (a tied ``lm_head``) keep the free W; the centered side
     gets a new Parameter, and a Hugging Face / normfold GPT config is marked untied. The baked
     model computes the same function as before.
     """
     centered = [(module, attr) for module in model.modules() if parametrize.is_parametrized(module)
                 for attr, plist in module.parametrizations.items() if any(isinstance(p, Centered) for p in plist)]
-    if not centered:
+    projected = [p for p in model.parameters() if hasattr(p, _CENTERING_ATTR)]
+    if not centered and not projected:
         raise ValueError("bake_ found no CBWC parametrizations: call normfold.cbwc_(model, example_inputs) first")
+    for p in projected:  # already plain Parameters holding V (project_centering_): only the mark goes
+        delattr(p, _CENTERING_ATTR)
     untied = False
     for module, attr in centered:
         value = getattr(module, attr).detach().clone()

@@ -24,7 +24,7 @@ from torch.nn.utils import parametrize
 
 from .._deps import require
 from ..hf.load import CheckpointError
-from .cbwc import cbwc_
+from .cbwc import cbwc_, center_gradients_, center_parameters_, centered_once, project_centering_
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .data import TokenSplits, corpus_sha256, load_documents
@@ -93,15 +93,20 @@ def accumulate_gradients(model: nn.Module, batches: list[tuple[torch.Tensor, tor
     Returns the detached mean loss (not synchronized with the device).
 
     CBWC's centered weights V = P·W depend only on W, which changes at ``optimizer.step()``: they are computed
-    once for all micro-batches (``parametrize.cached``), and every micro-batch's backward reaches W through
-    that one V: the centering saves no tensors for backward, so its graph can be walked once per micro-batch
-    without ``retain_graph`` (which would keep each micro-batch's activations alive into the next).
+    once for all micro-batches, all of them by one autograd node (``cbwc.centered_once``; compiled models:
+    ``parametrize.cached``), and every micro-batch's backward reaches W through that one V: the centering
+    saves no tensors for backward, so its graph can be walked once per micro-batch without ``retain_graph``
+    (which would keep each micro-batch's activations alive into the next).
     Not under FSDP2: it reduce-scatters a block's gradients as soon as backward reaches the block's input,
     and autograd runs the newest nodes first, so the gradient through a V made in an earlier micro-batch's
     forward would reach W after the reduce-scatter and be lost. There V is computed in each forward.
     """
     losses = []
-    with contextlib.nullcontext() if is_sharded(model) else parametrize.cached():
+    if is_sharded(model):
+        once = contextlib.nullcontext()
+    else:
+        once = parametrize.cached() if config.compile else centered_once(model)
+    with once:
         for i, (x, y) in enumerate(batches):
             with _autocast(config, x.device):
                 _, loss = model(x, y)
@@ -115,10 +120,12 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, config: 
     """Global-norm clipping (``grad_clip`` > 0) and the optimizer step; returns the gradient norm before clipping
     (whole, also when FSDP2 shards it)."""
     params = [p for p in model.parameters() if p.grad is not None]
+    center_gradients_(params)  # CBWC tensors trained by projection (cbwc.project_centering_): g ↦ P·g
     norm = nn.utils.get_total_norm([p.grad for p in params])
     if config.grad_clip > 0:
         nn.utils.clip_grads_with_norm_(params, config.grad_clip, norm)
     optimizer.step()
+    center_parameters_(params)  # and W ↦ P·W after the step
     return full_tensor(norm).detach()
 
 
@@ -296,6 +303,8 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
         (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
 
     splits = TokenSplits.from_documents(documents, config.model.block_size, config.val_fraction)
+    if not (dist.enabled and config.parallel == "fsdp2"):  # CBWC by projection (FSDP2 shards the centered dim)
+        project_centering_(raw_model)
     train_model = wrap_for_training(raw_model, config.parallel, dist, device)
     optimizer = make_optimizer(raw_model, config)  # after FSDP2 sharded the parameters in place
     if config.compile:  # after DDP, as torch.compile's DDP support expects; evaluation stays eager
