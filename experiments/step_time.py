@@ -23,7 +23,6 @@ from types import SimpleNamespace
 
 import torch
 from torch.nn import functional as F
-from torch.nn.utils import parametrize
 
 from _common import RESULTS, Stopwatch, command_line, machine, markdown_table, write_csv
 
@@ -31,6 +30,7 @@ from normfold.bench.stats import median_and_iqr, ratio_ci, verdict
 from normfold.bench.timing import rotated
 from normfold.ops import _library, rms_norm
 from normfold.train import resolve_config
+from normfold.train.cbwc import Centered, center_gradients_, center_parameters_, centered_once, project_centering_
 from normfold.train.trainer import build_model, make_optimizer, train_step
 
 # the norm_comparison experiment's GPT (4 layers, batch 16 × 128 tokens), at its width and a wider one
@@ -50,6 +50,7 @@ def contenders(width: int, compile_too: bool) -> dict[str, tuple]:
     for norm in (BASE, "cbwc_rmsnorm", "rmsnorm"):
         config = resolve_config(**SETUP, n_embd=width, n_head=HEADS.get(width, 4), norm=norm)
         model = build_model(config)
+        project_centering_(model)  # CBWC as the trainer runs it (a no-op for the other norms)
         made[norm] = (model, make_optimizer(model, config), config)
     control = copy.deepcopy(made[BASE][0])  # same math, its own memory
     made[CONTROL] = (control, make_optimizer(control, made[BASE][2]), made[BASE][2])
@@ -57,6 +58,7 @@ def contenders(width: int, compile_too: bool) -> dict[str, tuple]:
         for norm in (BASE, "cbwc_rmsnorm", "rmsnorm"):
             config = resolve_config(**SETUP, n_embd=width, n_head=HEADS.get(width, 4), norm=norm, compile=True)
             model = build_model(config)
+            project_centering_(model)
             made[f"{norm} (compiled)"] = (torch.compile(model), make_optimizer(model, config), config)
     return made
 
@@ -139,21 +141,25 @@ def op_rows(width: int, repeats: int) -> list[dict]:
 
 
 def centering_row(width: int, repeats: int, ln_step_s: float) -> dict:
-    """What CBWC adds to a step: every centered weight read through its parametrization (V = P·W, forward and
-    backward), against the same tensors read plain, interleaved; also as a share of LayerNorm's step."""
+    """What CBWC adds to a step as the trainer runs it (``cbwc.project_centering_``): the gradients and then the
+    tensors of the converted Parameters projected (g ↦ P·g, W ↦ P·W), and the tied table's V = P·W (one autograd
+    node, ``cbwc.centered_once``); median of ``repeats``, also as a share of LayerNorm's step."""
     config = resolve_config(**SETUP, n_embd=width, n_head=HEADS.get(width, 4), norm="cbwc_rmsnorm")
     model = build_model(config)
-    held = [(m, attr) for m in model.modules() if parametrize.is_parametrized(m) for attr in m.parametrizations]
-    reads = {"centered": lambda: sum(getattr(m, attr).sum() for m, attr in held),
-             "plain": lambda: sum(m.parametrizations[attr].original.sum() for m, attr in held)}
-    times = {name: [] for name in reads}
-    for r in range(repeats):
-        for name in rotated(list(reads), r):
-            t0 = CLOCK()
-            reads[name]().backward()
-            times[name].append(CLOCK() - t0)
-    added = median_and_iqr(times["centered"])[0] - median_and_iqr(times["plain"])[0]
-    return dict(width=width, centered_tensors=len(held), added_ms=round(added * 1e3, 2),
+    converted = project_centering_(model)
+    kept = sum(isinstance(m, Centered) for m in model.modules())
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    times = []
+    for _ in range(repeats):
+        t0 = CLOCK()
+        center_gradients_(model)
+        center_parameters_(model)
+        with centered_once(model):
+            pass
+        times.append(CLOCK() - t0)
+    added = median_and_iqr(times)[0]
+    return dict(width=width, centered_tensors=converted + kept, projected=converted, added_ms=round(added * 1e3, 2),
                 share_of_ln_step=round(added / ln_step_s, 4))
 
 
@@ -216,12 +222,14 @@ def report(steps: list[dict], ops: list[dict], centering: list[dict], clock: Sto
         "A/A control's interval per width (this run's noise): "
         + ", ".join(f"{w}: {lo:.3f}–{hi:.3f}" for w, (lo, hi) in control.items()) + ".", "",
         "## What CBWC's centering adds to a step", "",
-        "Every centered weight read through its parametrization (V = W − mean(W), forward and backward) minus the "
-        "same tensors read plain, median of 100 interleaved repetitions; each V is computed once per optimizer step.",
-        "",
-        markdown_table(["width", "centered tensors", "added ms per step", "share of LayerNorm's step"],
-                       [[r["width"], r["centered_tensors"], r["added_ms"], f"{r['share_of_ln_step']:.1%}"]
-                        for r in centering]), "",
+        "As the trainer runs CBWC (`cbwc.project_centering_`): the centered tensors are plain Parameters held at "
+        "V = P·W; each step projects their gradients (g ↦ P·g, before clipping) and the tensors after AdamW "
+        "(W ↦ P·W), and computes the tied table's V = P·W once (its lookup reads V, the head the free W). "
+        "Median of 100 repetitions.", "",
+        markdown_table(["width", "centered tensors", "of them projected", "added ms per step",
+                        "share of LayerNorm's step"],
+                       [[r["width"], r["centered_tensors"], r["projected"], r["added_ms"],
+                         f"{r['share_of_ln_step']:.1%}"] for r in centering]), "",
         "## One norm call, forward + backward, by route", "",
         f"At ({SETUP['batch_size'] * SETUP['block_size']}, width), fp32, weight and bias unless said, "
         f"{ops[0]['repeats']} repetitions in rotating order, median; "

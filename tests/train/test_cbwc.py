@@ -144,11 +144,33 @@ def test_bake_after_training_by_projection_leaves_plain_centered_weights_and_the
     idx = torch.randint(256, (2, 16))
     before = model(idx)[0]
     bake_(model)
-    assert not any(hasattr(p, "_cbwc_centering") for p in model.parameters())
+    assert not any("_cbwc_projected" in m.__dict__ for m in model.modules())
     assert not any(parametrize.is_parametrized(m) for m in model.modules())
     torch.testing.assert_close(model(idx)[0], before, rtol=0, atol=0)
     with pytest.raises(ValueError, match="bake_ found no CBWC parametrizations"):
         bake_(model)
+
+
+@pytest.mark.parametrize("convert", [project_centering_, bake_])
+def test_converting_a_deep_copy_leaves_the_original_cbwc_model_working(convert):
+    # copy.deepcopy shares the generated Parametrized… class; removing a property from it broke the original
+    model = build_model(resolve_config(**TINY, norm="cbwc_rmsnorm", precision="fp64"))
+    idx = torch.randint(256, (2, 16))
+    before = model(idx)[0]
+    twin = copy.deepcopy(model)
+    convert(twin)
+    torch.testing.assert_close(model(idx)[0], before, rtol=0, atol=0)
+    torch.testing.assert_close(twin(idx)[0], before, rtol=1e-12, atol=1e-12)
+
+
+def test_a_deep_copy_of_a_projected_model_keeps_training_centered():
+    config = resolve_config(**TINY, norm="cbwc_rmsnorm", batch_size=2)
+    model = build_model(config)
+    project_centering_(model)
+    twin = copy.deepcopy(model)  # a Parameter's attributes do not survive deepcopy; the module's mark does
+    x = torch.randint(256, (2, 16))
+    train_step(twin, make_optimizer(twin, config), [(x, x)], config)
+    assert twin.transformer.h[0].mlp.c_proj.weight.mean(0).abs().max() < 1e-7
 
 
 def test_free_weight_mean_drifts_under_adamw_identically_in_both_models():

@@ -89,7 +89,8 @@ def _what_the_model_reads(weights: dict[str, torch.Tensor]) -> dict[str, torch.T
     along the centered dim drifts unseen), so only V is comparable. The tied table stays free in both."""
     model = build_model(resolve_config(overrides=OPTIONS))
     project_centering_(model)
-    centering = {name: p._cbwc_centering for name, p in model.named_parameters() if hasattr(p, "_cbwc_centering")}
+    centering = {f"{path}.{attr}": c for path, module in model.named_modules()
+                 for attr, c in module.__dict__.get("_cbwc_projected", {}).items()}
     plain = {name.replace(".parametrizations.", ".").replace(".original", ""): w for name, w in weights.items()}
     return {name: centering[name].center(w) if name in centering else w for name, w in plain.items()}
 

@@ -25,18 +25,38 @@ def _rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def test_norm_comparison_quick_writes_one_row_per_variant_and_seed(tmp_path, experiment):
+def test_norm_comparison_quick_writes_runs_grid_time_ratios_and_the_cbwc_equality(tmp_path, experiment):
     experiment("norm_comparison").main(["--quick", "--steps=2", "--seeds=2", "--variants=layernorm,rmsnorm,cbwc_rmsnorm",
                                         f"--out={tmp_path}"])
     rows = _rows(tmp_path / "norm_comparison_quick.csv")
-    expected = [(v, s) for s in "01" for v in ("layernorm", "rmsnorm", "cbwc_rmsnorm")]
-    assert [(r["variant"], r["seed"]) for r in rows] == expected
-    assert all(float(r["final_val_loss"]) > 0 for r in rows)
+    expected = [(phase, v, s) for phase in ("comparison", "width") for s in "01"
+                for v in ("layernorm", "rmsnorm", "cbwc_rmsnorm")]
+    assert [(r["phase"], r["variant"], r["seed"]) for r in rows] == expected
+    assert all(float(r["final_val_loss"]) > 0 and float(r["cpu_s"]) > 0 for r in rows if r["phase"] == "comparison")
+    assert {r["width"] for r in rows if r["phase"] == "width"} == {"64"}
+    grid = _rows(tmp_path / "norm_comparison_quick_grid.csv")
+    assert {(r["variant"], r["lr"]) for r in grid} == {(f, lr) for f in ("layernorm", "rmsnorm")
+                                                       for lr in ("0.003", "0.006")}
     report = (tmp_path / "norm_comparison_quick.md").read_text()
     assert "| cbwc_rmsnorm |" in report and "Command:" in report and "SHA-256" in report
-    assert "validation loss cbwc_rmsnorm − layernorm" in report and "CBWC is exact" not in report
-    for png in ("norm_comparison_quick_loss.png", "norm_comparison_quick_speed.png"):
+    assert "width 32: training time cbwc_rmsnorm / layernorm = " in report and "width 64: training time" in report
+    assert "validation loss cbwc_rmsnorm − layernorm" in report and "equal to float32 rounding" in report
+    assert "validation loss rmsnorm − layernorm" in report
+    for png in ("norm_comparison_quick_loss.png", "norm_comparison_quick_time.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_norm_comparison_trains_each_variant_exactly_as_normfold_train_does(tmp_path, experiment):
+    # the lockstep calls the trainer's step with the trainer's model, batches and schedule: the same losses
+    from normfold.train import resolve_config, train
+
+    values = dict(n_layer=1, n_head=2, n_embd=16, block_size=16, batch_size=2, max_steps=4, warmup_steps=1,
+                  eval_interval=2, eval_iters=1, lr=3e-3, min_lr=3e-4, seed=3)
+    for norm in ("layernorm", "cbwc_rmsnorm"):
+        ours = experiment("norm_comparison").lockstep([("x", dict(values, norm=norm)), ("y", dict(values, seed=4))])[0]
+        theirs = train(resolve_config(**values, norm=norm, out_dir=str(tmp_path / norm), progress=False,
+                                      save_checkpoint=False))
+        assert ours["train_losses"] == theirs["train_losses"] and ours["val_losses"] == theirs["val_losses"]
 
 
 def test_norm_comparison_refuses_unknown_variants(tmp_path, experiment, capsys):

@@ -136,8 +136,20 @@ def centered_once(model: nn.Module) -> Iterator[None]:
             c.ready = None
 
 
-# A Parameter that CBWC keeps centered by projection carries its map P here (see project_centering_)
-_CENTERING_ATTR = "_cbwc_centering"
+# A module whose Parameters CBWC keeps centered by projection holds {attribute: Centered} here (see
+# project_centering_). On the module, not the Parameter: ``copy.deepcopy`` keeps a module's __dict__ but not a
+# Parameter's, and a copy that lost the mark would train uncentered tensors without a word.
+_PROJECTED_ATTR = "_cbwc_projected"
+
+
+def _remove_parametrization(module: nn.Module, attr: str, leave_parametrized: bool) -> None:
+    """``parametrize.remove_parametrizations`` on a class of the module's own first: ``copy.deepcopy`` shares
+    the generated ``Parametrized…`` class between a model and its copy, and removing the property from
+    that shared class would break the other model's reads of ``attr``."""
+    cls = module.__class__
+    module.__class__ = type(cls.__name__, cls.__bases__,
+                            {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")})
+    parametrize.remove_parametrizations(module, attr, leave_parametrized=leave_parametrized)
 
 
 def project_centering_(model: nn.Module) -> int:
@@ -171,30 +183,33 @@ def project_centering_(model: nn.Module) -> int:
             original, centering = plist.original, plist[0]
             if len(_holders(model, original)) > 1:
                 continue  # another use reads the free W (a tied head) or an alias: keep V = P·W computed
-            parametrize.remove_parametrizations(module, attr, leave_parametrized=True)  # same Parameter, now V
-            param = getattr(module, attr)
-            assert param is original, "remove_parametrizations must keep the Parameter object"
-            setattr(param, _CENTERING_ATTR, centering)
+            _remove_parametrization(module, attr, leave_parametrized=True)  # the same Parameter, now holding V
+            assert module._parameters[attr] is original, "remove_parametrizations must keep the Parameter object"
+            module.__dict__.setdefault(_PROJECTED_ATTR, {})[attr] = centering
             converted += 1
     return converted
 
 
+def _projected(model: nn.Module):
+    """(Parameter, Centered) of every tensor :func:`project_centering_` converted in ``model``."""
+    for module in model.modules():
+        for attr, centering in module.__dict__.get(_PROJECTED_ATTR, {}).items():
+            yield module._parameters[attr], centering
+
+
 @torch.no_grad()
-def center_gradients_(params) -> None:
+def center_gradients_(model: nn.Module) -> None:
     """Replace each projected Parameter's gradient g by P·g (the parametrized model's gradient of W)."""
-    for p in params:
-        centering = getattr(p, _CENTERING_ATTR, None)
-        if centering is not None and p.grad is not None:
+    for p, centering in _projected(model):
+        if p.grad is not None:
             p.grad.copy_(centering.center(p.grad))
 
 
 @torch.no_grad()
-def center_parameters_(params) -> None:
-    """Project each projected Parameter back onto the centered subspace after an optimizer step."""
-    for p in params:
-        centering = getattr(p, _CENTERING_ATTR, None)
-        if centering is not None:
-            p.copy_(centering.center(p))
+def center_parameters_(model: nn.Module) -> None:
+    """Project each projected Parameter back onto the centered subspace (after an optimizer step)."""
+    for p, centering in _projected(model):
+        p.copy_(centering.center(p))
 
 
 def _holders(model: nn.Module, tensor: Tensor) -> list[tuple[str, nn.Module, str]]:
@@ -280,16 +295,16 @@ def bake_(model: nn.Module) -> nn.Module:
     """
     centered = [(module, attr) for module in model.modules() if parametrize.is_parametrized(module)
                 for attr, plist in module.parametrizations.items() if any(isinstance(p, Centered) for p in plist)]
-    projected = [p for p in model.parameters() if hasattr(p, _CENTERING_ATTR)]
+    projected = [m for m in model.modules() if _PROJECTED_ATTR in m.__dict__]
     if not centered and not projected:
         raise ValueError("bake_ found no CBWC parametrizations: call normfold.cbwc_(model, example_inputs) first")
-    for p in projected:  # already plain Parameters holding V (project_centering_): only the mark goes
-        delattr(p, _CENTERING_ATTR)
+    for module in projected:  # already plain Parameters holding V (project_centering_): only the mark goes
+        del module.__dict__[_PROJECTED_ATTR]
     untied = False
     for module, attr in centered:
         value = getattr(module, attr).detach().clone()
         original = module.parametrizations[attr].original
-        parametrize.remove_parametrizations(module, attr, leave_parametrized=False)
+        _remove_parametrization(module, attr, leave_parametrized=False)
         if any(p is original for m in model.modules() for p in m._parameters.values() if m is not module):
             # shared with a use that keeps W (or with another centered alias): give this one its own V
             setattr(module, attr, nn.Parameter(value, requires_grad=original.requires_grad))

@@ -120,12 +120,12 @@ def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, config: 
     """Global-norm clipping (``grad_clip`` > 0) and the optimizer step; returns the gradient norm before clipping
     (whole, also when FSDP2 shards it)."""
     params = [p for p in model.parameters() if p.grad is not None]
-    center_gradients_(params)  # CBWC tensors trained by projection (cbwc.project_centering_): g ↦ P·g
+    center_gradients_(model)  # CBWC tensors trained by projection (cbwc.project_centering_): g ↦ P·g
     norm = nn.utils.get_total_norm([p.grad for p in params])
     if config.grad_clip > 0:
         nn.utils.clip_grads_with_norm_(params, config.grad_clip, norm)
     optimizer.step()
-    center_parameters_(params)  # and W ↦ P·W after the step
+    center_parameters_(model)  # and W ↦ P·W after the step
     return full_tensor(norm).detach()
 
 
