@@ -1,20 +1,25 @@
 """Seeds 004 / 001: which placements and norms train at high learning rates, and what grows inside.
 
-Grid: peak learning rate × placement {pre, post, sandwich} × QK-norm {off, on}, no warmup (seed 004:
-Post-LN needs warmup, Pre-LN does not), for three variants: LayerNorm with gradient clipping 1.0 (the
-base), normfold RMSNorm with clipping, and LayerNorm without clipping (the norm and clipping are
-varied one at a time from the base, not crossed, to fit the budget); 3 seeds. A run is *stable* when
-its loss stays finite and its validation loss ends within 0.1 nats/byte of the best learning rate's
-for the same cell and seed (a larger gap is a learning rate too high for that cell); the largest
-stable learning rate of a cell is the largest at which every seed was stable. "learned" marks runs
-whose validation loss ends more than 0.05 below the byte-unigram entropy. After
-training, forward hooks on one fixed validation batch measure the largest attention logit
-|q·k|/√d (after QK-norm where it is on) and the RMS of the residual stream after every block.
+Grid: peak learning rate (half-decade log grid) × placement {pre, post, sandwich} × QK-norm {off, on} × three
+variants, 3 seeds: LayerNorm with gradient clipping 1.0 and no warmup (the base), normfold RMSNorm with clipping,
+and LayerNorm without clipping (the norm and clipping are varied one at a time from the base, not crossed, to fit
+the budget). Seed 004's warmup question gets one more variant: the base with a linear warmup, for Pre- and Post-LN
+with QK-norm off (seed 004: "Post-LN diverges without warmup while Pre-LN does not").
 
-The grid is shrunk to fit ≤ 30 min on 2 shared cores (load 6-9 from other work): a 4-layer, 32-wide
-GPT, 80 steps of 16 × 32 tokens, 3 learning rates, the one-at-a-time variants above.
+A run is *stable* when its loss stays finite, it learned from context (validation loss more than STALL_MARGIN
+below the byte-unigram entropy) and its validation loss is within SPIKE of the best of its cell and seed at this
+or a lower learning rate: a rate that ends SPIKE worse than a smaller one is too high for the cell (a rate below
+the best is slow, not unstable). A cell's largest stable learning rate is the largest at which every seed was
+stable; per seed, its *stable step* (the grid index of the seed's largest stable rate, -1 when none) pairs cells
+over seeds, so "QK-norm raises the largest stable rate" is a paired 95% interval, not a count.
 
-    python experiments/stability.py            # 3 lrs × 3 × 2 × 2 × 2 cells × 3 seeds (≤ 30 min, 2 busy cores)
+After training, forward hooks on one fixed validation batch measure the largest attention logit |q·k|/√d (after
+QK-norm where it is on) and the RMS of the residual stream after every block.
+
+Budget: ≤ 45 min on one core: 360 runs of a 4 × 32 GPT, 400 steps of 16 × 32 tokens (≈ 5 s each; Pre-LN at lr
+0.003 reaches ≈ 2.56 nats/byte, the byte-unigram entropy is 3.26).
+
+    python experiments/stability.py            # 6 lrs × 20 cells × 3 seeds (≤ 45 min, one core)
     python experiments/stability.py --quick    # a smoke run (seconds)
 """
 from __future__ import annotations
@@ -32,23 +37,29 @@ from torch import Tensor
 
 from _common import (RESULTS, STALL_MARGIN, Stopwatch, corpus_line, markdown_table, outcome, provenance, pyplot,
                      run, save_figure, unigram_loss, write_csv)
-from stats import compare, mean_ci, paired_ci
+from stats import Interval, compare, mean_ci, paired_ci
 
 from normfold.train import GPT, TrainConfig
 from normfold.train.data import TokenSplits, load_documents
 from normfold.train.trainer import build_model
 
-FULL = dict(n_layer=4, n_head=2, n_embd=32, block_size=32, batch_size=16, max_steps=80, warmup_steps=0,
-            eval_interval=80, eval_iters=4)
+FULL = dict(n_layer=4, n_head=2, n_embd=32, block_size=32, batch_size=16, max_steps=400, eval_interval=400,
+            eval_iters=8, log_interval=50)
 QUICK = dict(FULL, n_layer=2, n_embd=16, max_steps=4, eval_interval=4, eval_iters=1)
-FULL_LRS = (3e-3, 1e-2, 3e-2)
+FULL_LRS = (3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # half-decade steps; 1.0 stops even sandwich
 QUICK_LRS = (1e-2, 1e-1)
+BUDGET_MIN = 45  # minutes on one core, full run
 PLACEMENTS = ("pre", "post", "sandwich")
 NORMS = ("layernorm", "rmsnorm")
-VARIANTS = (("layernorm", 1.0), ("rmsnorm", 1.0), ("layernorm", 0.0))  # (norm, grad_clip): base first
+WARMUP_FRACTION = 0.1  # the warmup variant warms up over the first 10% of the steps
+# (norm, grad_clip, warmup): the base first; the warmup variant only for WARMUP_PLACEMENTS with QK-norm off
+VARIANTS = (("layernorm", 1.0, False), ("rmsnorm", 1.0, False), ("layernorm", 0.0, False))
 BASE = VARIANTS[0]
-SPIKE = 0.1  # nats/byte above the best learning rate's validation loss: too high a learning rate
+WARMUP = ("layernorm", 1.0, True)
+WARMUP_PLACEMENTS = ("pre", "post")
+SPIKE = 0.2  # nats/byte worse than a smaller learning rate of the same cell and seed: too high a rate
 REFERENCE_LR = 3e-3  # the depth profile is drawn at this learning rate
+HIGH_LR = 1e-1  # attention logits with and without QK-norm are compared here too
 
 
 def capture(model: GPT) -> tuple[dict, list]:
@@ -103,26 +114,35 @@ def probe_batch(block_size: int) -> Tensor:
     return splits.batch("val", 8, torch.Generator().manual_seed(0))[0]
 
 
-def cells(placements, lrs) -> list[tuple]:
-    """Every (placement, QK-norm, norm, clipping, lr) of the grid."""
-    return [(p, qk, norm, clip, lr) for p, qk, (norm, clip), lr in itertools.product(placements, (False, True),
-                                                                                      VARIANTS, lrs)]
+def cells(placements) -> list[tuple]:
+    """Every cell (placement, QK-norm, norm, clipping, warmup) of the grid: the one-at-a-time variants for both
+    QK-norm settings, and the warmup variant for WARMUP_PLACEMENTS with QK-norm off."""
+    grid = [(p, qk, *variant) for p, qk, variant in itertools.product(placements, (False, True), VARIANTS)]
+    return grid + [(p, False, *WARMUP) for p in placements if p in WARMUP_PLACEMENTS]
+
+
+def cell_key(r: dict) -> tuple:
+    return r["placement"], r["qk_norm"], r["norm"], r["grad_clip"], r["warmup"]
+
+
+def describe(key: tuple) -> str:
+    placement, qk, norm, clip, warmup = key
+    return (f"{placement}, QK-norm {'on' if qk else 'off'}, {norm}, clip {clip or 'off'}, "
+            f"{'warmup' if warmup else 'no warmup'}")
 
 
 def mark_stable(rows: list[dict]) -> None:
-    """Set each row's ``stable``: finite, and validation loss within SPIKE of the best over learning rates of
-    its cell and seed."""
-    best: dict[tuple, float] = {}
+    """Set each row's ``stable``: finite, learned, and validation loss ≤ SPIKE above the best finite run of its
+    cell and seed at a learning rate ≤ its own."""
     for r in rows:
-        if r["outcome"] != "diverged":
-            k = (cell_key(r), r["seed"])
-            best[k] = min(best.get(k, math.inf), r["final_val_loss"])
-    for r in rows:
-        r["stable"] = r["outcome"] != "diverged" and r["final_val_loss"] <= best[(cell_key(r), r["seed"])] + SPIKE
+        below = [o["final_val_loss"] for o in rows if (cell_key(o), o["seed"]) == (cell_key(r), r["seed"])
+                 and o["lr"] <= r["lr"] and o["outcome"] != "diverged"]
+        r["stable"] = r["outcome"] == "trained" and r["final_val_loss"] <= min(below) + SPIKE
 
 
 def collect(setup: dict, placements, lrs, seeds: int, clock: Stopwatch) -> list[dict]:
     unigram, probe, rows = unigram_loss(), probe_batch(setup["block_size"]), []
+    warmup_steps = round(WARMUP_FRACTION * setup["max_steps"])
     held: dict[str, GPT] = {}
 
     def keep_model(config: TrainConfig) -> GPT:
@@ -131,24 +151,22 @@ def collect(setup: dict, placements, lrs, seeds: int, clock: Stopwatch) -> list[
 
     with tempfile.TemporaryDirectory(prefix="normfold_stability_") as scratch:
         for seed in range(seeds):
-            for placement, qk, norm, clip, lr in cells(placements, lrs):
-                s = run(Path(scratch) / f"{placement}_{qk}_{norm}_{clip}_{lr}_s{seed}", keep_model, seed=seed,
-                        placement=placement, qk_norm=qk, norm=norm, grad_clip=clip, lr=lr, min_lr=lr / 10, **setup)
+            for (placement, qk, norm, clip, warmup), lr in itertools.product(cells(placements), lrs):
+                s = run(Path(scratch) / f"{placement}_{qk}_{norm}_{clip}_{warmup}_{lr}_s{seed}", keep_model,
+                        seed=seed, placement=placement, qk_norm=qk, norm=norm, grad_clip=clip, lr=lr, min_lr=lr / 10,
+                        warmup_steps=warmup_steps if warmup else 0, **setup)
                 result = outcome(s, unigram)
                 logit, rms = (measure(held["model"], probe) if result != "diverged"
-                             else (math.nan, [math.nan] * setup["n_layer"]))
-                rows.append(dict(placement=placement, qk_norm=qk, norm=norm, grad_clip=clip, lr=lr, seed=seed,
-                                 outcome=result, learned=result == "trained", final_val_loss=s["final_val_loss"],
+                              else (math.nan, [math.nan] * setup["n_layer"]))
+                val = s["final_val_loss"] if result != "diverged" else math.nan
+                rows.append(dict(placement=placement, qk_norm=qk, norm=norm, grad_clip=clip, warmup=warmup, lr=lr,
+                                 seed=seed, outcome=result, learned=result == "trained", final_val_loss=val,
                                  max_attention_logit=round(logit, 3),
                                  **{f"rms_block{i}": round(v, 4) for i, v in enumerate(rms)}))
-                print(f"[{clock}] {placement} qk={qk} {norm} clip={clip} lr={lr:g} seed {seed}: {result}, "
-                      f"val {s['final_val_loss']}, max logit {logit:.1f}", flush=True)
+                print(f"[{clock}] {describe(cell_key(rows[-1]))}, lr={lr:g}, seed {seed}: {result}, val {val:.3f}, "
+                      f"max logit {logit:.1f}", flush=True)
     mark_stable(rows)
     return rows
-
-
-def cell_key(r: dict) -> tuple:
-    return r["placement"], r["qk_norm"], r["norm"], r["grad_clip"]
 
 
 def largest_stable(rows: list[dict], key: tuple, lrs) -> float | None:
@@ -157,85 +175,212 @@ def largest_stable(rows: list[dict], key: tuple, lrs) -> float | None:
     return max(ok) if ok else None
 
 
-def growth(rows: list[dict], placement: str, norm: str, lr: float) -> list[float]:
-    """Per seed with a finite run (QK-norm off, clipping on): RMS after the last block / RMS after the first."""
-    return [r[f"rms_block{_last_block(r)}"] / r["rms_block0"] for r in rows
-            if (r["placement"], r["norm"], r["lr"], r["qk_norm"], r["grad_clip"]) == (placement, norm, lr, False, 1.0)
-            and r["outcome"] != "diverged"]
+def stable_steps(rows: list[dict], key: tuple, lrs) -> dict[int, int]:
+    """Per seed: the grid index of its largest stable learning rate (-1: stable at none). A seed stable at the
+    top rate counts there: the grid's edge, the true value may be higher."""
+    steps: dict[int, int] = {}
+    for r in rows:
+        if cell_key(r) == key:
+            steps[r["seed"]] = max(steps.get(r["seed"], -1), lrs.index(r["lr"]) if r["stable"] else -1)
+    return steps
 
 
-def _last_block(r: dict) -> int:
-    return max(int(k.removeprefix("rms_block")) for k in r if k.startswith("rms_block") and r[k] != "")
+def lr_text(lr: float | None) -> str:
+    return "none" if lr is None else f"{lr:g}"
 
 
-def conclusions(rows: list[dict], lrs, reference_lr: float) -> list[str]:
-    """Sentences from the grid: what QK-norm and clipping change in the largest stable lr, activation growth."""
-    learned = sum(r["learned"] for r in rows)
-    sentences = [f"{learned} of {len(rows)} runs learned from context (validation loss below the unigram entropy "
-                 f"− {STALL_MARGIN})" + (": fewer than half at this budget, so a largest stable learning rate says "
-                                          "which rate a cell tolerates best, not that its training succeeded"
-                                          if 2 * learned < len(rows) else "")]
+def step_comparison(rows: list[dict], lrs, changed: tuple, base: tuple) -> Interval:
+    """Paired over seeds: stable step of ``changed`` − that of ``base`` (grid steps of ×√10)."""
+    return paired_ci(stable_steps(rows, changed, lrs), stable_steps(rows, base, lrs))
+
+
+def verdict(diff: Interval, up: str = "raises", down: str = "lowers") -> str:
+    """The word for a paired difference of stable steps: resolved up / down, "keeps" when every seed's difference
+    is 0 (a zero-width interval at 0), or not resolved (the interval contains 0)."""
+    if diff.n < 2:
+        return "not resolved (fewer than 2 seeds)"
+    if diff.low == diff.high == 0:
+        return "keeps"
+    if not diff.resolved:
+        return "not resolved"
+    return up if diff.mean > 0 else down
+
+
+# each factor: (name, the changed cell for a base cell or None); compared pairwise over seeds
+FACTORS = (
+    ("QK-norm on vs off", lambda k: (k[0], True, *k[2:]) if not k[1] and not k[4] else None),
+    ("sandwich vs pre", lambda k: ("sandwich", *k[1:]) if k[0] == "pre" and not k[4] else None),
+    ("sandwich vs post", lambda k: ("sandwich", *k[1:]) if k[0] == "post" and not k[4] else None),
+    ("post vs pre", lambda k: ("post", *k[1:]) if k[0] == "pre" else None),
+    ("RMSNorm vs LayerNorm", lambda k: (*k[:2], *VARIANTS[1]) if k[2:] == BASE else None),
+    ("no clipping vs clipping 1.0", lambda k: (*k[:2], *VARIANTS[2]) if k[2:] == BASE else None),
+    ("warmup vs none", lambda k: (*k[:2], *WARMUP) if k[2:] == BASE else None),
+)
+
+
+def factor_rows(rows: list[dict], lrs) -> list[dict]:
+    """Every pair of cells that differ in one factor: the paired difference of stable steps and its verdict."""
     keys = sorted({cell_key(r) for r in rows})
-    # each factor against its base: (name, the changed cell from a base cell)
-    factors = (("QK-norm", lambda k: (k[0], True, k[2], k[3]) if not k[1] else None),
-               ("RMSNorm instead of LayerNorm", lambda k: (k[0], k[1], "rmsnorm", 1.0) if k[2:] == BASE else None),
-               ("no clipping instead of clipping 1.0", lambda k: (k[0], k[1], "layernorm", 0.0) if k[2:] == BASE else None))
-    for factor, changed in factors:
-        counts = {"raises": 0, "lowers": 0, "keeps": 0}
+    out = []
+    for name, changed in FACTORS:
         for key in keys:
             other = changed(key)
-            if other is None or other not in keys:
-                continue
-            with_, without = largest_stable(rows, other, lrs) or 0.0, largest_stable(rows, key, lrs) or 0.0
-            counts["raises" if with_ > without else "lowers" if with_ < without else "keeps"] += 1
-        sentences.append(f"{factor} raises the largest stable learning rate in {counts['raises']} of "
-                         f"{sum(counts.values())} cells, lowers it in {counts['lowers']}, keeps it in {counts['keeps']}")
-    top = max(lrs)
-    val = {}
-    for r in rows:
-        if r["lr"] == top and r["outcome"] != "diverged":
-            val.setdefault(cell_key(r), {})[r["seed"]] = r["final_val_loss"]
-    for placement in [p for p in PLACEMENTS if any(r["placement"] == p for r in rows)]:
-        off, on = val.get((placement, False, *BASE), {}), val.get((placement, True, *BASE), {})
-        if set(off) & set(on):
-            sentences.append(f"{placement}, LayerNorm, clipping, lr {top:g}: " + compare(
-                "QK-norm on", "off", paired_ci(on, off), "validation loss"))
-    for placement in ("post", "sandwich"):
-        mine, pre = val.get((placement, False, *BASE), {}), val.get(("pre", False, *BASE), {})
-        if set(mine) & set(pre):
-            sentences.append(f"LayerNorm, clipping, lr {top:g}: " + compare(placement, "pre", paired_ci(mine, pre),
-                                                                            "validation loss"))
-    placements = [p for p in PLACEMENTS if any(r["placement"] == p for r in rows)]
-    for placement in placements:
-        best = [largest_stable(rows, k, lrs) for k in keys if k[0] == placement]
-        sentences.append(f"{placement}: largest stable learning rate over its {len(best)} cells: "
-                         + ", ".join("none" if b is None else f"{b:g}" for b in best))
-    for placement in placements:
-        for norm in NORMS:
-            ratio = mean_ci(growth(rows, placement, norm, reference_lr))
-            if ratio.n < 2:
-                sentences.append(f"{placement}, {norm}, lr {reference_lr:g}: fewer than 2 finite runs, no growth estimate")
-                continue
-            shift = mean_ci([g - 1 for g in growth(rows, placement, norm, reference_lr)])
-            trend = ("grows with depth" if shift.resolved and shift.mean > 0 else
-                     "shrinks with depth" if shift.resolved else "not resolved (the interval contains 1)")
-            sentences.append(f"{placement}, {norm}, clipping, lr {reference_lr:g}: stream RMS last/first block = "
-                             f"{ratio.text(3, signed=False)} (95% CI, {ratio.n} seeds): {trend}")
-    logit = {}
-    for r in rows:
-        if r["outcome"] != "diverged" and r["grad_clip"] == 1.0:
-            logit.setdefault((r["placement"], r["norm"], r["qk_norm"], r["lr"]), {})[r["seed"]] = r["max_attention_logit"]
-    for lr in sorted({reference_lr, top}):
-        for placement in placements:
-            for norm in NORMS:
-                on, off = logit.get((placement, norm, True, lr), {}), logit.get((placement, norm, False, lr), {})
-                if set(on) & set(off):
-                    sentences.append(f"{placement}, {norm}, clipping, lr {lr:g}: " + compare(
-                        "QK-norm on", "off", paired_ci(on, off), "max attention logit", digits=2))
+            if other is not None and other in keys:
+                diff = step_comparison(rows, lrs, other, key)
+                out.append(dict(factor=name, base=key, changed=other, diff=diff, verdict=verdict(diff)))
+    return out
+
+
+def factor_sentences(pairs: list[dict]) -> list[str]:
+    """Per factor: in how many cells it raises / lowers the largest stable rate (resolved) or is not resolved."""
+    sentences = []
+    for name in dict.fromkeys(p["factor"] for p in pairs):
+        mine = [p for p in pairs if p["factor"] == name]
+        count = {v: sum(p["verdict"] == v for p in mine) for v in ("raises", "lowers", "keeps")}
+        unresolved = len(mine) - sum(count.values())
+        changed, base = name.split(" vs ")
+        sentences.append(f"{changed} instead of {base} raises the largest stable learning rate in {count['raises']} "
+                         f"of {len(mine)} cells, lowers it in {count['lowers']}, keeps it in every seed in "
+                         f"{count['keeps']}, not resolved in {unresolved} (paired 95% CIs of the stable step over "
+                         "seeds, table below)")
     return sentences
 
 
-def main(argv=None) -> None:
+def val_by_seed(rows: list[dict], key: tuple, lr: float) -> dict[int, float]:
+    return {r["seed"]: r["final_val_loss"] for r in rows if cell_key(r) == key and r["lr"] == lr}
+
+
+def stable_everywhere(rows: list[dict], key: tuple, lr: float) -> bool:
+    at = [r for r in rows if cell_key(r) == key and r["lr"] == lr]
+    return bool(at) and all(r["stable"] for r in at)
+
+
+def warmup_sentences(rows: list[dict], lrs) -> list[str]:
+    """Seed 004: does Post-LN without warmup fail at rates where Pre-LN trains, and does warmup change that?"""
+    pre, post = ("pre", False, *BASE), ("post", False, *BASE)
+    keys = {cell_key(r) for r in rows}
+    sentences = []
+    if {pre, post} <= keys:
+        sentences.append(f"Seed 004, LayerNorm, clipping 1.0, QK-norm off, no warmup: largest stable learning rate "
+                         f"Pre-LN {lr_text(largest_stable(rows, pre, lrs))}, "
+                         f"Post-LN {lr_text(largest_stable(rows, post, lrs))}")
+        gap = [lr for lr in lrs if stable_everywhere(rows, pre, lr) and not stable_everywhere(rows, post, lr)]
+        if not gap:
+            sentences.append("Post-LN without warmup fails at no learning rate where Pre-LN is stable in every seed")
+        for lr in gap:
+            post_runs = [r for r in rows if cell_key(r) == post and r["lr"] == lr]
+            loss = paired_ci(val_by_seed(rows, post, lr), val_by_seed(rows, pre, lr))
+            sentences.append(f"Post-LN without warmup fails at lr {lr:g} where Pre-LN is stable in every seed "
+                             f"({sum(not r['stable'] for r in post_runs)} of {len(post_runs)} Post-LN seeds "
+                             "unstable): " + compare("post", "pre", loss, "validation loss"))
+    for placement in ("post", "pre"):
+        cold, warm = (placement, False, *BASE), (placement, False, *WARMUP)
+        if {cold, warm} <= keys:
+            diff = step_comparison(rows, lrs, warm, cold)
+            word = verdict(diff)
+            sentences.append(f"{placement}, with warmup: largest stable learning rate "
+                             f"{lr_text(largest_stable(rows, warm, lrs))} (without: "
+                             f"{lr_text(largest_stable(rows, cold, lrs))}); stable step warmup − none = "
+                             f"{diff.text(2)} (95% CI, {diff.n} paired seeds): warmup {word}"
+                             + ("" if word.startswith("not resolved") else " the largest stable rate"))
+    return sentences
+
+
+def logit_sentences(rows: list[dict], placements, lrs: list[float]) -> list[str]:
+    """Paired over seeds, the base variant at each of ``lrs``: max attention logit with QK-norm − without."""
+    sentences = []
+    for lr in lrs:
+        for placement in placements:
+            on, off = (placement, True, *BASE), (placement, False, *BASE)
+            logit = {k: {r["seed"]: r["max_attention_logit"] for r in rows if cell_key(r) == k and r["lr"] == lr}
+                     for k in (on, off)}
+            if set(logit[on]) & set(logit[off]):
+                sentences.append(f"{placement}, LayerNorm, clipping, lr {lr:g}: " + compare(
+                    "QK-norm on", "off", paired_ci(logit[on], logit[off]), "max attention logit", digits=2))
+    return sentences
+
+
+def depth_runs(rows: list[dict], placement: str, norm: str, lr: float) -> list[dict]:
+    """Finite runs of (placement, norm) at ``lr`` with QK-norm off, clipping on, no warmup."""
+    key = (placement, False, norm, 1.0, False)
+    return [r for r in rows if cell_key(r) == key and r["lr"] == lr and r["outcome"] != "diverged"]
+
+
+def n_blocks(rows: list[dict]) -> int:
+    return sum(k.startswith("rms_block") for k in rows[0])
+
+
+def depth_table(rows: list[dict], placements, lr: float) -> tuple[list[str], list[list[str]], list[str]]:
+    """Residual-stream RMS after each block with 95% CIs over seeds, and the last/first ratio's verdict."""
+    blocks = n_blocks(rows)
+    header = ["placement", "norm", *[f"RMS after block {i + 1}" for i in range(blocks)], "last / first"]
+    table, sentences = [], []
+    for placement in placements:
+        for norm in NORMS:
+            mine = depth_runs(rows, placement, norm, lr)
+            if not mine:
+                continue
+            per_block = [mean_ci([r[f"rms_block{i}"] for r in mine]) for i in range(blocks)]
+            ratio = mean_ci([r[f"rms_block{blocks - 1}"] / r["rms_block0"] for r in mine])
+            table.append([placement, norm, *[b.text(2, signed=False) for b in per_block], ratio.text(2, signed=False)])
+            shift = mean_ci([r[f"rms_block{blocks - 1}"] / r["rms_block0"] - 1 for r in mine])
+            trend = ("grows with depth" if shift.resolved and shift.mean > 0 else
+                     "shrinks with depth" if shift.resolved else "not resolved (the interval contains 1)")
+            sentences.append(f"{placement}, {norm}, lr {lr:g}: residual-stream RMS last / first block = "
+                             f"{ratio.text(2, signed=False)} (95% CI, {ratio.n} seeds): {trend}")
+    return header, table, sentences
+
+
+def grid_table(rows: list[dict], lrs) -> tuple[list[str], list[list[str]]]:
+    """Per cell and learning rate: seeds stable, mean validation loss; the largest stable rate; logits at it."""
+    header = ["placement", "QK-norm", "norm", "clip", "warmup", *[f"lr {lr:g}" for lr in lrs],
+              "largest stable lr", "per-seed largest", "max attn logit there"]
+    table = []
+    for key in sorted({cell_key(r) for r in rows}):
+        mine = [r for r in rows if cell_key(r) == key]
+        per_lr = []
+        for lr in lrs:
+            at = [r for r in mine if r["lr"] == lr]
+            val = mean_ci([r["final_val_loss"] for r in at])
+            per_lr.append(f"{sum(r['stable'] for r in at)}/{len(at)}, {val.mean:.2f}" if val.n else
+                          f"0/{len(at)}, diverged")
+        best = largest_stable(rows, key, lrs)
+        logits = mean_ci([r["max_attention_logit"] for r in mine if r["lr"] == best])
+        per_seed = stable_steps(rows, key, lrs)
+        table.append([key[0], "on" if key[1] else "off", key[2], key[3] or "off", "yes" if key[4] else "no",
+                      *per_lr, lr_text(best), " ".join(lr_text(lrs[s] if s >= 0 else None) for _, s in
+                                                       sorted(per_seed.items())),
+                      logits.text(1, signed=False) if logits.n else "—"])
+    return header, table
+
+
+def factor_table(pairs: list[dict]) -> tuple[list[str], list[list[str]]]:
+    header = ["factor", "cell (base side)", "stable step changed − base (95% CI)", "verdict"]
+    return header, [[p["factor"], describe(p["base"]), p["diff"].text(2), p["verdict"]] for p in pairs]
+
+
+def conclusions(rows: list[dict], placements, lrs, reference_lr: float, pairs: list[dict]) -> list[str]:
+    """Sentences from the grid: who trained, seed 004's warmup claim, what each factor does to the largest stable
+    rate, attention logits with and without QK-norm."""
+    learned = sum(r["learned"] for r in rows)
+    diverged = sum(r["outcome"] == "diverged" for r in rows)
+    at_ref = [r for r in rows if r["lr"] == reference_lr]
+    sentences = [f"{learned} of {len(rows)} runs learned from context (validation loss below the unigram entropy − "
+                 f"{STALL_MARGIN}); {diverged} produced a non-finite loss; at lr {reference_lr:g} "
+                 f"{sum(r['learned'] for r in at_ref)} of {len(at_ref)} learned, best validation loss "
+                 f"{min((r['final_val_loss'] for r in at_ref if r['learned']), default=math.nan):.3f}"]
+    sentences += warmup_sentences(rows, lrs)
+    sentences += factor_sentences(pairs)
+    for placement in placements:
+        best = [largest_stable(rows, k, lrs) for k in sorted({cell_key(r) for r in rows}) if k[0] == placement]
+        sentences.append(f"{placement}: largest stable learning rate over its {len(best)} cells: "
+                         + ", ".join(lr_text(b) for b in best))
+    high = [lr for lr in (reference_lr, HIGH_LR) if lr in lrs]
+    sentences += logit_sentences(rows, placements, sorted(set(high)) or [max(lrs)])
+    return sentences
+
+
+def parse(argv) -> tuple[argparse.Namespace, dict, tuple, tuple, float]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a tiny model, 2 lrs, a few steps, 2 seeds (smoke run)")
     parser.add_argument("--seeds", type=int, default=None, help="seeds per cell (default 3; quick 2)")
@@ -244,82 +389,97 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    seeds = args.seeds or (2 if args.quick else 3)
-    if seeds < 2:
-        parser.error(f"intervals need at least 2 seeds, got {seeds}")
-    torch.set_num_threads(args.threads)
+    args.seeds = args.seeds or (2 if args.quick else 3)
+    if args.seeds < 2:
+        parser.error(f"intervals need at least 2 seeds, got {args.seeds}")
     setup, lrs = (dict(QUICK), QUICK_LRS) if args.quick else (dict(FULL), FULL_LRS)
     if args.lrs:
-        lrs = tuple(sorted(float(lr) for lr in args.lrs.split(",") if lr))
+        lrs = tuple(sorted({float(lr) for lr in args.lrs.split(",") if lr}))
     if not lrs or min(lrs) <= 0:
         parser.error(f"learning rates must be positive, got {args.lrs!r}")
     placements = tuple(p for p in PLACEMENTS if p in args.placements.split(","))
     if not placements or set(args.placements.split(",")) - set(PLACEMENTS):
         parser.error(f"placements must be a subset of {PLACEMENTS}, got {args.placements!r}")
     reference_lr = REFERENCE_LR if REFERENCE_LR in lrs else lrs[0]
+    return args, setup, lrs, placements, reference_lr
+
+
+def main(argv=None) -> None:
+    args, setup, lrs, placements, reference_lr = parse(argv)
+    torch.set_num_threads(args.threads)
     clock = Stopwatch()
-    rows = collect(setup, placements, lrs, seeds, clock)
+    rows = collect(setup, placements, lrs, args.seeds, clock)
     name = "stability_quick" if args.quick else "stability"
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(args.out / f"{name}.csv", rows)
-    table = []
-    for key in sorted({cell_key(r) for r in rows}):
-        mine = [r for r in rows if cell_key(r) == key]
-        per_lr = [f"{sum(r['stable'] for r in at)}/{len(at)}, {mean_ci([r['final_val_loss'] for r in at]).mean:.3f}, "
-                  f"{sum(r['learned'] for r in at)}"
-                  for lr in lrs for at in [[r for r in mine if r["lr"] == lr]]]
-        best = largest_stable(rows, key, lrs)
-        logits = [r["max_attention_logit"] for r in mine if r["lr"] == best and r["outcome"] != "diverged"]
-        table.append([*key[:3], key[3] or "off", *per_lr, "none" if best is None else f"{best:g}",
-                      f"{statistics.fmean(logits):.1f}" if logits else "—"])
-    header = ["placement", "QK-norm", "norm", "clip", *[f"lr {lr:g}: stable, val loss, learned" for lr in lrs],
-              "largest stable lr",
-              "max attn logit there"]
-    runs = len(rows)
-    budget = (f"{runs} runs ({len(lrs)} lrs × {len(placements)} placements × 2 QK-norm × {len(VARIANTS)} variants "
-              f"(norm, clipping) × {seeds} seeds), {setup['max_steps']} steps each, ≤ 30 min intended")
+    pairs = factor_rows(rows, lrs)
+    depth_header, depth, depth_sentences = depth_table(rows, placements, reference_lr)
+    n_cells = len(cells(placements))
+    budget = (f"{len(rows)} runs ({len(lrs)} lrs × {n_cells} cells × {args.seeds} seeds), {setup['max_steps']} "
+              f"steps each, {args.threads} thread(s), ≤ {BUDGET_MIN} min on one core intended")
     text = "\n".join([
-        f"# Stability: learning rate × placement × QK-norm × norm × clipping ({'quick' if args.quick else 'full'} run)",
-        "", f"No warmup; cosine decay to lr/10. Per learning rate: seeds stable (finite, validation loss within {SPIKE} "
-        f"of the best learning rate's for that cell and seed), mean validation loss (nats/byte), seeds that learned "
-        f"(validation loss below the byte-unigram entropy − {STALL_MARGIN}). A cell's largest stable learning rate: "
-        "every seed stable there.", "",
-        markdown_table(header, table), "",
+        f"# Stability: learning rate × placement × QK-norm × norm × clipping × warmup "
+        f"({'quick' if args.quick else 'full'} run)", "",
+        f"Cosine decay to lr/10; warmup (where marked) linear over the first {WARMUP_FRACTION:.0%} of the steps. "
+        f"Per learning rate: seeds stable / seeds, mean validation loss (nats/byte). *Stable*: finite, learned "
+        f"(validation loss below the byte-unigram entropy − {STALL_MARGIN}) and within {SPIKE} of the best run of "
+        "the same cell and seed at this or a smaller rate. A cell's largest stable learning rate: every seed stable "
+        "there; per seed, its own largest stable rate (the *stable step* is its index on the grid, each step ×√10, "
+        "-1 for none; a seed stable at the top rate counts there, the grid's edge).", "",
+        markdown_table(*grid_table(rows, lrs)), "",
         "## Conclusions (from the grid and 95% intervals over seeds)", "",
-        *[f"- {s}" for s in conclusions(rows, lrs, reference_lr)], "",
+        *[f"- {s}" for s in conclusions(rows, placements, lrs, reference_lr, pairs)], "",
+        "## Each factor's effect on the largest stable learning rate (paired over seeds)", "",
+        markdown_table(*factor_table(pairs)), "",
+        f"## Residual-stream RMS over depth (lr {reference_lr:g}, QK-norm off, clipping on, no warmup; "
+        "mean [95% CI] over seeds)", "",
+        markdown_table(depth_header, depth), "",
+        *[f"- {s}" for s in depth_sentences], "",
         f"Setup: `{json.dumps(setup)}`, learning rates {list(lrs)}.",
-        f"Plot: `{name}.png` (left: residual-stream RMS after each block at lr {reference_lr:g}, QK-norm off, "
-        "clipping on, mean of finite runs; right: max attention logit vs learning rate, clipping on, mean of "
-        f"finite runs). Raw data: `{name}.csv` (one row per run).", "",
+        f"Plot: `{name}.png` (left: residual-stream RMS after each block at lr {reference_lr:g}, mean and 95% CI; "
+        "middle: validation loss vs learning rate, base variant; right: max attention logit vs learning rate, base "
+        f"variant). Raw data: `{name}.csv` (one row per run).", "",
         provenance(budget, corpus_line(setup["block_size"]), clock), ""])
     (args.out / f"{name}.md").write_text(text)
-    plot(args.out / f"{name}.png", rows, lrs, reference_lr)
+    plot(args.out / f"{name}.png", rows, placements, lrs, reference_lr)
     print(text)
 
 
-def plot(path: Path, rows: list[dict], lrs, reference_lr: float) -> None:
+def lr_curve(rows: list[dict], key: tuple, column: str, lrs) -> list[tuple[float, float]]:
+    """(lr, mean of ``column`` over the cell's finite runs) for each learning rate with one."""
+    finite = [r for r in rows if cell_key(r) == key and r["outcome"] != "diverged"]
+    return [(lr, statistics.fmean(vals)) for lr in lrs if (vals := [r[column] for r in finite if r["lr"] == lr])]
+
+
+def plot(path: Path, rows: list[dict], placements, lrs, reference_lr: float) -> None:
     plt = pyplot()
-    fig, (ax_depth, ax_logit) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for placement in PLACEMENTS:
+    fig, (ax_depth, ax_loss, ax_logit) = plt.subplots(1, 3, figsize=(16, 4.5))
+    blocks = n_blocks(rows)
+    for j, placement in enumerate(placements):
+        color = f"C{j}"  # one colour per placement in every panel
         for norm in NORMS:
-            mine = [r for r in rows if (r["placement"], r["norm"], r["lr"], r["qk_norm"], r["grad_clip"])
-                    == (placement, norm, reference_lr, False, 1.0) and r["outcome"] != "diverged"]
+            mine = depth_runs(rows, placement, norm, reference_lr)
             if mine:
-                depth = _last_block(mine[0]) + 1
-                ax_depth.plot(range(1, depth + 1), [statistics.fmean(r[f"rms_block{i}"] for r in mine)
-                                                    for i in range(depth)], marker="o", label=f"{placement}, {norm}")
-            for qk in (False, True):
-                points = [(lr, statistics.fmean(vals)) for lr in lrs
-                          if (vals := [r["max_attention_logit"] for r in rows if r["outcome"] != "diverged" and r["lr"] == lr
-                                       and (r["placement"], r["norm"], r["qk_norm"], r["grad_clip"])
-                                       == (placement, norm, qk, 1.0)])]
-                if points and norm == "layernorm":
-                    ax_logit.plot(*zip(*points), marker="o", ls="-" if qk else "--",
-                                  label=f"{placement}, QK-norm {'on' if qk else 'off'}")
-    ax_depth.set(xlabel="block", ylabel="residual stream RMS", title=f"activation RMS over depth (lr {reference_lr:g})")
+                per_block = [mean_ci([r[f"rms_block{i}"] for r in mine]) for i in range(blocks)]
+                half = [0.0 if math.isnan(b.high) else b.high - b.mean for b in per_block]
+                ax_depth.errorbar(range(1, blocks + 1), [b.mean for b in per_block], yerr=half, marker="o",
+                                  capsize=3, color=color, ls="-" if norm == "layernorm" else "--",
+                                  label=f"{placement}, {norm}")
+        for qk in (False, True):
+            for ax, column in ((ax_loss, "final_val_loss"), (ax_logit, "max_attention_logit")):
+                points = lr_curve(rows, (placement, qk, *BASE), column, lrs)
+                if points:
+                    ax.plot(*zip(*points), marker="o", ls="-" if qk else "--", color=color,
+                            label=f"{placement}, QK-norm {'on' if qk else 'off'}")
+        points = lr_curve(rows, (placement, False, *WARMUP), "final_val_loss", lrs)
+        if points:
+            ax_loss.plot(*zip(*points), marker="s", ls=":", color=color, label=f"{placement}, warmup")
+    ax_depth.set(xticks=range(1, blocks + 1), xlabel="block", ylabel="residual stream RMS", title=f"activation RMS over depth (lr {reference_lr:g})")
+    ax_loss.set(xscale="log", xlabel="peak learning rate", ylabel="validation loss (nats/byte)",
+                title="final validation loss (LayerNorm, clipping on)")
     ax_logit.set(xscale="log", yscale="log", xlabel="peak learning rate", ylabel="max |attention logit|",
                  title="largest attention logit (LayerNorm, clipping on)")
-    save_figure(fig, (ax_depth, ax_logit), path)
+    save_figure(fig, (ax_depth, ax_loss, ax_logit), path)
 
 
 if __name__ == "__main__":

@@ -132,17 +132,78 @@ def test_the_cbwc_model_with_dropout_is_all_rmsnorm_and_keeps_the_dropout(experi
     assert model.transformer.h[0].attn.attn_dropout == 0.1
 
 
-def test_stability_quick_measures_logits_and_depth_profile(tmp_path, experiment):
+def test_stability_quick_writes_the_grid_the_factor_table_and_the_depth_profile(tmp_path, experiment):
     experiment("stability").main(["--quick", "--seeds=2", "--lrs=0.01", "--placements=post", f"--out={tmp_path}"])
     rows = _rows(tmp_path / "stability_quick.csv")
-    assert len(rows) == 2 * 3 * 2  # QK-norm × (norm, clipping) variants × seeds
+    assert len(rows) == 2 * (2 * 3 + 1)  # seeds × (QK-norm × (norm, clipping) variants + the warmup variant)
     assert {r["placement"] for r in rows} == {"post"}
+    assert [r["qk_norm"] for r in rows if r["warmup"] == "True"] == ["False", "False"]
     for r in rows:
         if r["outcome"] != "diverged":
             assert float(r["max_attention_logit"]) > 0 and float(r["rms_block1"]) > 0
     report = (tmp_path / "stability_quick.md").read_text()
-    assert "largest stable lr" in report and "QK-norm raises" in report and "SHA-256" in report
+    assert "largest stable lr" in report and "SHA-256" in report and "## Each factor's effect" in report
+    assert "QK-norm on instead of off raises the largest stable learning rate in" in report
+    assert "post, with warmup: largest stable learning rate" in report and "RMS after block 2" in report
     assert (tmp_path / "stability_quick.png").stat().st_size > 1000
+
+
+def _stability_rows(stability, lrs, val, rms=lambda key, seed: (1.0, 1.0), logit=lambda key, lr, seed: 1.0):
+    """Rows as ``collect`` writes them for placements pre/post, 3 seeds: ``val(key, lr, seed)`` sets the losses."""
+    rows = []
+    for key, lr, seed in [(k, lr, s) for k in stability.cells(("pre", "post")) for lr in lrs for s in range(3)]:
+        loss = val(key, lr, seed)
+        rows.append(dict(zip(("placement", "qk_norm", "norm", "grad_clip", "warmup"), key), lr=lr, seed=seed,
+                         outcome="trained" if loss < 3.2 else "failed", learned=loss < 3.2, final_val_loss=loss,
+                         max_attention_logit=logit(key, lr, seed),
+                         **{f"rms_block{i}": v for i, v in enumerate(rms(key, seed))}))
+    stability.mark_stable(rows)
+    return rows
+
+
+def test_stability_report_sentences_are_read_from_the_numbers(experiment):
+    stability = experiment("stability")
+    lrs = (0.01, 0.03, 0.1)
+    post = ("post", False, "layernorm", 1.0, False)
+    jumpy = ("post", False, "rmsnorm", 1.0, False)
+
+    def val(key, lr, seed):
+        if key == post and lr > 0.01:  # Post-LN without warmup stalls above 0.01 in every seed
+            return 3.25
+        if key == jumpy and lr > 0.01 and seed == 0:  # one seed of three: not resolved
+            return 3.25
+        if key == ("pre", False, "layernorm", 0.0, False) and lr == 0.1:  # learned, but SPIKE worse than 0.03
+            return 2.5 + stability.SPIKE + 0.05
+        if key == ("pre", True, "layernorm", 0.0, False) and lr == 0.01:  # slow, below the best rate: stable
+            return 2.9
+        return 2.5 + 0.01 * seed
+
+    rows = _stability_rows(stability, lrs, val, rms=lambda key, seed: (1.0, 2.0 + 0.1 * seed if key[0] == "pre"
+                                                                        else 1.0 + 0.01 * (seed - 1)),
+                           logit=lambda key, lr, seed: 5.0 if key[1] else 20.0 + seed)
+    spiky = [r["stable"] for r in rows if r["placement"] == "pre" and not r["qk_norm"] and r["grad_clip"] == 0.0]
+    slow = [r["stable"] for r in rows if r["placement"] == "pre" and r["qk_norm"] and r["grad_clip"] == 0.0]
+    assert spiky == [True] * 6 + [False] * 3 and slow == [True] * 9
+    pairs = stability.factor_rows(rows, lrs)
+    by = {(p["factor"], p["base"]): p["verdict"] for p in pairs}
+    assert by[("QK-norm on vs off", post)] == "raises" and by[("post vs pre", ("pre", *post[1:]))] == "lowers"
+    assert by[("QK-norm on vs off", jumpy)] == "not resolved"  # stable steps +2, 0, 0 over the seeds
+    assert by[("QK-norm on vs off", ("pre", False, "layernorm", 1.0, False))] == "keeps"
+    assert by[("warmup vs none", post)] == "raises" and by[("warmup vs none", ("pre", *post[1:]))] == "keeps"
+    text = "\n".join(stability.conclusions(rows, ("pre", "post"), lrs, 0.01, pairs))
+    assert "largest stable learning rate Pre-LN 0.1, Post-LN 0.01" in text
+    assert "Post-LN without warmup fails at lr 0.03 where Pre-LN is stable in every seed (3 of 3" in text
+    assert "validation loss post − pre = +0.7400 [+0.7152, +0.7648] (95% CI, 3 paired seeds): post higher" in text
+    assert "post, with warmup: largest stable learning rate 0.1 (without: 0.01)" in text
+    assert "QK-norm on instead of off raises the largest stable learning rate in 2 of 6 cells" in text
+    assert "not resolved in 1" in text
+    assert "pre, LayerNorm, clipping, lr 0.1: max attention logit QK-norm on − off = -16.00" in text
+    _, table, depth = stability.depth_table(rows, ("pre", "post"), 0.01)
+    assert [t[:2] for t in table] == [["pre", "layernorm"], ["pre", "rmsnorm"], ["post", "layernorm"],
+                                      ["post", "rmsnorm"]]
+    assert depth[0].startswith("pre, layernorm, lr 0.01: residual-stream RMS last / first block = 2.10 [")
+    assert depth[0].endswith("grows with depth")
+    assert depth[2].endswith("not resolved (the interval contains 1)")
 
 
 @pytest.mark.parametrize("qk_norm", [False, True])
