@@ -28,10 +28,13 @@ Tied tables (``lm_head`` ↔ ``wte``): the plan's untie steps name the uses that
 uncentered tensor. CBWC keeps the tie — the lookup sees V, the head sees W, one Parameter gets both
 gradients — which is exactly the LayerNorm model's gradient. ``bake_`` unties them at the end.
 
-Cost: each V is computed once per optimizer step (``trainer.accumulate_gradients`` caches it across
-micro-batches; under FSDP2 once per micro-batch, see there) and the centering is a mean and a
-subtraction per tensor, forward and backward: 0.2% of a training step of the experiments' GPT at width
-144, 0.4% at 384 (``experiments/results/step_time.md``).
+Cost. ``normfold train`` runs CBWC by projection (:func:`project_centering_`): the centered tensors are plain
+Parameters held at V = P·W, the step centers their gradients before clipping and the tensors after AdamW, and
+only a tied table keeps its parametrization (its V computed once per step for all micro-batches by one
+autograd node, :func:`centered_once`). The forward then reads plain Parameters: the parametrization's property
+reads and per-step centering had cost 2–4% of a step of the experiments' 64-wide GPT; the projection costs a
+fraction of a percent (``experiments/results/step_time.md``). Under FSDP2 the parametrization stays (the mean
+runs along the sharded dim) and V is computed in every forward (see ``trainer.accumulate_gradients``).
 
 Where the equivalence breaks: dropout on a producer's output in training (residual / embedding
 dropout) rescales elements at random, so the stream is no longer zero-mean and the RMSNorm sees a
