@@ -313,11 +313,16 @@ def _grid_cell(grid_rows, fn, lr, expected) -> str:
 ROUNDING = 1e-4  # relative loss gap float32 training stays under when two models compute the same function
 
 
+def _loss_gaps(runs: list[dict], variant: str) -> list[float]:
+    """|loss − LayerNorm's loss| / |LayerNorm's| at every paired step of every seed."""
+    base = {r["seed"]: r["train_losses"] for r in runs if r["name"] == BASE}
+    return [abs(a - b) / abs(b) for r in runs if r["name"] == variant and r["seed"] in base
+            for a, b in zip(r["train_losses"], base[r["seed"]])]
+
+
 def _same_function_sentence(variant: str, diff, runs: list[dict]) -> str:
     """Validation-loss difference of a variant that computes LayerNorm's function: equal to rounding, or not."""
-    base = {r["seed"]: r["train_losses"] for r in runs if r["name"] == BASE}
-    gaps = [abs(a - b) / abs(b) for r in runs if r["name"] == variant and r["seed"] in base
-            for a, b in zip(r["train_losses"], base[r["seed"]])]
+    gaps = _loss_gaps(runs, variant)
     verdict = (f"equal to float32 rounding (every paired step within {ROUNDING:g} relative)"
                if gaps and max(gaps) <= ROUNDING else "NOT equal: a gap beyond float32 rounding (a bug to chase)")
     return (f"validation loss {variant} − layernorm = {diff.mean:+.1e} [{diff.low:+.1e}, {diff.high:+.1e}] "
@@ -326,9 +331,7 @@ def _same_function_sentence(variant: str, diff, runs: list[dict]) -> str:
 
 def _exactness(runs: list[dict], variant: str) -> str:
     """The largest relative gap of ``variant``'s training loss to LayerNorm's over all steps and seeds."""
-    base = {r["seed"]: r["train_losses"] for r in runs if r["name"] == BASE}
-    gaps = [abs(a - b) / abs(b) for r in runs if r["name"] == variant and r["seed"] in base
-            for a, b in zip(r["train_losses"], base[r["seed"]])]
+    gaps = _loss_gaps(runs, variant)
     finals = [abs(r["final_val_loss"] - next(s for s in runs if s["name"] == BASE and s["seed"] == r["seed"])
                   ["final_val_loss"]) for r in runs if r["name"] == variant and not r["diverged"]]
     if not gaps:
