@@ -30,7 +30,7 @@ from normfold.bench.stats import median_and_iqr, ratio_ci, verdict
 from normfold.bench.timing import rotated
 from normfold.ops import _library, rms_norm
 from normfold.train import resolve_config
-from normfold.train.cbwc import Centered, center_gradients_, center_parameters_, centered_once, project_centering_
+from normfold.train.cbwc import Centered, CenteringIndex, project_centering_
 from normfold.train.trainer import build_model, make_optimizer, train_step
 
 # the norm_comparison experiment's GPT (4 layers, batch 16 × 128 tokens), at its width and a wider one
@@ -45,39 +45,41 @@ CONTROL = "layernorm (A/A control)"
 
 
 def contenders(width: int, compile_too: bool) -> dict[str, tuple]:
-    """name -> (model, optimizer, config): LayerNorm, its A/A copy, CBWC, normfold RMSNorm (same seed)."""
+    """name -> (model, optimizer, config, CBWC index): LayerNorm, its A/A copy, CBWC, normfold RMSNorm (same
+    seed)."""
     made = {}
     for norm in (BASE, "cbwc_rmsnorm", "rmsnorm"):
         config = resolve_config(**SETUP, n_embd=width, n_head=HEADS.get(width, 4), norm=norm)
         model = build_model(config)
         project_centering_(model)  # CBWC as the trainer runs it (a no-op for the other norms)
-        made[norm] = (model, make_optimizer(model, config), config)
+        made[norm] = (model, make_optimizer(model, config), config, CenteringIndex(model))
     control = copy.deepcopy(made[BASE][0])  # same math, its own memory
-    made[CONTROL] = (control, make_optimizer(control, made[BASE][2]), made[BASE][2])
+    made[CONTROL] = (control, make_optimizer(control, made[BASE][2]), made[BASE][2], CenteringIndex(control))
     if compile_too:
         for norm in (BASE, "cbwc_rmsnorm", "rmsnorm"):
             config = resolve_config(**SETUP, n_embd=width, n_head=HEADS.get(width, 4), norm=norm, compile=True)
             model = build_model(config)
             project_centering_(model)
-            made[f"{norm} (compiled)"] = (torch.compile(model), make_optimizer(model, config), config)
+            made[f"{norm} (compiled)"] = (torch.compile(model), make_optimizer(model, config), config,
+                                          CenteringIndex(model))
     return made
 
 
 def time_steps(made: dict[str, tuple], budget_s: float, max_rounds: int, min_rounds: int) -> dict[str, list[float]]:
     """Seconds per optimizer step of every contender, round by round in rotating order."""
     x = torch.randint(256, (SETUP["batch_size"], SETUP["block_size"]), generator=torch.Generator().manual_seed(0))
-    for model, optimizer, config in made.values():  # warm-up: allocator, AdamW state, compilation
+    for model, optimizer, config, index in made.values():  # warm-up: allocator, AdamW state, compilation
         for _ in range(2):
-            train_step(model, optimizer, [(x, x)], config)
+            train_step(model, optimizer, [(x, x)], config, index)
     names, times = list(made), {name: [] for name in made}
     start = time.perf_counter()
     for r in range(max_rounds):
         if r >= min_rounds and time.perf_counter() - start > budget_s:
             break
         for name in rotated(names, r):
-            model, optimizer, config = made[name]
+            model, optimizer, config, index = made[name]
             t0 = CLOCK()
-            train_step(model, optimizer, [(x, x)], config).item()
+            train_step(model, optimizer, [(x, x)], config, index).item()
             times[name].append(CLOCK() - t0)
     return times
 
@@ -150,12 +152,13 @@ def centering_row(width: int, repeats: int, ln_step_s: float) -> dict:
     kept = sum(isinstance(m, Centered) for m in model.modules())
     for p in model.parameters():
         p.grad = torch.randn_like(p)
+    index = CenteringIndex(model)  # found once, as the trainer does
     times = []
     for _ in range(repeats):
         t0 = CLOCK()
-        center_gradients_(model)
-        center_parameters_(model)
-        with centered_once(model):
+        index.center_gradients_()
+        index.center_parameters_()
+        with index.centered_once():
             pass
         times.append(CLOCK() - t0)
     added = median_and_iqr(times)[0]

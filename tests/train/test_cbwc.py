@@ -315,7 +315,7 @@ def test_cbwc_refuses_a_second_application_and_bake_refuses_a_plain_model():
     (FoldPlan(affine_fold=[AffineFoldStep("transformer.ln_f", None, None, "lm_head.weight", 1, "lm_head.bias")]),
      "without affine folding"),
     (FoldPlan(swap=[SwapStep("transformer.ln_f", "LayerNorm", 16, 1e-5, False, False)]), "swaps to 'LayerNorm'"),
-    (FoldPlan(center=[CenterStep("transformer.wpe.weight", 1, 5)]), "group must divide"),
+    (FoldPlan(center=[CenterStep("transformer.wpe.weight", 1, 5)]), "group must be a positive divisor"),
     (FoldPlan(center=[CenterStep("transformer.wpe.weight", 2)]), "dim must be in"),
 ])
 def test_cbwc_refuses_plans_it_cannot_train_before_changing_anything(plan, match):

@@ -7,6 +7,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..ops import centering
+from ..ops.centering import check_centering
+
 
 def compute_dtype(t: Tensor) -> torch.dtype:
     """float64 for float32/float64 storage (results correctly rounded to float32); float32 for
@@ -19,20 +22,11 @@ def center(t: Tensor, dim: int, group: int | None = None) -> Tensor:
     """t − mean(t) along ``dim``, the mean taken per contiguous ``group`` elements (None: whole dim).
 
     For a linear weight W (out, in) and dim=0 this is W ← (I − 11ᵀ/m)·W: every output is then
-    zero-mean over the outputs, whatever the input.
+    zero-mean over the outputs, whatever the input. Detached, in ``compute_dtype(t)``
+    (``normfold.ops.centering.center`` is the differentiable one in t's dtype).
     """
-    if not -t.dim() <= dim < t.dim():
-        raise ValueError(f"dim must be in [{-t.dim()}, {t.dim()}) for a {t.dim()}-D tensor, got {dim}")
-    x = t.detach().to(compute_dtype(t))
-    if group is None:
-        return (x - x.mean(dim, keepdim=True)).to(t.dtype)
-    n = x.shape[dim]
-    if group <= 0 or n % group:
-        raise ValueError(f"group must be a positive divisor of the size {n} of dim {dim}, got {group}")
-    moved = x.movedim(dim, -1)
-    grouped = moved.reshape(*moved.shape[:-1], n // group, group)  # (..., groups, group)
-    grouped = grouped - grouped.mean(-1, keepdim=True)
-    return grouped.reshape(moved.shape).movedim(-1, dim).to(t.dtype)
+    dim = check_centering(t, dim, group)
+    return centering.center(t.detach().to(compute_dtype(t)), dim, group).to(t.dtype)
 
 
 def fold_affine_into_consumer(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta: Tensor | None,

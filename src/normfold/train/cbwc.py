@@ -58,10 +58,11 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..fold import FoldError, FoldReport, analyze
+from ..ops import centering
 from ..fold.transform import swap_norm, untie_config
 
 __all__ = ["cbwc_", "bake_", "Centered", "PartialCBWCError", "centered_once", "project_centering_",
-           "center_gradients_", "center_parameters_"]
+           "center_gradients_", "center_parameters_", "CenteringIndex"]
 
 
 class PartialCBWCError(FoldError):
@@ -72,8 +73,8 @@ class PartialCBWCError(FoldError):
 class Centered(nn.Module):
     """Parametrization V = W − mean(W) along ``dim``, per contiguous ``group`` elements (None: whole dim).
 
-    The differentiable twin of ``normfold.fold.math.center`` (which detaches and works in float64
-    for one-off folding); here the gradient must flow to W, in W's dtype.
+    ``normfold.ops.centering.center`` in a module (``normfold.fold.math.center`` detaches and works in
+    float64 for one-off folding); here the gradient must flow to W, in W's dtype.
     """
 
     def __init__(self, dim: int, group: int | None = None) -> None:
@@ -89,11 +90,7 @@ class Centered(nn.Module):
 
     def center(self, w: Tensor) -> Tensor:
         """P·w; P is symmetric, so this is also the backward's map from ∂L/∂V to ∂L/∂W."""
-        if self.group is None:
-            return w - w.mean(self.dim, keepdim=True)
-        dim = self.dim % w.dim()
-        grouped = w.unflatten(dim, (w.shape[dim] // self.group, self.group))  # (..., groups, group, ...)
-        return (grouped - grouped.mean(dim + 1, keepdim=True)).flatten(dim, dim + 1)
+        return centering.center(w, self.dim, self.group)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}" + (f", group={self.group}" if self.group is not None else "")
@@ -117,26 +114,15 @@ class _CenterAll(torch.autograd.Function):
         return (None, *(None if g is None else c.center(g) for c, g in zip(ctx.centerings, grads)))
 
 
-@contextlib.contextmanager
-def centered_once(model: nn.Module) -> Iterator[None]:
+def centered_once(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Inside the block, every CBWC weight of ``model`` reads one V = P·W computed on entry, all by one
     autograd node (gradients still reach W through it). W must not change inside: use it around the
     forwards and backwards of one optimizer step, not around ``optimizer.step()``. Not for
     ``torch.compile``d forwards (they would trace the precomputed tensors) nor FSDP2 (see
     ``trainer.accumulate_gradients``): there ``parametrize.cached()`` or plain reads apply.
+    (:meth:`CenteringIndex.centered_once` without the search for the tensors.)
     """
-    held = [(plist[0], plist.original) for module in model.modules() if parametrize.is_parametrized(module)
-            for plist in module.parametrizations.values() if len(plist) == 1 and isinstance(plist[0], Centered)]
-    if any(c.ready is not None for c, _ in held):
-        raise RuntimeError("centered_once is already active for this model")
-    values = _CenterAll.apply(tuple(c for c, _ in held), *(w for _, w in held)) if held else ()
-    try:
-        for (c, _), v in zip(held, values):
-            c.ready = v
-        yield
-    finally:
-        for c, _ in held:
-            c.ready = None
+    return CenteringIndex(model).centered_once()
 
 
 # A module whose Parameters CBWC keeps centered by projection holds {attribute: Centered} here (see
@@ -193,26 +179,71 @@ def project_centering_(model: nn.Module) -> int:
     return converted
 
 
-def _projected(model: nn.Module):
-    """(Parameter, Centered) of every tensor :func:`project_centering_` converted in ``model``."""
-    for module in model.modules():
-        for attr, centering in module.__dict__.get(_PROJECTED_ATTR, {}).items():
-            yield module._parameters[attr], centering
+class CenteringIndex:
+    """Where a model's CBWC tensors are, found once: the Parameters trained by projection
+    (:func:`project_centering_`) and the parametrized ones (a tied table), with what a training step does
+    to them. A walk over a small model's modules costs about as much as centering its tensors, and a step
+    needs them three times: a training loop builds one index and keeps it. It describes the model as it
+    was: build a new one after ``cbwc_``, ``project_centering_`` or ``bake_``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.projected: list[tuple[nn.Module, str, Centered]] = [
+            (module, attr, c) for module in model.modules()
+            for attr, c in module.__dict__.get(_PROJECTED_ATTR, {}).items()]
+        self.parametrized: list[tuple[Centered, Tensor]] = [
+            (plist[0], plist.original) for module in model.modules() if parametrize.is_parametrized(module)
+            for plist in module.parametrizations.values() if len(plist) == 1 and isinstance(plist[0], Centered)]
+        self._tensors = [module._parameters[attr] for module, attr, _ in self.projected]
+        self._dims = [c.dim for _, _, c in self.projected]
+        self._groups = [c.group for _, _, c in self.projected]
+
+    def parameters(self) -> list[Tensor]:
+        """The Parameters trained by projection (each holds V = P·W)."""
+        return list(self._tensors)
+
+    def center_gradients_(self) -> None:
+        """Replace each projected Parameter's gradient g by P·g (the parametrized model's gradient of W)."""
+        grads = [p.grad for p in self._tensors]
+        if any(g is None for g in grads):  # a tensor the loss did not reach this step
+            kept = [i for i, g in enumerate(grads) if g is not None]
+            centering.center_([grads[i] for i in kept], [self._dims[i] for i in kept], [self._groups[i] for i in kept])
+        else:
+            centering.center_(grads, self._dims, self._groups)
+
+    def center_parameters_(self) -> None:
+        """Project each projected Parameter back onto the centered subspace (after an optimizer step)."""
+        centering.center_(self._tensors, self._dims, self._groups)
+
+    @contextlib.contextmanager
+    def centered_once(self) -> Iterator[None]:
+        """:func:`centered_once` for the parametrized tensors of this index."""
+        held = self.parametrized
+        if any(c.ready is not None for c, _ in held):
+            raise RuntimeError("centered_once is already active for this model")
+        if len(held) > 2:  # one autograd node for all: cheaper than a mean and a subtraction per tensor
+            values = _CenterAll.apply(tuple(c for c, _ in held), *(w for _, w in held))
+        else:  # a tied table alone: two recorded ops cost less than a Python autograd.Function
+            values = tuple(c.center(w) for c, w in held)
+        try:
+            for (c, _), v in zip(held, values):
+                c.ready = v
+            yield
+        finally:
+            for c, _ in held:
+                c.ready = None
 
 
-@torch.no_grad()
 def center_gradients_(model: nn.Module) -> None:
-    """Replace each projected Parameter's gradient g by P·g (the parametrized model's gradient of W)."""
-    for p, centering in _projected(model):
-        if p.grad is not None:
-            p.grad.copy_(centering.center(p.grad))
+    """Replace each projected Parameter's gradient g by P·g (the parametrized model's gradient of W).
+    (:meth:`CenteringIndex.center_gradients_` without the search for the tensors.)"""
+    CenteringIndex(model).center_gradients_()
 
 
-@torch.no_grad()
 def center_parameters_(model: nn.Module) -> None:
-    """Project each projected Parameter back onto the centered subspace (after an optimizer step)."""
-    for p, centering in _projected(model):
-        p.copy_(centering.center(p))
+    """Project each projected Parameter back onto the centered subspace (after an optimizer step).
+    (:meth:`CenteringIndex.center_parameters_` without the search for the tensors.)"""
+    CenteringIndex(model).center_parameters_()
 
 
 def _holders(model: nn.Module, tensor: Tensor) -> list[tuple[str, nn.Module, str]]:
@@ -226,10 +257,10 @@ def _holders(model: nn.Module, tensor: Tensor) -> list[tuple[str, nn.Module, str
 
 
 def _check_group(tensor: Tensor, fqn: str, dim: int, group: int | None) -> None:
-    if not -tensor.dim() <= dim < tensor.dim():
-        raise ValueError(f"plan step for {fqn!r}: dim must be in [{-tensor.dim()}, {tensor.dim()}), got {dim}")
-    if group is not None and (group <= 0 or tensor.shape[dim] % group):
-        raise ValueError(f"plan step for {fqn!r}: group must divide size {tensor.shape[dim]} of dim {dim}, got {group}")
+    try:
+        centering.check_centering(tensor, dim, group)
+    except ValueError as exc:
+        raise ValueError(f"plan step for {fqn!r}: {exc}") from None
 
 
 def _check_complete(report: FoldReport, allow_partial: bool) -> None:

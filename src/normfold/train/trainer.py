@@ -24,7 +24,7 @@ from torch.nn.utils import parametrize
 
 from .._deps import require
 from ..hf.load import CheckpointError
-from .cbwc import cbwc_, center_gradients_, center_parameters_, centered_once, project_centering_
+from .cbwc import CenteringIndex, cbwc_, project_centering_
 from .checkpoint import save_checkpoint
 from .config import TrainConfig
 from .data import TokenSplits, corpus_sha256, load_documents
@@ -87,10 +87,11 @@ def build_model(config: TrainConfig, device: torch.device | str = "cpu") -> GPT:
 
 
 def accumulate_gradients(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                         config: TrainConfig) -> torch.Tensor:
+                         config: TrainConfig, index: CenteringIndex | None = None) -> torch.Tensor:
     """Gradients of the mean loss over the micro-batches ``[(x, y), ...]`` (set, not added to): each forward
     under the config's autocast and backward of loss / len(batches) (DDP all-reduces on the last only).
-    Returns the detached mean loss (not synchronized with the device).
+    Returns the detached mean loss (not synchronized with the device). ``index``: the model's CBWC tensors
+    (:class:`~normfold.train.cbwc.CenteringIndex`, found anew when None; a training loop keeps one).
 
     CBWC's centered weights V = P·W depend only on W, which changes at ``optimizer.step()``: they are computed
     once for all micro-batches, all of them by one autograd node (``cbwc.centered_once``; compiled models:
@@ -104,8 +105,10 @@ def accumulate_gradients(model: nn.Module, batches: list[tuple[torch.Tensor, tor
     losses = []
     if is_sharded(model):
         once = contextlib.nullcontext()
+    elif config.compile:
+        once = parametrize.cached()
     else:
-        once = parametrize.cached() if config.compile else centered_once(model)
+        once = (index if index is not None else CenteringIndex(model)).centered_once()
     with once:
         for i, (x, y) in enumerate(batches):
             with _autocast(config, x.device):
@@ -116,34 +119,37 @@ def accumulate_gradients(model: nn.Module, batches: list[tuple[torch.Tensor, tor
     return torch.stack(losses).mean()
 
 
-def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.Tensor:
+def apply_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, config: TrainConfig,
+                    index: CenteringIndex | None = None) -> torch.Tensor:
     """Global-norm clipping (``grad_clip`` > 0) and the optimizer step; returns the gradient norm before clipping
-    (whole, also when FSDP2 shards it)."""
+    (whole, also when FSDP2 shards it). ``index`` as for :func:`accumulate_gradients`."""
     params = [p for p in model.parameters() if p.grad is not None]
-    center_gradients_(model)  # CBWC tensors trained by projection (cbwc.project_centering_): g ↦ P·g
+    index = index if index is not None else CenteringIndex(model)
+    index.center_gradients_()  # CBWC tensors trained by projection (cbwc.project_centering_): g ↦ P·g
     norm = nn.utils.get_total_norm([p.grad for p in params])
     if config.grad_clip > 0:
         nn.utils.clip_grads_with_norm_(params, config.grad_clip, norm)
     optimizer.step()
-    center_parameters_(model)  # and W ↦ P·W after the step
+    index.center_parameters_()  # and W ↦ P·W after the step
     return full_tensor(norm).detach()
 
 
 def step_with_norm(model: nn.Module, optimizer: torch.optim.Optimizer,
-                   batches: list[tuple[torch.Tensor, torch.Tensor]],
-                   config: TrainConfig) -> tuple[torch.Tensor, torch.Tensor]:
+                   batches: list[tuple[torch.Tensor, torch.Tensor]], config: TrainConfig,
+                   index: CenteringIndex | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step over the micro-batches ``[(x, y), ...]`` (:func:`accumulate_gradients`, then
     :func:`apply_gradients`); returns the detached mean loss and the gradient norm before clipping."""
     optimizer.zero_grad(set_to_none=True)
-    loss = accumulate_gradients(model, batches, config)
-    return loss, apply_gradients(model, optimizer, config)
+    index = index if index is not None else CenteringIndex(model)
+    loss = accumulate_gradients(model, batches, config, index)
+    return loss, apply_gradients(model, optimizer, config, index)
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batches: list[tuple[torch.Tensor, torch.Tensor]],
-               config: TrainConfig) -> torch.Tensor:
+               config: TrainConfig, index: CenteringIndex | None = None) -> torch.Tensor:
     """One optimizer step (:func:`step_with_norm`); returns the detached mean loss (not synchronized with the
     device)."""
-    return step_with_norm(model, optimizer, batches, config)[0]
+    return step_with_norm(model, optimizer, batches, config, index)[0]
 
 
 class _Progress:
@@ -306,6 +312,7 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
     if not (dist.enabled and config.parallel == "fsdp2"):  # CBWC by projection (FSDP2 shards the centered dim)
         project_centering_(raw_model)
     train_model = wrap_for_training(raw_model, config.parallel, dist, device)
+    index = CenteringIndex(train_model)  # after FSDP2: the tensors the step centers, found once for the run
     optimizer = make_optimizer(raw_model, config)  # after FSDP2 sharded the parameters in place
     if config.compile:  # after DDP, as torch.compile's DDP support expects; evaluation stays eager
         train_model = torch.compile(train_model)
@@ -335,7 +342,7 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            loss, grad_norm = step_with_norm(train_model, optimizer, batches, config)
+            loss, grad_norm = step_with_norm(train_model, optimizer, batches, config, index)
             if dist.enabled:
                 torch.distributed.all_reduce(loss, op=torch.distributed.ReduceOp.AVG)
             loss_value, grad_norm_value = loss.item(), grad_norm.item()  # synchronizes with the device

@@ -36,7 +36,8 @@ from torch import Tensor
 
 from ..._progress import notice
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "norm_cpu.cpp"
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_SOURCES = (_CSRC / "norm_cpu.cpp", _CSRC / "center_cpu.cpp")  # norm_cpu.cpp holds the Python bindings
 
 # Compiler flags per torch CPU capability: ATen's Vectorized picks its implementation from the
 # CPU_CAPABILITY_* macro, and the -m flags let the compiler emit those instructions.
@@ -73,7 +74,7 @@ def _abi_tag() -> str:
 
 def build_dir() -> Path:
     """Where this source / torch / Python ABI / CPU combination is built."""
-    sources = b"".join(path.read_bytes() for path in sorted(_SOURCE.parent.iterdir()) if path.suffix in (".cpp", ".h"))
+    sources = b"".join(path.read_bytes() for path in sorted(_CSRC.iterdir()) if path.suffix in (".cpp", ".h"))
     key = hashlib.sha256(sources + torch.__version__.encode() + " ".join(_cflags()).encode() + _abi_tag().encode())
     root = Path(os.environ.get("NORMFOLD_CACHE_DIR") or Path.home() / ".cache" / "normfold") / "cpp"  # "" = unset
     return root / f"norm_cpu_{key.hexdigest()[:16]}"
@@ -126,8 +127,9 @@ def _build_and_import(verbose: bool) -> ModuleType:
         except FileNotFoundError:
             pass
         with notice(f"building the C++ CPU kernel (once; cached in {directory.parent})"):  # about a minute
-            module = cpp_extension.load(name=directory.name, sources=[str(_SOURCE)], extra_cflags=_cflags(),
-                                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=verbose)
+            module = cpp_extension.load(name=directory.name, sources=[str(path) for path in _SOURCES],
+                                        extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
+                                        build_directory=str(directory), verbose=verbose)
         _write_record(record, library)
         return module
 

@@ -43,6 +43,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "center_cpu.h"
 #include "output_cache.h"
 
 namespace {
@@ -631,4 +632,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("norm_bwd", &norm_bwd, "fused RMSNorm/LayerNorm backward", py::arg("dy"), py::arg("ds"), py::arg("s"),
         py::arg("weight"), py::arg("mean"), py::arg("rstd"), py::arg("offset"), py::arg("is_rms"),
         py::arg("has_bias"), py::call_guard<py::gil_scoped_release>());
+  m.def("center_", &normfold::center_,
+        "t <- t - mean(t) along dims[i] per groups[i] elements (None: all), in place; returns the indices left undone",
+        py::arg("tensors"), py::arg("dims"), py::arg("groups"), py::call_guard<py::gil_scoped_release>());
 }
