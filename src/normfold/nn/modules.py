@@ -48,7 +48,9 @@ class _LastDimNorm(nn.Module):
 class RMSNorm(_LastDimNorm):
     """y = x / sqrt(mean(x², -1) + eps) · (offset + weight) + bias.
 
-    ``bias=True`` holds a LayerNorm's β after folding; ``offset=1.0`` is Gemma's (1 + w).
+    ``bias=True`` holds a LayerNorm's β after folding; ``offset=1.0`` is Gemma's (1 + w). Called with
+    ``residual``, it normalizes s = x + residual and returns ``(y, s)``: the add runs inside the kernel (one pass
+    over the stream; the backward adds the residual's gradient in the same pass).
     """
 
     def __init__(self, normalized_shape, eps: float = 1e-6, elementwise_affine: bool = True,
@@ -63,8 +65,8 @@ class RMSNorm(_LastDimNorm):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.bias, self.eps, offset=self.offset)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        return rms_norm(x, self.weight, self.bias, self.eps, residual=residual, offset=self.offset)
 
     def extra_repr(self) -> str:
         s = f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
@@ -86,7 +88,7 @@ class LayerNorm(_LastDimNorm):
     """Drop-in ``torch.nn.LayerNorm`` over the last dimension, on the fused kernel.
 
     Same constructor, attributes and state-dict keys as torch's; only a 1-D
-    ``normalized_shape`` is supported.
+    ``normalized_shape`` is supported. ``residual`` as for :class:`RMSNorm`.
     """
 
     def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
@@ -100,8 +102,8 @@ class LayerNorm(_LastDimNorm):
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return layer_norm(x, self.weight, self.bias, self.eps)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        return layer_norm(x, self.weight, self.bias, self.eps, residual=residual)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

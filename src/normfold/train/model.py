@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..nn import LayerNorm as FusedLayerNorm
 from ..nn import RMSNorm
 
 NORMS = ("layernorm", "layernorm_handrolled", "rmsnorm_torch", "rmsnorm_handrolled", "rmsnorm", "cbwc_rmsnorm", "none")
@@ -109,6 +110,17 @@ def make_norm(kind: str, n: int, eps: float) -> nn.Module:
     raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
 
 
+def add_norm(norm: nn.Module, branch: Tensor, stream: Tensor) -> tuple[Tensor, Tensor]:
+    """(s, norm(s)) with s = stream + branch, the residual add and the norm after it. normfold's norms take the
+    add into their kernel (one pass over the stream instead of two; the backward adds the residual's gradient in
+    the same pass); every other norm adds first. The same function either way."""
+    if isinstance(norm, (RMSNorm, FusedLayerNorm)):
+        y, s = norm(branch, residual=stream)
+        return s, y
+    s = stream + branch
+    return s, norm(s)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -161,15 +173,17 @@ class Block(nn.Module):
             self.ln_1_post = norm()
             self.ln_2_post = norm()
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, C) -> (B, T, C)
+    def forward(self, x: Tensor) -> Tensor:  # (B, T, C) -> (B, T, C), the residual stream
+        # each residual add that a norm reads goes through add_norm (inside the kernel of a normfold norm)
         if self.placement == "pre":
-            x = x + self.attn(self.ln_1(x))
-            return x + self.mlp(self.ln_2(x))
+            x, h = add_norm(self.ln_2, self.attn(self.ln_1(x)), x)  # x + attn(ln_1(x)), and ln_2 of it
+            return x + self.mlp(h)
         if self.placement == "post":
-            x = self.ln_1(x + self.attn(x))
-            return self.ln_2(x + self.mlp(x))
-        x = x + self.ln_1_post(self.attn(self.ln_1(x)))
-        return x + self.ln_2_post(self.mlp(self.ln_2(x)))
+            _, x = add_norm(self.ln_1, self.attn(x), x)  # ln_1(x + attn(x))
+            _, x = add_norm(self.ln_2, self.mlp(x), x)
+            return x
+        x, h = add_norm(self.ln_2, self.ln_1_post(self.attn(self.ln_1(x))), x)
+        return x + self.ln_2_post(self.mlp(h))
 
 
 def set_dropout(model: nn.Module, rate: float) -> None:
