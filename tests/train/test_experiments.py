@@ -40,9 +40,13 @@ def test_norm_comparison_quick_writes_runs_grid_time_ratios_and_the_cbwc_equalit
     report = (tmp_path / "norm_comparison_quick.md").read_text()
     assert "| cbwc_rmsnorm |" in report and "Command:" in report and "SHA-256" in report
     assert "width 32: training time cbwc_rmsnorm / layernorm = " in report and "width 64: training time" in report
-    assert "validation loss cbwc_rmsnorm − layernorm" in report and "equal to float32 rounding" in report
+    assert "validation loss cbwc_rmsnorm − layernorm" in report and "equal to rounding" in report
+    assert "Yes, to rounding. Seed 0" in report and "in float64" in report
     assert "validation loss rmsnorm − layernorm" in report
-    for png in ("norm_comparison_quick_loss.png", "norm_comparison_quick_time.png"):
+    curves = _rows(tmp_path / "norm_comparison_quick_curves.csv")
+    assert {r["variant"] for r in curves if r["variant"].endswith("@fp64")} == {"layernorm@fp64", "cbwc_rmsnorm@fp64"}
+    for png in ("norm_comparison_quick_loss.png", "norm_comparison_quick_time.png",
+                "norm_comparison_quick_exactness.png"):
         assert (tmp_path / png).stat().st_size > 1000
 
 
@@ -57,6 +61,50 @@ def test_norm_comparison_trains_each_variant_exactly_as_normfold_train_does(tmp_
         theirs = train(resolve_config(**values, norm=norm, out_dir=str(tmp_path / norm), progress=False,
                                       save_checkpoint=False))
         assert ours["train_losses"] == theirs["train_losses"] and ours["val_losses"] == theirs["val_losses"]
+
+
+def _gap_runs(cbwc32, ln64, cbwc64):
+    """Synthetic runs of the exactness phase: LayerNorm float32 at loss 2.0 per step, the others as given."""
+    ln32 = [2.0] * len(cbwc32)
+    runs = [dict(name="layernorm", seed=0, train_losses=ln32), dict(name="cbwc_rmsnorm", seed=0, train_losses=cbwc32)]
+    exact = [dict(name="layernorm@fp64", seed=0, train_losses=ln64), dict(name="cbwc_rmsnorm@fp64", seed=0,
+                                                                          train_losses=cbwc64)]
+    return runs, exact
+
+
+@pytest.mark.parametrize("cbwc32,ln64,cbwc64,equal,why", [
+    # rounding: the float32 gap is LN's own float32-vs-float64 size, the float64 gap 1e-6 of it
+    ([2.0, 2.06], [2.0, 2.05], [2.0, 2.05 + 2e-7], True, "it shrinks with the rounding unit"),
+    # a bug: the same gap in float64 as in float32
+    ([2.0, 2.06], [2.0, 2.05], [2.0, 2.11], False, "does not shrink with the rounding unit"),
+    # float64 agrees but float32 CBWC strays far beyond what rounding does to LayerNorm
+    ([2.0, 2.5], [2.0, 2.01], [2.0, 2.01], False, "more than 2× that"),
+])
+def test_the_cbwc_equality_verdict_follows_the_rounding_gaps(experiment, cbwc32, ln64, cbwc64, equal, why):
+    nc = experiment("norm_comparison")
+    gaps = nc._rounding_gaps(*_gap_runs(cbwc32, ln64, cbwc64))
+    assert gaps["equal"] is equal
+    text = "\n".join(nc._exactness_section(gaps, 2, "x"))
+    assert text.count("Yes, to rounding") == equal and why in text
+    sentence = nc._same_function_sentence("cbwc_rmsnorm", nc.paired_ci({0: 1.0, 1: 2.0}, {0: 1.0, 1: 2.0}), [], gaps)
+    assert ("equal to rounding" in sentence) is equal and ("NOT equal" in sentence) is not equal
+
+
+def test_norm_comparison_reads_an_earlier_grid_and_refuses_one_without_its_rates(tmp_path, experiment, capsys):
+    nc = experiment("norm_comparison")
+    grid = tmp_path / "grid.csv"
+    grid.write_text("phase,variant,lr,seed,final_val_loss,diverged\n"
+                    + "".join(f"grid,{fn},{lr},100,{3.0 + i},False\n" for fn in ("layernorm", "rmsnorm")
+                              for i, lr in enumerate(("0.003", "0.006"))))
+    nc.main(["--quick", "--steps=2", "--seeds=2", "--variants=layernorm,rmsnorm", f"--grid-from={grid}",
+             f"--out={tmp_path}"])
+    report = (tmp_path / "norm_comparison_quick.md").read_text()
+    assert "| layernorm | 0.003 |" in report and "read from" in report  # the lower loss of the file won
+    assert {r["lr"] for r in _rows(tmp_path / "norm_comparison_quick_grid.csv")} == {"0.003", "0.006"}
+    grid.write_text("phase,variant,lr,seed,final_val_loss,diverged\ngrid,layernorm,0.003,100,3.0,False\n")
+    with pytest.raises(SystemExit) as exc:
+        nc.main(["--quick", "--variants=layernorm,rmsnorm", f"--grid-from={grid}", f"--out={tmp_path / 'b'}"])
+    assert exc.value.code == 2 and "no rows for (function, lr, seed)" in capsys.readouterr().err
 
 
 def test_norm_comparison_refuses_unknown_variants(tmp_path, experiment, capsys):
