@@ -63,6 +63,24 @@ def test_fused_add_rmsnorm_returns_normed_and_residual_stream():
     torch.testing.assert_close(normed, rms_norm_ref(x + residual, m.weight, eps=m.eps), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cls", [RMSNorm, LayerNorm])
+def test_a_norm_called_with_a_residual_adds_it_inside_and_returns_the_stream_with_every_gradient(cls):
+    m = cls(40, bias=True).double()
+    with torch.no_grad():
+        m.weight.uniform_(0.5, 1.5)
+        m.bias.normal_()
+    x, residual = (torch.randn(3, 5, 40, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    dy, ds = torch.randn(3, 5, 40, dtype=torch.float64), torch.randn(3, 5, 40, dtype=torch.float64)
+    normed, stream = m(x, residual=residual)
+    fused = torch.autograd.grad((normed, stream), (x, residual, m.weight, m.bias), (dy, ds))
+    s = x + residual
+    unfused = torch.autograd.grad((m(s), s), (x, residual, m.weight, m.bias), (dy, ds))
+    torch.testing.assert_close(stream, s, rtol=0, atol=0)
+    torch.testing.assert_close(normed, m(s), rtol=1e-12, atol=1e-12)
+    for a, b in zip(fused, unfused):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 def test_extra_repr_names_the_options():
     assert repr(RMSNorm(8, bias=True, offset=1.0)) == "RMSNorm((8,), eps=1e-06, elementwise_affine=True, bias=True, offset=1.0)"
     assert repr(LayerNorm(8)) == "LayerNorm((8,), eps=1e-05, elementwise_affine=True)"

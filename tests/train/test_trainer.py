@@ -90,3 +90,34 @@ def test_a_training_step_centers_each_cbwc_weight_once_for_all_micro_batches(mon
 def test_grad_accum_steps_must_be_a_positive_int():
     with pytest.raises(ValueError, match="grad_accum_steps must be a positive int, got 0"):
         resolve_config(grad_accum_steps=0)
+
+
+@pytest.mark.parametrize("placement", ["pre", "post", "sandwich"])
+def test_normfold_norms_take_the_residual_add_into_their_kernel_and_compute_the_same_function(placement, monkeypatch):
+    from normfold.train import model as model_module
+
+    config = resolve_config(n_layer=2, n_head=2, n_embd=16, block_size=8, norm="rmsnorm", placement=placement,
+                            precision="fp64", seed=5, progress=False)
+    gpt = build_model(config)
+    x = torch.randint(256, (2, 8), generator=torch.Generator().manual_seed(0))
+    calls = []
+    real = model_module.add_norm
+
+    def counted(norm, branch, stream):
+        calls.append(type(norm).__name__)
+        return real(norm, branch, stream)
+
+    monkeypatch.setattr(model_module, "add_norm", counted)
+    loss = gpt(x, x)[1]
+    fused = torch.autograd.grad(loss, list(gpt.parameters()))
+    assert calls and set(calls) == {"RMSNorm"}  # every block's add-then-norm went through the fused route
+
+    def unfused(norm, branch, stream):  # what any other norm gets: the add first
+        s = stream + branch
+        return s, norm(s)
+
+    monkeypatch.setattr(model_module, "add_norm", unfused)
+    plain_loss = gpt(x, x)[1]
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-13, atol=0)
+    for a, b in zip(fused, torch.autograd.grad(plain_loss, list(gpt.parameters()))):
+        torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
