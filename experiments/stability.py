@@ -40,6 +40,7 @@ from _common import (RESULTS, STALL_MARGIN, Stopwatch, corpus_line, markdown_tab
 from stats import Interval, compare, mean_ci, paired_ci
 
 from normfold.train import GPT, TrainConfig
+from normfold.train.model import Block
 from normfold.train.data import TokenSplits, load_documents
 from normfold.train.trainer import build_model
 
@@ -69,12 +70,15 @@ def capture(model: GPT) -> tuple[dict, list]:
     def keep(key):
         return lambda module, args, out: store.__setitem__(key, out.detach())
 
+    def keep_stream(key):  # a block returns the stream as (x, branch)
+        return lambda module, args, out: store.__setitem__(key, Block.stream(out).detach())
+
     for i, block in enumerate(model.transformer.h):
         handles.append(block.attn.c_attn.register_forward_hook(keep(("qkv", i))))
         if block.attn.q_norm is not None:
             handles.append(block.attn.q_norm.register_forward_hook(keep(("q", i))))
             handles.append(block.attn.k_norm.register_forward_hook(keep(("k", i))))
-        handles.append(block.register_forward_hook(keep(("out", i))))
+        handles.append(block.register_forward_hook(keep_stream(("out", i))))
     return store, handles
 
 

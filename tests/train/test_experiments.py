@@ -261,6 +261,7 @@ def test_stability_measures_the_logits_softmax_sees_and_the_stream_rms(experimen
     import torch
 
     from normfold.train import GPT, GPTConfig
+    from normfold.train.model import Block
     stability = experiment("stability")
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=8, block_size=6, qk_norm=qk_norm)).eval()
@@ -276,7 +277,7 @@ def test_stability_measures_the_logits_softmax_sees_and_the_stream_rms(experimen
                 q, k = block.attn.q_norm(q), block.attn.k_norm(k)
             scores = torch.einsum("bthd,bshd->bhts", q, k) / math.sqrt(4)
             expected_logit = max(expected_logit, scores.abs().masked_select(torch.ones(6, 6).tril().bool()).max().item())
-            h = block(h)
+            h = Block.stream(block(h))  # a block returns the stream as (x, branch)
             expected_rms.append(h.pow(2).mean().sqrt().item())
     assert logit == pytest.approx(expected_logit, rel=1e-5)
     assert rms == pytest.approx(expected_rms, rel=1e-5)

@@ -9,6 +9,10 @@ The norm under test and where it sits are config choices:
 * ``placement="pre"``      x = x + attn(ln_1(x));  x = x + mlp(ln_2(x));  logits = head(ln_f(x))
 * ``placement="post"``     x = ln_1(x + attn(x));  x = ln_2(x + mlp(x));  logits = head(x)
 * ``placement="sandwich"`` x = x + ln_1_post(attn(ln_1(x))), same for the MLP; final ln_f
+
+Every residual add that a norm reads runs inside that norm when it is one of normfold's (:func:`add_norm`):
+a block returns the stream as (x, branch), its last add left to the next norm, so ``Block.stream(output)``
+is the stream after it.
 """
 from __future__ import annotations
 
@@ -110,11 +114,15 @@ def make_norm(kind: str, n: int, eps: float) -> nn.Module:
     raise ValueError(f"norm must be one of {NORMS}, got {kind!r}")
 
 
-def add_norm(norm: nn.Module, branch: Tensor, stream: Tensor) -> tuple[Tensor, Tensor]:
-    """(s, norm(s)) with s = stream + branch, the residual add and the norm after it. normfold's norms take the
-    add into their kernel (one pass over the stream instead of two; the backward adds the residual's gradient in
-    the same pass); every other norm adds first. The same function either way."""
-    if isinstance(norm, (RMSNorm, FusedLayerNorm)):
+def add_norm(norm: nn.Module, branch: Tensor | None, stream: Tensor) -> tuple[Tensor, Tensor]:
+    """(s, norm(s)) with s = stream + branch (s = stream when branch is None): a residual add and the norm that
+    reads it. In training, normfold's norms take the add into their kernel (one pass over the stream instead of
+    two; the backward adds the residual's gradient in the same pass); every other norm, and every norm in eval
+    mode, adds first, so that what the fold and rotation engines trace (in eval mode) is plain adds and norms.
+    The same function either way."""
+    if branch is None:
+        return stream, norm(stream)
+    if norm.training and isinstance(norm, (RMSNorm, FusedLayerNorm)):
         y, s = norm(branch, residual=stream)
         return s, y
     s = stream + branch
@@ -173,17 +181,31 @@ class Block(nn.Module):
             self.ln_1_post = norm()
             self.ln_2_post = norm()
 
-    def forward(self, x: Tensor) -> Tensor:  # (B, T, C) -> (B, T, C), the residual stream
-        # each residual add that a norm reads goes through add_norm (inside the kernel of a normfold norm)
+    def forward(self, x: Tensor, branch: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """The block on the residual stream x + branch; returns the stream after it in the same form.
+
+        ``branch`` is the previous block's last sublayer output: its residual add is left to this block's first
+        norm, so that every add a norm reads runs inside that norm (:func:`add_norm`), as in fused-add-norm
+        transformers. (B, T, C) each; branch None: the stream is x.
+        """
         if self.placement == "pre":
-            x, h = add_norm(self.ln_2, self.attn(self.ln_1(x)), x)  # x + attn(ln_1(x)), and ln_2 of it
-            return x + self.mlp(h)
+            x, h = add_norm(self.ln_1, branch, x)  # x + branch, and ln_1 of it
+            x, h = add_norm(self.ln_2, self.attn(h), x)  # x + attn(ln_1(x)), and ln_2 of it
+            return x, self.mlp(h)
         if self.placement == "post":
+            x = self.stream((x, branch))  # a Post-LN block hands on no branch: its stream ends in a norm
             _, x = add_norm(self.ln_1, self.attn(x), x)  # ln_1(x + attn(x))
             _, x = add_norm(self.ln_2, self.mlp(x), x)
-            return x
-        x, h = add_norm(self.ln_2, self.ln_1_post(self.attn(self.ln_1(x))), x)
-        return x + self.ln_2_post(self.mlp(h))
+            return x, None
+        x, h = add_norm(self.ln_1, branch, x)
+        x, h = add_norm(self.ln_2, self.ln_1_post(self.attn(h)), x)
+        return x, self.ln_2_post(self.mlp(h))
+
+    @staticmethod
+    def stream(output: tuple[Tensor, Tensor | None]) -> Tensor:
+        """The residual stream after a block from its output (x, branch): x + branch."""
+        x, branch = output
+        return x if branch is None else x + branch
 
 
 def set_dropout(model: nn.Module, rate: float) -> None:
@@ -253,9 +275,11 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length must be <= block_size={self.config.block_size}, got {T}")
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # (B, T, C)
+        branch = None  # the stream is x + branch: each block's last residual add is left to the next norm
         for block in self.transformer.h:
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+            x, branch = block(x, branch)
+        _, y = add_norm(self.transformer.ln_f, branch, x)
+        logits = self.lm_head(y)  # (B, T, vocab)
         if targets is None:
             return logits, None
         # loss in at least fp32 (logits may be bf16 under autocast; fp64 stays fp64)
