@@ -16,6 +16,7 @@ route a training call could take.
 from __future__ import annotations
 
 import argparse
+import os
 import copy
 import time
 from pathlib import Path
@@ -241,10 +242,18 @@ def report(steps: list[dict], ops: list[dict], centering: list[dict], clock: Sto
         "autograd engine). The CI is the 95% bootstrap interval of the ratio of medians.", "",
         op_table, "",
         f"Command: `{command_line()}` (wall time {clock}).",
-        f"Machine: {machine()}. The machine was shared with other jobs while this ran (see the load average): "
-        "read the ratios with the control's interval, not the absolute times.", "",
+        f"Machine: {machine()}. {_load_note()}Read the ratios with the control's interval, not the absolute "
+        "times.", "",
     ]
     return "\n".join(lines)
+
+
+def _load_note() -> str:
+    """Whether other jobs shared the machine: a load average above the threads this run keeps busy."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > torch.get_num_threads() + 0.5:
+        return "Other jobs shared the machine while this ran (load average above this run's threads). "
+    return ""
 
 
 if __name__ == "__main__":
