@@ -16,8 +16,8 @@ route a training call could take.
 from __future__ import annotations
 
 import argparse
-import os
 import copy
+import os
 import time
 from pathlib import Path
 from types import SimpleNamespace

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from normfold.cli import main
-from normfold.train import resolve_config, train
 from normfold.nn import RMSNorm
+from normfold.train import resolve_config, train
 from normfold.train.cbwc import Centered
 from normfold.train.data import TokenSplits, encode, load_text
 from normfold.train.trainer import build_model, estimate_val_loss, make_optimizer, train_step
