@@ -124,3 +124,27 @@ def test_normfold_norms_take_the_residual_add_into_their_kernel_and_compute_the_
     torch.testing.assert_close(loss, plain_loss, rtol=1e-13, atol=0)
     for a, b in zip(grads, torch.autograd.grad(plain_loss, list(gpt.parameters()))):
         torch.testing.assert_close(a, b, rtol=1e-11, atol=1e-13)
+
+
+def test_the_fused_residual_add_stays_in_the_kernel_under_bf16_autocast(monkeypatch):
+    """Under autocast a block's branch is bf16 and the stream float32: the norm must still take its kernel (the
+    pure-PyTorch reference, which mixed dtypes would fall back to, costs several passes)."""
+    from normfold.ops import _cpu, _reference_backend
+
+    if _cpu.load() is None:
+        pytest.skip("the C++ kernel is not built on this machine")
+    config = resolve_config(n_layer=2, n_head=2, n_embd=16, block_size=8, norm="rmsnorm", seed=5, progress=False)
+    gpt = build_model(config)
+    x = torch.randint(256, (2, 8), generator=torch.Generator().manual_seed(0))
+    reference_calls = []
+    original = _reference_backend.norm_fwd
+    monkeypatch.setattr(_reference_backend, "norm_fwd",
+                        lambda *args, **kwargs: reference_calls.append(args[0].dtype) or original(*args, **kwargs))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = gpt(x, x)[1]
+    loss.backward()
+    assert reference_calls == []
+    assert torch.isfinite(loss) and all(p.grad is not None for p in gpt.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the same loss as the add done first (to bf16 rounding)
+        gpt.eval()
+        torch.testing.assert_close(gpt(x, x)[1], loss.detach(), rtol=2e-2, atol=0)

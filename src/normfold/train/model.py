@@ -123,7 +123,10 @@ def add_norm(norm: nn.Module, branch: Tensor | None, stream: Tensor) -> tuple[Te
     if branch is None:
         return stream, norm(stream)
     if norm.training and isinstance(norm, (RMSNorm, FusedLayerNorm)):
-        y, s = norm(branch, residual=stream)
+        # the kernels add in one element type: under autocast the branch is a matmul's bf16 output and the stream
+        # float32, so the branch is cast first (the promotion ``stream + branch`` makes); mixed dtypes would leave
+        # the kernel for the pure-PyTorch reference
+        y, s = norm(branch.to(stream.dtype), residual=stream)
         return s, y
     s = stream + branch
     return s, norm(s)
