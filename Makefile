@@ -77,9 +77,11 @@ default-model: venv
 fuzz: venv
 	nice -n 10 $(PY) benchmarks/fuzz_fold.py --n $(N)
 
-# CUDA machines only: kernel correctness vs the fp64 reference and timings vs torch (tables in benchmarks/results/)
+# CUDA machines only: kernel correctness vs the fp64 reference and timings vs torch (tables in benchmarks/results/),
+# then training time of the norm variants at width 384 and 1024 (tables in experiments/results/; each into $OUT if set)
 gpu-check:
 	bash benchmarks/gpu_check.sh
+	bash benchmarks/gpu_train.sh
 
 # CUDA machines only: folded vs original models end to end (fp16, batch 1/8, seq 128-4096)
 gpu-e2e:
@@ -89,7 +91,7 @@ clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
 
 # The oldest supported stack (pyproject's floors: torch 2.11, triton 3.6) in a venv of its own, with
-# numpy<2.4 (triton 3.6's interpreter needs it) and Python $(PYTHON): the ops tests and both GPU
+# numpy<2.4 (triton 3.6's interpreter needs it) and Python $(PYTHON): the ops tests and the three GPU
 # scripts' dry runs, from the source tree. PyPI's only torch 2.11 for Linux is the CUDA build (it runs
 # on the CPU): ~4.7 GB installed with its nvidia-* wheels. Measured on the shared 2-core machine: 7.5 min
 # from nothing (install ~2.5, ops tests 3.6, dry runs ~1.5), so CI does not run it.
@@ -111,4 +113,5 @@ oldest-stack: $(OLDEST_STAMP)
 	  OUT="$(abspath $(OLDEST))/results" TRITON_INTERPRET=1 TRITON_DEFAULT_FP_FUSION=1 && \
 	  $(OLDEST_PY) -m pytest -q -p no:cacheprovider tests/ops && \
 	  bash benchmarks/gpu_check.sh --dry-run && \
-	  bash benchmarks/gpu_e2e.sh --dry-run
+	  bash benchmarks/gpu_e2e.sh --dry-run && \
+	  bash benchmarks/gpu_train.sh --dry-run

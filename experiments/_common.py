@@ -47,8 +47,9 @@ def cbwc_model(config: TrainConfig) -> GPT:
 def machine() -> str:
     cpu = cpu_model()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    return (f"{cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-            f"Python {platform.python_version()}; 1-min load average at the end: {load:.1f}")
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() and torch.cuda.is_initialized() else ""
+    return (f"{cpu}, {os.cpu_count()} logical CPUs{gpu}, torch {torch.__version__}, {torch.get_num_threads()} "
+            f"threads, Python {platform.python_version()}; 1-min load average at the end: {load:.1f}")
 
 
 def command_line() -> str:

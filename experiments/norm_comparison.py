@@ -71,6 +71,7 @@ GRID_SEEDS = (100, 101)  # not among the comparison's seeds: the pick is not sco
 SEEDS = (0, 1, 2, 3, 4)
 WIDE = dict(n_embd=384, n_head=6)  # phase 3: width 384, head size 64
 WIDE_STEPS = 24  # timed steps per variant and seed at width 384 (after one untimed): 8 gave a ±1% interval
+CUDA_WIDE_STEPS = 100  # on a GPU a step takes milliseconds
 QUICK = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=8, max_steps=30, warmup_steps=3,
              eval_interval=15, eval_iters=4)
 QUICK_GRID, QUICK_GRID_SEEDS, QUICK_SEEDS, QUICK_WIDE, QUICK_WIDE_STEPS = (3e-3, 6e-3), (100,), (0, 1), \
@@ -95,20 +96,25 @@ class Member:
     diverged: bool = False
 
 
-def lockstep(specs: list[tuple[str, dict]], steps: int | None = None, evaluate: bool = True) -> list[dict]:
+def lockstep(specs: list[tuple[str, dict]], steps: int | None = None, evaluate: bool = True,
+             device: str = "cpu") -> list[dict]:
     """Train every ``(name, config values)`` of ``specs`` one optimizer step at a time, in rotating order.
 
     Each member is what ``normfold.train.train`` would run for its config: the same model (``build_model``, CBWC
     by projection), AdamW, schedule (``lr_at``), batches (generator seeded ``seed · 100003``), step
     (``step_with_norm``) and validation batches. ``steps`` (default the config's) may stop early (timing only).
+    On a CUDA ``device`` each step is timed between two synchronizations (``wall_s``; the host thread's CPU time
+    says nothing of the GPU's).
     """
     torch.set_num_threads(1)
-    configs = [(name, resolve_config(progress=False, save_checkpoint=False, **values)) for name, values in specs]
+    configs = [(name, resolve_config(progress=False, save_checkpoint=False, device=device, **values))
+               for name, values in specs]
     first = configs[0][1]
     splits = TokenSplits.from_documents(load_documents(first.data), first.model.block_size, first.val_fraction)
+    cuda = torch.device(device).type == "cuda"
     members = []
     for name, config in configs:
-        model = build_model(config)
+        model = build_model(config, device)
         project_centering_(model)
         members.append(Member(name, config, model, make_optimizer(model, config),
                               torch.Generator().manual_seed(config.seed * 100_003), CenteringIndex(model)))
@@ -119,7 +125,10 @@ def lockstep(specs: list[tuple[str, dict]], steps: int | None = None, evaluate: 
                 continue
             for group in m.optimizer.param_groups:
                 group["lr"] = lr_at(step, m.config)
-            batches = [splits.batch("train", m.config.batch_size, m.generator) for _ in range(m.config.grad_accum_steps)]
+            batches = [tuple(t.to(device) for t in splits.batch("train", m.config.batch_size, m.generator))
+                       for _ in range(m.config.grad_accum_steps)]
+            if cuda:  # the previous member's kernels must not run on this member's clock
+                torch.cuda.synchronize()
             cpu, wall = time.thread_time(), time.perf_counter()
             loss = step_with_norm(m.model, m.optimizer, batches, m.config, m.index)[0].item()
             if step > 0:  # the first step pays for allocation and warm-up, as in the trainer
@@ -128,7 +137,8 @@ def lockstep(specs: list[tuple[str, dict]], steps: int | None = None, evaluate: 
             m.train_losses.append(loss)
             m.diverged = not math.isfinite(loss)
             if evaluate and ((step + 1) % m.config.eval_interval == 0 or step == total - 1):
-                val = float("nan") if m.diverged else estimate_val_loss(m.model, splits, m.config, torch.device("cpu"))
+                val = float("nan") if m.diverged else estimate_val_loss(m.model, splits, m.config,
+                                                                         torch.device(device))
                 m.val_losses.append((step + 1, val))
     return [dict(name=m.name, seed=m.config.seed, lr=m.config.lr, steps=len(m.train_losses),
                  tokens=len(m.train_losses) * m.config.batch_size * m.config.model.block_size,
@@ -152,8 +162,9 @@ def _run_all(jobs: list[tuple], fresh_processes: bool, workers: int = 1) -> list
     return results
 
 
-def _read_grid(path: Path, functions: dict, grid: tuple, grid_seeds: tuple, parser) -> list[dict]:
-    """Phase 1's rows from an earlier run's grid CSV; it must hold every function × rate × grid seed of this run."""
+def _read_grid(path: Path, functions: dict, grid: tuple | None, grid_seeds: tuple | None, parser) -> list[dict]:
+    """Phase 1's rows from an earlier run's grid CSV; it must hold every function × rate × grid seed of this run
+    (``grid`` / ``grid_seeds`` None: of the file's own rates and seeds)."""
     try:
         with open(path, newline="") as f:
             rows = [dict(phase=r["phase"], variant=r["variant"], lr=float(r["lr"]), seed=int(r["seed"]),
@@ -162,6 +173,10 @@ def _read_grid(path: Path, functions: dict, grid: tuple, grid_seeds: tuple, pars
     except (OSError, KeyError, ValueError) as exc:
         parser.error(f"--grid-from {path}: not a readable grid CSV ({type(exc).__name__}: {exc})")
     have = {(r["variant"], r["lr"], r["seed"]) for r in rows}
+    grid = grid or sorted({lr for fn, lr, _ in have if fn in functions})
+    grid_seeds = grid_seeds or sorted({seed for fn, _, seed in have if fn in functions})
+    if not grid:
+        parser.error(f"--grid-from {path}: no rows for the functions {sorted(functions)}")
     missing = [(fn, lr, seed) for fn in functions for lr in grid for seed in grid_seeds if (fn, lr, seed) not in have]
     if missing:
         parser.error(f"--grid-from {path}: no rows for (function, lr, seed) {missing[:4]}"
@@ -182,7 +197,23 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     parser.add_argument("--grid-from", type=Path, default=None,
                         help="read phase 1's grid from this CSV (an earlier run's *_grid.csv) instead of running it")
+    parser.add_argument("--width-only", action="store_true",
+                        help="phase 3 alone, at --widths on --device and --precision (rates from --grid-from, default "
+                             "the committed grid); writes <name>_width_<device>.md/.csv")
+    parser.add_argument("--widths", default=None, help=f"with --width-only: comma-separated widths (default "
+                                                       f"{WIDE['n_embd']}; head size 64)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="with --width-only: where to train")
+    parser.add_argument("--precision", default="fp32",
+                        help="with --width-only: fp32, bf16 (autocast), or both comma-separated")
+    parser.add_argument("--wide-steps", type=int, default=None,
+                        help=f"timed steps per variant and seed at each width (default {WIDE_STEPS} on the CPU, "
+                             f"{CUDA_WIDE_STEPS} on CUDA)")
     args = parser.parse_args(argv)
+    if not args.width_only and (args.widths or args.device != "cpu" or args.precision != "fp32"):
+        parser.error("--widths, --device and --precision go with --width-only (the full run is the CPU experiment)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    widths, precisions = _width_phase_grid(args, parser)
     variants = [v for v in args.variants.split(",") if v]
     bad = sorted(set(variants) - set(NORMS))
     if bad:
@@ -195,6 +226,10 @@ def main(argv=None) -> None:
                                                                                         WIDE_STEPS))
     if args.seeds is not None:
         seeds = tuple(range(args.seeds))
+    if args.wide_steps is not None:
+        wide_steps = args.wide_steps
+    elif args.device == "cuda":
+        wide_steps = CUDA_WIDE_STEPS
     if args.steps is not None:
         setup.update(max_steps=args.steps, eval_interval=max(1, min(setup["eval_interval"], args.steps)),
                      warmup_steps=min(setup["warmup_steps"], args.steps // 2))
@@ -206,7 +241,12 @@ def main(argv=None) -> None:
     functions = {}
     for v in variants:
         functions.setdefault(FUNCTION[v], v)  # the first variant of each function stands for it in the grid
-    if args.grid_from is not None:
+    if args.width_only:  # timing only: the rates the committed comparison trained at, whatever grid made them
+        args.grid_from = args.grid_from or RESULTS / "norm_comparison_grid.csv"
+        grid_rows = _read_grid(args.grid_from, functions, None, None, parser)
+        grid = tuple(sorted({r["lr"] for r in grid_rows}))
+        grid_seeds = tuple(sorted({r["seed"] for r in grid_rows}))
+    elif args.grid_from is not None:
         grid_rows = _read_grid(args.grid_from, functions, grid, grid_seeds, parser)
     else:
         grid_jobs = [([(f"{fn}@{lr:g}", _values(setup, rep, lr, seed)) for fn, rep in functions.items()
@@ -220,6 +260,9 @@ def main(argv=None) -> None:
                                    and not r["diverged"]], len(grid_seeds)) for lr in grid}
         best[fn] = min(grid, key=lambda lr: (score[lr], lr))
     print(f"[{clock}] grid: " + ", ".join(f"{fn} lr {lr:g}" for fn, lr in best.items()), flush=True)
+    if args.width_only:
+        _width_only(args, name, setup, variants, best, seeds, wide_steps, widths, precisions, fresh, clock)
+        return
 
     # phase 2: the comparison, every variant at its function's rate, in lockstep per seed
     runs = []
@@ -265,15 +308,83 @@ def main(argv=None) -> None:
             exact_runs, clock)
 
 
+def _width_phase_grid(args, parser) -> tuple[list[int], list[str]]:
+    """--width-only's widths and precisions, checked before any work starts."""
+    try:
+        widths = [int(w) for w in args.widths.split(",") if w] if args.widths else []
+    except ValueError:
+        parser.error(f"--widths: comma-separated integers, got {args.widths!r}")
+    if any(w < 64 or w % 64 for w in widths):
+        parser.error(f"--widths: multiples of 64 (head size 64), got {args.widths!r}")
+    precisions = [p for p in args.precision.split(",") if p]
+    if not precisions or set(precisions) - {"fp32", "bf16"}:
+        parser.error(f"--precision: fp32, bf16 or both comma-separated, got {args.precision!r}")
+    return widths, precisions
+
+
+def _width_only(args, name, setup, variants, best, seeds, wide_steps, widths, precisions, fresh, clock) -> None:
+    """Phase 3 alone at every width × precision on ``args.device``: per-seed lockstep time ratios, their 95%
+    t-intervals, a CSV and a report."""
+    cuda = args.device == "cuda"
+    clock_key = "wall_s" if cuda else "cpu_s"
+    wides = [dict(n_embd=w, n_head=w // 64) for w in widths] or [QUICK_WIDE if args.quick else WIDE]
+    per_run, rows, sentences = [], [], []
+    for precision in precisions:
+        for wide in wides:
+            wide_setup = dict(setup, **wide, precision=precision)
+            jobs = [([(v, _values(wide_setup, v, best[FUNCTION[v]], seed)) for v in variants], wide_steps + 1, False,
+                     args.device) for seed in seeds]
+            # CUDA runs share this process (one context, one caching allocator); CPU seeds each get a fresh one
+            runs = [r for result in _run_all(jobs, fresh and not cuda) for r in result]
+            width = wide["n_embd"]
+            print(f"[{clock}] {precision}, width {width}: timed", flush=True)
+            per_run += [dict(phase="width", device=args.device, precision=precision, variant=r["name"],
+                             seed=r["seed"], lr=r["lr"], width=width, parameters=r["parameters"], steps=r["steps"],
+                             tokens=r["tokens"], cpu_s=round(r["cpu_s"], 6), wall_s=round(r["wall_s"], 6),
+                             diverged=r["diverged"]) for r in runs]
+            for v in variants:
+                ratio = _time_ratio(runs, v, clock_key)
+                mine = [r[clock_key] / (r["steps"] - 1) for r in runs if r["name"] == v]
+                rows.append([precision, width, v, f"{1e3 * sum(mine) / len(mine):.2f}",
+                             ratio.text(3, signed=False) if v != BASE else "1 (base)"])
+                if v != BASE:
+                    sentences.append(f"{precision}, " + _ratio_sentence(v, ratio, width))
+    out = f"{name}_width_{args.device}"
+    write_csv(args.out / f"{out}.csv", per_run)
+    timing = ("wall time between two CUDA synchronizations" if cuda else
+              "this thread's CPU time (`time.thread_time`), one thread" + (", a fresh process per seed" * fresh))
+    text = "\n".join([
+        f"# Norm comparison, width phase on {'CUDA' if cuda else 'the CPU'}", "",
+        f"Phase 3 of `norm_comparison.py` alone: the comparison's {setup['n_layer']}-layer GPT "
+        f"(head size {wides[0]['n_embd'] // wides[0]['n_head']}) at "
+        f"batch {setup['batch_size']} × {setup['block_size']} tokens, every variant at its function's rate "
+        f"({', '.join(f'{fn} {lr:g}' for fn, lr in best.items())}). Per seed ({len(seeds)} seeds) the variants take "
+        f"{wide_steps} timed optimizer steps each (after one untimed) in lockstep, in rotating order; a step's time "
+        f"is {timing}. A ratio is a variant's time over nn.LayerNorm's in the same lockstep; the interval is the "
+        "95% t-interval over seeds. bf16: the trainer's autocast (matmuls in bf16, norms and master weights in "
+        "float32).", "",
+        markdown_table(["precision", "width", "norm", "ms per step (mean of seeds)", "time vs LN (95% CI)"], rows), "",
+        "## What the intervals say", "",
+        *[f"- {s}" for s in sentences], "",
+        f"Setup: `{json.dumps(setup)}` with the widths above; AdamW (β = 0.9, 0.95; weight decay 0.1 on matrices), "
+        "clipping at 1.0.",
+        provenance("≤ 3 min on one GPU" if cuda else "≤ 20 min on 2 cores", corpus_line(setup["block_size"]), clock),
+        "", f"Raw data: `{out}.csv` (per run; `{clock_key}` is the time compared).", "",
+    ])
+    (args.out / f"{out}.md").write_text(text)
+    print(text)
+
+
 def _mean_or_inf(values: list[float], expected: int) -> float:
     """Mean of the validation losses, +inf when a seed diverged (a rate that diverges once is not picked)."""
     return sum(values) / len(values) if len(values) == expected else math.inf
 
 
-def _time_ratio(runs: list[dict], variant: str):
-    """CPU time of ``variant`` / LayerNorm's, per seed (same lockstep), as a mean with its 95% t-interval."""
-    base = {r["seed"]: r["cpu_s"] for r in runs if r["name"] == BASE}
-    return mean_ci([r["cpu_s"] / base[r["seed"]] for r in runs if r["name"] == variant and r["seed"] in base])
+def _time_ratio(runs: list[dict], variant: str, clock: str = "cpu_s"):
+    """Time of ``variant`` / LayerNorm's, per seed (same lockstep), as a mean with its 95% t-interval; ``clock``
+    ``cpu_s`` (this thread's CPU time) or ``wall_s`` (synchronized wall time: on a GPU)."""
+    base = {r["seed"]: r[clock] for r in runs if r["name"] == BASE}
+    return mean_ci([r[clock] / base[r["seed"]] for r in runs if r["name"] == variant and r["seed"] in base])
 
 
 def _ratio_sentence(variant: str, ratio, width: int) -> str:

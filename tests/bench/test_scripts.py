@@ -1,4 +1,4 @@
-"""benchmarks/bench_e2e.py and benchmarks/gpu_e2e.sh run end to end (timings themselves are never asserted)."""
+"""benchmarks/bench_e2e.py, gpu_e2e.sh and gpu_train.sh run end to end (timings themselves are never asserted)."""
 from __future__ import annotations
 
 import csv
@@ -39,3 +39,13 @@ def test_gpu_e2e_dry_run_times_every_contender_and_writes_tables(tmp_path):
     assert {r["mode"] for r in rows} == {"eager", "compile", "compile+cuda graphs"}
     assert all(r["fused_speedup"] and not r["failures"] for r in rows)
     assert "cuda graph: needs a CUDA device" in (tmp_path / "gpu_e2e.md").read_text()
+
+
+def test_gpu_train_dry_run_trains_every_variant_on_the_triton_kernels(tmp_path):
+    pytest.importorskip("triton")
+    done = _run(["bash", "benchmarks/gpu_train.sh", "--dry-run"], tmp_path)
+    calls = int(done.stdout.split("dry run done, ")[1].split()[0])
+    assert calls > 0  # the norms ran on the Triton backend (interpreted), as CUDA tensors would
+    rows = list(csv.DictReader(open(tmp_path / "norm_comparison_quick_width_cpu.csv")))
+    assert {r["variant"] for r in rows} == {"layernorm", "rmsnorm_torch", "rmsnorm", "cbwc_rmsnorm"}
+    assert all(r["diverged"] == "False" and float(r["cpu_s"]) > 0 for r in rows)
