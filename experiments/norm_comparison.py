@@ -71,7 +71,7 @@ GRID_SEEDS = (100, 101)  # not among the comparison's seeds: the pick is not sco
 SEEDS = (0, 1, 2, 3, 4)
 WIDE = dict(n_embd=384, n_head=6)  # phase 3: width 384, head size 64
 WIDE_STEPS = 24  # timed steps per variant and seed at width 384 (after one untimed): 8 gave a ±1% interval
-CUDA_WIDE_STEPS = 100  # on a GPU a step takes milliseconds
+CUDA_WIDE_STEPS = 30  # on a GPU a step takes milliseconds (1024 wide, fp32, 16k tokens: ~0.1 s by its FLOPs)
 QUICK = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=8, max_steps=30, warmup_steps=3,
              eval_interval=15, eval_iters=4)
 QUICK_GRID, QUICK_GRID_SEEDS, QUICK_SEEDS, QUICK_WIDE, QUICK_WIDE_STEPS = (3e-3, 6e-3), (100,), (0, 1), \
@@ -200,17 +200,23 @@ def main(argv=None) -> None:
     parser.add_argument("--width-only", action="store_true",
                         help="phase 3 alone, at --widths on --device and --precision (rates from --grid-from, default "
                              "the committed grid); writes <name>_width_<device>.md/.csv")
-    parser.add_argument("--widths", default=None, help=f"with --width-only: comma-separated widths (default "
-                                                       f"{WIDE['n_embd']}; head size 64)")
+    parser.add_argument("--widths", default=None,
+                        help=f"with --width-only: comma-separated widths W (default {WIDE['n_embd']}; head size 64), "
+                             "each optionally WxBxT: at batch B × T tokens (default the experiment's)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="with --width-only: where to train")
     parser.add_argument("--precision", default="fp32",
                         help="with --width-only: fp32, bf16 (autocast), or both comma-separated")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="with --width-only: start no width × precision after the first once this many "
+                             "seconds have passed (the skipped ones are listed in the report)")
     parser.add_argument("--wide-steps", type=int, default=None,
                         help=f"timed steps per variant and seed at each width (default {WIDE_STEPS} on the CPU, "
                              f"{CUDA_WIDE_STEPS} on CUDA)")
     args = parser.parse_args(argv)
-    if not args.width_only and (args.widths or args.device != "cpu" or args.precision != "fp32"):
-        parser.error("--widths, --device and --precision go with --width-only (the full run is the CPU experiment)")
+    if not args.width_only and (args.widths or args.device != "cpu" or args.precision != "fp32"
+                                or args.budget_s is not None):
+        parser.error("--widths, --device, --precision and --budget-s go with --width-only (the full run is the CPU "
+                     "experiment)")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device here")
     widths, precisions = _width_phase_grid(args, parser)
@@ -308,14 +314,23 @@ def main(argv=None) -> None:
             exact_runs, clock)
 
 
-def _width_phase_grid(args, parser) -> tuple[list[int], list[str]]:
-    """--width-only's widths and precisions, checked before any work starts."""
-    try:
-        widths = [int(w) for w in args.widths.split(",") if w] if args.widths else []
-    except ValueError:
-        parser.error(f"--widths: comma-separated integers, got {args.widths!r}")
-    if any(w < 64 or w % 64 for w in widths):
-        parser.error(f"--widths: multiples of 64 (head size 64), got {args.widths!r}")
+def _width_phase_grid(args, parser) -> tuple[list[dict], list[str]]:
+    """--width-only's model shapes (``n_embd``, ``n_head`` and maybe ``batch_size``, ``block_size``) and
+    precisions, checked before any work starts."""
+    widths = []
+    for entry in (args.widths or "").split(","):
+        if not entry:
+            continue
+        try:
+            numbers = [int(n) for n in entry.split("x")]
+        except ValueError:
+            numbers = []
+        if len(numbers) not in (1, 3) or min(numbers) <= 0:
+            parser.error(f"--widths: comma-separated W or WxBxT (positive integers), got {entry!r}")
+        if numbers[0] < 64 or numbers[0] % 64:
+            parser.error(f"--widths: widths are multiples of 64 (head size 64), got {numbers[0]}")
+        shape = dict(n_embd=numbers[0], n_head=numbers[0] // 64)
+        widths.append(shape if len(numbers) == 1 else dict(shape, batch_size=numbers[1], block_size=numbers[2]))
     precisions = [p for p in args.precision.split(",") if p]
     if not precisions or set(precisions) - {"fp32", "bf16"}:
         parser.error(f"--precision: fp32, bf16 or both comma-separated, got {args.precision!r}")
@@ -327,28 +342,33 @@ def _width_only(args, name, setup, variants, best, seeds, wide_steps, widths, pr
     t-intervals, a CSV and a report."""
     cuda = args.device == "cuda"
     clock_key = "wall_s" if cuda else "cpu_s"
-    wides = [dict(n_embd=w, n_head=w // 64) for w in widths] or [QUICK_WIDE if args.quick else WIDE]
-    per_run, rows, sentences = [], [], []
+    wides = widths or [QUICK_WIDE if args.quick else WIDE]
+    per_run, rows, sentences, skipped = [], [], [], []
     for precision in precisions:
         for wide in wides:
             wide_setup = dict(setup, **wide, precision=precision)
+            if per_run and args.budget_s is not None and time.perf_counter() - clock.start > args.budget_s:
+                skipped.append(f"{precision}, width {wide['n_embd']}, batch {wide_setup['batch_size']}×"
+                               f"{wide_setup['block_size']}")
+                continue
             jobs = [([(v, _values(wide_setup, v, best[FUNCTION[v]], seed)) for v in variants], wide_steps + 1, False,
                      args.device) for seed in seeds]
             # CUDA runs share this process (one context, one caching allocator); CPU seeds each get a fresh one
             runs = [r for result in _run_all(jobs, fresh and not cuda) for r in result]
-            width = wide["n_embd"]
-            print(f"[{clock}] {precision}, width {width}: timed", flush=True)
+            width, batch = wide["n_embd"], f"{wide_setup['batch_size']}×{wide_setup['block_size']}"
+            print(f"[{clock}] {precision}, width {width}, batch {batch}: timed", flush=True)
             per_run += [dict(phase="width", device=args.device, precision=precision, variant=r["name"],
-                             seed=r["seed"], lr=r["lr"], width=width, parameters=r["parameters"], steps=r["steps"],
+                             seed=r["seed"], lr=r["lr"], width=width, batch_size=wide_setup["batch_size"],
+                             block_size=wide_setup["block_size"], parameters=r["parameters"], steps=r["steps"],
                              tokens=r["tokens"], cpu_s=round(r["cpu_s"], 6), wall_s=round(r["wall_s"], 6),
                              diverged=r["diverged"]) for r in runs]
             for v in variants:
                 ratio = _time_ratio(runs, v, clock_key)
                 mine = [r[clock_key] / (r["steps"] - 1) for r in runs if r["name"] == v]
-                rows.append([precision, width, v, f"{1e3 * sum(mine) / len(mine):.2f}",
+                rows.append([precision, width, batch, v, f"{1e3 * sum(mine) / len(mine):.2f}",
                              ratio.text(3, signed=False) if v != BASE else "1 (base)"])
                 if v != BASE:
-                    sentences.append(f"{precision}, " + _ratio_sentence(v, ratio, width))
+                    sentences.append(f"{precision}, batch {batch}, " + _ratio_sentence(v, ratio, width))
     out = f"{name}_width_{args.device}"
     write_csv(args.out / f"{out}.csv", per_run)
     timing = ("wall time between two CUDA synchronizations" if cuda else
@@ -356,16 +376,18 @@ def _width_only(args, name, setup, variants, best, seeds, wide_steps, widths, pr
     text = "\n".join([
         f"# Norm comparison, width phase on {'CUDA' if cuda else 'the CPU'}", "",
         f"Phase 3 of `norm_comparison.py` alone: the comparison's {setup['n_layer']}-layer GPT "
-        f"(head size {wides[0]['n_embd'] // wides[0]['n_head']}) at "
-        f"batch {setup['batch_size']} × {setup['block_size']} tokens, every variant at its function's rate "
+        f"(head size {wides[0]['n_embd'] // wides[0]['n_head']}; the experiment's batch is "
+        f"{setup['batch_size']} × {setup['block_size']} tokens), every variant at its function's rate "
         f"({', '.join(f'{fn} {lr:g}' for fn, lr in best.items())}). Per seed ({len(seeds)} seeds) the variants take "
         f"{wide_steps} timed optimizer steps each (after one untimed) in lockstep, in rotating order; a step's time "
         f"is {timing}. A ratio is a variant's time over nn.LayerNorm's in the same lockstep; the interval is the "
         "95% t-interval over seeds. bf16: the trainer's autocast (matmuls in bf16, norms and master weights in "
         "float32).", "",
-        markdown_table(["precision", "width", "norm", "ms per step (mean of seeds)", "time vs LN (95% CI)"], rows), "",
+        markdown_table(["precision", "width", "batch × tokens", "norm", "ms per step (mean of seeds)",
+                        "time vs LN (95% CI)"], rows), "",
         "## What the intervals say", "",
         *[f"- {s}" for s in sentences], "",
+        *([f"Not run (past the {args.budget_s:g} s budget): {'; '.join(skipped)}.", ""] if skipped else []),
         f"Setup: `{json.dumps(setup)}` with the widths above; AdamW (β = 0.9, 0.95; weight decay 0.1 on matrices), "
         "clipping at 1.0.",
         provenance("≤ 3 min on one GPU" if cuda else "≤ 20 min on 2 cores", corpus_line(setup["block_size"]), clock),

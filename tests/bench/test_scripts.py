@@ -48,4 +48,5 @@ def test_gpu_train_dry_run_trains_every_variant_on_the_triton_kernels(tmp_path):
     assert calls > 0  # the norms ran on the Triton backend (interpreted), as CUDA tensors would
     rows = list(csv.DictReader(open(tmp_path / "norm_comparison_quick_width_cpu.csv")))
     assert {r["variant"] for r in rows} == {"layernorm", "rmsnorm_torch", "rmsnorm", "cbwc_rmsnorm"}
+    assert {(r["width"], r["batch_size"]) for r in rows} == {("64", "8"), ("64", "2")}
     assert all(r["diverged"] == "False" and float(r["cpu_s"]) > 0 for r in rows)

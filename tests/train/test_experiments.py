@@ -51,7 +51,7 @@ def test_norm_comparison_quick_writes_runs_grid_time_ratios_and_the_cbwc_equalit
 
 
 def test_norm_comparison_width_only_times_each_width_and_precision_at_the_committed_rates(tmp_path, experiment):
-    experiment("norm_comparison").main(["--quick", "--width-only", "--widths=64,128", "--precision=fp32,bf16",
+    experiment("norm_comparison").main(["--quick", "--width-only", "--widths=64,128x2x16", "--precision=fp32,bf16",
                                         "--seeds=2", "--wide-steps=1", "--variants=layernorm,cbwc_rmsnorm",
                                         f"--out={tmp_path}"])
     rows = _rows(tmp_path / "norm_comparison_quick_width_cpu.csv")
@@ -59,21 +59,34 @@ def test_norm_comparison_width_only_times_each_width_and_precision_at_the_commit
         (p, w, v, s) for p in ("fp32", "bf16") for w in ("64", "128") for v in ("layernorm", "cbwc_rmsnorm")
         for s in "01")
     assert all(r["steps"] == "2" and float(r["cpu_s"]) > 0 for r in rows)
+    assert {(r["width"], r["batch_size"], r["block_size"]) for r in rows} == {("64", "8", "64"), ("128", "2", "16")}
     # the rates come from the committed grid (the learning rate the comparison trained each function at)
     committed = {r["variant"]: r["lr"] for r in _rows(EXPERIMENTS / "results" / "norm_comparison.csv")}
     assert {r["variant"]: str(float(r["lr"])) for r in rows} == {v: str(float(committed[v])) for v in
                                                                   ("layernorm", "cbwc_rmsnorm")}
     report = (tmp_path / "norm_comparison_quick_width_cpu.md").read_text()
-    assert "- bf16, width 128: training time cbwc_rmsnorm / layernorm = " in report
-    assert "| fp32 | 64 | layernorm |" in report and "SHA-256" in report and "Command:" in report
+    assert "- bf16, batch 2×16, width 128: training time cbwc_rmsnorm / layernorm = " in report
+    assert "| fp32 | 64 | 8×64 | layernorm |" in report and "SHA-256" in report and "Command:" in report
     assert not (tmp_path / "norm_comparison_quick.csv").exists()  # phases 1, 2 and 4 did not run
+
+
+def test_norm_comparison_width_only_budget_runs_the_first_shape_and_lists_the_skipped(tmp_path, experiment):
+    experiment("norm_comparison").main(["--quick", "--width-only", "--widths=64,128", "--seeds=2", "--wide-steps=1",
+                                        "--budget-s=0", "--variants=layernorm,rmsnorm", f"--out={tmp_path}"])
+    rows = _rows(tmp_path / "norm_comparison_quick_width_cpu.csv")
+    assert {r["width"] for r in rows} == {"64"}
+    assert "Not run (past the 0 s budget): fp32, width 128, batch 8×64." in (
+        tmp_path / "norm_comparison_quick_width_cpu.md").read_text()
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--device=cuda"], "go with --width-only"),
+    (["--budget-s=10"], "go with --width-only"),
     (["--widths=384"], "go with --width-only"),
     (["--width-only", "--widths=100"], "multiples of 64"),
-    (["--width-only", "--widths=a"], "comma-separated integers"),
+    (["--width-only", "--widths=a"], "W or WxBxT"),
+    (["--width-only", "--widths=128x2"], "W or WxBxT"),
+    (["--width-only", "--widths=128x0x16"], "W or WxBxT"),
     (["--width-only", "--precision=fp16"], "fp32, bf16 or both"),
 ])
 def test_norm_comparison_refuses_width_phase_flags_it_cannot_honour(argv, message, tmp_path, experiment, capsys):
