@@ -32,6 +32,8 @@ comparison calls the trainer's own step, and ``tests/train/test_experiments.py``
     python experiments/norm_comparison.py --grid-from experiments/results/norm_comparison_grid.csv
                                                      # phase 1 read from an earlier run's grid (~10 min less)
     python experiments/norm_comparison.py --quick    # tiny model, few steps (≤ 2 min)
+    python experiments/norm_comparison.py --width-only --device cuda --widths 384,1024x32x512 --precision fp32,bf16
+                                                     # phase 3 alone on a GPU (what benchmarks/gpu_train.sh runs)
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ SEEDS = (0, 1, 2, 3, 4)
 WIDE = dict(n_embd=384, n_head=6)  # phase 3: width 384, head size 64
 WIDE_STEPS = 24  # timed steps per variant and seed at width 384 (after one untimed): 8 gave a ±1% interval
 CUDA_WIDE_STEPS = 30  # on a GPU a step takes milliseconds (1024 wide, fp32, 16k tokens: ~0.1 s by its FLOPs)
+CUDA_UNTIMED = 3  # and its first steps compile the Triton kernels, pick cuBLAS algorithms and grow the allocator
 QUICK = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=8, max_steps=30, warmup_steps=3,
              eval_interval=15, eval_iters=4)
 QUICK_GRID, QUICK_GRID_SEEDS, QUICK_SEEDS, QUICK_WIDE, QUICK_WIDE_STEPS = (3e-3, 6e-3), (100,), (0, 1), \
@@ -97,14 +100,14 @@ class Member:
 
 
 def lockstep(specs: list[tuple[str, dict]], steps: int | None = None, evaluate: bool = True,
-             device: str = "cpu") -> list[dict]:
+             device: str = "cpu", untimed: int = 1) -> list[dict]:
     """Train every ``(name, config values)`` of ``specs`` one optimizer step at a time, in rotating order.
 
     Each member is what ``normfold.train.train`` would run for its config: the same model (``build_model``, CBWC
     by projection), AdamW, schedule (``lr_at``), batches (generator seeded ``seed · 100003``), step
     (``step_with_norm``) and validation batches. ``steps`` (default the config's) may stop early (timing only).
-    On a CUDA ``device`` each step is timed between two synchronizations (``wall_s``; the host thread's CPU time
-    says nothing of the GPU's).
+    The first ``untimed`` steps pay for allocation and warm-up and are not timed. On a CUDA ``device`` each step
+    is timed between two synchronizations (``wall_s``; the host thread's CPU time says nothing of the GPU's).
     """
     torch.set_num_threads(1)
     configs = [(name, resolve_config(progress=False, save_checkpoint=False, device=device, **values))
@@ -131,7 +134,7 @@ def lockstep(specs: list[tuple[str, dict]], steps: int | None = None, evaluate: 
                 torch.cuda.synchronize()
             cpu, wall = time.thread_time(), time.perf_counter()
             loss = step_with_norm(m.model, m.optimizer, batches, m.config, m.index)[0].item()
-            if step > 0:  # the first step pays for allocation and warm-up, as in the trainer
+            if step >= untimed:  # the first steps pay for allocation and warm-up, as in the trainer
                 m.cpu_s += time.thread_time() - cpu
                 m.wall_s += time.perf_counter() - wall
             m.train_losses.append(loss)
@@ -341,7 +344,7 @@ def _width_only(args, name, setup, variants, best, seeds, wide_steps, widths, pr
     """Phase 3 alone at every width × precision on ``args.device``: per-seed lockstep time ratios, their 95%
     t-intervals, a CSV and a report."""
     cuda = args.device == "cuda"
-    clock_key = "wall_s" if cuda else "cpu_s"
+    clock_key, untimed = ("wall_s", CUDA_UNTIMED) if cuda else ("cpu_s", 1)
     wides = widths or [QUICK_WIDE if args.quick else WIDE]
     per_run, rows, sentences, skipped = [], [], [], []
     for precision in precisions:
@@ -351,8 +354,8 @@ def _width_only(args, name, setup, variants, best, seeds, wide_steps, widths, pr
                 skipped.append(f"{precision}, width {wide['n_embd']}, batch {wide_setup['batch_size']}×"
                                f"{wide_setup['block_size']}")
                 continue
-            jobs = [([(v, _values(wide_setup, v, best[FUNCTION[v]], seed)) for v in variants], wide_steps + 1, False,
-                     args.device) for seed in seeds]
+            jobs = [([(v, _values(wide_setup, v, best[FUNCTION[v]], seed)) for v in variants], wide_steps + untimed,
+                     False, args.device, untimed) for seed in seeds]
             # CUDA runs share this process (one context, one caching allocator); CPU seeds each get a fresh one
             runs = [r for result in _run_all(jobs, fresh and not cuda) for r in result]
             width, batch = wide["n_embd"], f"{wide_setup['batch_size']}×{wide_setup['block_size']}"
@@ -364,7 +367,7 @@ def _width_only(args, name, setup, variants, best, seeds, wide_steps, widths, pr
                              diverged=r["diverged"]) for r in runs]
             for v in variants:
                 ratio = _time_ratio(runs, v, clock_key)
-                mine = [r[clock_key] / (r["steps"] - 1) for r in runs if r["name"] == v]
+                mine = [r[clock_key] / (r["steps"] - untimed) for r in runs if r["name"] == v]
                 rows.append([precision, width, batch, v, f"{1e3 * sum(mine) / len(mine):.2f}",
                              ratio.text(3, signed=False) if v != BASE else "1 (base)"])
                 if v != BASE:
@@ -379,10 +382,11 @@ def _width_only(args, name, setup, variants, best, seeds, wide_steps, widths, pr
         f"(head size {wides[0]['n_embd'] // wides[0]['n_head']}; the experiment's batch is "
         f"{setup['batch_size']} × {setup['block_size']} tokens), every variant at its function's rate "
         f"({', '.join(f'{fn} {lr:g}' for fn, lr in best.items())}). Per seed ({len(seeds)} seeds) the variants take "
-        f"{wide_steps} timed optimizer steps each (after one untimed) in lockstep, in rotating order; a step's time "
-        f"is {timing}. A ratio is a variant's time over nn.LayerNorm's in the same lockstep; the interval is the "
-        "95% t-interval over seeds. bf16: the trainer's autocast (matmuls in bf16, norms and master weights in "
-        "float32).", "",
+        f"{wide_steps} timed optimizer steps each (after {untimed} untimed) in lockstep, in rotating order; a step's "
+        f"time is {timing}. A ratio is a variant's time over nn.LayerNorm's in the same lockstep; the interval is "
+        "the 95% t-interval over seeds."
+        + (" bf16: the trainer's autocast (matmuls in bf16, norms and master weights in float32)."
+           if "bf16" in precisions else ""), "",
         markdown_table(["precision", "width", "batch × tokens", "norm", "ms per step (mean of seeds)",
                         "time vs LN (95% CI)"], rows), "",
         "## What the intervals say", "",
@@ -390,7 +394,8 @@ def _width_only(args, name, setup, variants, best, seeds, wide_steps, widths, pr
         *([f"Not run (past the {args.budget_s:g} s budget): {'; '.join(skipped)}.", ""] if skipped else []),
         f"Setup: `{json.dumps(setup)}` with the widths above; AdamW (β = 0.9, 0.95; weight decay 0.1 on matrices), "
         "clipping at 1.0.",
-        provenance("≤ 3 min on one GPU" if cuda else "≤ 20 min on 2 cores", corpus_line(setup["block_size"]), clock),
+        provenance(f"no shape started after {args.budget_s:g} s (--budget-s)" if args.budget_s is not None else
+                   "none set (--budget-s)", corpus_line(setup["block_size"]), clock),
         "", f"Raw data: `{out}.csv` (per run; `{clock_key}` is the time compared).", "",
     ])
     (args.out / f"{out}.md").write_text(text)
