@@ -83,13 +83,22 @@ def test_tensors_the_kernel_does_not_take_are_centered_by_the_reference(make):
     assert torch.equal(ours, center(t, 0, None))
 
 
-def test_without_the_kernel_every_tensor_takes_the_reference(monkeypatch):
+@pytest.mark.parametrize("dim, group", [(1, 3), (-1, 2), (-2, None), (0, 7)])
+def test_without_the_kernel_every_tensor_takes_the_reference(dim, group, monkeypatch):
     monkeypatch.setattr(_cpu, "_module", None)
     monkeypatch.setattr(_cpu, "load", lambda verbose=False: None)
     t = _data((7, 6), torch.float32)
     ours = t.clone()
-    center_([ours], [1], [3])
-    assert torch.equal(ours, center(t, 1, 3))
+    center_([ours], [dim], [group])
+    assert torch.equal(ours, center(t, dim, group))
+
+
+def test_a_non_contiguous_tensor_is_centered_in_its_own_memory_with_negative_dims_and_groups():
+    base = _data((6, 8), torch.float32)
+    ours = base.clone()
+    view = ours.t()  # (8, 6), not contiguous: the kernel leaves it to the reference route
+    center_([view], [-1], [3])
+    assert torch.equal(ours.t(), center(base.t(), -1, 3))
 
 
 @needs_kernel
