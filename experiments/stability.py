@@ -16,10 +16,11 @@ over seeds, so "QK-norm raises the largest stable rate" is a paired 95% interval
 After training, forward hooks on one fixed validation batch measure the largest attention logit |q·k|/√d (after
 QK-norm where it is on) and the RMS of the residual stream after every block.
 
-Budget: ≤ 45 min on one core: 360 runs of a 4 × 32 GPT, 400 steps of 16 × 32 tokens (≈ 5 s each; Pre-LN at lr
-0.003 reaches ≈ 2.56 nats/byte, the byte-unigram entropy is 3.26).
+Budget: ≤ 60 min on one core: 360 runs of a 4 × 32 GPT, 400 steps of 16 × 32 tokens (≈ 9 s each on the 2-core
+AVX2 machine, 3169 s in all; ≈ 5 s on an AVX-512 one, 1657 s; Pre-LN at lr 0.003 reaches ≈ 2.56 nats/byte, the
+byte-unigram entropy is 3.26).
 
-    python experiments/stability.py            # 6 lrs × 20 cells × 3 seeds (≤ 45 min, one core)
+    python experiments/stability.py            # 6 lrs × 20 cells × 3 seeds (≤ 60 min, one core)
     python experiments/stability.py --quick    # a smoke run (seconds)
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ FULL = dict(n_layer=4, n_head=2, n_embd=32, block_size=32, batch_size=16, max_st
 QUICK = dict(FULL, n_layer=2, n_embd=16, max_steps=4, eval_interval=4, eval_iters=1)
 FULL_LRS = (3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0)  # half-decade steps; 1.0 stops even sandwich
 QUICK_LRS = (1e-2, 1e-1)
-BUDGET_MIN = 45  # minutes on one core, full run
+BUDGET_MIN = 60  # minutes on one core, full run (45 until the 2-core AVX2 machine took 53)
 PLACEMENTS = ("pre", "post", "sandwich")
 NORMS = ("layernorm", "rmsnorm")
 WARMUP_FRACTION = 0.1  # the warmup variant warms up over the first 10% of the steps
