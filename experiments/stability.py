@@ -17,7 +17,7 @@ After training, forward hooks on one fixed validation batch measure the largest 
 QK-norm where it is on) and the RMS of the residual stream after every block.
 
 Budget: ≤ 60 min on one core: 360 runs of a 4 × 32 GPT, 400 steps of 16 × 32 tokens (≈ 9 s each on the 2-core
-AVX2 machine, 3169 s in all; an earlier run on a faster machine took 1657 s; Pre-LN at lr 0.003 reaches
+AVX2 machine, 3169 s in all, while other jobs shared it; an earlier run took 1657 s; Pre-LN at lr 0.003 reaches
 ≈ 2.56 nats/byte, the byte-unigram entropy is 3.26).
 
     python experiments/stability.py            # 6 lrs × 20 cells × 3 seeds (≤ 60 min, one core)
