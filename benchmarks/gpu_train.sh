@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU training time of the norm variants (norm_comparison's width phase on CUDA: widths 384 and 1024,
-# fp32 and bf16 autocast, 5 paired seeds; a 150 s budget on one GPU). Installs nothing: runs the source
+# bf16 autocast and fp32, 5 paired seeds; a 90 s budget on one GPU). Installs nothing: runs the source
 # tree (PYTHONPATH=src) with the first Python that has torch (with CUDA, unless --dry-run) and triton.
 #   bash benchmarks/gpu_train.sh             # tables into $OUT if set, else experiments/results/
 #   bash benchmarks/gpu_train.sh --dry-run   # the same code path on the CPU, norms on the Triton interpreter

@@ -32,7 +32,7 @@ comparison calls the trainer's own step, and ``tests/train/test_experiments.py``
     python experiments/norm_comparison.py --grid-from experiments/results/norm_comparison_grid.csv
                                                      # phase 1 read from an earlier run's grid (~10 min less)
     python experiments/norm_comparison.py --quick    # tiny model, few steps (≤ 2 min)
-    python experiments/norm_comparison.py --width-only --device cuda --widths 384,1024x32x512 --precision fp32,bf16
+    python experiments/norm_comparison.py --width-only --device cuda --widths 384,1024x32x512 --precision bf16,fp32
                                                      # phase 3 alone on a GPU (what benchmarks/gpu_train.sh runs)
 """
 from __future__ import annotations
@@ -73,7 +73,7 @@ GRID_SEEDS = (100, 101)  # not among the comparison's seeds: the pick is not sco
 SEEDS = (0, 1, 2, 3, 4)
 WIDE = dict(n_embd=384, n_head=6)  # phase 3: width 384, head size 64
 WIDE_STEPS = 24  # timed steps per variant and seed at width 384 (after one untimed): 8 gave a ±1% interval
-CUDA_WIDE_STEPS = 30  # on a GPU a step takes milliseconds (1024 wide, fp32, 16k tokens: ~0.1 s by its FLOPs)
+CUDA_WIDE_STEPS = 20  # on a GPU a step takes milliseconds (1024 wide, fp32, 16k tokens: ~0.1 s by its FLOPs)
 CUDA_UNTIMED = 3  # and its first steps compile the Triton kernels, pick cuBLAS algorithms and grow the allocator
 QUICK = dict(n_layer=2, n_head=2, n_embd=32, block_size=64, batch_size=8, max_steps=30, warmup_steps=3,
              eval_interval=15, eval_iters=4)
