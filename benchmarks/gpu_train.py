@@ -8,8 +8,8 @@ Runs ``experiments/norm_comparison.py --width-only --device cuda`` (5 paired see
 step timed between two CUDA synchronizations, 95% t-intervals over seeds) and writes
 ``norm_comparison_width_cuda.md`` / ``.csv`` to ``$OUT`` when set, else to ``experiments/results/``. The dry run
 routes every norm call whose dtypes the kernels take to normfold's Triton backend under Triton's interpreter, as a
-CUDA tensor would be, so the training path through the Triton kernels (forward, backward, the fused residual add,
-CBWC's projection) has run before a GPU session spends its minutes on it. Extra arguments go to
+CUDA tensor would be, so every variant's training steps through the Triton kernels (forward, backward, the fused
+residual add; CBWC too) have run before a GPU session spends its minutes on them. Extra arguments go to
 ``norm_comparison.py`` (e.g. ``--widths 768``).
 """
 from __future__ import annotations
