@@ -23,11 +23,18 @@ def center(t: Tensor, dim: int, group: int | None = None) -> Tensor:
     then zero-mean over the outputs, whatever its input. P is symmetric, so it is also the map from ∂L/∂V to
     ∂L/∂W of V = P·W. In ``t``'s dtype, differentiable.
     """
+    view, reduced = _grouped(t, dim, group)
+    centered = view - view.mean(reduced, keepdim=True)
+    return centered if group is None else centered.flatten(reduced - 1, reduced)
+
+
+def _grouped(t: Tensor, dim: int, group: int | None) -> tuple[Tensor, int]:
+    """``t`` with ``dim`` split into (groups, group) (a view of t's memory; t itself for None), and the dim whose
+    mean is taken."""
+    dim %= t.dim()
     if group is None:
-        return t - t.mean(dim, keepdim=True)
-    dim = dim % t.dim()
-    grouped = t.unflatten(dim, (t.shape[dim] // group, group))  # (..., groups, group, ...)
-    return (grouped - grouped.mean(dim + 1, keepdim=True)).flatten(dim, dim + 1)
+        return t, dim
+    return t.unflatten(dim, (t.shape[dim] // group, group)), dim + 1  # (..., groups, group, ...)
 
 
 def check_centering(t: Tensor, dim: int, group: int | None) -> int:
@@ -67,9 +74,7 @@ def center_(tensors: Sequence[Tensor], dims: Sequence[int], groups: Sequence[int
 def _subtract_mean_(t: Tensor, dim: int, group: int | None) -> None:
     """t −= mean(t) along ``dim`` per ``group``, in place: ``center``'s arithmetic in two kernels and no temporary
     of t's size (on a GPU, where this route runs, each op is a launch)."""
-    dim %= t.dim()
-    view = t if group is None else t.unflatten(dim, (t.shape[dim] // group, group))  # a view: t's own memory
-    reduced = dim if group is None else dim + 1
+    view, reduced = _grouped(t, dim, group)
     view.sub_(view.mean(reduced, keepdim=True))
 
 
