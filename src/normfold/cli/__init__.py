@@ -3,7 +3,8 @@
     normfold analyze [MODEL_DIR]                      per-norm table (default: the bundled model)
     normfold fold [MODEL_DIR] -o OUT_DIR [--json]     fold, verify in float64, write OUT_DIR
         [--approximate --calibration FILE [--min-cosine 0.999]]   also replace the other norms, within a cosine bar
-    normfold verify ORIG_DIR FOLDED_DIR               check a folded folder against its original
+    normfold verify ORIG_DIR FOLDED_DIR               re-make the folder from its original, compare, load, prove
+        [--calibration FILE] [--min-cosine 0.999]     (approximate folders and PCA rotations: the file they were made from)
     normfold rotate [MODEL_DIR] -o OUT_DIR            fold, rotate the residual stream, prove in float64, write OUT_DIR
     normfold demo                                     fold the bundled model into a temp folder
     normfold inspect | check | train | bench          the lab, training and benchmarks
@@ -32,13 +33,13 @@ from ..fold import FoldError, FoldVerificationError
 from ..hf.load import CheckpointError
 from ..train import cli as train_cli
 from ..train.cli import TrainConfigError
-from . import bench, folder, lab, rotate
+from . import bench, folder, lab, rotate, verify
 from ._common import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, UsageError
 
 __all__ = ["main", "build_parser", "COMMAND_MODULES", "UsageError", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY_FAILED"]
 
 # Modules that add subcommands (each defines ``add_commands(subparsers)``; see the module docstring).
-COMMAND_MODULES = (folder, rotate, train_cli, lab, bench)
+COMMAND_MODULES = (folder, verify, rotate, train_cli, lab, bench)
 
 TRACEBACK_ENV = "NORMFOLD_TRACEBACK"  # set to re-raise an unexpected error with its traceback (for bug reports)
 

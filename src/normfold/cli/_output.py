@@ -81,16 +81,14 @@ def _figure_text(key: str, value) -> str:
     if value is None:
         return "n/a"
     if key == "weights":
-        return _weights_text(value)
+        return weights_text(value)
     if key == "saved_dtype_check":
         return _saved_dtype_check_text(value)
     return number(value) if isinstance(value, float) else str(value)
 
 
-def _weights_text(weights: dict) -> str:
-    """The tensor-by-tensor check in one line: skipped (why), bit-identical, or the worst tensor."""
-    if weights.get("skipped"):
-        return f"skipped: {weights['skipped']}"
+def weights_text(weights: dict) -> str:
+    """The tensor-by-tensor check in one line: bit-identical, or the worst tensor."""
     if weights.get("why"):
         return f"FAILED: {weights['why']}"
     worst = weights.get("worst")
@@ -108,15 +106,15 @@ def _saved_dtype_check_text(check: dict) -> str:
             f"tolerance {number(check['tolerance'])}")
 
 
-def print_verification(ver: dict, what: str = "fold") -> None:
-    """The verification figures as a table, then the rule that judged them in one line; ``what`` names
-    the exact transform checked ("fold", "rotation")."""
+def print_verification(ver: dict, what: str = "fold", title: str = "verification") -> None:
+    """The verification figures as a table titled ``title``, then the rule that judged them in one
+    line; ``what`` names the exact transform checked ("fold", "rotation")."""
     table_mod, text_mod = require("rich.table"), require("rich.text")
     where = ""
     if "blocks" in ver:  # a streamed fold: checked piece by piece
         blocks = ", ".join(b["block"] for b in ver["blocks"]) or "none"
         where = f" (blocks {blocks}; {ver['shell']['block'] if 'shell' in ver else 'no shell'}; each alone)"
-    table = table_mod.Table(title=f"verification{where}: {'[green]passed[/green]' if ver['ok'] else '[red]FAILED[/red]'}",
+    table = table_mod.Table(title=f"{title}{where}: {'[green]passed[/green]' if ver['ok'] else '[red]FAILED[/red]'}",
                             title_justify="left")
     table.add_column("figure")
     table.add_column("value", justify="right")

@@ -3,11 +3,11 @@ folder fold (hf loads, tokenizes, proves the exact part and saves; it never impo
 
 The promise of an approximate folder is a cosine bar: every output row (a token, or a sentence
 embedding for sentence encoders) keeps a cosine ≥ ``min_cosine`` to the original's on the calibration
-sentences. ``normfold verify`` re-measures it on the sentences the report records.
+sentences. ``normfold verify --calibration FILE`` re-makes the folder from the same file and measures
+it again, against the bar of the person verifying (``--min-cosine``, default 0.999).
 """
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -19,12 +19,10 @@ from ..convert import ApproximateConfig
 from ..fold import FoldReport
 from ..hf.folder import Step
 from ..hf.inputs import calibration_batches, is_sentence_encoder, load_tokenizer
-from ..hf.load import CheckpointError, load_model
-from ..hf.output_dir import REPORT_JSON
-from ..hf.saving import from_pretrained
+from ..hf.recipe import DEFAULT_MIN_COSINE
 from ..lab.approximate import approximate_fold, compare_outputs, mean_pooled, token_outputs
 
-DEFAULT_MIN_COSINE = 0.999
+__all__ = ["DEFAULT_MIN_COSINE", "approximate_step", "measure_approximate"]
 
 
 def approximate_step(min_cosine: float):
@@ -41,55 +39,22 @@ def _approximate(original: nn.Module, folded: nn.Module, report: FoldReport, bat
                             output_fn=config.output_fn)
 
 
-def is_approximate(report: dict[str, Any]) -> bool:
-    """Whether a folder's report records an approximate fold (some norms replaced within a cosine bar)."""
-    return bool(report.get("num_approximate"))
-
-
-def read_report(folded_dir: str | Path) -> dict[str, Any]:
-    """The folder's ``normfold_report.json``; CheckpointError when it is missing or not a JSON object."""
-    path = Path(folded_dir) / REPORT_JSON
-    try:
-        report = json.loads(path.read_text())
-    except FileNotFoundError as err:
-        raise CheckpointError(f"{path} not found: {folded_dir} is not a folder normfold wrote") from err
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path} is not a readable JSON report: {err}") from err
-    if not isinstance(report, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(report).__name__}")
-    return report
-
-
-def verify_approximate_folder(orig_dir, folded_dir, report: dict[str, Any], *, trust_remote_code: bool = False,
-                              step: Step) -> dict[str, Any]:
-    """Re-measure an approximate folder's promise: the lowest output cosine to the original on the
-    calibration sentences its report records, against the bar it records. ``ok`` when it is met."""
-    promised, sentences, compared = _promise(report, folded_dir)
-    step("loading")
-    original = load_model(orig_dir, trust_remote_code=trust_remote_code)
-    folded = from_pretrained(folded_dir, trust_remote_code=trust_remote_code)
-    batches = calibration_batches(original, load_tokenizer(folded_dir, trust_remote_code=trust_remote_code), sentences)
-    output_fn = mean_pooled if is_sentence_encoder(original) else token_outputs
-    step(f"measuring the cosine on {len(sentences)} calibration sentences")
+def measure_approximate(original: nn.Module, loaded: nn.Module, tokenizer_dir: Path, sentences: list[str],
+                        bar: float, *, trust_remote_code: bool = False) -> dict[str, Any]:
+    """An approximate folder's promise, measured: the lowest output cosine of ``loaded`` to ``original``
+    on the calibration ``sentences`` (tokenized with the original's tokenizer), against ``bar`` (the
+    verifying person's, never the folder's). ``ok`` when it is met."""
+    batches = calibration_batches(original, load_tokenizer(tokenizer_dir, trust_remote_code=trust_remote_code), sentences)
+    sentence_encoder = is_sentence_encoder(original)
+    output_fn = mean_pooled if sentence_encoder else token_outputs
     with torch.no_grad():
         reference = torch.cat([output_fn(original.eval(), b) for b in batches])
-        result = torch.cat([output_fn(folded.eval(), b) for b in batches])
+        result = torch.cat([output_fn(loaded.eval(), b) for b in batches])
     change = compare_outputs(reference, result)
-    ok = change.min_cosine >= promised
-    why = None if ok else (f"the lowest output cosine {change.min_cosine!r} is below the promised {promised!r} "
-                           f"on the {len(sentences)} calibration sentences")
+    ok = change.min_cosine >= bar
+    why = None if ok else (f"the lowest output cosine {change.min_cosine!r} is below the bar {bar!r} on the "
+                           f"{len(sentences)} calibration sentences")
     return {"ok": ok, "kind": "approximate", "min_cosine": change.min_cosine, "mean_cosine": change.mean_cosine,
-            "max_abs_error": change.max_abs_error, "promised_min_cosine": promised, "num_inputs": len(sentences),
-            "num_rows": int(reference.shape[0]), "compared": compared, "why": why}
-
-
-def _promise(report: dict[str, Any], folded_dir) -> tuple[float, list[str], str]:
-    """(the cosine bar, the calibration sentences, what was compared) a report records; CheckpointError
-    when it lacks them (a folder from an older normfold): such a folder cannot be checked."""
-    approx = report.get("approximate") or {}
-    promised, sentences = approx.get("min_cosine"), approx.get("calibration_sentences")
-    if not isinstance(promised, (int, float)) or not sentences or not all(isinstance(s, str) for s in sentences):
-        raise CheckpointError(f"{Path(folded_dir) / REPORT_JSON} records an approximate fold without its cosine bar "
-                              "and calibration sentences (written by an older normfold): its promise cannot be "
-                              "re-measured; fold it again")
-    return float(promised), sentences, approx.get("compared", "outputs")
+            "max_abs_error": change.max_abs_error, "promised_min_cosine": bar, "num_inputs": len(sentences),
+            "num_rows": int(reference.shape[0]),
+            "compared": "mean-pooled sentence embeddings" if sentence_encoder else "token outputs", "why": why}

@@ -1,20 +1,17 @@
-"""The Hugging Face folder commands: ``analyze``, ``fold``, ``verify``, ``demo``."""
+"""The Hugging Face folder commands: ``analyze``, ``fold``, ``demo`` (``verify``: :mod:`normfold.cli.verify`)."""
 from __future__ import annotations
 
 import json
 import sys
 import tempfile
-from functools import partial
 from pathlib import Path
 
-from ..hf.folder import analyze_folder, fold_folder, verify_folders
+from ..hf.folder import analyze_folder, fold_folder
 from ..hf.load import default_model_path
-from ..hf.streaming import fold_checkpoint, is_sharded, verify_by_blocks
+from ..hf.streaming import fold_checkpoint, is_sharded
 from . import _output as output
 from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_model_dir, add_trust_remote_code, model_dir
-from .approximate import (DEFAULT_MIN_COSINE, approximate_step, is_approximate, read_report,
-                          verify_approximate_folder)
-from .rotate import is_sliced, rotated_stream_map, verify_sliced
+from .approximate import DEFAULT_MIN_COSINE, approximate_step
 
 _JSON_KEYS = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype",
               "streaming", "num_approximate", "calibration_min_cosine", "approximate", "skipped_files",
@@ -77,41 +74,6 @@ def _approximate_options(args, source: Path) -> dict:
     return {"calibration_file": args.calibration, "approximate": approximate_step(min_cosine)}
 
 
-def _run_verify(args) -> int:
-    if is_sharded(args.orig_dir) or is_sharded(args.folded_dir):  # checked block by block, never loaded whole
-        verify_fn = partial(verify_by_blocks, stream_map=rotated_stream_map(read_report(args.folded_dir)))
-    else:
-        report = read_report(args.folded_dir)
-        if is_sliced(report):  # a sliced rotation: measured against its recorded cosine, never exact
-            return verify_sliced(args, report)
-        if is_approximate(report):  # the promise is a cosine bar, not an exact bound
-            return _verify_approximate(args, report)
-        verify_fn = verify_folders
-    with output.steps(not args.json) as step:
-        ver = verify_fn(args.orig_dir, args.folded_dir, trust_remote_code=args.trust_remote_code, step=step)
-    if args.json:
-        print(json.dumps({"verification": ver}, indent=2, default=str))
-    else:
-        output.print_verification(ver, "rotation" if read_report(args.folded_dir).get("rotation") else "fold")
-    if not ver["ok"] and ver.get("why"):
-        print(f"normfold: verification failed, {ver['why']}", file=sys.stderr)
-    return EXIT_OK if ver["ok"] else EXIT_VERIFY_FAILED
-
-
-def _verify_approximate(args, report: dict) -> int:
-    with output.steps(not args.json) as step:
-        ver = verify_approximate_folder(args.orig_dir, args.folded_dir, report,
-                                        trust_remote_code=args.trust_remote_code, step=step)
-    if args.json:
-        print(json.dumps({"verification": ver}, indent=2))
-    else:
-        output.console().print(f"verification: {'[green]passed[/green]' if ver['ok'] else '[red]FAILED[/red]'}")
-        output.console().print(output.approximate_rule_line(ver))
-    if not ver["ok"]:
-        print(f"normfold: verification failed, {ver['why']}", file=sys.stderr)
-    return EXIT_OK if ver["ok"] else EXIT_VERIFY_FAILED
-
-
 def _run_demo(args) -> int:
     source = default_model_path()
     with tempfile.TemporaryDirectory(prefix="normfold-demo-") as tmp:
@@ -136,7 +98,7 @@ def _add_json(parser) -> None:
 
 
 def add_commands(subparsers) -> None:
-    """Add ``analyze``, ``fold``, ``verify`` and ``demo`` to the ``normfold`` command's subparsers."""
+    """Add ``analyze``, ``fold`` and ``demo`` to the ``normfold`` command's subparsers."""
     p = subparsers.add_parser("analyze", help="per-norm table: which LayerNorms can become RMSNorms")
     add_model_dir(p)
     _add_no_fold_affine(p)
@@ -168,14 +130,6 @@ def add_commands(subparsers) -> None:
     _add_json(p)
     add_trust_remote_code(p)
     p.set_defaults(run=_run_fold)
-
-    p = subparsers.add_parser("verify", help="check a folded folder against its original: exact folds in float64, "
-                                             "approximate ones against the cosine they promised")
-    p.add_argument("orig_dir", metavar="ORIG_DIR", help="the original Hugging Face folder")
-    p.add_argument("folded_dir", metavar="FOLDED_DIR", help="the folder `normfold fold` wrote from it")
-    _add_json(p)
-    add_trust_remote_code(p)
-    p.set_defaults(run=_run_verify)
 
     p = subparsers.add_parser("demo", help="fold the bundled trained model and show the report")
     p.set_defaults(run=_run_demo)

@@ -8,28 +8,22 @@ from __future__ import annotations
 import copy
 import json
 import math
-import sys
 from pathlib import Path
 
-import torch
 
 from ..hf.inputs import load_tokenizer
-from ..hf.load import load_config, load_model
+from ..hf.load import load_config
 from ..hf.rotate_folder import calibration_calls, rotate_checkpoint, rotate_folder, rotation_after_fold
-from ..hf.saving import from_pretrained
+from ..hf.recipe import SEED_RANGE, Recipe
 from ..hf.streaming import is_sharded
 from ..rotate import kept_directions, rotate
 from ..rotate.calibration import output_agreement
 from ..rotate.streaming import plan_rotation, stream_rotation
 from . import _output as output
-from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_model_dir, add_trust_remote_code, model_dir
+from ._common import EXIT_OK, UsageError, add_model_dir, add_trust_remote_code, model_dir
 
 _JSON_KEYS = ("rotation", "verification", "calibration", "model", "out_dir", "saved_dtype", "stock_compatible",
               "stock_warning", "skipped_files")
-
-# a sliced folder, measured again: its weights are float32 (the report's cosine was measured in float64
-# on the float64 sliced model), so the re-measured lowest cosine may sit this far below the recorded one
-COSINE_SLACK = 1e-6
 
 
 def _run_rotate(args) -> int:
@@ -38,11 +32,12 @@ def _run_rotate(args) -> int:
     _check_supported(args, source, streaming=streaming)
     with output.steps(not args.json) as step:
         if streaming:
-            report = rotate_checkpoint(source, args.output, _streaming_rotation(args), overwrite=args.overwrite,
-                                       trust_remote_code=args.trust_remote_code, step=step)
+            report = rotate_checkpoint(source, args.output, streaming_rotation_step(args.method, args.seed),
+                                       overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step)
         else:
-            report = rotate_folder(source, args.output, _rotation(args), calibration_file=args.calibration,
-                                   overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step)
+            report = rotate_folder(source, args.output, rotation_step(args.method, args.seed, args.slice or 0.0),
+                                   calibration_file=args.calibration, overwrite=args.overwrite,
+                                   trust_remote_code=args.trust_remote_code, step=step)
     if args.json:
         print(json.dumps({k: report[k] for k in _JSON_KEYS if k in report}, indent=2, default=str))
     else:
@@ -60,32 +55,32 @@ def _run_rotate(args) -> int:
     return EXIT_OK
 
 
-def _rotation(args):
-    """hf's ``Rotate``: normfold.rotate with the command's method, seed and slice fraction."""
+def rotation_step(method: str, seed: int, slice_fraction: float):
+    """hf's ``Rotate``: normfold.rotate with this method, seed and slice fraction (the command's, or a
+    recipe's when ``normfold verify`` re-makes a folder)."""
     def run(model, example, calibration):
-        return rotate(model, example, method=args.method, seed=args.seed, calibration=calibration,
-                      slice_fraction=args.slice or 0.0)
+        return rotate(model, example, method=method, seed=seed, calibration=calibration, slice_fraction=slice_fraction)
     return run
 
 
-def _streaming_rotation(args):
+def streaming_rotation_step(method: str, seed: int):
     """hf's ``PlanAfterFold`` for a checkpoint rewritten tensor by tensor: the data-free rotation
-    (``rotate.streaming.plan_rotation``) with the command's method and seed."""
+    (``rotate.streaming.plan_rotation``) with this method and seed."""
     def plan(skeleton, fold_report, example):
-        rotation = plan_rotation(skeleton, fold_report, example, method=args.method, seed=args.seed)
+        rotation = plan_rotation(skeleton, fold_report, example, method=method, seed=seed)
         return rotation_after_fold(rotation.report.to_dict(), rotation.along, rotation.rotate_tensor,
                                    rotation.rotate_stream)
     return plan
 
 
-def rotated_stream_map(report: dict):
-    """For ``normfold verify`` of a streamed rotated folder: x ↦ x·Q with the Q its report's method,
-    seed and width give again; None for a folder that is not rotated."""
-    rotation = report.get("rotation")
-    if not rotation:
-        return None
-    (stream,) = rotation["streams"]
-    return stream_rotation(rotation["method"], int(rotation["seed"]), int(stream["stream"]["width"])).rotate_stream
+def stream_map_for(recipe: Recipe):
+    """For ``normfold verify`` of a streamed rotated folder: x ↦ x·Q with the Q its recipe's method and
+    seed give again (the width is the model's; a recipe naming another rotation re-makes another folder)."""
+    rotation = recipe.rotation
+
+    def rotate_stream(x):
+        return stream_rotation(rotation.method, rotation.seed, int(x.shape[-1])).rotate_stream(x)
+    return rotate_stream
 
 
 def _slicing_line(slicing: dict, streams: list[dict]) -> str:
@@ -98,6 +93,9 @@ def _slicing_line(slicing: dict, streams: list[dict]) -> str:
 
 def _check_supported(args, source: Path, *, streaming: bool) -> None:
     """UsageError, before any loading, for bad combinations and what folders do not support yet."""
+    if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
+        raise UsageError(f"--seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (what torch's generators take), "
+                         f"got {args.seed}")
     if args.slice is not None and not 0.0 <= args.slice < 1.0:  # also refuses NaN
         raise UsageError(f"--slice must be in [0, 1) (the share of the stream's directions to drop), got {args.slice}")
     if args.slice and args.method != "pca":
@@ -129,55 +127,20 @@ def _check_heads_keep_directions(source: Path, fraction: float, trust_remote_cod
                          f"{1 - heads / width:.4f}")
 
 
-def is_sliced(report: dict) -> bool:
-    """Whether a folder's report records a sliced (approximate) rotation."""
-    rotation = report.get("rotation") or {}
-    return bool(rotation.get("slicing"))
-
-
-def verify_sliced(args, report: dict) -> int:
-    """``normfold verify ORIG OUT`` for a sliced folder: what can be checked, said as such. The whole
-    rotation's float64 proof was made when OUT was written (the unsliced model is not stored, so it is
-    shown as recorded); the sliced model is measured again against the original on the calibration
-    sentences the report keeps, and must keep the recorded lowest cosine (within float32 storage)."""
-    slicing, calibration = report["rotation"]["slicing"], report.get("calibration") or {}
-    sentences = calibration.get("sentences")
-    if not sentences:
-        raise UsageError(f"{args.folded_dir}: a sliced folder whose report lacks its calibration sentences: its cosine "
-                         "cannot be measured again")
-    with output.steps(not args.json) as step:
-        step("loading")
-        original = load_model(args.orig_dir, trust_remote_code=args.trust_remote_code)
-        sliced = from_pretrained(args.folded_dir, trust_remote_code=args.trust_remote_code)
-        calls = calibration_calls(original, load_tokenizer(args.folded_dir, trust_remote_code=args.trust_remote_code),
-                                  sentences)
-        step(f"measuring the sliced model against the original on {len(sentences)} calibration sentences (float64)")
-        calls = [((), call) for call in calls]
-        agreement = output_agreement(copy.deepcopy(original).double(), sliced.double(), calls)
-    recorded = slicing["min_cosine"]
-    ok = math.isfinite(agreement.min_cosine) and agreement.min_cosine >= recorded - COSINE_SLACK
-    proof = report["verification"]
-    ver = {"ok": ok, "kind": "sliced rotation (approximate)",
-           "checks": ("the whole rotation was proved in float64 when the folder was written (recorded, not "
-                      "re-run: the unsliced model is not stored); the sliced model is measured, not proved"),
-           "unsliced_proof_recorded": {k: proof.get(k) for k in ("ok", "max_rel_error", "tolerance")},
-           "min_cosine": agreement.min_cosine, "mean_cosine": agreement.mean_cosine,
-           "recorded_min_cosine": recorded, "losses": agreement.losses, "num_sentences": len(sentences),
-           "why": None if ok else (f"the lowest output cosine {agreement.min_cosine!r} is below the recorded "
-                                   f"{recorded!r} (less {COSINE_SLACK}) on the calibration sentences")}
-    if args.json:
-        print(json.dumps({"verification": ver}, indent=2, default=str))
-    else:
-        output.console().print(f"verification: {'[green]passed[/green]' if ok else '[red]FAILED[/red]'} (sliced: "
-                               "approximate, not exact)")
-        output.console().print(f"the whole rotation before slicing: proved in float64 when written, max rel err "
-                               f"{proof.get('max_rel_error'):.1e} (recorded)")
-        output.console().print(f"the sliced model: min cosine {agreement.min_cosine:.6f} (recorded {recorded:.6f}), "
-                               f"mean {agreement.mean_cosine:.6f} on {len(sentences)} calibration sentences"
-                               + "".join(f"; {n} {a:.4f} -> {b:.4f}" for n, (a, b) in agreement.losses.items()))
-    if not ok:
-        print(f"normfold: verification failed, {ver['why']}", file=sys.stderr)
-    return EXIT_OK if ok else EXIT_VERIFY_FAILED
+def measure_sliced(original, loaded, tokenizer_dir: Path, sentences: list[str], bar: float, *,
+                   trust_remote_code: bool = False) -> dict:
+    """A sliced folder measured against the original on the calibration ``sentences`` in float64 (its
+    whole rotation is proved exactly when the folder is re-made; the slicing is approximate): ``ok``
+    when the lowest output cosine keeps ``bar``, the verifying person's (never the folder's)."""
+    calls = calibration_calls(original, load_tokenizer(tokenizer_dir, trust_remote_code=trust_remote_code), sentences)
+    agreement = output_agreement(copy.deepcopy(original).double(), copy.deepcopy(loaded).double(),
+                                 [((), call) for call in calls])
+    ok = math.isfinite(agreement.min_cosine) and agreement.min_cosine >= bar
+    return {"ok": ok, "kind": "sliced rotation (approximate)", "min_cosine": agreement.min_cosine,
+            "mean_cosine": agreement.mean_cosine, "promised_min_cosine": bar, "losses": agreement.losses,
+            "num_inputs": len(sentences), "num_rows": None, "compared": "output rows (float64)",
+            "why": None if ok else (f"the lowest output cosine {agreement.min_cosine!r} is below the bar {bar!r} on "
+                                    f"the {len(sentences)} calibration sentences")}
 
 
 def add_commands(subparsers) -> None:

@@ -3,7 +3,8 @@ folded folder with reports, reloading it with fast RMSNorms, and streaming folds
 larger than memory. Needs ``pip install 'normfold[hf]'`` (transformers, safetensors)."""
 from __future__ import annotations
 
-from .folder import analyze_folder, fold_folder, verify_folders
+from .folder import analyze_folder, fold_folder
+from .judge import verify_folders
 from .streaming import check_block, fold_checkpoint, verify_by_blocks
 from .inputs import example_inputs_for
 from .load import CheckpointError, default_model_path, load_model

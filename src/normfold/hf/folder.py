@@ -17,16 +17,15 @@ from torch import nn
 
 from ..fold import FoldReport, FoldVerificationError, verify
 from ..fold.pipeline import fold_exactly, plan_fold, rms_norm_paths
-from ..fold.graph import parameter_aliases
+from ..fold.plan import PlanConstraints
 from .inputs import calibration_batches, example_inputs_for, is_sentence_encoder, load_tokenizer, read_calibration_file
 from .load import CheckpointError, check_model_dir, load_model
-from .output_dir import REPORT_JSON, atomic_output_dir
-from .saving import (DTYPES, _read_tensor, _stored_tensors, folded_layout, from_pretrained, save_folded,
-                     stock_constraints, stock_state_dict)
-from .side_files import copy_side_files
+from .output_dir import atomic_output_dir
 from .picture import draw_zero_mean_graph
-from .report import describe_model, folder_report, norm_rows, render_markdown, require_norms
-from .saved_weights import compare_weights, same_plan, skipped, why_not_rederivable
+from .recipe import CalibrationRecord, Recipe
+from .report import describe_model, folder_report, norm_rows, render_markdown, require_norms, write_sealed_report
+from .saving import DTYPES, folded_layout, save_folded, save_pretrained, stock_constraints
+from .side_files import copy_side_files
 
 REPORT_MD = "normfold_report.md"
 PICTURE = "normfold_zero_mean_graph.png"
@@ -89,8 +88,12 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
     tokenizer) runs an approximate fold after the exact one (:data:`ApproximateFold`; the CLI gives
     ``normfold.lab.approximate_fold`` with the user's cosine bar): norms the exact fold cannot touch
     become corrected RMSNorms while every output row keeps the promised cosine on the calibration
-    sentences. Such norms are listed in the report under ``"approximate"``, with the sentences (so
-    ``normfold verify`` can re-measure the cosine), and only :func:`normfold.from_pretrained` rebuilds them.
+    sentences. Such norms are listed in the report under ``"approximate"`` and only
+    :func:`normfold.from_pretrained` rebuilds them. The sentences are the user's: the report keeps
+    only the file's SHA-256, sentence count and path (``normfold verify --calibration FILE`` needs the file).
+
+    The report records the ``recipe`` (:class:`normfold.hf.recipe.Recipe`) that ``normfold verify``
+    re-makes the folder from, and is sealed (:func:`normfold.hf.report.seal`).
     """
     model_dir = check_model_dir(model_dir)
     if dtype is not None and dtype not in DTYPES:
@@ -127,8 +130,12 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
                             skipped_files=copy_side_files(model_dir, tmp))
         out["verification"]["saved_dtype_check"] = saved_check
         if approx is not None:
-            out["approximate"].update(calibration_sentences=sentences, compared=_compared(model))
-        write_report_files(out, tmp)
+            out["approximate"]["compared"] = _compared(model)
+        calibration = None if approx is None else CalibrationRecord.of_file(calibration_file, len(sentences))
+        out["recipe"] = Recipe(command="fold", streaming=False, fold_affine=fold_affine, dtype=dtype,
+                               approximate_min_cosine=None if approx is None else approx.min_cosine,
+                               calibration=calibration).to_dict()
+        out = write_report_files(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
 
@@ -178,82 +185,27 @@ def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dt
     return fold_exactly(model, example_inputs, stock_constraints(model, stored_dtype, fold_affine=fold_affine))
 
 
-def _stock_fold_unverified(model, example_inputs, *, fold_affine: bool, stored_dtype: torch.dtype):
-    """(folded copy, report): the plan and float32 transform of :func:`fold_for_stock`, not yet
-    verified. ``verify_folders`` re-derives a saved folder's weights with it (the same code path)."""
-    return fold_exactly(model, example_inputs, stock_constraints(model, stored_dtype, fold_affine=fold_affine),
-                        prove=False)
-
-
-def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *, trust_remote_code: bool = False,
-                   step: Step = _noop) -> dict[str, Any]:
-    """Check a folded folder against its original: its outputs in float64, and its weights tensor by tensor.
-
-    Outputs: the folded weights were rounded to their storage dtype (read from the weight files),
-    so the float64 comparison allows a tolerance measured on the same inputs: a small multiple of
-    the error the original itself makes when run in that dtype (``tolerance_rule`` in the result
-    says how much), rather than the transform's 1e-9. A change smaller than that error passes this
-    part, hence the second one.
-
-    Weights (``result["weights"]``, :func:`check_saved_weights`): the fold is re-derived from the
-    original with the options the folder's report records and every stored tensor must equal it,
-    rounded to the stored dtype, to within one ulp. ``ok`` requires both parts; a weight check
-    that cannot run (``--approximate`` folds, reports of older normfold) is skipped with a reason.
-    """
-    from .streaming import stored_dtype_name  # not at the top: streaming.publish imports this module
-
+def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code: bool = False,
+                 step: Step = _noop) -> dict[str, Any]:
+    """Re-make a ``normfold.save_pretrained`` folder from its recipe: the original folded by
+    ``normfold.fold`` (``recipe.stock_plan``: within what stock transformers loads, as
+    :func:`fold_for_stock`) on normfold's example inputs, saved by ``normfold.save_pretrained``. A fold
+    the caller planned differently (other example calls, other options) re-makes as another plan, and
+    the comparison with the folder says so."""
     step("loading")
-    original = load_model(orig_dir, trust_remote_code=trust_remote_code)
-    folded = from_pretrained(folded_dir, trust_remote_code=trust_remote_code)
-    report = json.loads((Path(folded_dir) / REPORT_JSON).read_text())
-    stored = DTYPES[stored_dtype_name(Path(folded_dir))]
-    step(f"verifying in float64 (tolerance measured from the original run in {_dtype_name(stored)})")
-    # approximate RMSNorms read inputs that are not zero-mean: only the exact ones are checked for it
-    rms_paths = [s["path"] for s in report["swapped"] if not s.get("approximate")]
-    result = verify(original, folded, example_inputs_for(original), stored_dtype=stored,
-                    rms_norm_paths=rms_paths).to_dict()
-    warning = approximate_warning(report)
-    if warning and not result["ok"] and result["why"] is None:
-        result["why"] = (f"expected: the folder was folded with --approximate ({warning.split(';')[0]}, "
-                         f"min cosine {report.get('calibration_min_cosine')} on the calibration set), "
-                         "so it cannot match the original within the exact bound")
-    step("re-deriving the fold and comparing every stored tensor")
-    result["weights"] = weights = check_saved_weights(original, Path(folded_dir), report)
-    result["ok"] = result["ok"] and weights["ok"] is not False
-    if weights["ok"] is False and result["why"] is None:
-        result["why"] = f"stored weights: {weights['why']}"
-    return result
+    model = load_model(orig_dir, trust_remote_code=trust_remote_code)
+    step("folding")
+    dtype = DTYPES[recipe.dtype]
+    constraints = (stock_constraints(model, dtype, fold_affine=recipe.fold_affine) if recipe.stock_plan
+                   else PlanConstraints(fold_affine=recipe.fold_affine))
+    folded, report = fold_exactly(model, example_inputs_for(model), constraints)
+    step("saving")
+    return save_pretrained(folded, out, dtype=dtype, source_dir=orig_dir if recipe.side_files else None, report=report)
 
 
-def check_saved_weights(original, folded_dir: Path, report: dict[str, Any]) -> dict[str, Any]:
-    """Every tensor stored in ``folded_dir`` against the fold re-derived from ``original``.
-
-    The fold is re-run as ``fold_folder`` ran it (:func:`_stock_fold_unverified` on the same example
-    inputs, with the report's ``fold_affine``), its state dict rounded to the report's
-    ``saved_dtype`` as ``save_folded`` writes it, and compared element by element
-    (:func:`normfold.hf.saved_weights.compare_weights`). Skipped, with the reason, for folds that
-    cannot be re-derived: ``--approximate`` ones (fitted on calibration sentences), reports that
-    lack ``fold_affine``, ``saved_dtype`` or ``plan`` (older normfold), and plans that differ from
-    the one this normfold derives.
-    """
-    reason = why_not_rederivable(report)
-    if reason:
-        return skipped(reason)
-    derived, derived_report = _stock_fold_unverified(original, example_inputs_for(original),
-                                                     fold_affine=bool(report["fold_affine"]),
-                                                     stored_dtype=DTYPES[report["saved_dtype"]])
-    if not same_plan(derived_report.plan, report["plan"]):
-        return skipped("the plan this normfold derives from the original differs from the one the report records "
-                       "(folded by another normfold version, or from another original): the weights cannot be "
-                       "re-derived")
-    expected = stock_state_dict(derived, DTYPES[report["saved_dtype"]])
-    files = _stored_tensors(folded_dir)
-    return compare_weights(expected, files, lambda name: _read_tensor(files[name], name), parameter_aliases(derived))
-
-
-def write_report_files(report: dict[str, Any], out_dir: Path) -> None:
-    """``normfold_report.json``, ``normfold_report.md`` and the zero-mean graph picture."""
-    (out_dir / REPORT_JSON).write_text(json.dumps(report, indent=2, default=str) + "\n")
+def write_report_files(report: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """``normfold_report.md``, the zero-mean graph picture, then ``normfold_report.json`` sealed with
+    their hashes (:func:`normfold.hf.report.seal`); returns the report as written."""
     markdown = render_markdown(report, picture=PICTURE)
     warning = approximate_warning(report)
     if warning:
@@ -266,6 +218,7 @@ def write_report_files(report: dict[str, Any], out_dir: Path) -> None:
         markdown += "\n".join(lines) + "\n"
     (out_dir / REPORT_MD).write_text(markdown)
     draw_zero_mean_graph(norm_rows(report), out_dir / PICTURE, title=report["model"]["architecture"])
+    return write_sealed_report(report, out_dir, (REPORT_MD, PICTURE))
 
 
 def _cos(value: float | None) -> str:

@@ -1,6 +1,6 @@
 """Loading a Hugging Face folder offline: the folder and weight-file checks, its config, the model
-class that builds it, the model itself; :class:`CheckpointError`, the user error every part of
-``normfold.hf`` raises for a folder it cannot read or write."""
+class that builds it, the model itself. :class:`CheckpointError` (``normfold.hf.errors``) is the
+user error every part of ``normfold.hf`` raises for a folder it cannot read or write."""
 from __future__ import annotations
 
 import json
@@ -12,10 +12,8 @@ import torch
 from torch import nn
 
 from .._deps import require
-
-
-class CheckpointError(ValueError):
-    """A folder cannot be read as a model, or the output folder cannot be written: a user error."""
+from .errors import CheckpointError, _first_line
+from .weight_files import weight_source
 
 
 def default_model_path() -> Path:
@@ -94,26 +92,23 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
 
 
 def _check_weight_files(path: Path) -> None:
-    """Refuse folders whose weights would need pickle, and detect corrupt safetensors early."""
-    safetensors = sorted(path.glob("*.safetensors"))
-    if not safetensors and not list(path.glob("*.bin")):
-        raise CheckpointError(f"no weights in {path}: expected *.safetensors (or *.bin)")
+    """Refuse weights that would need pickle, and detect corrupt safetensors early, in the files
+    transformers will load (:func:`normfold.hf.weight_files.weight_source`): other ``.bin`` files,
+    such as a Trainer's ``training_args.bin``, are never read."""
+    source = weight_source(path)
     safe_open = require("safetensors").safe_open
-    for file in safetensors:
-        try:
-            with safe_open(file, framework="pt") as f:
-                f.keys()
-        except Exception as err:  # safetensors raises its own SafetensorError for corrupt headers
-            raise CheckpointError(f"corrupt safetensors file {file}: {_first_line(err)}") from err
-    if not safetensors:
-        # transformers loads .bin with torch.load(weights_only=True); say so rather than trust it silently
-        for file in path.glob("*.bin"):
+    for name in source.files:
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{source.entry} names the weight file {name}, which {path} does not hold")
+        if file.suffix == ".safetensors":
             try:
-                torch.load(file, map_location="meta", weights_only=True, mmap=True)
-            except Exception as err:
-                raise CheckpointError(f"{file} is not a weights-only torch checkpoint: {_first_line(err)}") from err
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0]
+                with safe_open(file, framework="pt") as f:
+                    f.keys()
+            except Exception as err:  # safetensors raises its own SafetensorError for corrupt headers
+                raise CheckpointError(f"corrupt safetensors file {file}: {_first_line(err)}") from err
+            continue
+        try:  # transformers loads .bin with torch.load(weights_only=True); say so rather than trust it silently
+            torch.load(file, map_location="meta", weights_only=True, mmap=True)
+        except Exception as err:
+            raise CheckpointError(f"{file} is not a weights-only torch checkpoint: {_first_line(err)}") from err

@@ -3,6 +3,8 @@ path that writes one (the in-memory and the streaming fold, ``normfold.save_pret
 views: per-norm rows (for the table and the picture) and markdown."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -11,6 +13,9 @@ from torch import nn
 
 from ..fold.report import FoldReport
 from .load import CheckpointError
+from .output_dir import REPORT_JSON
+from .recipe import file_sha256
+from .weight_files import weight_source
 
 if TYPE_CHECKING:  # the lab's report type, for annotations only: hf never imports the lab
     from ..lab.approximate import ApproximateReport
@@ -68,7 +73,8 @@ def norm_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     approx = report.get("approximate") or {}
     entries = {e["path"]: e for e in approx.get("entries", ())}
     approximate = {path: entries.get(path, {}) for path in report.get("approximate_norms", ())}
-    num_inputs = len(approx.get("calibration_sentences") or ()) or None
+    calibration = (report.get("recipe") or {}).get("calibration") or {}
+    num_inputs = calibration.get("num_sentences")
     return [{"path": e["path"], "folded": bool(e["foldable"]), "affine_folded": bool(e["affine_folded"]),
              "approximate": e["path"] in approximate,
              "reason": (_approximate_reason(approximate[e["path"]], num_inputs) if e["path"] in approximate
@@ -99,7 +105,6 @@ def render_markdown(report: dict[str, Any], *, picture: str | None = None) -> st
     """A short human report: what was folded, what was kept and why, and the verification."""
     model = report.get("model", {})
     rows = norm_rows(report)
-    folded = sum(r["folded"] for r in rows)
     lines = [f"# normfold report: {model.get('architecture', 'model')}", ""]
     if model.get("source"):
         lines += [f"Source: `{model['source']}` ({model.get('parameters', '?'):,} parameters)", ""]
@@ -159,3 +164,63 @@ def _scope_lines(report: dict[str, Any]) -> list[str]:
     if report.get("exactness_scope"):
         lines += ["", report["exactness_scope"][0].upper() + report["exactness_scope"][1:] + "."]
     return lines
+
+
+# ------------------------------------------------------------------------------------------- the seal
+
+def seal(report: dict[str, Any], folder: Path, renderings: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``report`` as written into ``folder``: with the SHA-256 of the weight files that load
+    (:func:`normfold.hf.weight_files.weight_source`) and of ``renderings`` (the report's markdown and
+    picture) under ``"files"``, and a ``"digest"`` of all the rest.
+
+    The seal is not a proof (anyone can recompute it): what a report claims is re-derived by ``normfold
+    verify``. It makes every other byte count: an edited figure or a swapped picture fails instead of
+    passing as inert, and ``normfold.from_pretrained`` refuses weights saved over the folder (a stock
+    fine-tune), which the report no longer describes."""
+    source = weight_source(folder)
+    sealed = {k: v for k, v in report.items() if k != "digest"}
+    sealed["files"] = {name: file_sha256(folder / name) for name in (*source.names, *renderings)}
+    sealed = json.loads(json.dumps(sealed, default=str))  # as it reads back: tuples are lists, paths strings
+    sealed["digest"] = report_digest(sealed)
+    return sealed
+
+
+def write_sealed_report(report: dict[str, Any], folder: Path, renderings: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Write ``normfold_report.json`` into ``folder``, sealed (:func:`seal`) with the hashes of the
+    ``renderings`` already written there; returns the report as written."""
+    sealed = seal(report, folder, renderings)
+    (folder / REPORT_JSON).write_text(json.dumps(sealed, indent=2) + "\n")
+    return sealed
+
+
+def report_digest(report: dict[str, Any]) -> str:
+    """The SHA-256 of the report's canonical JSON without its ``digest``."""
+    body = {k: v for k, v in report.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
+
+
+def seal_problems(report: dict[str, Any], folder: Path) -> list[str]:
+    """Why ``report`` (read from ``folder``) is not as normfold sealed it; empty when it is."""
+    if "digest" not in report:
+        return ["normfold_report.json carries no digest (written by an older normfold, or edited): fold again"]
+    if report["digest"] != report_digest(report):
+        return ["normfold_report.json was changed after normfold wrote it (its digest does not match its content)"]
+    files = report.get("files")
+    if not isinstance(files, dict):
+        return ["normfold_report.json lists no \"files\" (the weights it was written with, its renderings)"]
+    problems = []
+    for name, sha in files.items():
+        path = folder / str(name)
+        if not isinstance(name, str) or "/" in name or not path.is_file() or path.is_symlink():
+            problems.append(f"{name} is listed by normfold_report.json but is not a file of the folder")
+        elif file_sha256(path) != sha:
+            problems.append(f"{name} was changed after normfold wrote it (its SHA-256 is not the one the report "
+                            "records)")
+    try:
+        source = weight_source(folder)
+    except CheckpointError as err:
+        return problems + [str(err)]
+    unsealed = [name for name in source.names if name not in files]
+    if unsealed:
+        problems.append(f"the weights load from {', '.join(unsealed)}, which normfold did not write (not in its report)")
+    return problems

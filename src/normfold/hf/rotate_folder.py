@@ -11,10 +11,9 @@ x·Q, whose mean is not zero, so the LayerNorm stock transformers rebuilds there
 """
 from __future__ import annotations
 
-import hashlib
 import inspect
-import json
 import os
+from dataclasses import asdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,8 +24,9 @@ from .._deps import require
 from .folder import Step, _noop
 from .inputs import calibration_batches, example_inputs_for, load_tokenizer, read_calibration_file
 from .load import check_model_dir, load_model
-from .output_dir import REPORT_JSON, atomic_output_dir
-from .report import describe_model, folder_report
+from .output_dir import atomic_output_dir
+from .recipe import CalibrationRecord, Recipe, Rotation
+from .report import describe_model, folder_report, write_sealed_report
 from .saving import folded_layout, save_folded
 from .side_files import copy_side_files
 from .streaming.publish import PlanAfterFold, fold_checkpoint
@@ -78,12 +78,16 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
         saved_dtype = next(rotated.parameters()).dtype
         step("saving")
         save_folded(rotated, tmp)
-        sections = {} if sentences is None else {
-            "calibration": calibration_record(calibration_file, sentences, len(calibration))}
+        record = None if sentences is None else CalibrationRecord.of_file(calibration_file, len(sentences))
+        sections = {} if record is None else {"calibration": {**asdict(record), "num_batches": len(calibration)}}
         out = rotated_report(rotation, layout, saved_dtype=str(saved_dtype).replace("torch.", ""),
                              model=describe_model(model, model_dir), skipped_files=copy_side_files(model_dir, tmp),
                              **sections)
-        (tmp / REPORT_JSON).write_text(json.dumps(out, indent=2, default=str) + "\n")
+        slicing = rotation.slicing
+        out["recipe"] = Recipe(command="rotate", streaming=False, fold_affine=True, dtype=None, calibration=record,
+                               rotation=Rotation(rotation.method, rotation.seed,
+                                                 0.0 if slicing is None else slicing.fraction)).to_dict()
+        out = write_sealed_report(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
 
@@ -126,13 +130,6 @@ def takes_lm_labels(model: nn.Module) -> bool:
     except (KeyError, ValueError):
         is_causal = False
     return is_causal and "labels" in inspect.signature(type(model).forward).parameters
-
-
-def calibration_record(path: str | os.PathLike, sentences: list[str], batches: int) -> dict[str, Any]:
-    """What the report keeps of the calibration text: the file's name and SHA-256, the counts, and the
-    sentences themselves (``normfold verify`` measures the sliced model on them again)."""
-    return {"file": Path(path).name, "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
-            "num_sentences": len(sentences), "num_batches": batches, "sentences": sentences}
 
 
 def rotated_report(rotation: RotationReport, layout: dict[str, Any], *, saved_dtype: str,

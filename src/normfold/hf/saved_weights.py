@@ -15,9 +15,6 @@ import torch
 from torch import Tensor
 
 from .._progress import progress
-from ..fold.plan import FoldPlan
-from .output_dir import REPORT_JSON
-from .saving import DTYPES
 
 # Measured: tiny GPT-2 and BERT folded in fp32/fp16/bf16, re-derived with 1 and 2 threads and by the
 # streaming fold: every tensor bit-identical. What may still differ on another machine is the order
@@ -100,7 +97,7 @@ def compare_weights(derived: Mapping[str, Tensor], stored_names: Iterable[str], 
     result: dict[str, Any] = {"ok": False, "num_tensors": 0, "num_differing_tensors": 0, "worst": None,
                               "bound": f"{STORED_DTYPE_ULPS} ulp of the stored dtype at each element + "
                                        f"{FLOAT32_REDUCTION_ULPS} float32 ulp at the tensor's largest value",
-                              "skipped": None, "why": None}
+                              "why": None}
     if extra or missing:
         parts = ([f"holds {_few(extra)}, which the fold does not write"] if extra else []) + \
                 ([f"lacks {_few(missing)}, which the fold writes"] if missing else [])
@@ -116,51 +113,6 @@ def compare_weights(derived: Mapping[str, Tensor], stored_names: Iterable[str], 
     why = None if not bad else worst["why"] + (f"; {len(bad) - 1} more tensor(s) off" if len(bad) > 1 else "")
     return {**result, "ok": not bad, "num_tensors": len(rows), "num_differing_tensors": len(differing),
             "worst": None if worst is None else {k: v for k, v in worst.items() if k not in ("ok", "why")}, "why": why}
-
-
-REDERIVE_KEYS = ("fold_affine", "saved_dtype", "plan")  # what a report must record to re-derive the weights
-
-
-def why_not_rederivable(report: Mapping[str, Any]) -> str | None:
-    """Why the fold a report describes cannot be re-derived from the original (the reason to skip
-    the weight check), or None when it can: a rotated folder, an ``--approximate`` fold (fitted on calibration
-    sentences the folder does not hold), a report lacking :data:`REDERIVE_KEYS` (an older
-    normfold, or ``normfold.save_pretrained``), a saved dtype normfold does not write."""
-    rotation = report.get("rotation")
-    if rotation:
-        return (f"a rotated folder ({rotation.get('method')}, seed {rotation.get('seed')}): the rotation is not "
-                "re-derived here, so its weights are checked through the outputs only")
-    if report.get("num_approximate"):
-        return (f"folded with --approximate ({report['num_approximate']} norm(s) fitted on calibration "
-                "sentences the folder does not hold): its weights cannot be re-derived")
-    absent = [k for k in REDERIVE_KEYS if k not in report]
-    if absent:
-        return (f"{REPORT_JSON} lacks {', '.join(absent)} (written by an older normfold, or by "
-                "normfold.save_pretrained for a fold of the caller's own): the fold cannot be re-derived "
-                "with the options it used")
-    if report["saved_dtype"] not in DTYPES:
-        return f"{REPORT_JSON} records saved_dtype {report['saved_dtype']!r}, expected one of {', '.join(DTYPES)}"
-    return None
-
-
-def same_plan(plan: FoldPlan, recorded: object) -> bool:
-    """Whether the plan a report records (JSON; an older normfold wrote fewer sections, read as
-    empty) is ``plan``: the weights are re-derived only from the plan the folder was made with."""
-    try:
-        return FoldPlan.from_dict(recorded) == plan
-    except (AttributeError, TypeError, ValueError):  # not a plan, or sections/fields this normfold does not know
-        return False
-
-
-def skipped(reason: str) -> dict[str, Any]:
-    """The result of a weight check that could not run: ``ok`` None (neither passed nor failed)."""
-    return {"ok": None, "num_tensors": 0, "num_differing_tensors": 0, "worst": None, "bound": None,
-            "skipped": reason, "why": None}
-
-
-def not_compared(why: str) -> dict[str, Any]:
-    """The result of a weight check that failed before comparing a tensor: ``ok`` False, ``why``."""
-    return {**skipped(""), "ok": False, "skipped": None, "why": why}
 
 
 def _few(names: list[str], limit: int = 4) -> str:

@@ -11,6 +11,7 @@ nothing but swapped norms is recorded (``"stock_compatible"``), which ``normfold
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from collections.abc import Mapping
@@ -26,11 +27,12 @@ from ..fold.report import FoldReport
 from ..fold.transform import norm_like, untie_config
 from ..nn import RMSNorm
 from ..nn.resize import replace_parameter
-from .._deps import require
 from .load import CheckpointError, _first_line, check_model_dir, load_model
 from .output_dir import REPORT_JSON, atomic_output_dir
-from .report import folder_report
+from .recipe import Recipe
+from .report import folder_report, seal_problems, write_sealed_report
 from .side_files import copy_side_files
+from .weight_files import read_tensor, stored_shapes, stored_tensors, weight_source
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -187,6 +189,7 @@ def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: tor
     record = folder_report(report, folded_layout(folded),
                            saved_dtype=str(save_dtype or next(folded.parameters()).dtype).replace("torch.", ""),
                            approximate=None if report is None else report.approximate)
+    record["recipe"] = _saved_recipe(report, record, side_files=source is not None)
     if not record["stock_compatible"]:
         warnings.warn(_stock_incompatibility(type(folded).__name__, record), UserWarning, stacklevel=2)
     with atomic_output_dir(out_dir, overwrite=overwrite, protect=() if source is None else (source,)) as tmp:
@@ -196,8 +199,21 @@ def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: tor
             if record["skipped_files"]:
                 listed = ", ".join(f"{s['path']} ({s['reason']})" for s in record["skipped_files"])
                 warnings.warn(f"not copied from {source}: {listed}", UserWarning, stacklevel=2)
-        (tmp / REPORT_JSON).write_text(json.dumps(record, indent=2, default=str) + "\n")
+        record = write_sealed_report(record, tmp)
     return record
+
+
+def _saved_recipe(report: FoldReport | None, record: Mapping[str, Any], *, side_files: bool) -> dict[str, Any] | None:
+    """The recipe ``normfold verify`` re-makes a ``save_pretrained`` folder from (None when it cannot:
+    no FoldReport, or an approximate fold, whose calibration batches are the caller's): γ/β folding as
+    the report shows it (where no norm moved its γ/β, folding them or not plans the same), planned for
+    stock loading when the result loads as stock (a plan that was not re-makes as another one, and
+    verify says so)."""
+    if report is None or report.approximate is not None:
+        return None
+    return Recipe(command="save_pretrained", streaming=False, fold_affine=any(n.affine_folded for n in report.norms),
+                  dtype=record["saved_dtype"], stock_plan=bool(record["stock_compatible"]),
+                  side_files=side_files).to_dict()
 
 
 def _storage_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -235,12 +251,22 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     (approximate replacements, ``--approximate``, included: stock transformers would load those as
     LayerNorms, which is a different model), ``nn.Identity`` where a norm was precomputed away, and
     the parameters the fold created (``lm_head.bias``) are read from the folder's weights.
-    Raises CheckpointError when the weights lack a tensor the rebuilt model needs (stock
-    transformers would initialise it at random and only log it).
+
+    The report is believed only about the weights it was written with: raises CheckpointError when its
+    seal is broken (:func:`normfold.hf.report.seal_problems`: weights saved over the folder, e.g. a stock
+    fine-tune, or an edited report), when an entry is malformed, when the weights lack a tensor the
+    rebuilt model needs, or hold one of another shape than it (stock transformers would initialise
+    such tensors at random and only log it).
     """
     path = check_model_dir(path)
-    layout = _read_layout(path)
-    stored = _stored_tensors(path)
+    report = _read_report(path)
+    broken = seal_problems(report, path)
+    if broken:
+        raise CheckpointError(f"{path} is not as normfold wrote it: {broken[0]}. Its report describes other weights, "
+                              "so the folded layout cannot be rebuilt around them: load it with transformers' "
+                              "from_pretrained if it was saved over by a stock model, or fold it again")
+    layout = read_layout(report, path / REPORT_JSON)
+    stored = stored_tensors(weight_source(path))
     missing = [e["name"] for e in layout["extra_parameters"] + layout["resized"] if e["name"] not in stored]
     if missing:
         raise CheckpointError(f"{path / REPORT_JSON} lists parameters the weights in {path} do not hold: "
@@ -262,65 +288,78 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     for entry in layout["resized"]:
         _restore_resized(model, entry, stored)
     _check_every_parameter_stored(model, stored, path)
+    _check_stored_shapes(model, stored, path)
     return model
 
 
-def _read_layout(path: Path) -> dict[str, Any]:
-    """The :func:`folded_layout` keys of the folder's report (older reports have only ``swapped``)."""
+def _read_report(path: Path) -> dict[str, Any]:
     report_file = path / REPORT_JSON
     if not report_file.is_file():
         raise CheckpointError(f"no {REPORT_JSON} in {path}: not a folder written by `normfold fold` or "
                               "normfold.save_pretrained")
     try:
         report = json.loads(report_file.read_text())
-        layout = {"swapped": list(report["swapped"]), "identity": [str(p) for p in report.get("identity", [])],
-                  "extra_parameters": [{"name": str(e["name"]), "shape": [int(n) for n in e["shape"]]}
-                                       for e in report.get("extra_parameters", [])],
-                  "resized": [{"name": str(e["name"]), "shape": [int(n) for n in e["shape"]]}
-                              for e in report.get("resized", [])]}
-        for entry in layout["swapped"]:
-            absent = {"path", "normalized_shape", "eps", "weight", "bias"} - set(entry)
-            if absent:
-                raise KeyError(f"a swapped entry lacks {', '.join(sorted(absent))}")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{report_file} is not a normfold report: {_first_line(err)}") from err
-    return layout
+    if not isinstance(report, dict):
+        raise CheckpointError(f"{report_file} must hold a JSON object, got {type(report).__name__}")
+    return report
 
 
-def _stored_tensors(path: Path) -> dict[str, Path]:
-    """Tensor name -> the weight file holding it, for the files transformers loads from ``path``."""
-    for index, single in (("model.safetensors.index.json", "model.safetensors"),
-                          ("pytorch_model.bin.index.json", "pytorch_model.bin")):
-        if (path / index).is_file():
-            try:
-                weight_map = json.loads((path / index).read_text())["weight_map"]
-                files = {name: str(file) for name, file in weight_map.items()}
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
-                raise CheckpointError(f"{path / index} is not a weight index: {_first_line(err)}") from err
-            bad = sorted({f for f in files.values() if Path(f).name != f or f in (".", "..")})
-            if bad:
-                raise CheckpointError(f"{path / index} names weight files outside {path}: {', '.join(bad)}")
-            return {name: path / file for name, file in files.items()}
-        if (path / single).is_file():
-            return dict.fromkeys(_tensor_names(path / single), path / single)
-    raise CheckpointError(f"no weights in {path}: expected model.safetensors (or pytorch_model.bin), or an index")
+def read_layout(report: Mapping[str, Any], where: Path | str = REPORT_JSON) -> dict[str, Any]:
+    """The :func:`folded_layout` keys of a report, every entry checked: CheckpointError naming ``where``
+    and the first malformed entry (a missing key, a value of another type)."""
+    def fail(what: str) -> CheckpointError:
+        return CheckpointError(f"{where} is not a normfold report: {what}")
+
+    def entries(key: str, required: bool = False) -> list:
+        value = report.get(key, None if required else [])
+        if not isinstance(value, list):
+            raise fail(f"\"{key}\" must be a list, got {type(value).__name__}")
+        return value
+
+    swapped = []
+    for i, e in enumerate(entries("swapped", required=True)):
+        at = f"swapped[{i}]"
+        if not isinstance(e, dict) or {"path", "normalized_shape", "eps", "weight", "bias"} - e.keys():
+            raise fail(f"{at} must be an object with path, normalized_shape, eps, weight and bias")
+        if not isinstance(e["path"], str) or not _is_int_list(e["normalized_shape"]) or not e["normalized_shape"]:
+            raise fail(f"{at} needs a string path and a non-empty list of sizes as normalized_shape")
+        if not _is_number(e["eps"]) or e["eps"] < 0 or not _is_number(e.get("offset", 0.0)):
+            raise fail(f"{at}.eps and .offset must be finite numbers (eps >= 0), got {e['eps']!r}, {e.get('offset')!r}")
+        if not all(isinstance(e.get(k, False), bool) for k in ("weight", "bias", "approximate")):
+            raise fail(f"{at}.weight, .bias and .approximate must be true or false")
+        swapped.append(e)
+    identity = entries("identity")
+    if not all(isinstance(p, str) for p in identity):
+        raise fail("\"identity\" must list module paths (strings)")
+    named = {}
+    for key in ("extra_parameters", "resized"):
+        named[key] = []
+        for i, e in enumerate(entries(key)):
+            if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not _is_int_list(e.get("shape")):
+                raise fail(f"{key}[{i}] must be an object with a string name and a list of sizes as shape")
+            named[key].append({"name": e["name"], "shape": list(e["shape"])})
+    return {"swapped": swapped, "identity": identity, **named}
 
 
-def _tensor_names(file: Path) -> list[str]:
-    try:
-        if file.suffix == ".safetensors":
-            with require("safetensors").safe_open(file, framework="pt") as f:
-                return list(f.keys())
-        return list(torch.load(file, map_location="meta", weights_only=True, mmap=True))
-    except Exception as err:  # safetensors' own SafetensorError, unpickling errors
-        raise CheckpointError(f"corrupt weight file {file}: {_first_line(err)}") from err
+def _is_int_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
 
 
-def _read_tensor(file: Path, name: str) -> torch.Tensor:
-    if file.suffix == ".safetensors":
-        with require("safetensors").safe_open(file, framework="pt") as f:
-            return f.get_tensor(name)
-    return torch.load(file, map_location="cpu", weights_only=True, mmap=True)[name].clone()
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_stored_shapes(model: nn.Module, stored: Mapping[str, Path], path: Path) -> None:
+    """CheckpointError when a tensor of ``model`` has another shape than the one stored under its name:
+    loading with mismatched sizes allowed (a sliced folder's resized tensors) left it initialised at random."""
+    shapes = stored_shapes(stored)
+    wrong = [f"{name} {list(t.shape)} (stored {shapes[name]})" for name, t in model.state_dict().items()
+             if name in shapes and list(t.shape) != shapes[name]]
+    if wrong:
+        raise CheckpointError(f"the weights in {path} hold tensors of other shapes than the model built from its "
+                              f"report: {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}")
 
 
 def _restore_parameter(model: nn.Module, entry: Mapping[str, Any], stored: Mapping[str, Path]) -> None:
@@ -347,7 +386,7 @@ def _restore_resized(model: nn.Module, entry: Mapping[str, Any], stored: Mapping
 
 def _recorded_tensor(entry: Mapping[str, Any], stored: Mapping[str, Path]) -> torch.Tensor:
     """The stored tensor ``entry["name"]``, CheckpointError unless it has the shape the report records."""
-    value = _read_tensor(stored[entry["name"]], entry["name"])
+    value = read_tensor(stored[entry["name"]], entry["name"])
     if list(value.shape) != entry["shape"]:
         raise CheckpointError(f"{entry['name']}: the report says shape {entry['shape']}, the weights hold "
                               f"{list(value.shape)}")

@@ -12,8 +12,8 @@
    sibling of the output folder.
 3. Verify, piece by piece in float64 (:func:`verify_by_blocks`): every block of the stacks the
    fold touched, the model cut to one block per stack (embeddings, final norm, head), and every
-   other tensor as a copy. ``normfold verify`` also re-derives the fold from the original, group
-   by group, and compares every stored tensor with it.
+   other tensor as a copy. ``normfold verify`` also re-makes the folder from the original (into a
+   temporary folder) and compares every stored tensor with it (``normfold.hf.judge``).
 4. Publish: only a verified folder replaces the output, in one atomic exchange.
 
 Peak memory: the largest group in float32 plus the γ/β of all norms while rewriting; while
@@ -29,12 +29,13 @@ from __future__ import annotations
 # One module a step: checkpoint (reading and writing safetensors one tensor at a time), planning (1),
 # rewrite (2), blocks and verification (3), publish (the whole fold: 1-4).
 from .blocks import check_block, check_shell
-from .checkpoint import INDEX, Checkpoint, check_plain_file_name, is_sharded, stored_dtype_name, write_safetensors
+from ..weight_files import SAFE_INDEX as INDEX
+from .checkpoint import Checkpoint, is_sharded, stored_dtype_name, write_safetensors
 from .planning import plan_for_checkpoint
 from .publish import fold_checkpoint
 from .rewrite import CheckpointRewrite
-from .verification import check_streamed_weights, verify_by_blocks
+from .verification import verify_by_blocks
 
-__all__ = ["INDEX", "Checkpoint", "CheckpointRewrite", "check_block", "check_plain_file_name", "check_shell",
-           "check_streamed_weights", "fold_checkpoint", "is_sharded", "plan_for_checkpoint", "stored_dtype_name",
+__all__ = ["INDEX", "Checkpoint", "CheckpointRewrite", "check_block", "check_shell",
+           "fold_checkpoint", "is_sharded", "plan_for_checkpoint", "stored_dtype_name",
            "verify_by_blocks", "write_safetensors"]

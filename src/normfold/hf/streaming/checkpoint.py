@@ -15,8 +15,8 @@ import torch
 
 from ..._deps import require
 from ..load import CheckpointError
+from ..weight_files import stored_tensors, weight_source
 
-INDEX = "model.safetensors.index.json"
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
                       torch.bool: "BOOL"}  # torch dtype -> the code a safetensors header writes
@@ -24,25 +24,21 @@ TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}  # header code -> t
 
 
 class Checkpoint:
-    """The tensors of a safetensors folder: which file holds each key, shapes and dtypes from the
-    headers, and reads of one tensor at a time (each read opens and closes its file, so no file
+    """The tensors of a safetensors folder, from the files transformers loads
+    (:func:`normfold.hf.weight_files.weight_source`): which file holds each key, shapes and dtypes from
+    the headers, and reads of one tensor at a time (each read opens and closes its file, so no file
     stays mapped and resident memory does not grow with the checkpoint)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
-        index = folder / INDEX
-        if index.is_file():
-            weight_map = _read_weight_map(index)
-        elif (folder / "model.safetensors").is_file():
-            weight_map = None
-        else:
-            raise CheckpointError(f"streaming needs safetensors weights: no model.safetensors or {INDEX} in {folder}")
+        self.source = weight_source(folder)
+        if not self.source.is_safetensors:
+            raise CheckpointError(f"streaming needs safetensors weights: {folder} loads from {self.source.entry}")
         safe_open = require("safetensors").safe_open
-        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        self.file_of: dict[str, str] = {key: path.name for key, path in stored_tensors(self.source).items()}
         self.files: dict[str, list[str]] = {}    # file -> keys in file order
-        self.file_of: dict[str, str] = {}
         self.meta: dict[str, tuple[str, list[int]]] = {}   # key -> (safetensors dtype, shape)
-        for name in files:
+        for name in self.source.files:
             try:
                 with safe_open(folder / name, framework="pt") as f:
                     keys = list(f.keys())
@@ -52,7 +48,6 @@ class Checkpoint:
             except Exception as err:  # SafetensorError for a corrupt header
                 raise CheckpointError(f"corrupt safetensors file {folder / name}: {str(err).splitlines()[0]}") from err
             self.files[name] = keys
-            self.file_of.update(dict.fromkeys(keys, name))
         self.bytes_read = 0
         self.read_seconds = 0.0
 
@@ -64,32 +59,6 @@ class Checkpoint:
         self.bytes_read += t.numel() * t.element_size()
         self.read_seconds += time.perf_counter() - t0
         return t
-
-
-def _read_weight_map(index: Path) -> dict[str, str]:
-    """The index's key -> shard map; CheckpointError unless every shard is a plain file name.
-
-    The names become paths of the output folder: ``../x`` or ``/etc/x`` would write outside it.
-    """
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{index} is not a safetensors index: {str(err).splitlines()[0]}") from err
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise CheckpointError(f"{index}: expected a non-empty \"weight_map\" object, got {weight_map!r:.80}")
-    for name in set(weight_map.values()):
-        check_plain_file_name(name, index)
-    return weight_map
-
-
-def check_plain_file_name(name: object, source: Path) -> str:
-    """``name`` when it is a plain file name (no folder part, not ``.``/``..``, not absolute, no NUL),
-    else CheckpointError naming ``source``, the file that listed it."""
-    if not isinstance(name, str) or name in ("", ".", "..") or "\0" in name or "/" in name or "\\" in name \
-            or os.path.isabs(name):
-        raise CheckpointError(f"{source} lists the shard {name!r}: expected a plain file name inside the model folder "
-                              "(no '/', '..', absolute path or NUL)")
-    return name
 
 
 def write_safetensors(path: Path, entries: list[tuple[str, str, list[int]]],
@@ -137,5 +106,8 @@ def stored_dtype_name(model_dir: Path) -> str:
 
 
 def is_sharded(model_dir: str | os.PathLike) -> bool:
-    """Whether ``model_dir`` holds a sharded safetensors checkpoint (an index file)."""
-    return (Path(model_dir) / INDEX).is_file()
+    """Whether ``model_dir``'s weights load from an index (a sharded checkpoint), as transformers resolves them."""
+    try:
+        return weight_source(model_dir).is_index
+    except CheckpointError:  # no weights at all: loading the folder says why
+        return False

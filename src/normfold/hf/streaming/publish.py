@@ -19,11 +19,13 @@ from ...fold.report import FoldReport
 from ..folder import write_report_files
 from ..load import CheckpointError, check_model_dir
 from ..output_dir import atomic_output_dir
+from ..recipe import Recipe, Rotation
 from ..report import describe_model, folder_report, require_norms
 from ..inputs import example_inputs_for
 from ..saving import DTYPES, stock_parameter_shapes
 from ..side_files import copy_side_files
-from .checkpoint import INDEX, stored_dtype_name, write_safetensors
+from ..weight_files import SAFE_INDEX as INDEX
+from .checkpoint import stored_dtype_name, write_safetensors
 from .planning import plan_for_checkpoint
 from .rewrite import AfterFold, CheckpointRewrite, Prefetcher
 from .verification import failure_summary, verify_by_blocks
@@ -58,12 +60,12 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         report, stream = _write_folded_checkpoint(model_dir, tmp, fold_affine=fold_affine, dtype=dtype,
                                                   trust_remote_code=trust_remote_code, after_fold=after_fold,
                                                   step=step)
-        report["verification"] = verify_by_blocks(model_dir, tmp, report, dtype=dtype, check_weights=False,
+        report["verification"] = verify_by_blocks(model_dir, tmp, report, dtype=dtype,
                                                   trust_remote_code=trust_remote_code, stream_map=stream, step=step)
         if not report["verification"]["ok"]:
             raise FoldVerificationError(f"{failure_summary(report['verification'])}; nothing was written to {out_dir}")
         step("writing the report")
-        write_report_files(report, tmp)
+        report = write_report_files(report, tmp)
     report["out_dir"] = str(Path(out_dir).absolute())
     return report
 
@@ -111,9 +113,14 @@ def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool
         stock = stock_parameter_shapes(skeleton.config, type(skeleton))
         layout["extra_parameters"] = [{"name": k, "shape": rewrite.output_meta(k)[1]}
                                       for k in sorted(rewrite.new_keys) if k not in stock]
-    out = folder_report(report, layout, saved_dtype=dtype or stored_dtype_name(model_dir),
+    saved_dtype = dtype or stored_dtype_name(model_dir)
+    out = folder_report(report, layout, saved_dtype=saved_dtype,
                         model=describe_model(skeleton, model_dir), fold_affine=fold_affine, skipped_files=skipped_files,
                         streaming=streaming, **({} if after is None else after.sections))
+    rotation = None if after is None else after.sections.get("rotation")
+    out["recipe"] = Recipe(command="fold" if rotation is None else "rotate", streaming=True, fold_affine=fold_affine,
+                           dtype=dtype, rotation=None if rotation is None else Rotation(
+                               rotation["method"], int(rotation["seed"]))).to_dict()
     return out, None if after is None else after.stream
 
 
