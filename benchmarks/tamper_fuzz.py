@@ -612,8 +612,10 @@ def _rate(rows) -> tuple[int, int, str]:
 
 
 def _explain(row, explanations: dict) -> str:
-    for key in (f"{row['folder']}|{row['op']}", f"{row['folder']}|{row['change_kind']}", row["op"],
-                row["change_kind"]):
+    """The first of ``explanations`` that matches the miss, most specific first ("" when none does)."""
+    family = row["folder"].split(":")[0]  # "rotate-pca" of "rotate-pca:gpt2"
+    for key in (f"{row['folder']}|{row['op']}", f"{family}|{row['op']}", f"{row['folder']}|{row['change_kind']}",
+                f"{family}|{row['change_kind']}", row["op"], row["change_kind"]):
         if key in explanations:
             return explanations[key]
     return ""
@@ -692,6 +694,8 @@ def write_results(rows, controls, stem: Path, meta: dict, explanations: dict) ->
               "| trial | folder | change kind | change | verify said | explanation |", "|---|---|---|---|---|---|",
               *(f"| {r['trial']} | {r['folder']} | {r['change_kind']} / {r['op']} | {_cell(r['change'])} "
                 f"| {_cell(r['verify_said'])} | {_cell(_explain(r, explanations))} |" for r in misses)]
+    if explanations.get("_notes"):  # what the explanations file says of the run as a whole
+        lines += ["", "## Notes", "", *explanations["_notes"]]
     inert = [r for r in rows if r["alters_load"] == "no"]
     lines += ["", f"## Inert changes ({len(inert)})", "", "| trial | folder | change | why inert | exit code |",
               "|---|---|---|---|---|",
@@ -715,7 +719,9 @@ def main(argv=None) -> int:
     parser.add_argument("--work-dir", type=Path, help="where the pool and the trials go (default: a temporary folder)")
     parser.add_argument("--explanations", type=Path,
                         help="JSON {key: text} filling the misses' explanation column; a key is 'FOLDER|OP', "
-                             "'FOLDER|CHANGE KIND', 'OP' or 'CHANGE KIND' (the first that matches)")
+                             "'FAMILY|OP' (FAMILY: the folder kind before ':'), 'FOLDER|CHANGE KIND', "
+                             "'FAMILY|CHANGE KIND', 'OP' or 'CHANGE KIND' (the first that matches); "
+                             "'_notes': a list of markdown lines for a Notes section")
     args = parser.parse_args(argv)
     n = 8 if args.quick else args.n
     if n < 1:

@@ -182,7 +182,12 @@ def test_the_markdown_lists_a_miss_with_its_change_and_explanation(fuzz, tmp_pat
            "change": "plan: {...} -> (deleted)", "alters_load": "yes", "inert_reason": "", "exit_code": 0,
            "outcome": "MISSED", "verify_said": "exact fold", "seconds": "0.1"}
     meta = {"command": "c", "machine": "m", "code": "k", "pool_s": 1.0, "trials_s": 1.0, "verify_takes": "v"}
-    _, md = fuzz.write_results([row], {"fold:x": (0, "ok", "")}, tmp_path / "r", meta, {"fold:x|delete plan": "WHY"})
+    explanations = {"report field": "KIND", "fold|delete plan": "FAMILY", "_notes": ["NOTE LINE"]}
+    _, md = fuzz.write_results([row], {"fold:x": (0, "ok", "")}, tmp_path / "r", meta, explanations)
     text = md.read_text()
-    assert "| 3 | fold:x | report field / delete plan | plan: {...} -> (deleted) | exact fold | WHY |" in text
+    assert "| 3 | fold:x | report field / delete plan | plan: {...} -> (deleted) | exact fold | FAMILY |" in text
     assert "## Result: 0/1 (0.0 %)" in text and "below the 99 % bar" in text
+    assert "## Notes\n\nNOTE LINE\n" in text
+    _, md = fuzz.write_results([row], {"fold:x": (0, "ok", "")}, tmp_path / "r", meta,
+                               {**explanations, "fold:x|delete plan": "FOLDER"})
+    assert "| exact fold | FOLDER |" in md.read_text()  # the most specific key wins
