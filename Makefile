@@ -15,7 +15,7 @@ STAMP := $(VENV)/.normfold-installed
 PYTEST_ARGS ?=
 N ?= 2000
 
-.PHONY: venv demo test wheel-check docs oldest-stack fuzz bench bench-e2e bench-fold-large default-model gpu-check gpu-e2e clean
+.PHONY: venv demo test wheel-check docs oldest-stack fuzz tamper-fuzz bench bench-e2e bench-fold-large default-model gpu-check gpu-e2e clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -76,6 +76,12 @@ default-model: venv
 # random-architecture fuzzing of the fold engine (make fuzz N=5000); record in benchmarks/results/fuzz.md
 fuzz: venv
 	nice -n 10 $(PY) benchmarks/fuzz_fold.py --n $(N)
+
+# one random change to random folded, rotated and approximate folders: does verify exit nonzero?
+# (make tamper-fuzz TAMPER_N=1000); record in benchmarks/results/tamper_fuzz.md
+TAMPER_N ?= 500
+tamper-fuzz: venv
+	nice -n 10 $(PY) benchmarks/tamper_fuzz.py --n $(TAMPER_N)
 
 # CUDA machines only: kernel correctness vs the fp64 reference and timings vs torch (tables in benchmarks/results/),
 # then training time of the norm variants at width 384 and 1024 (tables in experiments/results/; each into $OUT if set)
