@@ -190,7 +190,7 @@ def test_verify_prints_the_exact_rule_in_words_and_numbers_to_four_digits(capsys
     assert len(rule) == 1 and " ≤ tolerance " in rule[0]
     assert "own error in float32" in rule[0] and "unit roundoff" in rule[0]
     code, out_json, _ = _run(capsys, "verify", tiny_dirs["gpt2"], out_dir, "--json")
-    ver = json.loads(out_json)["verification"]  # --json: full precision
+    ver = json.loads(out_json)["verification"]["outputs"]  # --json: full precision
     assert f"{ver['max_rel_error']:.4g}" in rule[0] and f"{ver['tolerance']:.4g}" in rule[0]
     assert repr(ver["max_rel_error"]) != f"{ver['max_rel_error']:.4g}"  # the text rounded it, the JSON did not
 
@@ -269,3 +269,11 @@ def test_a_bad_training_config_is_a_known_refusal_in_one_line(capsys, option, sa
     code, _, err = _run(capsys, "train", option, "--print-config")
     assert code == EXIT_USAGE and _one_clear_line(err) and says in err
     assert "not a known refusal" not in err  # the user's mistake, not normfold's
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999999", "-1"])
+def test_rotate_refuses_a_seed_torch_cannot_take_before_loading_anything(capsys, tmp_path, seed):
+    """Fails on main (0a5ea51): the seed failed with "Overflow" after the model had loaded."""
+    code, _, err = _run(capsys, "rotate", tmp_path / "no-such-folder", "-o", tmp_path / "out", "--seed", seed)
+    assert code == EXIT_USAGE and f"--seed must be in [0, {2**63 - 1}]" in err and "got " + seed in err
+    assert not (tmp_path / "out").exists()

@@ -11,6 +11,7 @@ from torch import nn
 
 import normfold
 from normfold.hf import example_inputs_for, fold_folder, load_model
+from normfold.hf.report import write_sealed_report
 from normfold.hf.streaming import fold_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -106,7 +107,7 @@ def test_hf_folder_merges_the_batchnorm_then_folds_the_layernorm(tmp_path):
     assert isinstance(ours.ln, normfold.RMSNorm) and isinstance(stock.bn, nn.BatchNorm1d)
     assert torch.equal(stock.bn.running_var + stock.bn.eps, torch.ones(16))  # exactly the identity
     verified = normfold.hf.verify_folders(source, tmp_path / "out")
-    assert verified["ok"] and verified["weights"]["ok"] is True  # the BatchNorm merge is re-derived too
+    assert verified["ok"] and verified["files"]["weights"]["ok"] is True  # the BatchNorm merge is re-made too
 
 
 def test_sharded_checkpoint_streams_the_batchnorm_merge_bitwise_as_in_memory(tmp_path, assert_bitwise_same_weights):
@@ -140,10 +141,12 @@ def test_a_half_precision_folder_keeps_its_batchnorm_when_the_identity_cannot_be
     assert saved["batchnorms"][0]["folded"] is False
 
 
-def test_a_report_written_before_plans_had_a_batchnorm_section_still_gets_its_weights_checked(tiny_dirs, tmp_path):
+def test_a_report_whose_plan_lacks_the_batchnorm_section_is_not_the_remade_one(tiny_dirs, tmp_path):
+    """A plan as an older normfold wrote it (no batchnorm section), sealed again: the re-made report has one."""
     fold_folder(tiny_dirs["gpt2"], tmp_path / "out")
-    path = tmp_path / "out" / "normfold_report.json"
-    report = json.loads(path.read_text())
-    del report["plan"]["batchnorm"]  # as an older normfold wrote it
-    path.write_text(json.dumps(report))
-    assert normfold.hf.verify_folders(tiny_dirs["gpt2"], tmp_path / "out")["weights"]["ok"] is True
+    report = json.loads((tmp_path / "out" / "normfold_report.json").read_text())
+    del report["plan"]["batchnorm"]
+    write_sealed_report(report, tmp_path / "out", ("normfold_report.md", "normfold_zero_mean_graph.png"))
+    verified = normfold.hf.verify_folders(tiny_dirs["gpt2"], tmp_path / "out")
+    assert not verified["ok"] and "at plan.batchnorm (missing)" in verified["why"]
+    assert verified["files"]["weights"]["ok"] is True  # the weights themselves are the re-made ones

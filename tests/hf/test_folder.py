@@ -2,6 +2,7 @@
 ``normfold.from_pretrained`` puts the RMSNorms back."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -81,7 +82,7 @@ def test_fold_in_float16_saves_half_weights_that_verify_at_half_tolerance(tiny_d
     with safe_open(out / "model.safetensors", framework="pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
     result = verify_folders(tiny_dirs["gpt2"], out)
-    assert result["ok"] and 1e-4 < result["tolerance"]
+    assert result["ok"] and 1e-4 < result["outputs"]["tolerance"]
 
 
 def test_verify_folders_detects_a_tampered_folded_model(tiny_dirs, tmp_path):
@@ -142,7 +143,7 @@ def test_a_layernorm_kept_with_its_affine_moved_saves_as_gamma_one_beta_zero(tmp
         assert _rel_err(want, stock(ids).logits) < 1e-5
         assert _rel_err(want, normfold.from_pretrained(tmp_path / "out")(ids).logits) < 1e-5
     checked = verify_folders(tmp_path / "src", tmp_path / "out")
-    assert checked["ok"] and checked["weights"]["ok"]
+    assert checked["ok"] and checked["files"]["weights"]["ok"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["in memory", "streamed"])
@@ -162,3 +163,24 @@ def test_a_model_without_layernorms_is_refused_as_nothing_to_fold(tmp_path, caps
     assert err == ["normfold: error: nothing to fold: LlamaForCausalLM has no LayerNorm (or other norm module "
                    "normfold recognises), so no folded folder is written"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_trainer_checkpoint_folder_folds_its_bin_weights_and_never_reads_training_args_bin(tiny_dirs, tmp_path):
+    """Fails on main (0a5ea51): every *.bin was read as weights, so a Trainer's training_args.bin (a
+    pickled object) refused the whole folder as "not a weights-only torch checkpoint"."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "checkpoint-500"
+    load_model(tiny_dirs["gpt2"]).save_pretrained(src)
+    torch.save(load_file(src / "model.safetensors"), src / "pytorch_model.bin")  # an older checkpoint's weights
+    (src / "model.safetensors").unlink()
+    torch.save(_TrainingArguments(), src / "training_args.bin")  # what Trainer writes: not loadable weights-only
+    report = fold_folder(src, tmp_path / "out")
+    assert report["verification"]["ok"] and report["num_foldable"] > 0
+    assert not (tmp_path / "out" / "training_args.bin").exists()  # a weight-suffixed file: not carried over
+
+
+@dataclasses.dataclass
+class _TrainingArguments:
+    output_dir: str = "out"
+    learning_rate: float = 5e-5

@@ -43,9 +43,9 @@ def _approximate_report(sentences: list[str] | None) -> dict:
         {"path": "encoder.layer.0.LayerNorm", "status": "approximate", "cosine_alone": 0.99931,
          "correction": "γ/β folded into the next linear layers, mean shift into its bias"},
         {"path": "encoder.layer.1.LayerNorm", "status": "kept", "cosine_alone": 0.97, "correction": ""}]}
-    if sentences is not None:
-        approximate["calibration_sentences"] = sentences
-    return {"fold_affine": True, "approximate": approximate, "approximate_norms": ["encoder.layer.0.LayerNorm"],
+    recipe = {"calibration": None if sentences is None else {"sha256": "0" * 64, "num_sentences": len(sentences),
+                                                             "path": "/data/calibration.txt"}}
+    return {"fold_affine": True, "approximate": approximate, "recipe": recipe, "approximate_norms": ["encoder.layer.0.LayerNorm"],
             "norms": [_norm("encoder.layer.0.LayerNorm", foldable=False, affine_folded=False, reason=blocked),
                       _norm("encoder.layer.1.LayerNorm", foldable=False, affine_folded=False, reason=blocked)]}
 

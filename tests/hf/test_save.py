@@ -15,6 +15,7 @@ import normfold
 from normfold.hf import CheckpointError, example_inputs_for, fold_folder, load_model
 from normfold.hf.folder import fold_for_stock
 from normfold.hf.output_dir import REPORT_JSON
+from normfold.hf.report import write_sealed_report
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -154,13 +155,30 @@ def test_save_pretrained_refuses_a_storage_dtype_it_cannot_write(folded_gpt2, tm
     assert not (tmp_path / "out").exists()
 
 
+def _resave(folder, edit, *, reseal: bool = True):
+    """Load the folder's weights, ``edit(state)``, save them back; ``reseal``: seal the report again over
+    them (as someone who means it would), so that the checks behind the seal are the ones tested."""
+    state = safetensors_torch.load_file(folder / "model.safetensors")
+    edit(state)
+    safetensors_torch.save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    if reseal:
+        _edit_report(folder, lambda report: None)
+
+
+def _edit_report(folder, edit, *, reseal: bool = True):
+    report = json.loads((folder / REPORT_JSON).read_text())
+    edit(report)
+    if reseal:
+        write_sealed_report(report, folder, tuple(n for n in report["files"] if not n.endswith(".safetensors")))
+    else:
+        (folder / REPORT_JSON).write_text(json.dumps(report))
+
+
 def test_from_pretrained_refuses_weights_without_a_parameter_the_report_lists(folded_gpt2, tmp_path):
     _, folded, _ = folded_gpt2
     with pytest.warns(UserWarning):
         normfold.save_pretrained(folded, tmp_path / "out")
-    state = safetensors_torch.load_file(tmp_path / "out" / "model.safetensors")
-    del state["lm_head.bias"]
-    safetensors_torch.save_file(state, tmp_path / "out" / "model.safetensors", metadata={"format": "pt"})
+    _resave(tmp_path / "out", lambda state: state.pop("lm_head.bias"))
     with pytest.raises(CheckpointError, match="lm_head.bias"):
         normfold.from_pretrained(tmp_path / "out")
 
@@ -168,9 +186,8 @@ def test_from_pretrained_refuses_weights_without_a_parameter_the_report_lists(fo
 def test_from_pretrained_refuses_weights_missing_a_stock_tensor(tiny_dirs, tmp_path):
     out = tmp_path / "folded"
     fold_folder(tiny_dirs["gpt2"], out)
-    state = safetensors_torch.load_file(out / "model.safetensors")
-    del state["transformer.h.1.mlp.c_fc.weight"]  # stock transformers would initialise it at random, and say so in a log
-    safetensors_torch.save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    # stock transformers would initialise it at random, and say so in a log
+    _resave(out, lambda state: state.pop("transformer.h.1.mlp.c_fc.weight"))
     with pytest.raises(CheckpointError, match=r"lack 1 tensor.*transformer.h.1.mlp.c_fc.weight"):
         normfold.from_pretrained(out)
 
@@ -178,10 +195,75 @@ def test_from_pretrained_refuses_weights_missing_a_stock_tensor(tiny_dirs, tmp_p
 def test_from_pretrained_refuses_a_report_naming_a_module_the_model_lacks(tiny_dirs, tmp_path):
     out = tmp_path / "folded"
     fold_folder(tiny_dirs["gpt2"], out)
-    report = json.loads((out / REPORT_JSON).read_text())
-    report["swapped"][0]["path"] = "transformer.h.7.ln_1"
-    (out / REPORT_JSON).write_text(json.dumps(report))
+    _edit_report(out, lambda report: report["swapped"][0].update(path="transformer.h.7.ln_1"))
     with pytest.raises(CheckpointError, match="names a module"):
+        normfold.from_pretrained(out)
+
+
+# ------------------------------------------------------------ the report is believed only about its own weights
+
+def test_from_pretrained_refuses_a_stock_fine_tune_saved_over_the_folder(tiny_dirs, tmp_path):
+    """Fails on main (0a5ea51): normfold.from_pretrained kept the report's weightless RMSNorms and
+    silently dropped the γ/β the fine-tune trained."""
+    out = tmp_path / "folded"
+    fold_folder(tiny_dirs["gpt2"], out)
+    stock = transformers.GPT2LMHeadModel.from_pretrained(out)  # the README allows stock loading
+    optimizer = torch.optim.SGD(stock.parameters(), lr=0.05)
+    ids = torch.randint(0, 96, (2, 8), generator=torch.Generator().manual_seed(0))
+    for _ in range(3):
+        stock(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    stock.save_pretrained(out)  # over the folder: the report stays
+    assert not torch.equal(stock.transformer.ln_f.weight.detach(), torch.ones(32))  # trained γ
+    with pytest.raises(CheckpointError, match="model.safetensors was changed after normfold wrote it"):
+        normfold.from_pretrained(out)
+
+
+def test_from_pretrained_refuses_an_edited_report(tiny_dirs, tmp_path):
+    """A γ stored as 3.0 while the report says the norm keeps none: the edit shows in the seal."""
+    out = tmp_path / "folded"
+    fold_folder(tiny_dirs["gpt2"], out)
+    _resave(out, lambda state: state["transformer.h.0.ln_1.weight"].fill_(3.0), reseal=False)
+    with pytest.raises(CheckpointError, match="is not as normfold wrote it"):
+        normfold.from_pretrained(out)
+    _edit_report(out, lambda report: report.pop("plan"), reseal=False)
+    with pytest.raises(CheckpointError, match="normfold_report.json was changed after normfold wrote it"):
+        normfold.from_pretrained(out)
+
+
+def test_from_pretrained_refuses_a_tensor_of_another_shape_than_the_report_records(tiny_dirs, tmp_path):
+    """Fails on main (0a5ea51): any "resized" entry loaded the folder with mismatched sizes allowed, so
+    a wrong-shape tensor elsewhere was re-initialised at random without a word."""
+    out = tmp_path / "folded"
+    fold_folder(tiny_dirs["gpt2"], out)
+    bias = "transformer.h.0.mlp.c_fc.bias"
+
+    def shrink(state):
+        state[bias] = state[bias][:100].clone()
+    _resave(out, shrink, reseal=False)
+    _edit_report(out, lambda report: report.update(resized=[{"name": "transformer.wpe.weight", "shape": [32, 32]}]))
+    with pytest.raises(CheckpointError, match=f"other shapes than the model built from its report: {bias}"):
+        normfold.from_pretrained(out)
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda r: r.update(swapped={"path": "x"}), '"swapped" must be a list'),
+    (lambda r: r["swapped"][0].pop("eps"), r"swapped\[0\] must be an object with path"),
+    (lambda r: r["swapped"][0].update(eps="1e-5"), r"swapped\[0\].eps and .offset must be finite numbers"),
+    (lambda r: r["swapped"][0].update(normalized_shape=[]), "non-empty list of sizes"),
+    (lambda r: r["swapped"][0].update(weight="no"), "must be true or false"),
+    (lambda r: r.update(identity=[3]), '"identity" must list module paths'),
+    (lambda r: r.update(extra_parameters=[{"name": "lm_head.bias", "shape": [-1]}]), r"extra_parameters\[0\] must"),
+    (lambda r: r.update(resized=[{"name": 5, "shape": [3]}]), r"resized\[0\] must"),
+], ids=["swapped not a list", "no eps", "eps a string", "empty shape", "weight a string", "identity", "extra shape",
+        "resized name"])
+def test_from_pretrained_refuses_every_malformed_entry_as_a_checkpoint_error(tiny_dirs, tmp_path, edit, what):
+    """Fails on main (0a5ea51): some of these raised raw ValueError/TypeError from deep inside."""
+    out = tmp_path / "folded"
+    fold_folder(tiny_dirs["gpt2"], out)
+    _edit_report(out, edit)
+    with pytest.raises(CheckpointError, match=what):
         normfold.from_pretrained(out)
 
 

@@ -142,11 +142,15 @@ def exact_rule_line(ver: dict[str, Any], what: str = "fold") -> str | None:
 
 
 def approximate_rule_line(ver: dict[str, Any]) -> str:
-    """``approximate fold: cosine 0.9990 ≥ 0.999 on 20 calibration sentences (mean-pooled sentence embeddings)``."""
+    """``approximate fold: cosine 0.9990 ≥ 0.999 on 20 calibration sentences (mean-pooled sentence embeddings;
+    the lowest cosine over 20 output rows)``; a sliced rotation is named by its ``kind``, and the row count
+    is left out when the measurement does not give one."""
     measured, bar = ver["min_cosine"], ver["promised_min_cosine"]
     sign = "≥" if measured >= bar else "<"
-    return (f"approximate fold: cosine {_distinct(measured, bar)} {sign} {bar:g} on {ver['num_inputs']} calibration "
-            f"sentences ({ver['compared']}; the lowest cosine over {ver['num_rows']} output rows)")
+    what = "approximate fold" if ver.get("kind", "approximate") == "approximate" else ver["kind"]
+    rows = "" if ver.get("num_rows") is None else f"; the lowest cosine over {ver['num_rows']} output rows"
+    return (f"{what}: cosine {_distinct(measured, bar)} {sign} {bar:g} on {ver['num_inputs']} calibration "
+            f"sentences ({ver['compared']}{rows})")
 
 
 def _distinct(value: float, bar: float) -> str:

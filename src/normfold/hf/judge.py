@@ -288,7 +288,8 @@ def _first_json_difference(want: Any, got: Any, path: tuple = (), skip: set[tupl
             if (*path, key) in skip:
                 continue
             if key not in want or key not in got:
-                return f"{here}.{key} ({'not in the re-made report' if key not in want else 'missing'})"
+                where = ".".join(str(p) for p in (*path, key))
+                return f"{where} ({'not in the re-made report' if key not in want else 'missing'})"
             found = _first_json_difference(want[key], got[key], (*path, key), skip)
             if found:
                 return found
