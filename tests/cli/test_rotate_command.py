@@ -18,6 +18,7 @@ from normfold.hf.inputs import example_inputs_for, read_calibration_file
 from normfold.hf.load import load_model
 from normfold.hf.output_dir import REPORT_JSON
 from normfold.hf.rotate_folder import calibration_calls
+import sealing
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("rich")
@@ -122,15 +123,57 @@ def test_help_says_what_folders_do_not_support_yet(capsys):
     assert "--calibration" in text and "--slice" in text and "SliceGPT" in text
 
 
-def test_verify_checks_a_rotated_folder_through_its_outputs_and_says_why_not_its_weights(
-        tiny_dirs, rotated_dir, capsys):  # noqa: F811
+def test_verify_remakes_a_rotated_folder_and_compares_every_tensor(tiny_dirs, rotated_dir, capsys):  # noqa: F811
     code = main(["verify", str(tiny_dirs["gpt2"]), str(rotated_dir)])
     out = capsys.readouterr()
-    text = out.out + out.err
+    text = " ".join((out.out + out.err).split())
     assert code == EXIT_OK
-    assert "a rotated folder (random, seed 3)" in text and "checked through the outputs only" in text
+    assert "verification: passed (random rotation, seed 3)" in text
+    assert f"weights: {len(_stored(rotated_dir))} tensors, all bit-identical" in text  # rotated folders too
     assert "exact rotation:" in text and "exact fold" not in text  # the rule names what was checked
-    assert "older normfold" not in text  # the reason given before: the report looked like an old one
+    assert "skipped" not in text and "outputs only" not in text
+
+
+def _stored(folder) -> list[str]:
+    """The names of the tensors ``model.safetensors`` holds."""
+    with pytest.importorskip("safetensors").safe_open(folder / "model.safetensors", framework="pt") as f:
+        return list(f.keys())
+
+
+def _tampered(folder, to, edit, *, reseal: bool = True):
+    """A copy of ``folder`` at ``to`` whose ``model.safetensors`` was changed in place by ``edit(tensors)``."""
+    safetensors = pytest.importorskip("safetensors.torch")
+    shutil.copytree(folder, to)
+    weights = safetensors.load_file(to / "model.safetensors")
+    edit(weights)
+    safetensors.save_file(weights, to / "model.safetensors", metadata={"format": "pt"})
+    if reseal:
+        sealing.reseal(to)
+    return to
+
+
+def _rows_the_check_tokens_never_reach(weights):
+    """Issue 29's rotated folder that passed verify: positions >= 8 zeroed, the upper half of the tokens negated."""
+    weights["transformer.wpe.weight"][8:] = 0.0
+    weights["transformer.wte.weight"][48:] *= -1.0
+
+
+def test_verify_fails_a_rotated_folder_changed_where_the_check_inputs_never_reach(tiny_dirs, rotated_dir,  # noqa: F811
+                                                                                  tmp_path, capsys):
+    bad = _tampered(rotated_dir, tmp_path / "bad", _rows_the_check_tokens_never_reach)
+    assert main(["verify", "--json", str(tiny_dirs["gpt2"]), str(bad)]) == EXIT_VERIFY_FAILED
+    result = json.loads(capsys.readouterr().out)["verification"]
+    weights = result["files"]["weights"]
+    assert weights["ok"] is False and weights["worst"]["name"] in ("transformer.wpe.weight", "transformer.wte.weight")
+    assert result["why"].startswith("stored weights: transformer.w") and "1 more tensor(s) off" in result["why"]
+
+
+def test_a_rotated_folder_changed_without_recomputing_the_seal_fails_the_seal(tiny_dirs, rotated_dir,  # noqa: F811
+                                                                           tmp_path, capsys):
+    bad = _tampered(rotated_dir, tmp_path / "bad", _rows_the_check_tokens_never_reach, reseal=False)
+    assert main(["verify", str(tiny_dirs["gpt2"]), str(bad)]) == EXIT_VERIFY_FAILED
+    err = capsys.readouterr().err
+    assert "verification failed: model.safetensors was changed after normfold wrote it" in err
 
 
 # ------------------------------------------------------------------ --method pca --calibration FILE [--slice F]
@@ -194,10 +237,15 @@ def test_sliced_report_records_method_calibration_fraction_and_the_proof_of_the_
     _, calibration = gpt2_with_tokenizer
     report = json.loads((sliced_dir / REPORT_JSON).read_text())
     rotation = report["rotation"]
+    sha256 = hashlib.sha256(calibration.read_bytes()).hexdigest()
     assert rotation["method"] == "pca" and rotation["seed"] == 0 and rotation["exact"] is False
     assert report["plan"]["rotation"] == {"method": "pca", "seed": 0, "slice_fraction": 0.25, "kept": [24],
-                                          "calibration_sha256": hashlib.sha256(calibration.read_bytes()).hexdigest()}
-    assert report["calibration"]["num_sentences"] == 24 and len(report["calibration"]["sentences"]) == 24
+                                          "calibration_sha256": sha256}
+    # the calibration text is the user's: only what identifies it is kept, never the sentences
+    record = {"sha256": sha256, "num_sentences": 24, "path": str(calibration.absolute())}
+    assert report["calibration"] == {**record, "num_batches": 2}
+    assert report["recipe"]["calibration"] == record
+    assert report["recipe"]["rotation"] == {"method": "pca", "seed": 0, "slice_fraction": 0.25}
     slicing = rotation["slicing"]
     assert slicing["fraction"] == 0.25 and 0.5 < slicing["min_cosine"] < 1.0
     (loss_before, loss_after), = slicing["losses"].values()  # a causal LM: its next-token loss, before and after
@@ -205,6 +253,13 @@ def test_sliced_report_records_method_calibration_fraction_and_the_proof_of_the_
     assert report["verification"]["ok"] is True and report["verification"]["max_rel_error"] <= 1e-9
     assert {e["name"] for e in report["resized"]} >= {"transformer.wte.weight", "lm_head.weight"}
     assert "sliced: approximate" in report["stock_warning"]
+
+
+def test_no_calibration_sentence_is_written_into_the_rotated_folder(gpt2_with_tokenizer, sliced_dir):
+    _, calibration = gpt2_with_tokenizer
+    sentences = read_calibration_file(calibration)
+    written = b"".join(path.read_bytes() for path in sliced_dir.iterdir())
+    assert len(sentences) == 24 and not [s for s in sentences if s.encode() in written]
 
 
 def test_pca_without_slicing_is_exact_and_reloads_to_the_original(gpt2_with_tokenizer, tmp_path, capsys):
@@ -218,22 +273,53 @@ def test_pca_without_slicing_is_exact_and_reloads_to_the_original(gpt2_with_toke
     assert _rel(_logits(normfold.from_pretrained(out), fresh), _logits(load_model(folder), fresh)) <= 1e-5
 
 
-def test_verify_of_a_sliced_folder_measures_the_cosine_and_never_says_exact(gpt2_with_tokenizer, sliced_dir,
-                                                                           tmp_path, capsys):
-    folder, _ = gpt2_with_tokenizer
-    assert main(["verify", str(folder), str(sliced_dir)]) == EXIT_OK
-    text = " ".join(capsys.readouterr().out.split())
-    assert "approximate, not exact" in text and "proved in float64 when written" in text
-    assert "min cosine" in text and "exact fold" not in text
-    # a sliced folder whose weights were changed afterwards fails its measured cosine
-    tampered = tmp_path / "tampered"
-    shutil.copytree(sliced_dir, tampered)
-    safetensors = pytest.importorskip("safetensors.torch")
-    weights = safetensors.load_file(tampered / "model.safetensors")
-    weights["transformer.h.1.mlp.c_proj.weight"] *= 3.0
-    safetensors.save_file(weights, tampered / "model.safetensors", metadata={"format": "pt"})
-    assert main(["verify", str(folder), str(tampered)]) == EXIT_VERIFY_FAILED
-    assert "below the recorded" in capsys.readouterr().err
+def _verify(capsys, *argv) -> tuple[int, str, str]:
+    code = main(["verify", *map(str, argv)])
+    captured = capsys.readouterr()
+    return code, " ".join(captured.out.split()), captured.err
+
+
+def test_verify_of_a_sliced_folder_needs_the_calibration_file_it_was_made_from(gpt2_with_tokenizer, sliced_dir,
+                                                                              tmp_path, capsys):
+    folder, calibration = gpt2_with_tokenizer
+    code, _, err = _verify(capsys, folder, sliced_dir, "--min-cosine", 0.5)
+    assert code == EXIT_VERIFY_FAILED and "made from a calibration text (24 sentences read from" in err
+    assert "pass it with --calibration FILE" in err and len(err.strip().splitlines()) == 1
+    other = tmp_path / "other.txt"
+    other.write_text(calibration.read_text() + "one more line\n")
+    code, _, err = _verify(capsys, folder, sliced_dir, "--calibration", other, "--min-cosine", 0.5)
+    assert code == EXIT_VERIFY_FAILED and f"the calibration file {other} is not the one this folder was made" in err
+    code, _, err = _verify(capsys, folder, sliced_dir, "--calibration", tmp_path / "missing.txt")
+    assert code == EXIT_USAGE and "--calibration: file not found" in err
+
+
+def test_verify_of_a_sliced_folder_judges_the_cosine_by_the_verifiers_bar_and_never_says_exact(
+        gpt2_with_tokenizer, sliced_dir, capsys):
+    folder, calibration = gpt2_with_tokenizer
+    measured = json.loads((sliced_dir / REPORT_JSON).read_text())["rotation"]["slicing"]["min_cosine"]
+    code, text, _ = _verify(capsys, folder, sliced_dir, "--calibration", calibration, "--min-cosine", measured - 1e-4)
+    assert code == EXIT_OK and "verification: passed (pca rotation, seed 0, 0.25 sliced (approximate))" in text
+    assert f"sliced rotation (approximate): cosine {measured:.4g} ≥ {measured - 1e-4:g} on 24 calibration" in text
+    assert "exact" not in text and "None" not in text
+    assert f"weights: {len(_stored(sliced_dir))} tensors, all bit-identical" in text  # re-made, then compared
+    code, text, err = _verify(capsys, folder, sliced_dir, "--calibration", calibration, "--min-cosine",
+                              measured + 1e-4)  # a bar the folder does not keep fails, whatever it recorded
+    assert code == EXIT_VERIFY_FAILED and f"< {measured + 1e-4:g} on 24 calibration sentences" in text
+    assert f"is below the bar {measured + 1e-4!r} on the 24 calibration sentences" in err
+    code, _, err = _verify(capsys, folder, sliced_dir, "--calibration", calibration)  # no bar given: 0.999
+    assert code == EXIT_VERIFY_FAILED and "is below the bar 0.999" in err
+
+
+def test_verify_of_a_sliced_folder_fails_weights_changed_afterwards(gpt2_with_tokenizer, sliced_dir, tmp_path, capsys):
+    folder, calibration = gpt2_with_tokenizer
+    key = "transformer.h.1.mlp.c_proj.weight"
+
+    def tripled(weights):
+        weights[key] *= 3.0
+
+    tampered = _tampered(sliced_dir, tmp_path / "tampered", tripled)
+    code, _, err = _verify(capsys, folder, tampered, "--calibration", calibration, "--min-cosine", 0.5)
+    assert code == EXIT_VERIFY_FAILED and f"verification failed: stored weights: {key} differs" in err
 
 
 @pytest.mark.parametrize("options, message", [

@@ -1,12 +1,16 @@
-"""``normfold fold --approximate --calibration FILE``: a tiny random BERT with its own WordPiece tokenizer."""
+"""``normfold fold --approximate --calibration FILE`` and ``normfold verify --calibration FILE`` of its
+folder: a tiny random BERT with its own WordPiece tokenizer."""
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
 import torch
 
 from normfold.cli import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, main
+
+import sealing
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("rich")
@@ -101,17 +105,26 @@ def test_approximate_fold_replaces_norms_and_from_pretrained_rebuilds_them(capsy
     assert cos.min().item() >= MIN_COSINE - 1e-4  # float32 save/reload rounding on top of the measured cosine
     assert cos.min().item() == pytest.approx(report["calibration_min_cosine"], abs=1e-4)
 
-    # verify re-measures the promise: the cosine bar on the calibration sentences the report records
-    assert saved["approximate"]["calibration_sentences"] == sentences
-    code, out, _ = _run(capsys, "verify", bert_dir, out_dir)
+    # the calibration text is the user's: the report keeps only its SHA-256, count and path
+    assert saved["recipe"]["calibration"] == {"sha256": hashlib.sha256(calibration.read_bytes()).hexdigest(),
+                                              "num_sentences": len(sentences), "path": str(calibration.absolute())}
+    written = b"".join(path.read_bytes() for path in out_dir.iterdir() if path.is_file())
+    assert [s for s in sentences if s.encode() in written] == []
+
+    # verify re-makes the folder from the same file and measures it against the verifier's bar
+    code, out, _ = _run(capsys, "verify", bert_dir, out_dir, "--calibration", calibration, "--min-cosine", MIN_COSINE)
     assert code == EXIT_OK, out
-    (line,) = [ln for ln in out.splitlines() if ln.startswith("approximate fold:")]
+    (line,) = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("outputs: approximate fold:")]
     assert f" ≥ {MIN_COSINE:g} on {len(sentences)} calibration sentences (mean-pooled sentence embeddings" in line
-    code, out, _ = _run(capsys, "verify", bert_dir, out_dir, "--json")
+    code, out, _ = _run(capsys, "verify", bert_dir, out_dir, "--calibration", calibration, "--min-cosine", MIN_COSINE,
+                        "--json")
     ver = json.loads(out)["verification"]  # full precision; the same cosine the fold measured, up to float32 noise
-    assert code == EXIT_OK and ver["ok"] and ver["promised_min_cosine"] == MIN_COSINE
-    assert ver["min_cosine"] == pytest.approx(report["calibration_min_cosine"], abs=1e-4)
-    assert f"cosine {ver['min_cosine']:.4g} ≥" in line
+    assert code == EXIT_OK and ver["ok"] and ver["kind"] == f"approximate fold (fitted to cosine {MIN_COSINE:g})"
+    assert ver["files"]["weights"]["ok"] and ver["files"]["weights"]["worst"] is None  # re-made bit for bit
+    outputs = ver["outputs"]
+    assert outputs["promised_min_cosine"] == MIN_COSINE
+    assert outputs["min_cosine"] == pytest.approx(report["calibration_min_cosine"], abs=1e-4)
+    assert f"cosine {outputs['min_cosine']:.4g} ≥" in line
 
 
 def _approximate_folder(capsys, tmp_path, bert_dir, calibration) -> tuple:
@@ -122,20 +135,59 @@ def _approximate_folder(capsys, tmp_path, bert_dir, calibration) -> tuple:
     return out_dir, json.loads((out_dir / "normfold_report.json").read_text())
 
 
-def test_verify_of_an_approximate_folder_fails_when_the_promise_is_not_met(capsys, tmp_path, bert_dir, calibration):
+def test_verify_of_an_approximate_folder_judges_by_the_verifiers_bar_never_the_folders(capsys, tmp_path, bert_dir,
+                                                                                      calibration):
     out_dir, saved = _approximate_folder(capsys, tmp_path, bert_dir, calibration)
     measured = saved["calibration_min_cosine"]
-    saved["approximate"]["min_cosine"] = (1.0 + measured) / 2  # a bar the folder never met
-    (out_dir / "normfold_report.json").write_text(json.dumps(saved))
-    code, out, err = _run(capsys, "verify", bert_dir, out_dir)
+    assert saved["recipe"]["approximate_min_cosine"] == MIN_COSINE < measured  # the bar the folder was fitted to
+    bar = (1.0 + measured) / 2  # a bar the folder never met, though it keeps its own
+    code, out, err = _run(capsys, "verify", bert_dir, out_dir, "--calibration", calibration, "--min-cosine", bar)
     assert code == EXIT_VERIFY_FAILED and "FAILED" in out
-    assert f"< {(1.0 + measured) / 2:g} on 20 calibration sentences" in out
-    assert len(err.strip().splitlines()) == 1 and "below the promised" in err
+    assert f"< {bar:g} on 20 calibration sentences" in out
+    assert len(err.strip().splitlines()) == 1 and f"is below the bar {bar!r} on the 20 calibration sentences" in err
+    code, out, _ = _run(capsys, "verify", bert_dir, out_dir, "--calibration", calibration, "--json")
+    assert json.loads(out)["verification"]["outputs"]["promised_min_cosine"] == 0.999  # no bar given: normfold's
 
-    del saved["approximate"]["calibration_sentences"]  # an older normfold's report: nothing to re-measure on
+
+def test_verify_of_an_approximate_folder_needs_the_calibration_file_it_was_made_from(capsys, tmp_path, bert_dir,
+                                                                                     calibration):
+    out_dir, _ = _approximate_folder(capsys, tmp_path, bert_dir, calibration)
+    code, _, err = _run(capsys, "verify", bert_dir, out_dir, "--min-cosine", MIN_COSINE)
+    assert code == EXIT_VERIFY_FAILED and len(err.strip().splitlines()) == 1
+    assert "made from a calibration text (20 sentences read from" in err and "pass it with --calibration FILE" in err
+    other = tmp_path / "other.txt"
+    other.write_text(calibration.read_text(encoding="utf-8").replace("\n\n", "\n"), encoding="utf-8")  # same sentences
+    code, _, err = _run(capsys, "verify", bert_dir, out_dir, "--calibration", other, "--min-cosine", MIN_COSINE)
+    assert code == EXIT_VERIFY_FAILED and f"the calibration file {other} is not the one this folder was made" in err
+    code, _, err = _run(capsys, "verify", bert_dir, out_dir, "--calibration", tmp_path / "missing.txt")
+    assert code == EXIT_USAGE and "--calibration: file not found" in err
+
+
+@pytest.mark.parametrize("min_cosine", ["0", "-0.5", "1.5", "nan"])
+def test_verify_refuses_a_min_cosine_outside_zero_one(capsys, tmp_path, bert_dir, min_cosine):
+    code, out, err = _run(capsys, "verify", bert_dir, bert_dir, "--min-cosine", min_cosine)
+    assert code == EXIT_USAGE and out == "" and "--min-cosine must be in (0, 1]" in err
+
+
+def test_an_approximate_folder_whose_report_was_edited_fails_the_seal_or_the_remade_report(capsys, tmp_path, bert_dir,
+                                                                                         calibration):
+    out_dir, saved = _approximate_folder(capsys, tmp_path, bert_dir, calibration)
+    saved["calibration_min_cosine"] = 1.0  # a better cosine than the fold measured
     (out_dir / "normfold_report.json").write_text(json.dumps(saved))
-    code, _, err = _run(capsys, "verify", bert_dir, out_dir)
-    assert code == EXIT_USAGE and len(err.strip().splitlines()) == 1 and "calibration sentences" in err
+    options = ("--calibration", calibration, "--min-cosine", MIN_COSINE)
+    code, _, err = _run(capsys, "verify", bert_dir, out_dir, *options)
+    assert code == EXIT_VERIFY_FAILED and "normfold_report.json was changed after normfold wrote it" in err
+    sealing.reseal(out_dir)  # sealed again: the re-made report disagrees
+    code, _, err = _run(capsys, "verify", bert_dir, out_dir, *options)
+    assert code == EXIT_VERIFY_FAILED
+    assert "normfold_report.json differs from the report of the re-made folder at calibration_min_cosine (1.0" in err
+    for key in ("recipe", "files", "digest"):  # an older normfold's report: nothing to re-make the folder from
+        del saved[key]
+    (out_dir / "normfold_report.json").write_text(json.dumps(saved))
+    code, out, err = _run(capsys, "verify", bert_dir, out_dir, *options, "--json")
+    problems = json.loads(out)["verification"]["problems"]
+    assert code == EXIT_VERIFY_FAILED and len(problems) == 2
+    assert "carries no digest" in problems[0] and "it records no recipe" in problems[1]
 
 
 def _refused(capsys, *argv):

@@ -11,8 +11,9 @@ from torch import nn
 
 import normfold
 from normfold.hf import example_inputs_for, fold_folder, load_model
-from normfold.hf.report import write_sealed_report
 from normfold.hf.streaming import fold_checkpoint
+
+import sealing
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -144,9 +145,7 @@ def test_a_half_precision_folder_keeps_its_batchnorm_when_the_identity_cannot_be
 def test_a_report_whose_plan_lacks_the_batchnorm_section_is_not_the_remade_one(tiny_dirs, tmp_path):
     """A plan as an older normfold wrote it (no batchnorm section), sealed again: the re-made report has one."""
     fold_folder(tiny_dirs["gpt2"], tmp_path / "out")
-    report = json.loads((tmp_path / "out" / "normfold_report.json").read_text())
-    del report["plan"]["batchnorm"]
-    write_sealed_report(report, tmp_path / "out", ("normfold_report.md", "normfold_zero_mean_graph.png"))
+    sealing.reseal(tmp_path / "out", lambda report: report["plan"].pop("batchnorm"))
     verified = normfold.hf.verify_folders(tiny_dirs["gpt2"], tmp_path / "out")
     assert not verified["ok"] and "at plan.batchnorm (missing)" in verified["why"]
     assert verified["files"]["weights"]["ok"] is True  # the weights themselves are the re-made ones

@@ -1,9 +1,12 @@
 """``normfold rotate`` on sharded checkpoints: the streaming fold with the rotation as its step after
 the fold (t ↦ t·Q tensor by tensor), every block proved against the original block with Q applied to
-its stream, published atomically; the same tensors as the in-memory ``normfold.rotate``."""
+its stream, published atomically; the same tensors as the in-memory ``normfold.rotate``. ``normfold
+verify`` re-makes such a folder from the original with the method and seed of its recipe and compares
+every stored tensor with the re-made one."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -13,8 +16,10 @@ from normfold.cli import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, main
 from normfold.hf.inputs import example_inputs_for
 from normfold.hf.load import load_model
 from normfold.hf.output_dir import REPORT_JSON
+from normfold.hf.recipe import Recipe, Rotation
 from normfold.hf.streaming import INDEX
 from normfold.rotate.streaming import TensorRotations
+import sealing
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("rich")
@@ -72,7 +77,10 @@ def test_report_records_the_rotation_and_a_proof_of_every_block(sharded, tmp_pat
     assert report["extra_parameters"] == [{"name": "lm_head.bias", "shape": [96]}]  # ln_f's β, into the head
     assert report["stock_compatible"] is False and "normfold.from_pretrained" in report["stock_warning"]
     assert report["streaming"]["bytes_written"] > 0
-    assert "a rotated folder" in ver["weights"]["skipped"]  # not the fold's 'normfold verify re-derives them'
+    # what normfold verify re-makes it with: the rotation's method and seed, streamed
+    assert Recipe.from_dict(report["recipe"]) == Recipe(command="rotate", streaming=True, fold_affine=True, dtype=None,
+                                                        rotation=Rotation("hadamard", 1))
+    assert "weights" not in ver  # the fold claims no tensor comparison: verify makes it
 
 
 def test_stream_option_rotates_a_single_file_folder_the_same_way(tiny_dirs, sharded, tmp_path, capsys):
@@ -95,19 +103,71 @@ def test_a_corrupted_rotation_is_refused_and_nothing_is_written(sharded, tmp_pat
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 
-def test_verify_draws_q_again_and_catches_a_tensor_changed_afterwards(sharded, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def opt_rotated(sharded, tmp_path_factory):
+    """``normfold rotate`` of the sharded OPT folder with ``--method random --seed 2``."""
+    out = tmp_path_factory.mktemp("opt_rotated") / "out"
+    assert main(["rotate", str(sharded["opt"]), "-o", str(out), "--method", "random", "--seed", "2"]) == EXIT_OK
+    return out
+
+
+def _scaled_copy(folder, to, key: str, factor: float, *, reseal: bool = True):
+    """A copy of ``folder`` at ``to`` with the stored tensor ``key`` scaled by ``factor``; returns (copy, shard)."""
     safetensors = pytest.importorskip("safetensors.torch")
-    out = tmp_path / "out"
-    assert _rotate(capsys, sharded["opt"], out, "--method", "random", "--seed", 2)[0] == EXIT_OK
-    assert main(["verify", str(sharded["opt"]), str(out)]) == EXIT_OK
-    assert "checked through the outputs only" in capsys.readouterr().out.replace("\n", " ").replace("│", " ")
+    shutil.copytree(folder, to)
+    shard = json.loads((to / INDEX).read_text())["weight_map"][key]
+    tensors = safetensors.load_file(to / shard)
+    tensors[key] = tensors[key] * factor
+    safetensors.save_file(tensors, to / shard, metadata={"format": "pt"})
+    if reseal:
+        sealing.reseal(to)
+    return to, shard
+
+
+def test_verify_draws_q_again_and_compares_every_stored_tensor(sharded, opt_rotated, capsys):
+    capsys.readouterr()
+    assert main(["verify", str(sharded["opt"]), str(opt_rotated)]) == EXIT_OK
+    text = " ".join(capsys.readouterr().out.replace("│", " ").split())
+    assert "verification: passed (streamed random rotation, seed 2)" in text
+    num_tensors = len(json.loads((opt_rotated / INDEX).read_text())["weight_map"])
+    assert f"weights: {num_tensors} tensors, all bit-identical" in text  # a rotated folder is weight-checked too
+
+
+def test_verify_catches_a_tensor_changed_afterwards_and_names_it(sharded, opt_rotated, tmp_path, capsys):
     key = "model.decoder.layers.0.fc1.weight"
-    shard = out / json.loads((out / INDEX).read_text())["weight_map"][key]
-    tensors = safetensors.load_file(shard)
-    tensors[key] = tensors[key] * 1.5
-    safetensors.save_file(tensors, shard, metadata={"format": "pt"})
-    assert main(["verify", str(sharded["opt"]), str(out)]) == EXIT_VERIFY_FAILED
-    assert "model.decoder.layers.0" in capsys.readouterr().err
+    bad, _ = _scaled_copy(opt_rotated, tmp_path / "bad", key, 1.5)
+    capsys.readouterr()
+    assert main(["verify", str(sharded["opt"]), str(bad)]) == EXIT_VERIFY_FAILED
+    err = capsys.readouterr().err
+    assert f"verification failed: stored weights: {key} differs from the fold re-derived" in err
+
+
+def test_a_tensor_changed_without_recomputing_the_seal_fails_the_seal(sharded, opt_rotated, tmp_path, capsys):
+    bad, shard = _scaled_copy(opt_rotated, tmp_path / "bad", "model.decoder.layers.0.fc1.weight", 1.5, reseal=False)
+    capsys.readouterr()
+    assert main(["verify", str(sharded["opt"]), str(bad)]) == EXIT_VERIFY_FAILED
+    assert f"verification failed: {shard} was changed after normfold wrote it" in capsys.readouterr().err
+
+
+def test_a_recipe_naming_another_seed_is_remade_with_that_seed_and_fails(sharded, opt_rotated, tmp_path, capsys):
+    from normfold.hf.judge import verify_folders
+
+    bad = tmp_path / "bad"
+    shutil.copytree(opt_rotated, bad)
+    report = json.loads((bad / REPORT_JSON).read_text())
+    report["recipe"]["rotation"]["seed"] = 3  # the folder was rotated with seed 2
+    (bad / REPORT_JSON).write_text(json.dumps(report))
+    sealing.reseal(bad)
+    capsys.readouterr()
+    assert main(["verify", "--json", str(sharded["opt"]), str(bad)]) == EXIT_VERIFY_FAILED
+    result = json.loads(capsys.readouterr().out)["verification"]
+    assert result["kind"] == "streamed random rotation, seed 3"  # the recipe chose what was re-made
+    assert result["files"]["weights"]["ok"] is False  # another Q: other tensors
+    assert any(p.startswith(f"{REPORT_JSON} differs from the report of the re-made folder at rotation")
+               for p in result["problems"]), result["problems"]
+    # hf alone does not compose rotations: its verify_folders fails, naming why, rather than skipping
+    result = verify_folders(sharded["opt"], opt_rotated)
+    assert not result["ok"] and "re-made by `normfold verify`" in result["why"]
 
 
 def test_pca_on_a_sharded_folder_is_refused_in_one_line(sharded, tmp_path, capsys):

@@ -15,14 +15,13 @@ import shutil
 import pytest
 import torch
 
-from normfold.cli import EXIT_OK, EXIT_VERIFY_FAILED, main
+from normfold.cli import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, main
 from normfold.fold import FoldVerificationError
 from normfold.fold.verify import OWN_ERROR_MULTIPLE
-from normfold.hf import default_model_path, fold_folder, load_model, verify_folders
+from normfold.hf import CheckpointError, default_model_path, fold_folder, load_model, verify_folders
 from normfold.hf.output_dir import REPORT_JSON
-from normfold.hf.report import write_sealed_report
 
-WEIGHTS = (".safetensors", ".bin", ".index.json")
+import sealing
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -68,14 +67,8 @@ def _corrupt(folded, to, corruption: str, family: str = "gpt2", *, reseal: bool 
     state[key] = (state[key].double() * factor).to(state[key].dtype)
     safetensors_torch.save_file(state, to / "model.safetensors", metadata={"format": "pt"})
     if reseal:
-        _reseal(to)
+        sealing.reseal(to)
     return to, key
-
-
-def _reseal(folder):
-    """The folder's report sealed again over what the folder now holds (``normfold.hf.report.seal``)."""
-    report = json.loads((folder / REPORT_JSON).read_text())
-    write_sealed_report(report, folder, tuple(name for name in report["files"] if not name.endswith(WEIGHTS)))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -173,7 +166,7 @@ def _edit_report(folded, to, edit, *, reseal: bool = True):
     edit(report)
     path.write_text(json.dumps(report))
     if reseal:
-        _reseal(to)
+        sealing.reseal(to)
     return to
 
 
@@ -188,7 +181,7 @@ def test_a_tensor_the_fold_does_not_write_fails_the_weight_check(saved, tmp_path
     src, out = saved("tiny gpt2", "bfloat16")
     shutil.copytree(out, tmp_path / "extra")
     _resave(tmp_path / "extra", lambda state: state.update({"smuggled.weight": torch.zeros(3, dtype=torch.bfloat16)}))
-    _reseal(tmp_path / "extra")  # stock loading ignores the tensor: only the comparison sees it
+    sealing.reseal(tmp_path / "extra")  # stock loading ignores the tensor: only the comparison sees it
     result = verify_folders(src, tmp_path / "extra")
     assert not result["ok"] and "smuggled.weight" in result["files"]["weights"]["why"]
 
@@ -197,7 +190,7 @@ def test_a_tensor_stored_in_another_dtype_fails_the_weight_check(saved, tmp_path
     src, out = saved("tiny gpt2", "bfloat16")
     shutil.copytree(out, tmp_path / "mixed")
     _resave(tmp_path / "mixed", lambda state: state.update({"lm_head.weight": state["lm_head.weight"].float()}))
-    _reseal(tmp_path / "mixed")  # same values, other dtype
+    sealing.reseal(tmp_path / "mixed")  # same values, other dtype
     result = verify_folders(src, tmp_path / "mixed")
     weights = result["files"]["weights"]
     assert weights["ok"] is False and "lm_head.weight is stored as float32" in weights["why"]
@@ -377,3 +370,14 @@ def test_a_sentence_transformers_pooling_switched_after_the_fold_fails(tiny_dirs
     (tmp_path / "out" / "1_Pooling" / "config.json").write_text(json.dumps(switched))
     result = verify_folders(src, tmp_path / "out")
     assert not result["ok"] and "1_Pooling/config.json: differs from the JSON the fold writes at pooling_mode" in result["why"]
+
+
+def test_options_an_exact_fold_has_no_use_for_are_refused_not_ignored(saved, tmp_path, capsys):
+    src, out = saved("tiny gpt2", "float32")
+    (tmp_path / "calibration.txt").write_text("a sentence\n")
+    with pytest.raises(CheckpointError, match="--calibration applies only to folders made from a calibration text"):
+        verify_folders(src, out, calibration_file=tmp_path / "calibration.txt")
+    with pytest.raises(CheckpointError, match="--min-cosine applies only to approximate results"):
+        verify_folders(src, out, min_cosine=0.99)
+    assert main(["verify", str(src), str(out), "--min-cosine", "0.99"]) == EXIT_USAGE
+    assert "not to this one (exact fold)" in capsys.readouterr().err

@@ -86,6 +86,7 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
         recipe = Recipe.from_dict(report["recipe"])
     except CheckpointError as err:
         return _result(problems + [f"{REPORT_JSON}: {err}"], None)
+    _check_options_apply(recipe, calibration_file, min_cosine)
     calibration = _calibration_problem(recipe, calibration_file)
     if calibration:
         return _result(problems + [calibration], recipe)
@@ -148,6 +149,18 @@ def read_report(folder: Path) -> dict[str, Any]:
     if not isinstance(report, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got {type(report).__name__}")
     return report
+
+
+def _check_options_apply(recipe: Recipe, calibration_file, min_cosine: float | None) -> None:
+    """CheckpointError for an option this folder has no use for: silently ignoring it would let the
+    person verifying believe it was applied."""
+    if calibration_file is not None and recipe.calibration is None:
+        raise CheckpointError(f"--calibration applies only to folders made from a calibration text (approximate "
+                              f"folds, PCA rotations), not to this one ({describe(recipe)}): leave it out")
+    if min_cosine is not None and not is_approximate(recipe):
+        raise CheckpointError(f"--min-cosine applies only to approximate results (--approximate folds, sliced "
+                              f"rotations), which are judged by a cosine, not to this one ({describe(recipe)}), judged "
+                              "exactly: leave it out")
 
 
 def _calibration_problem(recipe: Recipe, calibration_file: str | os.PathLike | None) -> str | None:
@@ -324,8 +337,9 @@ def _check_outputs(orig_dir: Path, folded_dir: Path, expected: dict[str, Any], r
         stream_map = None if recipe.rotation is None or stream_map_for is None else stream_map_for(recipe)
         if recipe.rotation is not None and stream_map is None:
             return {"ok": False, "why": "a streamed rotation needs its stream map (normfold verify composes it)"}
-        return verify_by_blocks(orig_dir, folded_dir, expected, trust_remote_code=trust_remote_code,
-                                stream_map=stream_map)
+        # the tolerance from the re-made folder's dtype: a tensor stored in another dtype must not loosen it
+        return verify_by_blocks(orig_dir, folded_dir, expected, dtype=expected["saved_dtype"],
+                                trust_remote_code=trust_remote_code, stream_map=stream_map)
     original = load_model(orig_dir, trust_remote_code=trust_remote_code)
     loaded = from_pretrained(folded_dir, trust_remote_code=trust_remote_code)
     if is_approximate(recipe):
