@@ -160,6 +160,59 @@ def test_an_interrupted_save_leaves_nothing_behind(capsys, monkeypatch, tiny_dir
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
 
 
+def _disk_full(kind: str, path):
+    """What a full disk looks like from each writer: the system's OSError, safetensors' own error that only
+    carries the system's text, or another library's error caused by an EDQUOT (quota) OSError."""
+    import errno
+    import os
+
+    if kind == "OSError ENOSPC":
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    if kind == "SafetensorError":
+        from safetensors import SafetensorError
+
+        return SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                               'message: "No space left on device" })')
+    err = RuntimeError("could not save")
+    err.__cause__ = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(path))
+    return err
+
+
+@pytest.mark.parametrize("kind", ["OSError ENOSPC", "SafetensorError", "EDQUOT in the cause chain"])
+def test_a_full_disk_is_named_in_one_line_and_the_output_stays_as_it_was(capsys, monkeypatch, tiny_dirs, tmp_path,  # noqa: F811
+                                                                         kind):
+    import normfold.hf.folder as folder
+
+    out = tmp_path / "out"
+    assert _run(capsys, "fold", tiny_dirs["opt"], "-o", out)[0] == EXIT_OK  # an earlier output that --overwrite replaces
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def save_half_then_the_disk_is_full(model, out_dir, **kwargs):
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise _disk_full(kind, out_dir / "model.safetensors")
+
+    monkeypatch.setattr(folder, "save_folded", save_half_then_the_disk_is_full)
+    code, _, err = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", out, "--overwrite")
+    assert code == EXIT_USAGE and _one_clear_line(err), err
+    assert f"no space left on device while writing {out}: free space or pick another -o" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and _leftovers(tmp_path, "out") == []
+
+
+@pytest.mark.parametrize("kind", ["OSError ENOSPC", "SafetensorError"])
+def test_a_full_disk_outside_an_output_folder_is_named_too(capsys, monkeypatch, tiny_dirs, tmp_path, kind):  # noqa: F811
+    """A command that writes a file of its own (inspect --plot, bench's tables, train's log)."""
+    import normfold.cli.lab as lab
+
+    def plot_on_a_full_disk(args):
+        raise _disk_full(kind, tmp_path / "plot.png")
+
+    monkeypatch.setattr(lab, "_run_inspect", plot_on_a_full_disk)
+    code, _, err = _run(capsys, "inspect", tiny_dirs["gpt2"], "--plot", tmp_path / "plot.png")
+    assert code == EXIT_USAGE and _one_clear_line(err) and "no space left on device" in err, err
+    assert "not a known refusal" not in err and "free space or write elsewhere" in err
+    assert (f"while writing {tmp_path / 'plot.png'}" in err) == (kind == "OSError ENOSPC")  # the path, where known
+
+
 def test_the_model_folder_is_never_modified(capsys, tiny_dirs, tmp_path):  # noqa: F811
     src = tiny_dirs["opt"]
     before = {p.name: p.read_bytes() for p in src.iterdir()}
