@@ -315,10 +315,31 @@ def test_analyze_plans_with_the_options_fold_takes(capsys, tiny_dirs, tmp_path):
 
 @pytest.mark.parametrize("option, says", [
     ("--norm=bogus", "norm must be one of"),
-    ("--max-steps=abc", "expects a int, got 'abc'"),
+    ("--max-steps=abc", "expects an int, got 'abc'"),
     ("--config=/no/such/config.toml", "/no/such/config.toml"),
 ])
 def test_a_bad_training_config_is_a_known_refusal_in_one_line(capsys, option, says):
     code, _, err = _run(capsys, "train", option, "--print-config")
     assert code == EXIT_USAGE and _one_clear_line(err) and says in err
     assert "not a known refusal" not in err  # the user's mistake, not normfold's
+
+
+_TINY_RUN = {"max_steps": 1, "n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16, "progress": False,
+             "save_checkpoint": False, "eval_iters": 1}  # should a refusal fail to come, the run is short
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"lr": "abc"}, "config key 'lr' expects a float, got 'abc' (str)"),
+    ({"lr": [1, 2]}, "config key 'lr' expects a float, got [1, 2] (list)"),
+    ({"max_steps": 1.5}, "config key 'max_steps' expects an int, got 1.5 (float)"),
+    ({"model": {"vocab_size": True}}, "config key 'vocab_size' expects an int, got True (bool)"),
+    ({"compile": "yes"}, "config key 'compile' expects true/false, got 'yes' (str)"),
+    ({"data": "corpus.txt"}, "config key 'data' expects a list of strings, got 'corpus.txt' (str)"),
+    ([1, 2], "a config file must hold a table/object of keys, got list"),
+])
+def test_a_config_value_of_the_wrong_type_is_named_with_what_was_expected(capsys, tmp_path, bad, says):
+    config = tmp_path / "my.json"
+    config.write_text(json.dumps({**_TINY_RUN, **bad} if isinstance(bad, dict) else bad))
+    code, _, err = _run(capsys, "train", f"--config={config}", f"--out-dir={tmp_path / 'run'}")
+    assert code == EXIT_USAGE and _one_clear_line(err) and says in err, err
+    assert "not a known refusal" not in err and not (tmp_path / "run").exists()
