@@ -101,12 +101,14 @@ def atomic_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
         tmp, lock = _locked_temporary(out)
     except OSError as err:  # e.g. a read-only parent: a user error, said before any work
         raise CheckpointError(f"cannot write a folder next to {out}: {_first_line(err)}") from err
+    ours = os.lstat(tmp)
     try:
         os.chmod(tmp, 0o777 & ~_umask())
         yield tmp
         _publish(tmp, out, overwrite=overwrite)
     except BaseException as err:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if _is(tmp, ours):  # not a folder a failed swap left at its name
+            shutil.rmtree(tmp, ignore_errors=True)
         if disk_full_error(err) is not None:
             raise CheckpointError(f"no space left on device while writing {out}: free space or pick another -o "
                                   f"(nothing was published; {_first_line(err)})") from err
@@ -114,6 +116,14 @@ def atomic_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
     finally:
         if lock is not None:
             os.close(lock)
+
+
+def _is(path: Path, stat: os.stat_result) -> bool:
+    """Whether ``path`` still names the file ``stat`` was taken of (not another one put in its place)."""
+    try:
+        return os.path.samestat(os.lstat(path), stat)
+    except FileNotFoundError:
+        return False
 
 
 def remove_stale_temporaries(out: Path) -> list[Path]:
@@ -212,7 +222,7 @@ def _publish_lock(out: Path) -> Iterator[None]:
 
     path = out.parent / f".{out.name}{LOCK_MARK}"
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # flock needs no write access
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
@@ -252,8 +262,11 @@ def _replace(tmp: Path, out: Path) -> None:
     held = _try_lock(out, wait=True)
     try:
         if _exchange(tmp, out):  # one atomic step: a kill leaves the old or the new output at out
-            if not _replaceable(tmp):  # tmp now holds the old folder
-                _exchange(tmp, out)
+            if not _replaceable(tmp):  # tmp now holds the old folder: swap it back
+                try:
+                    _exchange(tmp, out)
+                except OSError as err:  # out vanished meanwhile: the folder stays where it is, and we say where
+                    raise CheckpointError(_changed(out, f"{_NOT_REPLACEABLE_NOW}; it is now {tmp}")) from err
                 raise CheckpointError(_changed(out, _NOT_REPLACEABLE_NOW))
             shutil.rmtree(tmp, ignore_errors=True)
             return
@@ -279,13 +292,17 @@ def _replace(tmp: Path, out: Path) -> None:
 
 
 def _put_back(old: Path, out: Path) -> None:
-    """Return the folder moved aside to ``old`` to ``out``; if something took ``out`` meanwhile,
-    it stays at ``old`` and the error says where."""
+    """Return the folder moved aside to ``old`` to ``out``. If another output took ``out`` meanwhile
+    (a concurrent run without ``flock``), one that ``--overwrite`` may replace is removed as it was
+    going to be; any other stays at ``old``, and the error says where."""
     try:
         _rename_noreplace(old, out)
     except OSError as err:
-        raise CheckpointError(_changed(out, f"something was created there; the folder that was there is now "
-                                            f"{old}")) from err
+        if not _replaceable(old):
+            raise CheckpointError(_changed(out, f"something was created there; the folder that was there is now "
+                                                f"{old}")) from err
+        shutil.rmtree(old.parent, ignore_errors=True)
+        raise CheckpointError(_changed(out, "something was created there")) from err
     old.parent.rmdir()
 
 
