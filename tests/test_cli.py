@@ -160,6 +160,59 @@ def test_an_interrupted_save_leaves_nothing_behind(capsys, monkeypatch, tiny_dir
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
 
 
+def _disk_full(kind: str, path):
+    """What a full disk looks like from each writer: the system's OSError, safetensors' own error that only
+    carries the system's text, or another library's error caused by an EDQUOT (quota) OSError."""
+    import errno
+    import os
+
+    if kind == "OSError ENOSPC":
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    if kind == "SafetensorError":
+        from safetensors import SafetensorError
+
+        return SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                               'message: "No space left on device" })')
+    err = RuntimeError("could not save")
+    err.__cause__ = OSError(errno.EDQUOT, os.strerror(errno.EDQUOT), str(path))
+    return err
+
+
+@pytest.mark.parametrize("kind", ["OSError ENOSPC", "SafetensorError", "EDQUOT in the cause chain"])
+def test_a_full_disk_is_named_in_one_line_and_the_output_stays_as_it_was(capsys, monkeypatch, tiny_dirs, tmp_path,  # noqa: F811
+                                                                         kind):
+    import normfold.hf.folder as folder
+
+    out = tmp_path / "out"
+    assert _run(capsys, "fold", tiny_dirs["opt"], "-o", out)[0] == EXIT_OK  # an earlier output that --overwrite replaces
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def save_half_then_the_disk_is_full(model, out_dir, **kwargs):
+        (out_dir / "model.safetensors").write_bytes(b"half")
+        raise _disk_full(kind, out_dir / "model.safetensors")
+
+    monkeypatch.setattr(folder, "save_folded", save_half_then_the_disk_is_full)
+    code, _, err = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", out, "--overwrite")
+    assert code == EXIT_USAGE and _one_clear_line(err), err
+    assert f"no space left on device while writing {out}: free space or pick another -o" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before and _leftovers(tmp_path, "out") == []
+
+
+@pytest.mark.parametrize("kind", ["OSError ENOSPC", "SafetensorError"])
+def test_a_full_disk_outside_an_output_folder_is_named_too(capsys, monkeypatch, tiny_dirs, tmp_path, kind):  # noqa: F811
+    """A command that writes a file of its own (inspect --plot, bench's tables, train's log)."""
+    import normfold.cli.lab as lab
+
+    def plot_on_a_full_disk(args):
+        raise _disk_full(kind, tmp_path / "plot.png")
+
+    monkeypatch.setattr(lab, "_run_inspect", plot_on_a_full_disk)
+    code, _, err = _run(capsys, "inspect", tiny_dirs["gpt2"], "--plot", tmp_path / "plot.png")
+    assert code == EXIT_USAGE and _one_clear_line(err) and "no space left on device" in err, err
+    assert "not a known refusal" not in err and "free space or write elsewhere" in err
+    assert (f"while writing {tmp_path / 'plot.png'}" in err) == (kind == "OSError ENOSPC")  # the path, where known
+
+
 def test_the_model_folder_is_never_modified(capsys, tiny_dirs, tmp_path):  # noqa: F811
     src = tiny_dirs["opt"]
     before = {p.name: p.read_bytes() for p in src.iterdir()}
@@ -262,7 +315,7 @@ def test_analyze_plans_with_the_options_fold_takes(capsys, tiny_dirs, tmp_path):
 
 @pytest.mark.parametrize("option, says", [
     ("--norm=bogus", "norm must be one of"),
-    ("--max-steps=abc", "expects a int, got 'abc'"),
+    ("--max-steps=abc", "expects an int, got 'abc'"),
     ("--config=/no/such/config.toml", "/no/such/config.toml"),
 ])
 def test_a_bad_training_config_is_a_known_refusal_in_one_line(capsys, option, says):
@@ -277,3 +330,24 @@ def test_rotate_refuses_a_seed_torch_cannot_take_before_loading_anything(capsys,
     code, _, err = _run(capsys, "rotate", tmp_path / "no-such-folder", "-o", tmp_path / "out", "--seed", seed)
     assert code == EXIT_USAGE and f"--seed must be in [0, {2**63 - 1}]" in err and "got " + seed in err
     assert not (tmp_path / "out").exists()
+
+
+_TINY_RUN = {"max_steps": 1, "n_layer": 1, "n_embd": 16, "n_head": 2, "block_size": 16, "progress": False,
+             "save_checkpoint": False, "eval_iters": 1}  # should a refusal fail to come, the run is short
+
+
+@pytest.mark.parametrize("bad, says", [
+    ({"lr": "abc"}, "config key 'lr' expects a float, got 'abc' (str)"),
+    ({"lr": [1, 2]}, "config key 'lr' expects a float, got [1, 2] (list)"),
+    ({"max_steps": 1.5}, "config key 'max_steps' expects an int, got 1.5 (float)"),
+    ({"model": {"vocab_size": True}}, "config key 'vocab_size' expects an int, got True (bool)"),
+    ({"compile": "yes"}, "config key 'compile' expects true/false, got 'yes' (str)"),
+    ({"data": "corpus.txt"}, "config key 'data' expects a list of strings, got 'corpus.txt' (str)"),
+    ([1, 2], "a config file must hold a table/object of keys, got list"),
+])
+def test_a_config_value_of_the_wrong_type_is_named_with_what_was_expected(capsys, tmp_path, bad, says):
+    config = tmp_path / "my.json"
+    config.write_text(json.dumps({**_TINY_RUN, **bad} if isinstance(bad, dict) else bad))
+    code, _, err = _run(capsys, "train", f"--config={config}", f"--out-dir={tmp_path / 'run'}")
+    assert code == EXIT_USAGE and _one_clear_line(err) and says in err, err
+    assert "not a known refusal" not in err and not (tmp_path / "run").exists()

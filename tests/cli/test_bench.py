@@ -42,3 +42,29 @@ def test_bench_without_out_writes_a_new_folder_under_the_current_one(capsys, mon
 def test_bench_counts_must_be_positive_ints(capsys, tiny_dirs, option):  # noqa: F811
     code, _, err = _run(capsys, "bench", tiny_dirs["gpt2"], "--quick", *option)
     assert code == EXIT_USAGE and "expected a positive int" in err and "Traceback" not in err
+
+
+def test_bench_out_with_a_dot_writes_exactly_the_names_it_was_given(capsys, tiny_dirs, tmp_path):  # noqa: F811
+    """notes.v2 gives notes.v2.csv / .md, never notes.csv / notes.md (the user's files beside it stay)."""
+    (tmp_path / "notes.csv").write_text("my table")
+    (tmp_path / "notes.md").write_text("my notes")
+    code, out, _ = _run(capsys, "bench", tiny_dirs["gpt2"], *_QUICK, "--out", tmp_path / "notes.v2")
+    assert code == EXIT_OK and f"wrote {tmp_path / 'notes.v2.csv'}" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.csv", "notes.md", "notes.v2.csv", "notes.v2.md"]
+    assert (tmp_path / "notes.csv").read_text() == "my table" and (tmp_path / "notes.md").read_text() == "my notes"
+
+
+def test_bench_refuses_to_overwrite_its_files_before_timing_unless_told(capsys, monkeypatch, tiny_dirs, tmp_path):  # noqa: F811
+    import normfold.cli.bench as bench_cli
+
+    (tmp_path / "notes.v2.md").write_text("my notes")
+    real = bench_cli.bench_model
+    monkeypatch.setattr(bench_cli, "bench_model", lambda *a, **k: pytest.fail("timed before the refusal"))
+    code, _, err = _run(capsys, "bench", tiny_dirs["gpt2"], *_QUICK, "--out", tmp_path / "notes.v2")
+    lines = err.strip().splitlines()
+    assert code == EXIT_USAGE and len(lines) == 1 and str(tmp_path / "notes.v2.md") in lines[0]
+    assert "--overwrite" in lines[0] and (tmp_path / "notes.v2.md").read_text() == "my notes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.v2.md"]
+    monkeypatch.setattr(bench_cli, "bench_model", real)
+    assert _run(capsys, "bench", tiny_dirs["gpt2"], *_QUICK, "--out", tmp_path / "notes.v2", "--overwrite")[0] == EXIT_OK
+    assert (tmp_path / "notes.v2.md").read_text() != "my notes" and (tmp_path / "notes.v2.csv").is_file()

@@ -133,3 +133,26 @@ def test_inspect_and_check_counts_must_be_positive_ints(bert_dir, capsys, option
     for command in ("inspect", "check"):
         code, _, err = _run(capsys, command, bert_dir, *option)
         assert code == EXIT_USAGE and "expected a positive int" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["inspect", "check"])
+def test_a_seq_beyond_the_models_positions_is_refused_before_loading(capsys, monkeypatch, tiny_dirs, command):  # noqa: F811
+    """The tiny GPT-2 takes 32 positions: --seq 100000 was cut to 32 without a word."""
+    import normfold.cli.lab as lab
+
+    monkeypatch.setattr(lab, "load_model", lambda *a, **k: pytest.fail("loaded before the refusal"))
+    code, out, err = _run(capsys, command, tiny_dirs["gpt2"], "--seq", "100000")
+    line = _one_error_line(err)
+    assert code == EXIT_USAGE and out == ""
+    assert "--seq 100000" in line and "32 positions" in line and "expected 1 to 32" in line
+
+
+def test_a_seq_within_the_positions_is_used_as_given_and_the_default_fits_a_short_model(capsys, tmp_path):
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    folder = tmp_path / "short"
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder, safe_serialization=True)
+    for argv, tokens in ((["--seq", "16"], 16), ([], 16), (["--seq", "5"], 5)):  # the default 32 is cut to 16 positions
+        code, out, err = _run(capsys, "inspect", folder, "--json", "--batch", "1", *argv)
+        assert code == EXIT_OK, err
+        assert {norm["num_rows"] for norm in json.loads(out)["norms"]} == {tokens}, argv
+    assert _run(capsys, "inspect", folder, "--seq", "17")[0] == EXIT_USAGE

@@ -88,7 +88,7 @@ def test_config_precedence_file_then_keywords_then_overrides(tmp_path):
 @pytest.mark.parametrize("overrides, match", [
     (["--n_layers=3"], "unknown config key 'n_layers'"),
     (["--lr"], "--key=value"),
-    (["--max_steps=ten"], "expects a int"),
+    (["--max_steps=ten"], "expects an int"),
     (["--qk_norm=maybe"], "true/false"),
     (["--precision=fp8"], "precision must be one of"),
     (["--lr=0.001", "--min_lr=0.01"], "min_lr <= lr"),

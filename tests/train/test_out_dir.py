@@ -66,3 +66,50 @@ def test_an_interrupted_run_says_what_it_left_not_that_nothing_was_written(capsy
     code, err = _train(capsys, tmp_path / "run", *extra)
     assert code == 130 and "nothing was written" not in err and str(tmp_path / "run") in err
     assert ("--resume=" + str(tmp_path / "run") in err) == checkpointing
+
+
+@pytest.mark.parametrize("theirs", ["summary.json", "log.csv"])
+def test_a_folder_with_a_summary_or_log_but_no_run_marker_is_not_taken_for_a_run(capsys, model_folder, theirs):
+    """A log.csv or summary.json may be anyone's: only the marker every run writes first makes a folder a run."""
+    (model_folder / theirs).write_text("my own results")
+    before = {p.name: p.read_bytes() for p in model_folder.iterdir()}
+    code, err = _train(capsys, model_folder)
+    assert code == EXIT_USAGE and ".normfold-run" in err and "--overwrite" in err and len(err.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in model_folder.iterdir()} == before
+
+
+def test_a_run_marks_its_folder_first_and_a_marked_folder_is_written_again(capsys, tmp_path):
+    out = tmp_path / "run"
+    assert _train(capsys, out)[0] == EXIT_OK
+    marker = json.loads((out / ".normfold-run").read_text())
+    assert marker["kind"] == "normfold train run"
+    (out / "summary.json").unlink()
+    (out / "log.csv").unlink()  # still a run: the marker says so, not these
+    assert _train(capsys, out)[0] == EXIT_OK and json.loads((out / ".normfold-run").read_text()) == marker
+
+
+def test_resume_of_a_moved_run_writes_only_into_the_folder_it_was_given(capsys, tmp_path, interrupt_at_step):
+    old, moved = tmp_path / "old", tmp_path / "moved"
+    interrupt_at_step(2)
+    assert _train(capsys, old, "--max_steps=3", "--checkpoint_interval=1")[0] == 130
+    interrupt_at_step(None)
+    old.rename(moved)
+    assert _train(capsys, old)[0] == EXIT_OK  # another run now lives at the old path (its config.json says out_dir=old)
+    theirs = {p.name: p.read_bytes() for p in old.iterdir()}
+    assert json.loads((moved / "config.json").read_text())["out_dir"] == str(old)
+    code = main(["train", f"--resume={moved}"])
+    assert code == EXIT_OK, capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == theirs
+    summary = json.loads((moved / "summary.json").read_text())
+    assert summary["resumed_from"] == 1 and summary["steps"] == 3
+    assert json.loads((moved / "config.json").read_text())["out_dir"] == str(moved)
+
+
+def test_a_run_refused_for_its_data_size_writes_nothing(capsys, tmp_path):
+    data = tmp_path / "short.txt"
+    data.write_text("too short")
+    out = tmp_path / "run"
+    code, err = _train(capsys, out, f"--data={data}")
+    assert code == EXIT_USAGE and "--data: the train split has" in err and "fewer than block_size + 2" in err
+    assert len(err.strip().splitlines()) == 1 and "not a known refusal" not in err
+    assert not out.exists()

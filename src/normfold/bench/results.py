@@ -59,13 +59,21 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def write_results(rows: list[BenchRow], stem, *, command: str, plot: bool = True) -> list:
-    """``stem``.csv, ``stem``.md (with the command and the machine) and ``stem``.png; returns the paths."""
+def result_paths(stem, *, plot: bool = True) -> list[Path]:
+    """The files :func:`write_results` writes: ``stem`` with ``.csv``, ``.md`` (and ``.png``) appended,
+    never replacing a suffix of its own (``notes.v2`` gives ``notes.v2.csv``, not ``notes.csv``)."""
     stem = Path(stem)
-    stem.parent.mkdir(parents=True, exist_ok=True)
+    return [stem.with_name(stem.name + suffix) for suffix in (".csv", ".md", ".png")[: 3 if plot else 2]]
+
+
+def write_results(rows: list[BenchRow], stem, *, command: str, plot: bool = True) -> list:
+    """:func:`result_paths`: ``stem``.csv, ``stem``.md (with the command and the machine) and
+    ``stem``.png; returns the paths."""
+    paths = result_paths(stem, plot=plot)
+    paths[0].parent.mkdir(parents=True, exist_ok=True)
     flat = [r.flat() for r in rows]
     columns = list(dict.fromkeys(k for f in flat for k in f))
-    with open(stem.with_suffix(".csv"), "w", newline="") as fh:
+    with open(paths[0], "w", newline="") as fh:
         writer = csv.DictWriter(fh, columns)
         writer.writeheader()
         writer.writerows(flat)
@@ -95,10 +103,9 @@ def write_results(rows: list[BenchRow], stem, *, command: str, plot: bool = True
             spent = f"{o:.3f} → {f:.3f} ({1 - f / o:.0%})"
         lines.append(f"| {r.model} | {r.mode} | {r.batch} | {r.kind} {r.seq} | {r.median_ms['original']:.3f} | "
                      f"{cells[0]} | {cells[1]} | {cells[2]} | {verdict(r)} | {share} | {spent} |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    paths = [stem.with_suffix(".csv"), stem.with_suffix(".md")]
+    paths[1].write_text("\n".join(lines) + "\n")
     if plot:
-        paths.append(plot_rows(rows, stem.with_suffix(".png")))
+        plot_rows(rows, paths[2])
     return paths
 
 

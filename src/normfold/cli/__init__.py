@@ -31,6 +31,7 @@ from .. import __version__
 from .._options import dash_options
 from ..fold import FoldError, FoldVerificationError
 from ..hf.load import CheckpointError
+from ..hf.output_dir import disk_full_error
 from ..train import cli as train_cli
 from ..train.cli import TrainConfigError
 from . import bench, folder, lab, rotate, verify
@@ -101,17 +102,24 @@ def main(argv: list[str] | None = None) -> int:
         on_interrupt = getattr(args, "on_interrupt", None)  # a command that writes as it goes says what it left
         print(f"normfold: {on_interrupt(args) if on_interrupt else 'interrupted; nothing was written'}", file=sys.stderr)
         return 130
-    except OSError as err:  # the machine, not the model (a full disk, a vanished file): what the system said
-        if os.environ.get(TRACEBACK_ENV):
-            raise
-        print(f"normfold: error: {_first_line(err)} ({TRACEBACK_ENV}=1 shows the traceback)", file=sys.stderr)
-        return EXIT_USAGE
     except Exception as err:  # noqa: BLE001  the last boundary before the user: one line, never a traceback
         if os.environ.get(TRACEBACK_ENV):
             raise
-        print(f"normfold: error: {args.command} cannot handle this model: {type(err).__name__}: {_first_line(err)} "
-              f"(not a known refusal; {TRACEBACK_ENV}=1 shows the traceback)", file=sys.stderr)
+        print(f"normfold: error: {_unexpected(err, args.command)}", file=sys.stderr)
         return EXIT_USAGE
+
+
+def _unexpected(err: Exception, command: str) -> str:
+    """The line for an error no command refused on purpose: a full disk as such (whatever library
+    raised it), another error of the machine as the system said it, anything else as what it is."""
+    full = disk_full_error(err)
+    if full is not None:
+        path = getattr(full, "filename", None)
+        return f"no space left on device{f' while writing {path}' if path else ''}: free space or write elsewhere"
+    if isinstance(err, OSError):  # the machine, not the model (a vanished file): what the system said
+        return f"{_first_line(err)} ({TRACEBACK_ENV}=1 shows the traceback)"
+    return (f"{command} cannot handle this model: {type(err).__name__}: {_first_line(err)} "
+            f"(not a known refusal; {TRACEBACK_ENV}=1 shows the traceback)")
 
 
 def _quiet_transformers() -> None:

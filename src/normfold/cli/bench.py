@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import time
@@ -11,13 +12,18 @@ from pathlib import Path
 
 from ..bench.config import QUICK, BenchConfig
 from ..bench.driver import bench_model
-from ..bench.results import write_results
+from ..bench.results import result_paths, write_results
 from ..bench.stats import verdict
 from ..hf.load import load_model
-from ._common import EXIT_OK, add_model_dir, model_dir, positive_int
+from ._common import EXIT_OK, UsageError, add_model_dir, model_dir, positive_int
 
 
 def _run_bench(args) -> int:
+    if args.out and not args.overwrite:  # before the model is loaded or anything timed
+        taken = [str(p) for p in result_paths(args.out, plot=not args.no_plot) if os.path.lexists(p)]
+        if taken:
+            raise UsageError(f"--out {args.out}: {', '.join(taken)} already exist{'s' * (len(taken) == 1)}; "
+                             "pass --overwrite to replace them, or pick another --out")
     source = model_dir(args)
     config = QUICK if args.quick else BenchConfig()
     config = replace(config, compile=args.compile, rounds=args.rounds or config.rounds,
@@ -61,8 +67,11 @@ def add_commands(subparsers) -> None:
     p.add_argument("--seq", type=positive_int, nargs="+", help="sequence lengths; 1 = a decode step (default 1 128 1024)")
     p.add_argument("--rounds", type=positive_int, help="interleaved rounds (default 30)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiler pass")
-    p.add_argument("--out", metavar="STEM", help="write STEM.csv, STEM.md and STEM.png (default: bench.* in a new "
-                                                 "folder ./normfold-bench-YYYYmmdd-HHMMSS)")
+    p.add_argument("--out", metavar="STEM", help="write STEM.csv, STEM.md and STEM.png, suffixes appended to STEM as "
+                                                 "given (notes.v2: notes.v2.csv); default: bench.* in a new folder "
+                                                 "./normfold-bench-YYYYmmdd-HHMMSS")
+    p.add_argument("--overwrite", action="store_true", help="replace STEM.* files that exist (else refused before "
+                                                            "anything is timed)")
     p.add_argument("--no-plot", action="store_true", help="no PNG")
     p.add_argument("--json", action="store_true", help="also print the rows as JSON")
     p.set_defaults(run=_run_bench)

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from .._deps import require
-from ..hf.inputs import calibration_batches, example_inputs_for, load_tokenizer, read_calibration_file
-from ..hf.load import load_model
+from ..hf.inputs import calibration_batches, example_inputs_for, load_tokenizer, max_positions, read_calibration_file
+from ..hf.load import load_config, load_model
 from ..lab.check import check, findings_to_dict
 from ..lab.diagnostics import inspect
 from ._common import EXIT_OK, UsageError, add_model_dir, add_trust_remote_code, model_dir, positive_int
@@ -32,6 +32,23 @@ def _inputs(args, model, source: Path) -> list:
                                batch_size=args.batch)
 
 
+DEFAULT_SEQ = 32
+
+
+def _sequence_length(args, source: Path) -> int:
+    """The length of the generated inputs, read before the model is loaded: ``--seq``, refused when
+    the config gives the model fewer positions (the inputs would be cut to them); the default is
+    cut to them, since nobody asked for it."""
+    config = load_config(source, trust_remote_code=args.trust_remote_code)
+    limit = max_positions(config.get_text_config())
+    if args.seq is None:
+        return DEFAULT_SEQ if limit is None else min(DEFAULT_SEQ, limit)
+    if limit is not None and args.seq > limit:
+        raise UsageError(f"--seq {args.seq} is more than the {limit} positions the model in {source} takes "
+                         f"(max_position_embeddings / n_positions in its config.json): expected 1 to {limit}")
+    return args.seq
+
+
 def _inline_text(value: str) -> str:
     """``--text`` that names no file is the text itself, unless it reads as a path (one word with a folder
     or a text-file suffix): then a mistyped file name is refused instead of being inspected as text."""
@@ -43,6 +60,8 @@ def _inline_text(value: str) -> str:
 
 def _run_inspect(args) -> int:
     source = model_dir(args)
+    if args.text is None:
+        args.seq = _sequence_length(args, source)
     model = load_model(source, trust_remote_code=args.trust_remote_code)
     result = inspect(model, _inputs(args, model, source))
     linear_outputs = sum(point.role == "linear output" for point in result.scale)
@@ -85,6 +104,7 @@ def training_config(value: str) -> dict[str, Any]:
 def _run_check(args) -> int:
     config = training_config(args.train_config) if args.train_config is not None else None
     source = model_dir(args)
+    args.seq = _sequence_length(args, source)
     model = load_model(source, trust_remote_code=args.trust_remote_code)
     findings = check(model, _inputs(args, model, source)[0], training_config=config)
     if args.json:
@@ -103,8 +123,9 @@ def _add_parser(subparsers, name: str, summary: str, run):
     add_model_dir(parser)
     parser.add_argument("--json", action="store_true", help="print JSON on stdout")
     parser.add_argument("--batch", type=positive_int, default=2, help="batch size of the inputs (default 2)")
-    parser.add_argument("--seq", type=positive_int, default=32,
-                        help="sequence length of the generated inputs, without --text (default 32)")
+    parser.add_argument("--seq", type=positive_int, default=None,
+                        help=f"sequence length of the generated inputs, without --text; at most the model's positions "
+                             f"(default {DEFAULT_SEQ}, or the model's positions if fewer)")
     add_trust_remote_code(parser)
     parser.set_defaults(run=run)
     return parser

@@ -66,13 +66,18 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
 CHARACTER_VOCAB = 128  # models that read characters (Canine: Unicode code points) have no vocab_size: ASCII ids
 
 
-def _token_ids(text_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
-    """(B, T) random ids below the vocabulary size, T at most the model's positions (a value <= 0,
-    XLNet's ``max_position_embeddings=-1``, means unbounded)."""
-    vocab = getattr(text_config, "vocab_size", None) or CHARACTER_VOCAB
+def max_positions(text_config) -> int | None:
+    """The most tokens the model takes (``max_position_embeddings`` / ``n_positions`` of its text
+    config), or None when the config sets no bound (a value <= 0, XLNet's -1, means unbounded)."""
     limits = (getattr(text_config, name, None) for name in ("max_position_embeddings", "n_positions"))
-    length = min([seq] + [v for v in limits if isinstance(v, int) and v > 0])
-    return torch.randint(0, vocab, (batch, length), generator=gen)
+    return min([v for v in limits if isinstance(v, int) and v > 0], default=None)
+
+
+def _token_ids(text_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, T) random ids below the vocabulary size, T at most the model's positions."""
+    vocab = getattr(text_config, "vocab_size", None) or CHARACTER_VOCAB
+    limit = max_positions(text_config)
+    return torch.randint(0, vocab, (batch, seq if limit is None else min(seq, limit)), generator=gen)
 
 
 def _pixel_values(vision_config, batch: int, gen: torch.Generator) -> torch.Tensor:
@@ -146,8 +151,7 @@ def calibration_batches(model: nn.Module, tokenizer, sentences: list[str],
     """The sentences tokenized in padded batches, as keyword inputs ``model`` accepts."""
     params = inspect.signature(type(model).forward).parameters
     text = getattr(model.config, "get_text_config", lambda: model.config)()
-    max_len = min(v for v in (getattr(text, "max_position_embeddings", None), getattr(text, "n_positions", None),
-                              CALIBRATION_MAX_TOKENS) if v)
+    max_len = min(max_positions(text) or CALIBRATION_MAX_TOKENS, CALIBRATION_MAX_TOKENS)
     if tokenizer.pad_token is None:  # e.g. GPT-2: pad with EOS, the attention mask hides it
         tokenizer.pad_token = tokenizer.eos_token
     batches = []

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .._options import dash_options
-from .config import PRECISIONS, TrainConfig, resolve_config
+from .config import PRECISIONS, TrainConfig, TrainConfigError, resolve_config
 from .model import NORMS, PLACEMENTS, GPTConfig
 from .parallel import PARALLEL
 from .trainer import train
@@ -41,8 +41,8 @@ _NOTES = {  # what a key's name does not say
     "compile": "torch.compile the model for training (Inductor); the first steps pay for compilation",
     "parallel": "how the processes of torchrun share the model",
     "checkpoint_interval": "steps between resumable states in OUT_DIR/train_state.pt (and at the end); 0: none",
-    "resume": "a run folder with train_state.pt: continue that run (its config.json is the base config; "
-              "only where and how it reports may change)",
+    "resume": "a run folder with train_state.pt: continue that run, writing into that folder unless --out-dir "
+              "names another (its config.json is the base config; only where and how it reports may change)",
     "tensorboard": "also log to TensorBoard in OUT_DIR/tensorboard (pip install 'normfold[tensorboard]')",
 }
 
@@ -65,16 +65,15 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
             keys.add_argument(f"--{name}", default=argparse.SUPPRESS, metavar="V", help=f"default: {shown!s}{extra}")
 
 
-class TrainConfigError(ValueError):
-    """A config file or value the user gave is wrong; raised before training starts."""
-
-
 def _resolve(args: argparse.Namespace) -> TrainConfig:
     """The config from defaults, ``--config`` and the options; TrainConfigError naming what is wrong."""
     overrides = [f"--{name}={getattr(args, name)}" for name, _ in _config_keys() if hasattr(args, name)]
     config_file = args.config
-    if config_file is None and getattr(args, "resume", ""):  # the resumed run's own config, options on top
-        config_file = Path(args.resume) / "config.json"
+    if getattr(args, "resume", ""):
+        if config_file is None:  # the resumed run's own config, options on top
+            config_file = Path(args.resume) / "config.json"
+        if not hasattr(args, "out_dir"):  # never the out_dir its config.json recorded: the run may have moved
+            overrides.append(f"--out_dir={args.resume}")
     try:
         return resolve_config(config_file, overrides)
     except (ValueError, TypeError, OSError) as err:

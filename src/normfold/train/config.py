@@ -13,6 +13,11 @@ from .parallel import PARALLEL
 PRECISIONS = ("auto", "fp32", "bf16", "fp64")
 
 
+class TrainConfigError(ValueError):
+    """A config file or value the user gave is wrong, or the data it names cannot train that model;
+    raised before training starts."""
+
+
 @dataclass
 class TrainConfig:
     """Everything one training run needs. Defaults: a CPU run of a few minutes."""
@@ -79,7 +84,7 @@ def _parse_value(text: str, current: Any, key: str) -> Any:
             return True
         if text.lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"--{key} expects true/false, got {text!r}")
+        raise ValueError(f"--{key} expects {_expected(current)}, got {text!r}")
     if isinstance(current, list):
         return [p for p in text.split(",") if p]
     try:
@@ -88,12 +93,35 @@ def _parse_value(text: str, current: Any, key: str) -> Any:
         if isinstance(current, float):
             return float(text)
     except ValueError:
-        raise ValueError(f"--{key} expects a {type(current).__name__}, got {text!r}") from None
+        raise ValueError(f"--{key} expects {_expected(current)}, got {text!r}") from None
     return text
+
+
+def _expected(current: Any) -> str:
+    """A field's type in words, from its default value."""
+    if isinstance(current, bool):
+        return "true/false"
+    if isinstance(current, list):
+        return "a list of strings"
+    return {int: "an int", float: "a float", str: "a string"}[type(current)]
+
+
+def _has_type(value: Any, current: Any) -> bool:
+    """Whether ``value`` (from a file or a keyword) fits the type of the field whose default is ``current``:
+    a bool is no number, an int is a float, a list holds strings."""
+    if isinstance(current, bool) or isinstance(value, bool):
+        return isinstance(current, bool) and isinstance(value, bool)
+    if isinstance(current, list):
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if isinstance(current, float):
+        return isinstance(value, (int, float))
+    return isinstance(value, type(current))
 
 
 def _flatten(raw: dict[str, Any]) -> dict[str, Any]:
     """Accept both ``{"model": {...}}`` and model keys at the top level."""
+    if not isinstance(raw, dict):
+        raise TypeError(f"a config file must hold a table/object of keys, got {type(raw).__name__}")
     raw = dict(raw)
     nested = raw.pop("model", {}) or {}
     if not isinstance(nested, dict):
@@ -123,20 +151,21 @@ def resolve_config(config_file: str | Path | None = None, overrides: Sequence[st
     merged: dict[str, Any] = read_config_file(config_file) if config_file else {}
     merged.update(values)
     defaults = TrainConfig()
+    current = {**{k: getattr(defaults.model, k) for k in _MODEL_KEYS}, **{k: getattr(defaults, k) for k in _TRAIN_KEYS}}
     for item in overrides:
         if not item.startswith("--") or "=" not in item:
             raise ValueError(f"overrides must look like --key=value, got {item!r}")
         key, text = item[2:].split("=", 1)
         key = key.replace("-", "_")
-        if key in _MODEL_KEYS:
-            current = getattr(defaults.model, key)
-        elif key in _TRAIN_KEYS:
-            current = getattr(defaults, key)
-        else:
-            raise ValueError(f"unknown config key {key!r}; known: {sorted({*_MODEL_KEYS, *_TRAIN_KEYS})}")
-        merged[key] = _parse_value(text, current, key)
-    unknown = sorted(set(merged) - set(_MODEL_KEYS) - set(_TRAIN_KEYS))
+        if key not in current:
+            raise ValueError(f"unknown config key {key!r}; known: {sorted(current)}")
+        merged[key] = _parse_value(text, current[key], key)
+    unknown = sorted(set(merged) - set(current))
     if unknown:
-        raise ValueError(f"unknown config keys {unknown}; known: {sorted({*_MODEL_KEYS, *_TRAIN_KEYS})}")
+        raise ValueError(f"unknown config keys {unknown}; known: {sorted(current)}")
+    for key, value in merged.items():  # before the dataclasses compare them: {"lr": "abc"} is named, not a '<=' error
+        if not _has_type(value, current[key]):
+            raise TypeError(f"config key {key!r} expects {_expected(current[key])}, got {value!r} "
+                            f"({type(value).__name__})")
     model = GPTConfig(**{k: v for k, v in merged.items() if k in _MODEL_KEYS})
     return TrainConfig(model=model, **{k: v for k, v in merged.items() if k in _TRAIN_KEYS})

@@ -26,7 +26,7 @@ from .._deps import require
 from ..hf.load import CheckpointError
 from .cbwc import CenteringIndex, cbwc_, project_centering_
 from .checkpoint import save_checkpoint
-from .config import TrainConfig
+from .config import TrainConfig, TrainConfigError
 from .data import TokenSplits, corpus_sha256, load_documents
 from .model import GPT
 from .parallel import (Dist, full_model_state, full_optimizer_state, full_tensor, is_sharded, load_full_state,
@@ -210,30 +210,42 @@ def estimate_val_loss(model: nn.Module, splits: TokenSplits, config: TrainConfig
     return mean.item()
 
 
+RUN_MARKER = ".normfold-run"  # written into every run folder before anything else: what marks it as one
+_RUN_KIND = "normfold train run"
+
+
 def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """``out_dir`` as a Path, or CheckpointError when training would overwrite files it did not write.
 
-    Accepted: a missing or empty folder, a previous run's (it holds ``log.csv``, ``summary.json``
-    or a training ``config.json``), or anything with ``overwrite``. Each rank checks before the
-    process group starts, so no rank has written yet and all of them decide alike.
+    Accepted: a missing or empty folder, a previous run's (it holds the marker ``.normfold-run``
+    that every run writes first; a ``log.csv`` or ``summary.json`` alone may be anyone's), or
+    anything with ``overwrite``. Each rank checks before the process group starts, so no rank has
+    written yet and all of them decide alike.
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise CheckpointError(f"--out_dir must be a folder, got a file: {out}")
-    if overwrite or not out.exists() or not any(out.iterdir()) or _is_training_output(out):
+    if overwrite or not out.exists() or not any(out.iterdir()) or _is_training_run(out):
         return out
-    raise CheckpointError(f"--out_dir {out} is not empty and holds no training run of normfold (no log.csv, "
-                          "summary.json or training config.json); pass --overwrite to write into it anyway")
+    raise CheckpointError(f"--out_dir {out} is not empty and holds no training run of normfold (no {RUN_MARKER}, "
+                          "which every run writes first); pass --overwrite to write into it anyway")
 
 
-def _is_training_output(folder: Path) -> bool:
-    if (folder / "log.csv").is_file() or (folder / "summary.json").is_file():
-        return True
+def _is_training_run(folder: Path) -> bool:
+    """Whether ``folder`` holds the marker a run of ``normfold train`` writes first (:func:`_mark_run`)."""
     try:
-        config = json.loads((folder / "config.json").read_text())
+        marker = json.loads((folder / RUN_MARKER).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
-    return isinstance(config, dict) and {"model", "out_dir", "max_steps"} <= config.keys()
+    return isinstance(marker, dict) and marker.get("kind") == _RUN_KIND
+
+
+def _mark_run(folder: Path) -> None:
+    """Make ``folder`` a run's (a resumed run keeps the marker of the run it continues)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if not _is_training_run(folder):
+        (folder / RUN_MARKER).write_text(json.dumps({"kind": _RUN_KIND, "format": 1,
+                                                     "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}) + "\n")
 
 
 _LOG_COLUMNS = ["step", "tokens", "lr", "train_loss", "val_loss", "elapsed_s", "tokens_per_s", "grad_norm"]
@@ -309,11 +321,10 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
         torch.cuda.set_device(device)
     is_main = dist.rank == 0
     raw_model = model if model is not None else build_model(config, device)  # may refuse: nothing written yet
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if is_main:
-        (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
-
-    splits = TokenSplits.from_documents(documents, config.model.block_size, config.val_fraction)
+    try:
+        splits = TokenSplits.from_documents(documents, config.model.block_size, config.val_fraction)
+    except ValueError as err:  # too little text for this block_size: the user's data, said before any write
+        raise TrainConfigError(f"--data: {err}") from err
     if not (dist.enabled and config.parallel == "fsdp2"):  # CBWC by projection (FSDP2 shards the centered dim)
         project_centering_(raw_model)
     train_model = wrap_for_training(raw_model, config.parallel, dist, device)
@@ -329,6 +340,11 @@ def train(config: TrainConfig, model: nn.Module | None = None, *, overwrite: boo
         history, start = resumed["history"], resumed["step"]
     tokens_per_step = config.batch_size * config.grad_accum_steps * config.model.block_size * dist.world_size
 
+    if is_main:  # every refusal is behind us: the first writes
+        _mark_run(out_dir)
+        (out_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2))
+    else:
+        out_dir.mkdir(parents=True, exist_ok=True)
     log_file = open(out_dir / "log.csv", "w", newline="") if is_main else None
     writer = csv.writer(log_file) if log_file else None
     if writer:
