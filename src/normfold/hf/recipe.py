@@ -92,9 +92,7 @@ class Recipe:
         if not isinstance(data, dict):
             raise CheckpointError(f"the report's recipe must be a JSON object, got {_show(data)}")
         _expect_keys(data, cls, "recipe")
-        command = _field(data, "command", str, "recipe")
-        if command not in COMMANDS:
-            raise CheckpointError(f"recipe.command must be one of {', '.join(COMMANDS)}, got {command!r}")
+        command = _one_of(data, "command", COMMANDS, "recipe")
         dtype = data["dtype"]
         if dtype is not None and dtype not in SAVED_DTYPES:
             raise CheckpointError(f"recipe.dtype must be null or one of {', '.join(SAVED_DTYPES)}, got {_show(dtype)}")
@@ -125,9 +123,7 @@ def _rotation(data: object) -> Rotation:
     if not isinstance(data, dict):
         raise CheckpointError(f"recipe.rotation must be a JSON object, got {_show(data)}")
     _expect_keys(data, Rotation, "recipe.rotation")
-    method = _field(data, "method", str, "recipe.rotation")
-    if method not in ROTATION_METHODS:
-        raise CheckpointError(f"recipe.rotation.method must be one of {', '.join(ROTATION_METHODS)}, got {method!r}")
+    method = _one_of(data, "method", ROTATION_METHODS, "recipe.rotation")
     seed = _field(data, "seed", int, "recipe.rotation")
     if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise CheckpointError(f"recipe.rotation.seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed}")
@@ -164,6 +160,13 @@ def _field(data: dict, name: str, kind: type, where: str):
     if kind is int and (isinstance(value, bool) or not isinstance(value, int)) or \
             kind is not int and not isinstance(value, kind):
         raise CheckpointError(f"{where}.{name} must be a {kind.__name__}, got {_show(value)}")
+    return value
+
+
+def _one_of(data: dict, name: str, choices: tuple[str, ...], where: str) -> str:
+    value = _field(data, name, str, where)
+    if value not in choices:
+        raise CheckpointError(f"{where}.{name} must be one of {', '.join(choices)}, got {value!r}")
     return value
 
 
