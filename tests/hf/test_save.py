@@ -281,3 +281,50 @@ def test_save_pretrained_copies_side_files_from_source_dir_and_warns_about_links
     assert (tmp_path / "out" / "1_Pooling" / "config.json").read_text() == '{"pooling_mode_mean_tokens": true}'
     assert not os.path.lexists(tmp_path / "out" / "LICENSE")
     assert record["skipped_files"] == [{"path": "LICENSE", "reason": "symbolic link, not followed"}]
+
+
+# ------------------------------------------------------- folders whose keys transformers renames on load
+
+@pytest.fixture(scope="module")
+def neox_dir(tmp_path_factory):
+    """A tiny GPT-NeoX: its head is stored as ``embed_out.*`` and loaded as ``lm_head.*``."""
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                        intermediate_size=64, max_position_embeddings=32)
+    model = transformers.GPTNeoXForCausalLM(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0.0, 0.1)
+    path = tmp_path_factory.mktemp("neox") / "neox"
+    model.save_pretrained(path)
+    assert "embed_out.weight" in safetensors_torch.load_file(path / "model.safetensors")
+    return path
+
+
+def test_a_gpt_neox_fold_reloads_and_verifies_through_transformers_key_renaming(neox_dir, tmp_path):
+    """Fails on main (0a5ea51): normfold compared raw keys, so from_pretrained and verify said the
+    weights lack lm_head.weight, which transformers loads from embed_out.weight."""
+    fold_folder(neox_dir, tmp_path / "out")
+    original = load_model(neox_dir)
+    inputs = example_inputs_for(original)
+    assert torch.allclose(_logits(original, inputs), _logits(normfold.from_pretrained(tmp_path / "out"), inputs),
+                          atol=1e-5)
+    assert normfold.hf.verify_folders(neox_dir, tmp_path / "out")["ok"]
+
+
+def test_a_created_head_bias_of_a_gpt_neox_is_restored_from_the_name_it_is_stored_under(neox_dir, tmp_path):
+    """normfold.fold moves the final norm's β into a new lm_head.bias, which transformers stores as
+    embed_out.bias: from_pretrained must read it there (fails on main: "lists parameters the weights
+    do not hold: lm_head.bias")."""
+    original = load_model(neox_dir)
+    inputs = example_inputs_for(original)
+    folded, report = normfold.fold(original, inputs)
+    with pytest.warns(UserWarning, match="stock transformers would drop lm_head.bias"):
+        normfold.save_pretrained(folded, tmp_path / "out", report=report, source_dir=neox_dir)
+    assert "embed_out.bias" in safetensors_torch.load_file(tmp_path / "out" / "model.safetensors")
+    reloaded = normfold.from_pretrained(tmp_path / "out")
+    assert torch.equal(reloaded.lm_head.bias, folded.lm_head.bias)
+    assert torch.allclose(_logits(original, inputs), _logits(reloaded, inputs), atol=1e-5)
+    assert normfold.hf.verify_folders(neox_dir, tmp_path / "out")["ok"]

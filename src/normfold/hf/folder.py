@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -200,7 +201,10 @@ def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code
                    else PlanConstraints(fold_affine=recipe.fold_affine))
     folded, report = fold_exactly(model, example_inputs_for(model), constraints)
     step("saving")
-    return save_pretrained(folded, out, dtype=dtype, source_dir=orig_dir if recipe.side_files else None, report=report)
+    with warnings.catch_warnings():  # what stock transformers would do differently was said when the folder was saved
+        warnings.simplefilter("ignore", UserWarning)
+        return save_pretrained(folded, out, dtype=dtype, source_dir=orig_dir if recipe.side_files else None,
+                               report=report)
 
 
 def write_report_files(report: dict[str, Any], out_dir: Path) -> dict[str, Any]:

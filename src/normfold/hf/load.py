@@ -7,6 +7,7 @@ import json
 import os
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -78,17 +79,35 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     ``ignore_mismatched_sizes``: tensors whose shape differs from the config's are left initialised
     (``normfold.from_pretrained`` then loads a sliced folder's resized tensors itself).
     """
+    return load_model_and_info(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
+                               ignore_mismatched_sizes=ignore_mismatched_sizes)[0]
+
+
+def load_model_and_info(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                        trust_remote_code: bool = False, ignore_mismatched_sizes: bool = False,
+                        quiet: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+    """:func:`load_model`, and what transformers says of the load, under the model's own names (after
+    the key renaming it applies on load: GPT-NeoX's ``embed_out`` is ``lm_head``, legacy ``gamma`` is
+    ``weight``): ``missing_keys`` (left initialised at random), ``unexpected_keys`` (in the weights,
+    taken by no parameter), ``mismatched_keys`` ((name, stored shape, model shape)). ``quiet``: without
+    transformers' own load report (the caller judges the load itself)."""
+    transformers = require("transformers")
     path = check_model_dir(model_dir)
     config = load_config(path, trust_remote_code=trust_remote_code)
     cls = model_class_for(config, trust_remote_code=trust_remote_code)
     _check_weight_files(path)
+    logging, verbosity = transformers.utils.logging, transformers.utils.logging.get_verbosity()
+    if quiet:
+        logging.set_verbosity_error()
     try:
-        model = cls.from_pretrained(path, config=config, local_files_only=True, trust_remote_code=trust_remote_code,
-                                    dtype=dtype, attn_implementation="eager",
-                                    ignore_mismatched_sizes=ignore_mismatched_sizes)
+        model, info = cls.from_pretrained(path, config=config, local_files_only=True, trust_remote_code=trust_remote_code,
+                                          dtype=dtype, attn_implementation="eager", output_loading_info=True,
+                                          ignore_mismatched_sizes=ignore_mismatched_sizes)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, NotImplementedError) as err:
         raise CheckpointError(f"could not load the weights in {path}: {_first_line(err)}") from err
-    return model.eval()
+    finally:
+        logging.set_verbosity(verbosity)
+    return model.eval(), info
 
 
 def _check_weight_files(path: Path) -> None:

@@ -21,18 +21,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fold.graph import parameter_aliases
 from ..fold.plan import PlanConstraints
 from ..fold.report import FoldReport
 from ..fold.transform import norm_like, untie_config
 from ..nn import RMSNorm
 from ..nn.resize import replace_parameter
-from .load import CheckpointError, _first_line, check_model_dir, load_model
+from .._deps import require
+from .load import CheckpointError, _first_line, check_model_dir, load_model_and_info
 from .output_dir import REPORT_JSON, atomic_output_dir
 from .recipe import Recipe
 from .report import folder_report, seal_problems, write_sealed_report
 from .side_files import copy_side_files
-from .weight_files import read_tensor, stored_shapes, stored_tensors, weight_source
+from .weight_files import read_tensor, stored_tensors, weight_source
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -267,13 +267,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
                               "from_pretrained if it was saved over by a stock model, or fold it again")
     layout = read_layout(report, path / REPORT_JSON)
     stored = stored_tensors(weight_source(path))
-    missing = [e["name"] for e in layout["extra_parameters"] + layout["resized"] if e["name"] not in stored]
-    if missing:
-        raise CheckpointError(f"{path / REPORT_JSON} lists parameters the weights in {path} do not hold: "
-                              f"{', '.join(missing)}")
-    # resized (sliced) tensors do not fit the class built from the config: loaded below, once it is built
-    model = load_model(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                       ignore_mismatched_sizes=bool(layout["resized"]))
+    # resized (sliced) tensors do not fit the class built from the config: loaded below, once it is built;
+    # transformers' own load report is not shown: what it would say is judged below (_check_load)
+    model, info = load_model_and_info(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                      ignore_mismatched_sizes=bool(layout["resized"]), quiet=True)
     try:
         for module_path in layout["identity"]:
             parent_path, _, attr = module_path.rpartition(".")
@@ -283,12 +280,16 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     except AttributeError as err:
         raise CheckpointError(f"{path / REPORT_JSON} names a module {type(model).__name__} does not have: "
                               f"{_first_line(err)}") from err
+    stored = {name: (stored[key], key) for name, key in _stored_names(model, layout).items() if key in stored}
+    missing = [e["name"] for e in layout["extra_parameters"] + layout["resized"] if e["name"] not in stored]
+    if missing:
+        raise CheckpointError(f"{path / REPORT_JSON} lists parameters the weights in {path} do not hold: "
+                              f"{', '.join(missing)}")
     for entry in layout["extra_parameters"]:
         _restore_parameter(model, entry, stored)
     for entry in layout["resized"]:
         _restore_resized(model, entry, stored)
-    _check_every_parameter_stored(model, stored, path)
-    _check_stored_shapes(model, stored, path)
+    _check_load(info, layout, path)
     return model
 
 
@@ -351,18 +352,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_stored_shapes(model: nn.Module, stored: Mapping[str, Path], path: Path) -> None:
-    """CheckpointError when a tensor of ``model`` has another shape than the one stored under its name:
-    loading with mismatched sizes allowed (a sliced folder's resized tensors) left it initialised at random."""
-    shapes = stored_shapes(stored)
-    wrong = [f"{name} {list(t.shape)} (stored {shapes[name]})" for name, t in model.state_dict().items()
-             if name in shapes and list(t.shape) != shapes[name]]
-    if wrong:
-        raise CheckpointError(f"the weights in {path} hold tensors of other shapes than the model built from its "
-                              f"report: {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}")
-
-
-def _restore_parameter(model: nn.Module, entry: Mapping[str, Any], stored: Mapping[str, Path]) -> None:
+def _restore_parameter(model: nn.Module, entry: Mapping[str, Any], stored: Mapping[str, tuple[Path, str]]) -> None:
     """Give ``model`` the parameter ``entry["name"]`` that its class lacks, with the stored values."""
     owner_path, _, attr = entry["name"].rpartition(".")
     try:
@@ -374,7 +364,7 @@ def _restore_parameter(model: nn.Module, entry: Mapping[str, Any], stored: Mappi
     owner.register_parameter(attr, nn.Parameter(value.to(device=like.device, dtype=like.dtype)))
 
 
-def _restore_resized(model: nn.Module, entry: Mapping[str, Any], stored: Mapping[str, Path]) -> None:
+def _restore_resized(model: nn.Module, entry: Mapping[str, Any], stored: Mapping[str, tuple[Path, str]]) -> None:
     """Give ``model``'s parameter ``entry["name"]`` the stored values of the recorded shape (a sliced
     stream), its layer's shape attributes following (:func:`normfold.nn.resize.replace_parameter`)."""
     try:
@@ -384,23 +374,45 @@ def _restore_resized(model: nn.Module, entry: Mapping[str, Any], stored: Mapping
     replace_parameter(model, old, _recorded_tensor(entry, stored).to(device=old.device, dtype=old.dtype))
 
 
-def _recorded_tensor(entry: Mapping[str, Any], stored: Mapping[str, Path]) -> torch.Tensor:
-    """The stored tensor ``entry["name"]``, CheckpointError unless it has the shape the report records."""
-    value = read_tensor(stored[entry["name"]], entry["name"])
+def _recorded_tensor(entry: Mapping[str, Any], stored: Mapping[str, tuple[Path, str]]) -> torch.Tensor:
+    """The stored tensor of parameter ``entry["name"]`` (``stored``: name -> (file, key it is stored
+    under)), CheckpointError unless it has the shape the report records."""
+    value = read_tensor(*stored[entry["name"]])
     if list(value.shape) != entry["shape"]:
         raise CheckpointError(f"{entry['name']}: the report says shape {entry['shape']}, the weights hold "
                               f"{list(value.shape)}")
     return value
 
 
-def _check_every_parameter_stored(model: nn.Module, stored: Mapping[str, Path], path: Path) -> None:
-    """CheckpointError when a parameter of ``model`` (under none of its tied names) is not in the weights."""
-    missing = sorted({names[0] for names in map(sorted, parameter_aliases(model).values())
-                      if not any(n in stored for n in names)})
+def _stored_names(model: nn.Module, layout: Mapping[str, Any]) -> dict[str, str]:
+    """The layout's created and resized parameters -> the names their tensors are stored under:
+    transformers renames some keys when it saves (GPT-NeoX's ``lm_head.`` is stored as ``embed_out.``)
+    and back when it loads, which the tensors normfold restores itself must follow."""
+    names = [e["name"] for e in (*layout["extra_parameters"], *layout["resized"])]
+    revert = getattr(require("transformers.core_model_loading"), "revert_weight_conversion", None)
+    if revert is None or not names:  # a transformers without key conversions stores every name as it is
+        return {name: name for name in names}
+    return {name: next(iter(revert(model, {name: torch.zeros(1)}))) for name in names}
+
+
+def _check_load(info: Mapping[str, Any], layout: Mapping[str, Any], path: Path) -> None:
+    """CheckpointError when transformers left a tensor of the model initialised at random: one the
+    weights lack (a norm precomputed away needs none, a created or resized parameter is restored from
+    the weights by name), or one stored in another shape than the model's (loading allows that for the
+    resized tensors of a sliced folder only). Names are the model's, after transformers' renaming."""
+    restored = {e["name"] for e in (*layout["extra_parameters"], *layout["resized"])}
+    rebuilt_away = tuple(f"{p}." for p in layout["identity"])
+    missing = sorted(k for k in info["missing_keys"] if k not in restored and not k.startswith(rebuilt_away))
     if missing:
         raise CheckpointError(f"the weights in {path} lack {len(missing)} tensor(s) the model needs: "
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (stock transformers "
                               "would initialise them at random)")
+    resized = {e["name"] for e in layout["resized"]}
+    wrong = [f"{name} {list(model_shape)} (stored {list(stored_shape)})"
+             for name, stored_shape, model_shape in sorted(info["mismatched_keys"]) if name not in resized]
+    if wrong:
+        raise CheckpointError(f"the weights in {path} hold tensors of other shapes than the model built from its "
+                              f"report: {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}")
 
 
 def swap_in_rmsnorm(model: nn.Module, entry: Mapping[str, Any]) -> None:

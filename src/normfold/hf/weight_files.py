@@ -131,19 +131,6 @@ def tensor_names(file: Path) -> list[str]:
         raise CheckpointError(f"corrupt weight file {file}: {_first_line(err)}") from err
 
 
-def stored_shapes(stored: dict[str, Path]) -> dict[str, list[int]]:
-    """Tensor name -> its stored shape, read from the headers (safetensors) or without the data (.bin)."""
-    shapes: dict[str, list[int]] = {}
-    for file in sorted(set(stored.values())):
-        if file.suffix == ".safetensors":
-            with require("safetensors").safe_open(file, framework="pt") as f:
-                shapes.update({k: list(f.get_slice(k).get_shape()) for k in f.keys()})
-        else:
-            shapes.update({k: list(t.shape) for k, t in torch.load(file, map_location="meta", weights_only=True,
-                                                                    mmap=True).items()})
-    return {name: shapes[name] for name in stored}
-
-
 def read_tensor(file: Path, name: str) -> torch.Tensor:
     """Tensor ``name`` of weight file ``file``, in its own memory."""
     if file.suffix == ".safetensors":
