@@ -15,6 +15,18 @@ from normfold.fuse.runtime import norm_from, pending_output
 from normfold.nn import RMSNorm
 
 
+def count_runs(*modules: nn.Module) -> list:
+    """A list that grows by one each time one of ``modules`` runs its forward (a fused call does not);
+    not a hook, since a hook on a fused norm sends its calls down the unfused path."""
+    calls = []
+    for module in modules:
+        def counted(*args, forward=module.forward, **kwargs):
+            calls.append(1)
+            return forward(*args, **kwargs)
+        module.forward = counted
+    return calls
+
+
 # ------------------------------------------------------------------------------ toy modules
 
 class ResidualBlock(nn.Module):
@@ -169,8 +181,7 @@ def test_observed_add_is_fused_and_a_branch_that_reassigns_falls_back_to_the_pla
     fused, report = fuse_residual_norms(block, (x,))
     assert [(p.parent, p.norm, p.add) for p in report.fused] == [("", "norm", "h = self.lin(x) + x")]
     assert report.verification.ok and report.verification.max_rel_error <= 1e-9
-    calls = []
-    fused.norm.register_forward_hook(lambda *_: calls.append(1))  # fires only when the module itself runs
+    calls = count_runs(fused.norm)  # counts only when the module itself runs
     with torch.no_grad():
         y, h = fused(x)
         assert calls == []  # fused call: the norm module was bypassed
@@ -238,8 +249,7 @@ def test_inline_add_into_a_torch_layer_norm_is_fused_and_bypasses_the_module():
     fused, report = fuse_residual_norms(block, (x,))
     assert [(p.norm, p.add) for p in report.fused] == [("norm", "self.norm(self.lin(x) + (x if self.shift is None else self.shift))")]
     assert report.skipped == {} and report.verification.max_rel_error <= 1e-9
-    calls = []
-    fused.norm.register_forward_hook(lambda *_: calls.append(1))
+    calls = count_runs(fused.norm)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-5)
     assert calls == []
@@ -268,8 +278,7 @@ def test_a_sum_reshaped_to_rows_is_fused_and_a_slice_falls_back_exactly():
     x = _x(2, 3, 8)
     fused, report = fuse_residual_norms(block, (x,))
     assert [p.norm for p in report.fused] == ["norm"] and report.verification.ok
-    calls = []
-    fused.norm.register_forward_hook(lambda *_: calls.append(1))
+    calls = count_runs(fused.norm)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), block(x), rtol=1e-6, atol=1e-6)
         assert calls == []  # the view of the sum took the fused output
@@ -337,9 +346,7 @@ def test_the_add_ending_one_block_is_fused_into_the_norm_starting_the_next():
     assert {(p.parent, p.norm) for p in report.fused} == {
         ("blocks.0", "blocks.1.norm"), ("blocks.1", "blocks.2.norm"), ("blocks.2", "norm_f")}
     assert list(report.skipped) == ["blocks.0.norm"]  # its input is the model's input, no add
-    calls = []
-    for name in ("blocks.1.norm", "norm_f"):
-        fused.get_submodule(name).register_forward_hook(lambda *_: calls.append(1))
+    calls = count_runs(fused.get_submodule("blocks.1.norm"), fused.norm_f)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), stack(x), rtol=1e-5, atol=1e-5)
     assert calls == []  # both norms got the output computed with the add
@@ -410,6 +417,21 @@ def test_a_wrong_fused_op_fails_the_verify_gate(monkeypatch):
         return norm(h) * 1.001, h
     monkeypatch.setattr(rewrite, "add_norm", wrong)  # what the generated forward calls
     with pytest.raises(FoldVerificationError, match="fused model differs"):
+        fuse_residual_norms(ResidualBlock().eval(), (_x(2, 8),))
+
+
+def test_the_float64_check_runs_the_fused_path_not_the_unfused_one(monkeypatch):
+    # a hook on a norm sends its calls down the unfused path: the check must put none there, or it
+    # would compare the unfused model with itself. This op is wrong only in float64, where it is checked
+    real = rewrite.add_norm
+
+    def wrong_in_float64(norm, a, b):
+        y, h = real(norm, a, b)
+        return (y * 1.001 if y is not None and y.dtype == torch.float64 else y), h
+
+    monkeypatch.setattr(rewrite, "add_norm", wrong_in_float64)
+    torch.manual_seed(0)
+    with pytest.raises(FoldVerificationError, match="fused model differs .*float64 max relative error"):
         fuse_residual_norms(ResidualBlock().eval(), (_x(2, 8),))
 
 
