@@ -420,6 +420,35 @@ def test_a_wrong_fused_op_fails_the_verify_gate(monkeypatch):
         fuse_residual_norms(ResidualBlock().eval(), (_x(2, 8),))
 
 
+def test_a_fused_model_wrong_only_in_its_own_dtype_is_refused(monkeypatch):
+    # the float64 check runs a float64 copy, where this fused op is exact; the model returned runs in
+    # float32, where it rounds the norm's output to bfloat16: before, only the float64 copy was judged
+    real = rewrite.add_norm
+
+    def rounded_in_float32(norm, a, b):
+        y, h = real(norm, a, b)
+        return (y if y is None or y.dtype == torch.float64 else y.to(torch.bfloat16).to(y.dtype)), h
+
+    monkeypatch.setattr(rewrite, "add_norm", rounded_in_float32)
+    torch.manual_seed(0)
+    with pytest.raises(FoldVerificationError, match="fused model differs .* the returned model in float32: error"):
+        fuse_residual_norms(ResidualBlock().eval(), (_x(2, 8),))
+
+
+class EmptyOutput(ResidualBlock):
+    """Fusable, but returns no element to compare."""
+
+    def forward(self, x):
+        h = self.lin(x) + x
+        return self.norm(h)[:0]
+
+
+def test_a_fused_model_compared_on_nothing_is_refused_for_that_reason():
+    # before: "float64 max relative error 0.000e+00 > 1e-09" (the reason was not read)
+    with pytest.raises(FoldVerificationError, match="fused model differs from the unfused one: compared nothing"):
+        fuse_residual_norms(EmptyOutput().eval(), (_x(2, 8),))
+
+
 def test_the_float64_check_runs_the_fused_path_not_the_unfused_one(monkeypatch):
     # a hook on a norm sends its calls down the unfused path: the check must put none there, or it
     # would compare the unfused model with itself. This op is wrong only in float64, where it is checked
