@@ -420,21 +420,6 @@ def test_a_wrong_fused_op_fails_the_verify_gate(monkeypatch):
         fuse_residual_norms(ResidualBlock().eval(), (_x(2, 8),))
 
 
-def test_a_fused_model_wrong_only_in_its_own_dtype_is_refused(monkeypatch):
-    # the float64 check runs a float64 copy, where this fused op is exact; the model returned runs in
-    # float32, where it rounds the norm's output to bfloat16: before, only the float64 copy was judged
-    real = rewrite.add_norm
-
-    def rounded_in_float32(norm, a, b):
-        y, h = real(norm, a, b)
-        return (y if y is None or y.dtype == torch.float64 else y.to(torch.bfloat16).to(y.dtype)), h
-
-    monkeypatch.setattr(rewrite, "add_norm", rounded_in_float32)
-    torch.manual_seed(0)
-    with pytest.raises(FoldVerificationError, match="fused model differs .* the returned model in float32: error"):
-        fuse_residual_norms(ResidualBlock().eval(), (_x(2, 8),))
-
-
 class EmptyOutput(ResidualBlock):
     """Fusable, but returns no element to compare."""
 
@@ -449,18 +434,23 @@ def test_a_fused_model_compared_on_nothing_is_refused_for_that_reason():
         fuse_residual_norms(EmptyOutput().eval(), (_x(2, 8),))
 
 
-def test_the_float64_check_runs_the_fused_path_not_the_unfused_one(monkeypatch):
-    # a hook on a norm sends its calls down the unfused path: the check must put none there, or it
-    # would compare the unfused model with itself. This op is wrong only in float64, where it is checked
+@pytest.mark.parametrize("wrong_in, judged", [
+    (torch.float64, "float64 max relative error"),          # the float64 check runs the fused path, hook-free
+    (torch.float32, "the returned model in float32: error"),  # the model as returned, in its own dtype
+], ids=["float64", "float32"])
+def test_a_fused_op_wrong_in_only_one_dtype_is_refused(monkeypatch, wrong_in, judged):
+    # float64: a hook on a norm sends its calls down the unfused path, so a check that watched the norms
+    # with hooks would compare the unfused model with itself. float32: before, only the float64 copy was
+    # judged, and a fused model wrong in the dtype it is returned in came back
     real = rewrite.add_norm
 
-    def wrong_in_float64(norm, a, b):
+    def rounded_in(norm, a, b):
         y, h = real(norm, a, b)
-        return (y * 1.001 if y is not None and y.dtype == torch.float64 else y), h
+        return (y.to(torch.bfloat16).to(y.dtype) if y is not None and y.dtype == wrong_in else y), h
 
-    monkeypatch.setattr(rewrite, "add_norm", wrong_in_float64)
+    monkeypatch.setattr(rewrite, "add_norm", rounded_in)
     torch.manual_seed(0)
-    with pytest.raises(FoldVerificationError, match="fused model differs .*float64 max relative error"):
+    with pytest.raises(FoldVerificationError, match=f"fused model differs from the unfused one: .*{judged}"):
         fuse_residual_norms(ResidualBlock().eval(), (_x(2, 8),))
 
 
