@@ -28,11 +28,10 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .fold import FoldReport, FoldVerificationError
+from .fold import FoldReport
 from .fold import fold as exact_fold
 from .fold.graph import check_model_and_inputs
-from .fold.pipeline import failure
-from .fold.verify import FOLD_TOLERANCE
+from .fold.verify import FOLD_TOLERANCE, prove_or_raise
 from .fold.verify import verify as verify_models
 from .fuse import fuse_residual_norms
 from .lab._common import as_batches
@@ -166,9 +165,8 @@ def _fuse(folded: nn.Module, calls: list, config: FuseConfig):
     fused, report = fuse_residual_norms(folded, calls[0], norm_paths=config.norm_paths,
                                         layer_norms=config.layer_norms, inplace=True, verify=config.verify)
     if unfused is not None:
-        result = verify_models(unfused, fused, calls[1:], tolerance=FOLD_TOLERANCE)
-        if not result.ok:
-            raise FoldVerificationError(f"fused model differs from the unfused one: {failure(result)}")
+        prove_or_raise(verify_models(unfused, fused, calls[1:], tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
+                                     judge_model_dtype=True), "fused model differs from the unfused one")
     return fused, report
 
 
@@ -178,10 +176,11 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     """Return ``(folded_copy, report)``: foldable LayerNorms become RMSNorms, outputs unchanged.
 
     With ``verify=True`` the plan is also applied to a float64 copy and compared with ``model`` in
-    float64 (so the transform is judged, not the final rounding to the model's dtype, which is
-    reported separately), on every example call; ``FoldVerificationError`` is raised (nothing
-    returned) if the relative error exceeds ``FOLD_TOLERANCE`` (1e-9) or the outputs cannot be
-    compared (none, or of different structure). ``report.verification`` holds the numbers.
+    float64 (the transform, judged at ``FOLD_TOLERANCE``, 1e-9), and the returned model is run in its
+    own dtype and judged against the original's own error there, on every example call;
+    ``FoldVerificationError`` is raised (nothing returned) when either fails or the outputs cannot be
+    compared (none, or of different structure), and ``FoldError`` before that when the plan
+    overflows the model's dtype (naming the tensor). ``report.verification`` holds the numbers.
     ``example_inputs`` as for :func:`normfold.analyze` (one call, or a list of calls: only what is
     exact for all of them folds).
 

@@ -1,5 +1,6 @@
 """verify(): it compares every output leaf, fails when it compares nothing or different structures,
-and judges rounded weights against a tolerance measured from the original's own error."""
+judges rounded weights against a tolerance measured from the original's own error, and measures each
+output elementwise so that no value (a mask's finfo.min, inf, nan) hides another's error."""
 from __future__ import annotations
 
 import copy
@@ -9,11 +10,13 @@ from collections import namedtuple
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import normfold
 from normfold.fold import FoldVerificationError
-from normfold.fold.verify import OWN_ERROR_MULTIPLE, flatten_outputs, measured_tolerance
+from normfold.fold.verify import OWN_ERROR_MULTIPLE, flatten_outputs, measured_tolerance, output_error
 
 C = 8
 
@@ -194,3 +197,112 @@ def test_the_fold_copies_the_model_twice_its_own_copy_and_one_float64_copy_for_t
     monkeypatch.setattr(copy, "deepcopy", counting)
     _, report = normfold.fold(model, _x())
     assert report.verification.ok and sum(copies) == 2
+
+
+# ------------------------------------------------------------------------------ the metric: nothing hides an error
+
+class Masked(nn.Module):
+    """Logits with their last column masked by ``masked_fill(finfo.min)`` (an action mask, padding)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.ln, self.head = nn.Linear(C, C), nn.LayerNorm(C), nn.Linear(C, C)
+
+    def forward(self, x):
+        logits = self.head(self.ln(self.fc(x)))
+        mask = torch.zeros(C, dtype=torch.bool, device=x.device)
+        mask[-1] = True
+        return logits.masked_fill(mask, torch.finfo(logits.dtype).min)
+
+
+def _wrong_head(model: nn.Module) -> nn.Module:
+    wrong = copy.deepcopy(model)
+    with torch.no_grad():
+        wrong.head.weight.mul_(3.0)
+        wrong.head.bias.add_(10.0)
+    return wrong
+
+
+@pytest.mark.parametrize("judged", [{}, {"stored_dtype": torch.bfloat16}], ids=["float64 bound", "measured bound"])
+def test_a_masked_fill_min_column_does_not_hide_a_wrong_head_and_the_worst_element_is_named(judged):
+    # before: errors were relative to the largest output, finfo.min: max_rel 7e-308, ok=True (and the
+    # own error of the measured bound ~1, so that bound passed anything)
+    model = Masked()
+    result = normfold.verify(model, _wrong_head(model), _x(), **judged)
+    assert not result.ok and result.why is None and result.max_rel_error > 1.0
+    worst = result.worst
+    assert worst.output == "out" and len(worst.index) == 2 and worst.index[1] != C - 1  # not the masked column
+    assert abs(worst.folded - worst.original) > 1.0 and f"out[{worst.index[0]}, {worst.index[1]}]" in str(result)
+    if worst.input == 0:  # the example call: the value is the original's output there
+        assert worst.original == pytest.approx(model(*_x())[tuple(worst.index)].item(), abs=1e-5)
+
+
+def test_a_correct_fold_of_a_model_with_a_masked_column_still_passes():
+    model = Masked()
+    folded, report = normfold.fold(model, _x())
+    assert report.verification.ok and report.num_foldable == 1 and report.verification.max_rel_error <= 1e-12
+    rounded = normfold.verify(model, _rounded(folded, torch.bfloat16), _x(), stored_dtype=torch.bfloat16)
+    assert rounded.ok and 0 < rounded.stored_dtype_own_error < 0.1
+
+
+SPECIALS = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan"), "finfo.min": "min", "finfo.max": "max"}
+
+
+def _with(value, row: int):
+    """An output function putting ``value`` (a number, or "min"/"max" of the output's finfo) at [row, 0]."""
+    def put(h):
+        fill = torch.finfo(h.dtype).min if value == "min" else torch.finfo(h.dtype).max if value == "max" else value
+        h = h.clone()
+        h[row, 0] = fill
+        return h
+    return put
+
+
+def _returning(model: Returns, value) -> Returns:
+    """``model``'s weights, returning ``value(lin(x))``."""
+    other = copy.deepcopy(model)
+    other.value = value
+    return other
+
+
+@pytest.mark.parametrize("special", SPECIALS)
+def test_inf_nan_and_finfo_extremes_must_sit_in_the_same_places_with_the_same_kind(special):
+    value = SPECIALS[special]
+    original = Returns(_with(value, 0))
+    same = normfold.verify(original, _returning(original, _with(value, 0)), _x())
+    assert same.ok, same  # the same kind in the same place, even where values are not comparable (nan, finfo.min)
+    moved = normfold.verify(original, _returning(original, _with(value, 1)), _x())
+    assert not moved.ok and moved.max_rel_error == float("inf") and moved.worst.index == [0, 0]
+    finite = normfold.verify(original, _returning(original, lambda h: h), _x())
+    assert not finite.ok and finite.worst.index == [0, 0]
+
+
+def test_a_mask_in_float16_finfo_min_matches_one_in_float64_but_not_a_finite_value():
+    ref = torch.tensor([1.0, torch.finfo(torch.float64).min, 2.0], dtype=torch.float64)
+    half = torch.tensor([1.0, torch.finfo(torch.float16).min, 2.0], dtype=torch.float16)
+    assert output_error(ref, half).error < 1e-3  # both are a mask: the kind matches
+    assert output_error(ref, half.double()).error == float("inf")  # -65504 in float64 is an ordinary number
+    assert output_error(ref, half.double(), out_dtype=torch.float16).error < 1e-3  # unless said where it came from
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 6), cols=st.integers(2, 9), masked=st.floats(0.0, 0.5), scale=st.floats(1e-3, 1e3),
+       step=st.floats(1e-7, 1e2), seed=st.integers(0, 2 ** 16))
+def test_output_error_finds_a_single_changed_element_whatever_else_the_output_holds(rows, cols, masked, scale, step,
+                                                                                     seed):
+    """One element moved by step·(typical + |a|) gives an error of about step, at that element, however
+    large or masked the other elements are; an unchanged output gives 0."""
+    generator = torch.Generator().manual_seed(seed)
+    a = scale * torch.randn(rows, cols, generator=generator, dtype=torch.float64)
+    mask = torch.rand(rows, cols, generator=generator) < masked
+    mask.view(-1)[0] = False  # at least one ordinary element
+    a[mask] = torch.finfo(torch.float64).min
+    ordinary = (~mask).view(-1).nonzero().view(-1)
+    where = int(ordinary[torch.randint(len(ordinary), (1,), generator=generator)])
+    typical = a.view(-1)[ordinary].abs().median().item() or 1.0
+    b = a.clone()
+    b.view(-1)[where] += step * (typical + abs(a.view(-1)[where].item()))
+    assert output_error(a, a).error == 0.0
+    found = output_error(a, b)
+    assert found.error == pytest.approx(step, rel=1e-6) and found.index == divmod(where, cols)

@@ -15,6 +15,18 @@ from normfold.fuse.runtime import norm_from, pending_output
 from normfold.nn import RMSNorm
 
 
+def count_runs(*modules: nn.Module) -> list:
+    """A list that grows by one each time one of ``modules`` runs its forward (a fused call does not);
+    not a hook, since a hook on a fused norm sends its calls down the unfused path."""
+    calls = []
+    for module in modules:
+        def counted(*args, forward=module.forward, **kwargs):
+            calls.append(1)
+            return forward(*args, **kwargs)
+        module.forward = counted
+    return calls
+
+
 # ------------------------------------------------------------------------------ toy modules
 
 class ResidualBlock(nn.Module):
@@ -169,8 +181,7 @@ def test_observed_add_is_fused_and_a_branch_that_reassigns_falls_back_to_the_pla
     fused, report = fuse_residual_norms(block, (x,))
     assert [(p.parent, p.norm, p.add) for p in report.fused] == [("", "norm", "h = self.lin(x) + x")]
     assert report.verification.ok and report.verification.max_rel_error <= 1e-9
-    calls = []
-    fused.norm.register_forward_hook(lambda *_: calls.append(1))  # fires only when the module itself runs
+    calls = count_runs(fused.norm)  # counts only when the module itself runs
     with torch.no_grad():
         y, h = fused(x)
         assert calls == []  # fused call: the norm module was bypassed
@@ -238,8 +249,7 @@ def test_inline_add_into_a_torch_layer_norm_is_fused_and_bypasses_the_module():
     fused, report = fuse_residual_norms(block, (x,))
     assert [(p.norm, p.add) for p in report.fused] == [("norm", "self.norm(self.lin(x) + (x if self.shift is None else self.shift))")]
     assert report.skipped == {} and report.verification.max_rel_error <= 1e-9
-    calls = []
-    fused.norm.register_forward_hook(lambda *_: calls.append(1))
+    calls = count_runs(fused.norm)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), block(x), rtol=1e-5, atol=1e-5)
     assert calls == []
@@ -268,8 +278,7 @@ def test_a_sum_reshaped_to_rows_is_fused_and_a_slice_falls_back_exactly():
     x = _x(2, 3, 8)
     fused, report = fuse_residual_norms(block, (x,))
     assert [p.norm for p in report.fused] == ["norm"] and report.verification.ok
-    calls = []
-    fused.norm.register_forward_hook(lambda *_: calls.append(1))
+    calls = count_runs(fused.norm)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), block(x), rtol=1e-6, atol=1e-6)
         assert calls == []  # the view of the sum took the fused output
@@ -337,9 +346,7 @@ def test_the_add_ending_one_block_is_fused_into_the_norm_starting_the_next():
     assert {(p.parent, p.norm) for p in report.fused} == {
         ("blocks.0", "blocks.1.norm"), ("blocks.1", "blocks.2.norm"), ("blocks.2", "norm_f")}
     assert list(report.skipped) == ["blocks.0.norm"]  # its input is the model's input, no add
-    calls = []
-    for name in ("blocks.1.norm", "norm_f"):
-        fused.get_submodule(name).register_forward_hook(lambda *_: calls.append(1))
+    calls = count_runs(fused.get_submodule("blocks.1.norm"), fused.norm_f)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), stack(x), rtol=1e-5, atol=1e-5)
     assert calls == []  # both norms got the output computed with the add
@@ -410,6 +417,40 @@ def test_a_wrong_fused_op_fails_the_verify_gate(monkeypatch):
         return norm(h) * 1.001, h
     monkeypatch.setattr(rewrite, "add_norm", wrong)  # what the generated forward calls
     with pytest.raises(FoldVerificationError, match="fused model differs"):
+        fuse_residual_norms(ResidualBlock().eval(), (_x(2, 8),))
+
+
+class EmptyOutput(ResidualBlock):
+    """Fusable, but returns no element to compare."""
+
+    def forward(self, x):
+        h = self.lin(x) + x
+        return self.norm(h)[:0]
+
+
+def test_a_fused_model_compared_on_nothing_is_refused_for_that_reason():
+    # before: "float64 max relative error 0.000e+00 > 1e-09" (the reason was not read)
+    with pytest.raises(FoldVerificationError, match="fused model differs from the unfused one: compared nothing"):
+        fuse_residual_norms(EmptyOutput().eval(), (_x(2, 8),))
+
+
+@pytest.mark.parametrize("wrong_in, judged", [
+    (torch.float64, "float64 max relative error"),          # the float64 check runs the fused path, hook-free
+    (torch.float32, "the returned model in float32: error"),  # the model as returned, in its own dtype
+], ids=["float64", "float32"])
+def test_a_fused_op_wrong_in_only_one_dtype_is_refused(monkeypatch, wrong_in, judged):
+    # float64: a hook on a norm sends its calls down the unfused path, so a check that watched the norms
+    # with hooks would compare the unfused model with itself. float32: before, only the float64 copy was
+    # judged, and a fused model wrong in the dtype it is returned in came back
+    real = rewrite.add_norm
+
+    def rounded_in(norm, a, b):
+        y, h = real(norm, a, b)
+        return (y.to(torch.bfloat16).to(y.dtype) if y is not None and y.dtype == wrong_in else y), h
+
+    monkeypatch.setattr(rewrite, "add_norm", rounded_in)
+    torch.manual_seed(0)
+    with pytest.raises(FoldVerificationError, match=f"fused model differs from the unfused one: .*{judged}"):
         fuse_residual_norms(ResidualBlock().eval(), (_x(2, 8),))
 
 

@@ -15,7 +15,7 @@ from torch import nn
 
 from normfold.fuse import fuse_residual_norms
 from normfold.nn import RMSNorm
-from test_fuse import PreNormStack
+from test_fuse import PostNormBlock, PreNormStack, ResidualBlock, count_runs
 
 FLOAT64_TOL = dict(rtol=1e-10, atol=1e-10)  # a stale norm is off by ~0.3; fused vs unfused float64 ~1e-15
 
@@ -63,7 +63,7 @@ def _toy(cls):
     torch.manual_seed(0)
     model = cls().double().eval()
     for m in model.modules():
-        if isinstance(m, RMSNorm):
+        if isinstance(m, RMSNorm) and m.weight is not None:
             nn.init.normal_(m.weight)
     return model
 
@@ -103,6 +103,67 @@ def test_a_caller_changing_a_handed_on_sum_stays_exact_eager_compiled_and_in_inf
         torch.testing.assert_close(_compiled(fused, "aot_eager")(x), expected, **FLOAT64_TOL)
     with torch.inference_mode():
         torch.testing.assert_close(fused(x), model(x), **FLOAT64_TOL)
+
+
+# ------------------------------------------------------------------------------ hooks added after fusing
+
+def _hooked(model: nn.Module, paths: list[str]) -> list:
+    """Hooks on the norms at ``paths``: a pre-hook doubling the input (so a skipped one changes the
+    output) and a forward hook recording each call; returns the record."""
+    seen = []
+    for path in paths:
+        norm = model.get_submodule(path)
+        norm.register_forward_pre_hook(lambda module, args: (2 * args[0],))
+        norm.register_forward_hook(lambda module, args, output, path=path: seen.append(path))
+    return seen
+
+
+RUNS = {"eager": lambda m, x: m(x), "compiled": lambda m, x: _compiled(m, "aot_eager")(x)}
+
+
+@pytest.mark.parametrize("cls", [ResidualBlock, PostNormBlock, PreNormStack],
+                         ids=["pair in one forward", "add inside the call", "add handed to the next module"])
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_hooks_registered_on_fused_norms_after_fusing_run_as_on_the_unfused_model(cls, run, inference):
+    # before: a fused call bypassed the norm module, and with it every hook registered after fusing
+    model, x = _toy(cls), _x()
+    fused, report = fuse_residual_norms(model, (x,))
+    paths = [pair.norm for pair in report.fused]
+    assert paths
+    seen, expected_seen = _hooked(fused, paths), _hooked(model, paths)
+    with torch.inference_mode() if inference else torch.no_grad():
+        expected = model(x)
+        got = RUNS[run](fused, x)
+    torch.testing.assert_close(got, expected, **FLOAT64_TOL)
+    assert sorted(seen) == sorted(expected_seen) and set(seen) == set(paths)
+
+
+def test_a_fused_norm_takes_the_fused_path_again_once_its_hook_is_removed():
+    model, x = _toy(ResidualBlock), _x()
+    fused, _ = fuse_residual_norms(model, (x,))
+    runs = count_runs(fused.norm)
+    handle = fused.norm.register_forward_hook(lambda *_: None)
+    with torch.no_grad():
+        fused(x)
+        assert runs == [1]  # the hook's module ran
+        handle.remove()
+        torch.testing.assert_close(fused(x), model(x), **FLOAT64_TOL)
+    assert runs == [1]  # fused again: the module did not run
+
+
+def test_a_global_module_hook_runs_on_fused_norms():
+    model, x = _toy(PreNormStack), _x()
+    fused, report = fuse_residual_norms(model, (x,))
+    seen = []
+    handle = nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: seen.append(module) if isinstance(module, RMSNorm) else None)
+    try:
+        with torch.no_grad():
+            fused(x)
+    finally:
+        handle.remove()
+    assert {id(fused.get_submodule(pair.norm)) for pair in report.fused} <= {id(m) for m in seen}
 
 
 @pytest.mark.slow
@@ -155,8 +216,7 @@ def test_fused_models_match_the_unfused_ones_under_bf16_autocast_in_inference_mo
     x = _x().float().repeat(1, 1, 2)  # (2, 3, 16)
     fused, report = fuse_residual_norms(model, (x,))
     assert len(report.fused) == 1
-    calls = []
-    fused.ln.register_forward_hook(lambda *_: calls.append(1))
+    calls = count_runs(fused.ln)
     with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
         (y, h), (y_ref, h_ref) = fused(x), model(x)
     assert y.dtype == torch.bfloat16 and calls == []  # the fused op ran, on bfloat16 operands

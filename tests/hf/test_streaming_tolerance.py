@@ -84,7 +84,8 @@ def test_a_correct_streamed_fold_passes_each_pieces_tolerance_measured_in_its_st
     for piece in pieces:
         assert piece["ok"] and piece["own_error"] > 0 and dtype in piece["tolerance_rule"], piece
         assert piece["tolerance"] == pytest.approx(OWN_ERROR_MULTIPLE * piece["own_error"] + unit_roundoff)
-        assert piece["max_rel_error"] < piece["tolerance"] / 2, piece  # margin: measured 0.14-0.9x the own error
+        # margin: the shells measured 0.41-1.34x their own error with the elementwise metric (0.14-0.9x relative to the max)
+        assert piece["max_rel_error"] < 0.75 * piece["tolerance"], piece
     assert ver["tolerance"] == min(p["tolerance"] for p in pieces)
     assert "closest to its bound" in ver["tolerance_rule"]
 

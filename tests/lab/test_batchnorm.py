@@ -89,3 +89,22 @@ def test_transposed_conv_is_refused():
     model = _trained(nn.Sequential(nn.ConvTranspose2d(3, 4, 3), nn.BatchNorm2d(4)), (2, 3, 5, 5))
     _, entries = fold_batchnorms(model, (torch.randn(2, 3, 5, 5),))
     assert not entries[0].folded
+
+
+def test_a_wrong_batchnorm_fold_raises_the_one_proof_error_with_its_reason(monkeypatch):
+    # before: a ValueError, unlike every other failed proof (issue 34: one prove-or-raise)
+    from normfold.fold import FoldVerificationError
+    from normfold.lab import batchnorm
+
+    real = batchnorm.apply_plan
+
+    def scaled(model, plan):
+        real(model, plan)
+        with torch.no_grad():
+            model[0].weight.mul_(1.1)
+        return model
+
+    monkeypatch.setattr(batchnorm, "apply_plan", scaled)
+    model = _trained(nn.Sequential(nn.Linear(6, 5), nn.BatchNorm1d(5)), (8, 6))
+    with pytest.raises(FoldVerificationError, match="BatchNorm folding changed the outputs: float64 max relative error"):
+        fold_batchnorms(model, (torch.randn(8, 6),))

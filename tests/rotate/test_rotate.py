@@ -177,6 +177,23 @@ def test_a_float32_model_comes_back_in_float32_proved_in_float64(zoo):
     assert report.verification.model_dtype_max_rel_error < 1e-4
 
 
+def test_a_rotation_wrong_only_in_the_models_dtype_is_refused(zoo, monkeypatch):
+    # the float64 proof judges the rotation built in float64, exact here; the model returned is rotated
+    # in float32 and rounded to bfloat16 on the way: before, that model came back, "proved"
+    from normfold.rotate import apply
+
+    exact = apply.rotate_along
+
+    def rounded_unless_float64(t, dim, q, scale=1.0):
+        out = exact(t, dim, q, scale)
+        return out if out.dtype == torch.float64 else out.to(torch.bfloat16).to(out.dtype)
+
+    monkeypatch.setattr(apply, "rotate_along", rounded_unless_float64)
+    with pytest.raises(normfold.FoldVerificationError,
+                       match="rotated model differs from the original: the returned model in float32: error"):
+        normfold.rotate(zoo.model("gpt2", torch.float32), zoo.inputs("gpt2", 0))
+
+
 # ------------------------------------------------------------------------------ refusals
 
 @pytest.mark.parametrize("name, blocker", [

@@ -48,11 +48,12 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
 
     The engine's exact fold (``normfold.fold``, the function, adds fusion and the approximate fold
     on top: ``normfold.convert``). With ``verify=True`` the plan is also applied to a float64 copy
-    and compared with ``model`` in float64 (so the transform is judged, not the final rounding to
-    the model's dtype, which is reported separately), on every example call;
-    ``FoldVerificationError`` is raised (nothing returned) if the relative error exceeds
-    ``FOLD_TOLERANCE`` (1e-9) or the outputs cannot be compared (none, or of different structure).
-    ``report.verification`` holds the numbers. ``example_inputs`` as for :func:`analyze` (one call,
+    and compared with ``model`` in float64 (the transform, judged at ``FOLD_TOLERANCE``, 1e-9), and
+    the returned model is run in its own dtype and judged against the original's own error there
+    (``report.verification.model_dtype_check``), on every example call; ``FoldVerificationError`` is
+    raised (nothing returned) when either fails or the outputs cannot be compared (none, or of
+    different structure). A plan that overflows the model's dtype is refused first (``FoldError``
+    naming the tensor). ``report.verification`` holds the numbers. ``example_inputs`` as for :func:`analyze` (one call,
     or a list of calls: only what is exact for all of them folds).
     """
     check_model_and_inputs(model, example_inputs)  # TypeError before any work

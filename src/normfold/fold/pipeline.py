@@ -6,9 +6,11 @@ the streaming fold of sharded checkpoints all run these functions.
     report.verification = prove_fold(model, folded, calls, report.plan)   # float64, FOLD_TOLERANCE
 
 :func:`fold_exactly` runs the three and raises ``FoldVerificationError`` (returning nothing) when
-the proof fails. What a caller's checkpoint can load (no new parameters outside its keys, every
-module kept) is a :class:`~normfold.fold.plan.PlanConstraints` given to the planning, never an
-edit of the plan afterwards.
+the proof fails; applying refuses a plan that overflows the model's dtype (``FoldError`` naming the
+tensor), and the proof judges the returned model in its own dtype besides the float64 transform.
+What a caller's checkpoint can load (no new parameters outside its keys, every module kept) is a
+:class:`~normfold.fold.plan.PlanConstraints` given to the planning, never an edit of the plan
+afterwards.
 """
 from __future__ import annotations
 
@@ -20,12 +22,13 @@ from torch import nn
 
 from .analysis import analyze_calls
 from .batchnorm import has_batchnorms, plan_batchnorms
-from .errors import FoldVerificationError, failures_as_fold_error, model_name
+from .errors import FoldError, failures_as_fold_error, model_name
 from .graph import capture, check_model_and_inputs, describe_call, split_example_inputs
-from .plan import FoldPlan, PlanConstraints
+from .plan import (AffineFoldStep, BatchNormFoldStep, CenterStep, FoldPlan, LayerScaleStep, PlanConstraints,
+                   PrecomputeStep)
 from .report import FoldReport, VerifyResult
 from . import transform  # looked up at call time: tests substitute a broken apply_plan
-from .verify import FOLD_TOLERANCE, verify
+from .verify import FOLD_TOLERANCE, dtype_name, prove_or_raise, verify
 
 
 def plan_fold(model: nn.Module, example_inputs, constraints: PlanConstraints = PlanConstraints()) -> FoldReport:
@@ -59,39 +62,98 @@ def _dropping_module(step):
 
 
 def apply_fold(model: nn.Module, plan: FoldPlan) -> nn.Module:
-    """A copy of ``model`` with ``plan`` applied (the original is untouched)."""
+    """A copy of ``model`` with ``plan`` applied (the original is untouched); ``FoldError`` naming the
+    tensor when the plan, carried out in the model's dtype, overflows it (:func:`refuse_overflow`)."""
     with failures_as_fold_error(model_name(model), "applying the plan"):
-        return transform.apply_plan(copy.deepcopy(model), plan)
+        folded = transform.apply_plan(copy.deepcopy(model), plan)
+    refuse_overflow(model, folded, plan)
+    return folded
+
+
+def refuse_overflow(model: nn.Module, folded: nn.Module, plan: FoldPlan) -> None:
+    """``FoldError`` when a floating parameter or buffer of ``folded`` holds inf/nan where ``model``'s
+    tensor of that name is finite (a tensor the plan created: where every tensor its steps read is),
+    naming the tensor, the steps that wrote it, its largest value in float64 and what to do instead:
+    a model stored in float16 cannot hold γ·W beyond 65504."""
+    before = dict(_floating_tensors(model))
+    for name, tensor in _floating_tensors(folded):
+        broken = ~torch.isfinite(tensor)
+        if not broken.any():
+            continue
+        old = before.get(name)
+        if old is not None and old.shape == tensor.shape:
+            if not (broken & torch.isfinite(old)).any():
+                continue  # inf/nan the original already held there
+        elif not all(torch.isfinite(before[source]).all() for step in _steps_writing(plan, name)
+                     for source in _step_reads(step) if source in before):
+            continue
+        raise FoldError(f"{model_name(model)}: {_overflow_message(model, plan, name, tensor.dtype)}")
+
+
+def _overflow_message(model: nn.Module, plan: FoldPlan, name: str, dtype: torch.dtype) -> str:
+    """``<name> overflows <dtype> after <the steps> (max |value| <in float64> > <finfo.max>): <what to do>``."""
+    exact = dict(_floating_tensors(transform.apply_plan(copy.deepcopy(model).double(), plan)))
+    largest = exact[name].abs().max().item() if name in exact else float("nan")
+    steps = _steps_writing(plan, name)
+    done = " and ".join(_WRITES[type(step)][1](step) for step in steps) or "applying the plan"
+    options = sorted({_WRITES[type(step)][2] for step in steps} - {None})
+    instead = "fold in float32 (model.float())" + "".join(f" or with {option}=False" for option in options)
+    return (f"{name} overflows {dtype_name(dtype)} after {done} (max |value| {largest:.3g} > "
+            f"{torch.finfo(dtype).max:g}): {instead}")
+
+
+def _floating_tensors(model: nn.Module):
+    """(name, tensor) of every floating parameter and buffer, tied names included."""
+    for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        if t.is_floating_point():
+            yield name, t.detach()
+
+
+def _steps_writing(plan: FoldPlan, name: str) -> list:
+    """The plan's steps that write the tensor ``name``."""
+    return [step for section in (plan.batchnorm, plan.layer_scale, plan.precompute, plan.center, plan.affine_fold)
+            for step in section if name in (getattr(step, field) for field in _WRITES[type(step)][0])]
+
+
+def _step_reads(step) -> list[str]:
+    """The tensors a plan step reads: every field naming one."""
+    return [value for key, value in vars(step).items()
+            if (key == "fqn" or key.endswith("_fqn")) and isinstance(value, str)]
+
+
+_WRITES = {  # step type -> (the fields naming what it writes, what it did to such a tensor, the option that stops it)
+    BatchNormFoldStep: (("weight_fqn", "bias_fqn"), lambda s: f"merging the BatchNorm {s.norm_path} into it",
+                        "fold_batchnorm"),
+    LayerScaleStep: (("weight_fqn", "bias_fqn"), lambda s: f"merging the layer scale {s.scale_fqn} into it", None),
+    PrecomputeStep: (("table_fqn",), lambda s: f"baking {s.norm_path} into its rows", "precompute"),
+    CenterStep: (("fqn",), lambda s: "centering it", None),
+    AffineFoldStep: (("weight_fqn", "bias_fqn"), lambda s: f"folding {s.norm_path}'s γ/β into it", "fold_affine"),
+}
 
 
 def prove_fold(model: nn.Module, folded: nn.Module, example_inputs, plan: FoldPlan) -> VerifyResult:
     """Compare ``folded`` with ``model`` in float64 on every example call, the float64 side being the
     plan applied to verify's float64 copy of ``model`` once that copy's outputs are recorded (so the
-    transform is judged, not its rounding to the model's dtype, with one float64 copy of the model)."""
+    transform is judged, not its rounding to the model's dtype, with one float64 copy of the model);
+    and ``folded`` itself, the model returned, in its own dtype against the original
+    (``judge_model_dtype``: the measured tolerance, no inf/nan where the original is finite)."""
     return verify(model, folded, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=rms_norm_paths(plan),
-                  exact_transform=lambda exact: transform.apply_plan(exact, plan))
+                  exact_transform=lambda exact: transform.apply_plan(exact, plan), judge_model_dtype=True)
 
 
 def fold_exactly(model: nn.Module, example_inputs, constraints: PlanConstraints = PlanConstraints(), *,
                  prove: bool = True) -> tuple[nn.Module, FoldReport]:
-    """``(folded copy, report)``: plan, apply, and (``prove``) prove in float64, raising
-    ``FoldVerificationError`` when the relative error exceeds ``FOLD_TOLERANCE`` or the outputs cannot
-    be compared. ``report.verification`` holds the numbers."""
+    """``(folded copy, report)``: plan, apply, and (``prove``) prove, raising ``FoldVerificationError``
+    when the float64 error exceeds ``FOLD_TOLERANCE``, the returned model in its own dtype exceeds its
+    measured tolerance, or the outputs cannot be compared. ``report.verification`` holds the numbers."""
     report = plan_fold(model, example_inputs, constraints)
     folded = apply_fold(model, report.plan)
     if prove:
         report.verification = prove_fold(model, folded, example_inputs, report.plan)
-        if not report.verification.ok:
-            raise FoldVerificationError(f"folded model differs from the original: {failure(report.verification)}"
-                                        f"\n{report}")
+        prove_or_raise(report.verification, "folded model differs from the original", str(report))
     return folded, report
 
 
 def rms_norm_paths(plan: FoldPlan) -> list[str]:
     """The norms the plan turns into RMSNorms (their inputs must be zero-mean)."""
     return [s.path for s in plan.swap if s.to == "RMSNorm"]
-
-
-def failure(result: VerifyResult) -> str:
-    """One line saying why a verification failed."""
-    return result.why or f"float64 max relative error {result.max_rel_error:.3e} > {result.tolerance:.0e}"

@@ -26,13 +26,58 @@ class NormEntry:
 
 
 @dataclass
-class VerifyResult:
-    """Output differences between an original and a folded model."""
+class WorstElement:
+    """Where a comparison's judged error is largest: the output, the element, both values."""
 
-    outputs: list[dict]            # per output: name, dtype, max_abs, max_rel, argmax_agreement
-    max_rel_error: float           # float64 run: max over outputs of ‖a−b‖∞ / ‖a‖∞
+    output: str                    # the output's name ("out['logits']")
+    index: list[int]               # the element's index in that output
+    original: float
+    folded: float
+    error: float                   # its judged error (inf: the two values are of different kinds)
+    input: int = 0                 # which of the compared inputs
+
+    def __str__(self) -> str:
+        return (f"{self.output}[{', '.join(map(str, self.index))}] on input {self.input}: original "
+                f"{self.original:.6g}, folded {self.folded:.6g}")
+
+
+@dataclass
+class ModelDtypeCheck:
+    """The model a step returns, run in its own dtype, against the original in float64: its error must be
+    within the tolerance measured from the original's own error in that dtype, and it may not give inf/nan
+    where the original in that dtype is finite (``fold``, ``fuse_residual_norms``, ``rotate``, ``convert``)."""
+
+    dtype: str
+    error: float                   # the returned model's error (the metric of normfold.fold.verify.output_error)
+    own_error: float               # the original's own error in `dtype` against its float64 self
+    tolerance: float
+    tolerance_rule: str
+    worst: WorstElement | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.tolerance
+
+    def __str__(self) -> str:
+        at = "" if self.worst is None else f", worst at {self.worst}"
+        return (f"the returned model in {self.dtype}: error {self.error:.1e} "
+                f"{'≤' if self.ok else '>'} tolerance {self.tolerance:.1e} = {self.tolerance_rule}{at}")
+
+
+@dataclass
+class VerifyResult:
+    """Output differences between an original and a folded model.
+
+    The errors are those of :func:`normfold.fold.verify.output_error`: per output, the largest
+    |a − b| / (typical |a| + |a|) over its ordinary elements (typical: the output's median magnitude),
+    inf where the two hold different kinds of value (inf, nan, a finfo extreme such as a mask's
+    ``finfo.min``, or an ordinary number) at the same place.
+    """
+
+    outputs: list[dict]            # per output: name, dtype, max_abs, max_rel, argmax_agreement, index
+    max_rel_error: float           # the judged run: max over outputs of the error above
     max_abs_error: float
-    model_dtype_max_rel_error: float | None  # the same in the model's own dtype (None if it is float64)
+    model_dtype_max_rel_error: float | None  # the returned model in its dtype vs the original in float64 (None: float64)
     max_input_mean_ratio: float | None       # max |mean|/rms of the new RMSNorms' inputs (float64)
     tolerance: float = 1e-9
     num_runs: int = 0
@@ -41,13 +86,32 @@ class VerifyResult:
     why: str | None = None         # set when the outputs could not be compared (then never ok)
     compared_in: str = "float64"   # the dtype the judged comparison ran in
     fallback: str | None = None    # why it is not float64 (the model cannot run in float64), else None
+    worst: WorstElement | None = None              # where the judged comparison's error is largest
+    model_dtype_check: ModelDtypeCheck | None = None  # set when the returned model is judged in its own dtype
 
     @property
     def ok(self) -> bool:
-        return self.why is None and self.max_rel_error <= self.tolerance
+        return (self.why is None and self.max_rel_error <= self.tolerance
+                and (self.model_dtype_check is None or self.model_dtype_check.ok))
+
+    def failure(self) -> str:
+        """One line saying why the result is not ok: the reason the outputs could not be compared
+        first, else each failed check with its numbers and worst element."""
+        if self.why is not None:
+            return self.why
+        failed = []
+        if not self.max_rel_error <= self.tolerance:
+            at = "" if self.worst is None else f" at {self.worst}"
+            failed.append(f"{self.compared_in} max relative error {self.max_rel_error:.3e} > {self.tolerance:.1e}{at}")
+        if self.model_dtype_check is not None and not self.model_dtype_check.ok:
+            failed.append(str(self.model_dtype_check))
+        return "; ".join(failed) or "passed"
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "ok": self.ok}
+        data = {**asdict(self), "ok": self.ok}
+        if self.model_dtype_check is not None:
+            data["model_dtype_check"]["ok"] = self.model_dtype_check.ok
+        return data
 
     def __str__(self) -> str:
         fallback = "" if self.fallback is None else f" ({self.fallback})"
@@ -56,10 +120,13 @@ class VerifyResult:
         mean = "n/a" if self.max_input_mean_ratio is None else f"{self.max_input_mean_ratio:.1e}"
         own = "n/a" if self.model_dtype_max_rel_error is None else f"{self.model_dtype_max_rel_error:.1e}"
         rule = "" if self.tolerance_rule == "fixed" else f" = {self.tolerance_rule}"
+        worst = "" if self.worst is None or self.max_rel_error <= self.tolerance else f", worst at {self.worst}"
+        checked = "" if self.model_dtype_check is None else f"; {self.model_dtype_check}"
         return (f"verify: {'OK' if self.ok else 'FAILED'} over {self.num_runs} inputs{fallback}; "
                 f"{self.compared_in} max rel err "
-                f"{self.max_rel_error:.1e} (tolerance {self.tolerance:.1e}{rule}), max abs err "
-                f"{self.max_abs_error:.1e}; model dtype max rel err {own}; RMSNorm inputs max |mean|/rms {mean}")
+                f"{self.max_rel_error:.1e} (tolerance {self.tolerance:.1e}{rule}){worst}, max abs err "
+                f"{self.max_abs_error:.1e}; model dtype max rel err {own}{checked}; "
+                f"RMSNorm inputs max |mean|/rms {mean}")
 
 
 @dataclass

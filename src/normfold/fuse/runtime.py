@@ -3,31 +3,46 @@
 The generated forwards (``rewrite.py``) call these functions. ``add_norm`` computes ``(norm(a + b), a + b)``
 in one kernel call; ``norm_from`` returns that early output at the norm call only when its argument is
 the sum (or a view of all its rows), unmodified since, and otherwise runs the norm; ``Handoff`` carries
-an early output from the add ending one module's forward to the norm starting another's.
+an early output from the add ending one module's forward to the norm starting another's. A norm
+that carries hooks (registered after fusing, or global module hooks) is always called, unfused, so
+its hooks run (:func:`runs_hooks`).
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _module  # the global module hooks nn.Module's own call runs
 
 from .. import ops
 from ..nn import RMSNorm
 
 
 def add_norm(norm: nn.Module, a, b):
-    """``(norm(a + b), a + b)`` in one fused call; ``(None, a + b)`` when the operands do not fit it.
+    """``(norm(a + b), a + b)`` in one fused call; ``(None, a + b)`` when the operands do not fit it, or
+    the norm carries hooks (:func:`runs_hooks`: calling it runs them).
 
     Both operands contiguous: the fused op's sum is contiguous, ``a + b`` keeps ``a``'s layout, and
     later code (a ``.view``, or torch.compile's replay of one) may depend on that layout.
     """
-    if (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and a.dtype == b.dtype
-            and a.device == b.device and a.dim() > 0 and a.shape[-1] == norm.normalized_shape[0]
-            and a.is_contiguous() and b.is_contiguous()):
+    if (not runs_hooks(norm) and isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape
+            and a.dtype == b.dtype and a.device == b.device and a.dim() > 0
+            and a.shape[-1] == norm.normalized_shape[0] and a.is_contiguous() and b.is_contiguous()):
         # ops.* looked up at call time, so a profiler (normfold.bench) can label these calls
         if isinstance(norm, RMSNorm):
             return ops.rms_norm(a, norm.weight, norm.bias, norm.eps, residual=b, offset=norm.offset)
         return ops.layer_norm(a, norm.weight, norm.bias, norm.eps, residual=b)
     return None, a + b
+
+
+def runs_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs hooks: its own (forward, pre-forward, backward) or global module
+    hooks. A fused call never calls the norm, so where there are any the norm is called instead;
+    a few dict lookups per call, and torch.compile guards on them like nn.Module's own call does. A
+    plain function runs no module hooks."""
+    return isinstance(module, nn.Module) and bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or _module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+        or _module._global_backward_pre_hooks)
 
 
 def norm_of_sum(norm: nn.Module, a, b):
@@ -64,7 +79,7 @@ def norm_from(pending, norm: nn.Module, x):
     residual stream to 2-D between the add and the norm: ``h.reshape(-1, h.size(-1))``); the norm
     acts on rows, so the early output reshaped the same way is ``norm(x)``.
     """
-    if pending is not None:
+    if pending is not None and not runs_hooks(norm):  # a hook registered since the add: it must run
         h, y, version = pending
         if (x is h or same_rows(x, h)) and (version is None or torch.compiler.is_compiling()
                                               or x._version == version):

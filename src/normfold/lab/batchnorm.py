@@ -15,9 +15,8 @@ from ..fold.batchnorm import BatchNormEntry, plan_batchnorms
 from ..fold.graph import capture, check_model_and_inputs
 from ..fold.math import fold_batchnorm_into_producer
 from ..fold.plan import BatchNormFoldStep, FoldPlan
-from ..fold.pipeline import failure
 from ..fold.transform import apply_plan
-from ..fold.verify import FOLD_TOLERANCE
+from ..fold.verify import FOLD_TOLERANCE, prove_or_raise
 from ..fold.verify import verify as verify_outputs
 
 
@@ -28,8 +27,8 @@ def fold_batchnorms(model: nn.Module, example_inputs, *, verify: bool = True,
     ``example_inputs``: a tuple of positional arguments, a dict of keyword arguments, or a list of
     such calls (a BatchNorm merges only if every call allows it). With ``verify=True`` the same
     steps are applied to a float64 copy, whose outputs are compared with ``model``'s in float64 on
-    the calls (so float32 rounding of the new weights does not hide a wrong fold); ``ValueError``
-    if the relative error exceeds ``tolerance``.
+    the calls (so float32 rounding of the new weights does not hide a wrong fold);
+    ``FoldVerificationError`` if the error exceeds ``tolerance``.
     """
     calls = check_model_and_inputs(model, example_inputs)
     steps, entries = plan_batchnorms(model, [capture(model, call) for call in calls])
@@ -37,10 +36,8 @@ def fold_batchnorms(model: nn.Module, example_inputs, *, verify: bool = True,
     folded = apply_plan(copy.deepcopy(model), plan)
     if verify and steps:
         exact = apply_plan(copy.deepcopy(model).double(), plan)
-        result = verify_outputs(model, folded, calls, num_random=0, tolerance=tolerance, rms_norm_paths=[],
-                                folded_exact=exact)
-        if not result.ok:
-            raise ValueError(f"BatchNorm folding changed the outputs: {failure(result)}")
+        prove_or_raise(verify_outputs(model, folded, calls, num_random=0, tolerance=tolerance, rms_norm_paths=[],
+                                      folded_exact=exact), "BatchNorm folding changed the outputs")
     return folded, entries
 
 

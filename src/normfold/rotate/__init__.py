@@ -23,12 +23,11 @@ from torch import Tensor, nn
 
 from .._progress import notice
 from ..fold import fold as fold_engine
-from ..fold.errors import FoldError, FoldVerificationError
+from ..fold.errors import FoldError
 from ..fold.graph import capture, check_model_and_inputs, example_calls, split_example_calls
-from ..fold.pipeline import failure
 from ..fold.transform import apply_plan
 from ..fold.report import FoldReport
-from ..fold.verify import FOLD_TOLERANCE, verify
+from ..fold.verify import FOLD_TOLERANCE, prove_or_raise, verify
 from .apply import apply_rotation, rotate_along
 from .calibration import OutputAgreement, output_agreement, run_error, stream_second_moments
 from .closure import Stream, StreamTensor, find_streams
@@ -53,7 +52,8 @@ def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: 
 
     Raises ``FoldError`` naming what blocks rotation (a norm the fold keeps as a LayerNorm, a γ that
     stays, a stream read by anything but a weightless RMSNorm, a stream that is a model output),
-    ``FoldVerificationError`` if the rotated model is not equal in float64 (nothing returned), and
+    ``FoldVerificationError`` if the rotated model is not equal in float64, or, as returned, in its
+    own dtype within the tolerance measured from the original's own error there (nothing returned), and
     ValueError / TypeError for bad arguments, before any work.
     """
     calls = check_model_and_inputs(model, example_inputs)
@@ -105,13 +105,12 @@ def _check_runs_sliced(sliced64: nn.Module, call, kept: list[int]) -> None:
 
 
 def _prove(original: nn.Module, rotated: nn.Module, rotated64: nn.Module, example_inputs, report: RotationReport):
-    """The float64 proof, as for a fold (FOLD_TOLERANCE), or ``FoldVerificationError``."""
+    """The float64 proof, as for a fold (FOLD_TOLERANCE), and the rotated model as returned judged in
+    its own dtype, or ``FoldVerificationError``."""
     with notice("rotate: proving the rotated model equal to the original in float64"):
         result = verify(original, rotated, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
-                        folded_exact=rotated64)
-    if not result.ok:
-        raise FoldVerificationError(f"rotated model differs from the original: {failure(result)}\n{report}")
-    return result
+                        folded_exact=rotated64, judge_model_dtype=True)
+    return prove_or_raise(result, "rotated model differs from the original", str(report))
 
 
 def _check_arguments(method, seed, calibration, slice_fraction) -> list[tuple[tuple, dict]]:

@@ -17,7 +17,7 @@ from torch import nn
 
 from ...fold.graph import parameter_aliases
 from ...fold.math import center
-from ...fold.verify import cast_floats, max_errors, measured_tolerance, watch_rms_inputs
+from ...fold.verify import cast_floats, measured_tolerance, output_error, rounding_error, watch_rms_inputs
 from ..inputs import example_inputs_for
 from ..load import CheckpointError, check_model_dir, load_config, model_class_for
 from ..output_dir import REPORT_JSON
@@ -59,8 +59,9 @@ def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, bloc
     only that block's tensors, and judge the error by the block's own error in ``stored_dtype``.
 
     ``centered`` (a Pre-LN block the fold centered): the folded residual stream is the original's
-    with its mean removed (P = I − 11ᵀ/n), so folded_block(P·x) = P·block(x); the error is
-    ‖P·block(x) − folded_block(P·x)‖∞ / ‖P·block(x)‖∞. Otherwise folded_block(x) = block(x).
+    with its mean removed (P = I − 11ᵀ/n), so folded_block(P·x) = P·block(x); the error is that of
+    folded_block(P·x) against P·block(x) (:func:`normfold.fold.verify.output_error`, as every proof
+    measures it). Otherwise folded_block(x) = block(x).
     ``x``: the hidden states the original block reads (default: N(0, 1) of the call's shape, or
     ``(batch, seq, width)``). ``call``: the other arguments the model passes the block (masks,
     rotary tables, ALiBi; :func:`check_shell` records them), x replacing the hidden states.
@@ -100,7 +101,7 @@ def check_loaded_block(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint
         # |mean|/rms of every RMSNorm input: 0 when exactly folded (not after a rotation: x·Q has a mean)
         _, ratios = watch_rms_inputs(block, None) if stream_map is None else (None, [])
         out = first_output(call_block(block, call, project(x)))
-    error = _rel_error(ref, out)
+    error = output_error(ref, out).error
     return {"block": block_path, "centered": centered, "max_rel_error": error, **_judged(error, own, stored),
             "max_input_mean_ratio": max(ratios) if ratios else None}, stream
 
@@ -141,11 +142,11 @@ def _own_error(reference: list[torch.Tensor], original: nn.Module,
                run: Callable[[nn.Module, torch.dtype], list[torch.Tensor]], low_dtype: torch.dtype) -> float:
     """The original piece's own error in ``low_dtype``: ``original`` cast to it (in place, so no
     second copy is held; the float64 one is not used again) and ``run`` in it, against
-    ``reference``, its float64 outputs; only elements finite in both count, as in
-    :func:`normfold.fold.verify.own_error`."""
+    ``reference``, its float64 outputs, measured as every proof measures it
+    (:func:`normfold.fold.verify.rounding_error`)."""
     low = run(original.to(low_dtype), low_dtype)
     assert len(low) == len(reference), "the piece gave other outputs in the stored dtype"
-    return max((max_errors(r, o.double(), where_finite=True)[0] for r, o in zip(reference, low)), default=0.0)
+    return max((rounding_error(r, o, low_dtype) for r, o in zip(reference, low)), default=0.0)
 
 
 def _judged(error: float, own: float, stored: torch.dtype) -> dict[str, Any]:
@@ -204,7 +205,7 @@ def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swap
     problems += [f"the stream entering {stack} was not seen (its first block was never called)"
                  for stack in stacks if stack not in ref_calls or stack not in calls]
     folded_seen = _shell_quantities(out, calls, {stack: False for stack in stacks} if stream_map else stacks)
-    errors = [] if problems else [_rel_error(a, b) for a, b in zip(ref_seen, folded_seen)]
+    errors = [] if problems else [output_error(a, b).error for a, b in zip(ref_seen, folded_seen)]
     error = max(errors, default=math.nan)
     result = {"block": "model cut to its first block" if stacks else "model", "max_rel_error": error,
               **_judged(error, own, stored), "outputs": len(out), "stack_entries": len(stacks), "problems": problems,
@@ -316,9 +317,3 @@ def _block_width(block: nn.Module) -> int:
 
 def first_output(output) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
-
-
-def _rel_error(ref: torch.Tensor, out: torch.Tensor) -> float:
-    """‖ref − out‖∞ / ‖ref‖∞ (the absolute error where ref is all zeros)."""
-    scale = ref.abs().max().item() or 1.0
-    return (ref - out).abs().max().item() / scale
