@@ -328,3 +328,21 @@ def test_a_created_head_bias_of_a_gpt_neox_is_restored_from_the_name_it_is_store
     assert torch.equal(reloaded.lm_head.bias, folded.lm_head.bias)
     assert torch.allclose(_logits(original, inputs), _logits(reloaded, inputs), atol=1e-5)
     assert normfold.hf.verify_folders(neox_dir, tmp_path / "out")["ok"]
+
+
+def test_a_bert_folder_with_legacy_gamma_beta_keys_folds_reloads_and_verifies(tiny_dirs, tmp_path):
+    """Older BERT checkpoints store LayerNorm.gamma / .beta, which transformers renames to weight / bias on load."""
+    src = tmp_path / "legacy"
+    shutil.copytree(tiny_dirs["bert"], src)
+    state = safetensors_torch.load_file(src / "model.safetensors")
+    renamed = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+               for k, v in state.items()}
+    assert renamed.keys() != state.keys()
+    safetensors_torch.save_file(renamed, src / "model.safetensors", metadata={"format": "pt"})
+    fold_folder(src, tmp_path / "out")
+    original = load_model(src)
+    inputs = example_inputs_for(original)
+    reloaded = normfold.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        assert torch.allclose(original(**inputs).last_hidden_state, reloaded(**inputs).last_hidden_state, atol=1e-5)
+    assert normfold.hf.verify_folders(src, tmp_path / "out")["ok"]
