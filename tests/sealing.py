@@ -1,5 +1,6 @@
-"""Tests' helper for folders whose report they change: seal the report again, as someone who means it
-would, so that a test reaches the checks behind the seal (``normfold.hf.report.seal``)."""
+"""Tests' helpers for folders they change: the file their weights load from (its name differs for folders
+only normfold loads), and the report sealed again, as someone who means it would, so that a test reaches
+the checks behind the seal (``normfold.hf.report.seal``)."""
 from __future__ import annotations
 
 import json
@@ -9,6 +10,14 @@ from pathlib import Path
 from normfold.hf.output_dir import REPORT_JSON
 from normfold.hf.report import write_sealed_report
 from normfold.hf.weight_files import weight_source
+
+
+def weights_file(folder: Path) -> Path:
+    """The single weights file of ``folder``: ``model.safetensors``, or ``normfold_model.safetensors`` in a
+    folder only normfold.from_pretrained loads (``normfold.hf.normfold_only``)."""
+    source = weight_source(folder)
+    assert not source.is_index, f"{folder} is sharded: its weights are in {source.files}"
+    return folder / source.entry
 
 
 def reseal(folder: Path, edit: Callable[[dict], object] | None = None) -> dict:

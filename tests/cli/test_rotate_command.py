@@ -15,7 +15,7 @@ import torch
 import normfold
 from normfold.cli import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, main
 from normfold.hf.inputs import example_inputs_for, read_calibration_file
-from normfold.hf.load import load_model
+from normfold.hf.load import CheckpointError, load_model
 from normfold.hf.output_dir import REPORT_JSON
 from normfold.hf.rotate_folder import calibration_calls
 import sealing
@@ -59,9 +59,18 @@ def test_from_pretrained_rebuilds_the_rotated_model_exactly(tiny_dirs, rotated_d
     expected = _logits(in_memory, fresh)
     assert _rel(_logits(reloaded, fresh), expected) <= 1e-5
     assert _rel(_logits(reloaded, fresh), _logits(original, fresh)) <= 1e-5  # the same function as the original
-    # what the report warns about: stock transformers rebuilds LayerNorms, which re-center the rotated stream
-    stock = transformers.GPT2LMHeadModel.from_pretrained(rotated_dir)
-    assert _rel(_logits(stock, fresh), expected) > 1e-3
+    _assert_stock_transformers_refuses(rotated_dir)
+
+
+def _assert_stock_transformers_refuses(folder):
+    """Stock transformers would rebuild LayerNorms, which re-center the rotated stream (0.16 off, silently,
+    on main 36efdc1): both the Auto class and the model's own class must refuse the folder loudly."""
+    with pytest.raises(ValueError, match="model type `normfold: load with normfold.from_pretrained`"):
+        transformers.AutoModelForCausalLM.from_pretrained(folder)
+    with pytest.raises(OSError, match="no file named model.safetensors"):
+        transformers.GPT2LMHeadModel.from_pretrained(folder)
+    with pytest.raises(CheckpointError, match="for normfold.from_pretrained only"):
+        load_model(folder)  # nor does normfold take it for an original
 
 
 def test_report_says_rotated_with_method_seed_proof_and_the_stock_warning(rotated_dir):
@@ -135,18 +144,19 @@ def test_verify_remakes_a_rotated_folder_and_compares_every_tensor(tiny_dirs, ro
 
 
 def _stored(folder) -> list[str]:
-    """The names of the tensors ``model.safetensors`` holds."""
-    with pytest.importorskip("safetensors").safe_open(folder / "model.safetensors", framework="pt") as f:
+    """The names of the tensors the folder's weights file holds."""
+    with pytest.importorskip("safetensors").safe_open(sealing.weights_file(folder), framework="pt") as f:
         return list(f.keys())
 
 
 def _tampered(folder, to, edit, *, reseal: bool = True):
-    """A copy of ``folder`` at ``to`` whose ``model.safetensors`` was changed in place by ``edit(tensors)``."""
+    """A copy of ``folder`` at ``to`` whose weights file was changed in place by ``edit(tensors)``."""
     safetensors = pytest.importorskip("safetensors.torch")
     shutil.copytree(folder, to)
-    weights = safetensors.load_file(to / "model.safetensors")
+    file = sealing.weights_file(to)
+    weights = safetensors.load_file(file)
     edit(weights)
-    safetensors.save_file(weights, to / "model.safetensors", metadata={"format": "pt"})
+    safetensors.save_file(weights, file, metadata={"format": "pt"})
     if reseal:
         sealing.reseal(to)
     return to
@@ -173,7 +183,7 @@ def test_a_rotated_folder_changed_without_recomputing_the_seal_fails_the_seal(ti
     bad = _tampered(rotated_dir, tmp_path / "bad", _rows_the_check_tokens_never_reach, reseal=False)
     assert main(["verify", str(tiny_dirs["gpt2"]), str(bad)]) == EXIT_VERIFY_FAILED
     err = capsys.readouterr().err
-    assert "verification failed: model.safetensors was changed after normfold wrote it" in err
+    assert "verification failed: normfold_model.safetensors was changed after normfold wrote it" in err
 
 
 # ------------------------------------------------------------------ --method pca --calibration FILE [--slice F]
@@ -230,6 +240,7 @@ def test_sliced_folder_reloads_to_the_in_memory_sliced_model_with_its_narrower_w
     assert _rel(_logits(reloaded, fresh), _logits(in_memory, fresh)) <= 1e-5
     assert _rel(_logits(reloaded, fresh), _logits(original, fresh)) > 1e-4  # sliced: approximate, not the original
     assert json.loads((sliced_dir / "config.json").read_text())["n_embd"] == 32  # the config is the original's
+    _assert_stock_transformers_refuses(sliced_dir)  # stock would re-initialise the narrower tensors at random
 
 
 def test_sliced_report_records_method_calibration_fraction_and_the_proof_of_the_whole_rotation(

@@ -17,6 +17,7 @@ from normfold.hf.inputs import example_inputs_for
 from normfold.hf.load import load_model
 from normfold.hf.output_dir import REPORT_JSON
 from normfold.hf.recipe import Recipe, Rotation
+from normfold.hf.normfold_only import INDEX as ROTATED_INDEX  # a rotated folder is normfold's only
 from normfold.hf.streaming import INDEX
 from normfold.rotate.streaming import TensorRotations
 import sealing
@@ -52,7 +53,7 @@ def test_streamed_rotation_is_bitwise_the_in_memory_rotation_and_reloads_to_the_
                                                                                          name, method):
     out = tmp_path / "out"
     code, _ = _rotate(capsys, sharded[name], out, "--method", method, "--seed", 3)
-    assert code == EXIT_OK and (out / INDEX).is_file()
+    assert code == EXIT_OK and (out / ROTATED_INDEX).is_file() and not (out / INDEX).exists()  # stock finds no weights
     original = load_model(sharded[name])
     in_memory, _ = normfold.rotate(original, example_inputs_for(original), method=method, seed=3)
     reloaded = normfold.from_pretrained(out)
@@ -115,7 +116,7 @@ def _scaled_copy(folder, to, key: str, factor: float, *, reseal: bool = True):
     """A copy of ``folder`` at ``to`` with the stored tensor ``key`` scaled by ``factor``; returns (copy, shard)."""
     safetensors = pytest.importorskip("safetensors.torch")
     shutil.copytree(folder, to)
-    shard = json.loads((to / INDEX).read_text())["weight_map"][key]
+    shard = json.loads((to / ROTATED_INDEX).read_text())["weight_map"][key]
     tensors = safetensors.load_file(to / shard)
     tensors[key] = tensors[key] * factor
     safetensors.save_file(tensors, to / shard, metadata={"format": "pt"})
@@ -129,7 +130,7 @@ def test_verify_draws_q_again_and_compares_every_stored_tensor(sharded, opt_rota
     assert main(["verify", str(sharded["opt"]), str(opt_rotated)]) == EXIT_OK
     text = " ".join(capsys.readouterr().out.replace("│", " ").split())
     assert "verification: passed (streamed random rotation, seed 2)" in text
-    num_tensors = len(json.loads((opt_rotated / INDEX).read_text())["weight_map"])
+    num_tensors = len(json.loads((opt_rotated / ROTATED_INDEX).read_text())["weight_map"])
     assert f"weights: {num_tensors} tensors, all bit-identical" in text  # a rotated folder is weight-checked too
 
 

@@ -125,7 +125,8 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
             saved_check = check_rounded(model, folded, inputs, save_dtype, report.plan)
         layout = folded_layout(folded)
         step("saving")
-        save_folded(folded, tmp, dtype=save_dtype)
+        save_folded(folded, tmp, dtype=save_dtype,
+                    normfold_only=not layout["stock_compatible"] or bool(approx and approx.num_approximate))
         out = folder_report(report, layout, saved_dtype=_dtype_name(save_dtype), approximate=approx,
                             model=describe_model(model, model_dir), fold_affine=fold_affine,
                             skipped_files=copy_side_files(model_dir, tmp))

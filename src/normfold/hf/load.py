@@ -14,6 +14,7 @@ from torch import nn
 
 from .._deps import require
 from .errors import CheckpointError, _first_line
+from .normfold_only import REAL_MODEL_TYPE_KEY, is_normfold_only, real_model_type
 from .weight_files import weight_source
 
 
@@ -34,13 +35,40 @@ def check_model_dir(model_dir: str | os.PathLike) -> Path:
     return path
 
 
-def load_config(model_dir: str | os.PathLike, *, trust_remote_code: bool = False):
+def load_config(model_dir: str | os.PathLike, *, trust_remote_code: bool = False, normfold_only: bool = False):
+    """The folder's config. A folder only normfold loads correctly (:mod:`normfold.hf.normfold_only`) is
+    refused unless ``normfold_only`` (``normfold.from_pretrained`` and the checks of such folders): then
+    its real model type is restored and the config names the weights normfold stored."""
     transformers = require("transformers")
     path = check_model_dir(model_dir)
+    raw = _config_json(path)
+    if is_normfold_only(raw):
+        if not normfold_only:
+            raise CheckpointError(f"{path} was written by normfold for normfold.from_pretrained only (rotated, sliced, "
+                                  "approximate, or holding parameters its class lacks): load it with "
+                                  "normfold.from_pretrained")
+        fields = {k: v for k, v in raw.items() if k not in ("model_type", REAL_MODEL_TYPE_KEY)}
+        try:
+            config = transformers.AutoConfig.for_model(real_model_type(raw, path / "config.json"), **fields)
+        except (ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"unsupported or unreadable config in {path}: {_first_line(err)}") from err
+        config.transformers_weights = weight_source(path).entry  # what transformers then loads
+        return config
     try:
         return transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"unsupported or unreadable config in {path}: {_first_line(err)}") from err
+
+
+def _config_json(path: Path) -> dict[str, Any]:
+    """``config.json`` as a dict; CheckpointError when it is not a readable JSON object."""
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"unsupported or unreadable config in {path}: {_first_line(err)}") from err
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path / 'config.json'} must hold a JSON object, got {type(config).__name__}")
+    return config
 
 
 def model_class_for(config, *, trust_remote_code: bool = False) -> type:
@@ -85,15 +113,16 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
 
 def load_model_and_info(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                         trust_remote_code: bool = False, ignore_mismatched_sizes: bool = False,
-                        quiet: bool = False) -> tuple[nn.Module, dict[str, Any]]:
+                        quiet: bool = False, normfold_only: bool = False) -> tuple[nn.Module, dict[str, Any]]:
     """:func:`load_model`, and what transformers says of the load, under the model's own names (after
     the key renaming it applies on load: GPT-NeoX's ``embed_out`` is ``lm_head``, legacy ``gamma`` is
     ``weight``): ``missing_keys`` (left initialised at random), ``unexpected_keys`` (in the weights,
     taken by no parameter), ``mismatched_keys`` ((name, stored shape, model shape)). ``quiet``: without
-    transformers' own load report (the caller judges the load itself)."""
+    transformers' own load report (the caller judges the load itself). ``normfold_only``: see
+    :func:`load_config`."""
     transformers = require("transformers")
     path = check_model_dir(model_dir)
-    config = load_config(path, trust_remote_code=trust_remote_code)
+    config = load_config(path, trust_remote_code=trust_remote_code, normfold_only=normfold_only)
     cls = model_class_for(config, trust_remote_code=trust_remote_code)
     _check_weight_files(path)
     logging, verbosity = transformers.utils.logging, transformers.utils.logging.get_verbosity()

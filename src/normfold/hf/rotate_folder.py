@@ -40,9 +40,9 @@ if TYPE_CHECKING:  # the rotation's report type, for annotations only: hf never 
 # the whole rotation proved equal in float64 (when sliced, before slicing)
 Rotate = Callable[[nn.Module, dict, "list[dict] | None"], "tuple[nn.Module, RotationReport]"]
 
-STOCK_WARNING = ("rotated: load with normfold.from_pretrained; stock transformers would rebuild the weightless "
-                 "RMSNorms as LayerNorms, which re-center the rotated residual stream (its mean is not zero), "
-                 "so its outputs would be wrong")
+STOCK_WARNING = ("rotated: written for normfold.from_pretrained only (stock transformers refuses the folder: it "
+                 "would rebuild the weightless RMSNorms as LayerNorms, which re-center the rotated residual stream, "
+                 "whose mean is not zero)")
 SLICED_WARNING = ("sliced: approximate, not exact; the whole rotation was proved in float64 before slicing, the "
                   "sliced model is only measured (cosine and loss on the calibration text, in the report)")
 
@@ -77,7 +77,7 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
         layout = folded_layout(rotated)
         saved_dtype = next(rotated.parameters()).dtype
         step("saving")
-        save_folded(rotated, tmp)
+        save_folded(rotated, tmp, normfold_only=True)
         record = None if sentences is None else CalibrationRecord.of_file(calibration_file, len(sentences))
         sections = {} if record is None else {"calibration": {**asdict(record), "num_batches": len(calibration)}}
         out = rotated_report(rotation, layout, saved_dtype=str(saved_dtype).replace("torch.", ""),

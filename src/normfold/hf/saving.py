@@ -28,6 +28,7 @@ from ..nn import RMSNorm
 from ..nn.resize import replace_parameter
 from .._deps import require
 from .load import CheckpointError, _first_line, check_model_dir, load_model_and_info
+from .normfold_only import mark_normfold_only
 from .output_dir import REPORT_JSON, atomic_output_dir
 from .recipe import Recipe
 from .report import folder_report, seal_problems, write_sealed_report
@@ -89,10 +90,13 @@ def stock_parameter_shapes(config, cls: type) -> dict[str, torch.Size]:
     return {k: v.shape for k, v in stock.state_dict().items()}
 
 
-def save_folded(folded: nn.Module, out_dir: Path, *, dtype: torch.dtype | None = None) -> None:
+def save_folded(folded: nn.Module, out_dir: Path, *, dtype: torch.dtype | None = None,
+                normfold_only: bool = False) -> None:
     """``save_pretrained`` (safetensors) of the folded model in stock-loadable form, into ``out_dir``.
 
     Parameters the stock class lacks (``folded_layout(folded)["extra_parameters"]``) are stored too.
+    ``normfold_only``: stock transformers would load another model (the layout is not stock-compatible),
+    so the folder is written for ``normfold.from_pretrained`` only (:mod:`normfold.hf.normfold_only`).
     """
     untie_config(folded)
     state = stock_state_dict(folded, dtype)
@@ -103,6 +107,8 @@ def save_folded(folded: nn.Module, out_dir: Path, *, dtype: torch.dtype | None =
         folded.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
     finally:  # the caller's model keeps its own config
         folded.config.dtype = config_dtype
+    if normfold_only:
+        mark_normfold_only(out_dir)
 
 
 def folded_layout(folded: nn.Module) -> dict[str, Any]:
@@ -193,7 +199,7 @@ def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: tor
     if not record["stock_compatible"]:
         warnings.warn(_stock_incompatibility(type(folded).__name__, record), UserWarning, stacklevel=2)
     with atomic_output_dir(out_dir, overwrite=overwrite, protect=() if source is None else (source,)) as tmp:
-        save_folded(folded, tmp, dtype=save_dtype)
+        save_folded(folded, tmp, dtype=save_dtype, normfold_only=not record["stock_compatible"])
         if source is not None:
             record["skipped_files"] = copy_side_files(source, tmp)
             if record["skipped_files"]:
@@ -235,9 +241,10 @@ def _stock_incompatibility(cls_name: str, record: Mapping[str, Any]) -> str:
         what.append(f"rebuild {', '.join(record['identity'])} as norms (the fold precomputed them into a table)")
     if record.get("num_approximate"):
         what.append(f"rebuild the approximate RMSNorms {', '.join(record['approximate_norms'])} as LayerNorms")
-    return (f"stock transformers would {' and '.join(what)}, so {cls_name}.from_pretrained on this folder gives a "
-            "different model: load it with normfold.from_pretrained, or fold with the stock-compatible plan "
-            "(normfold.hf.folder.fold_for_stock(model, example_inputs), what `normfold fold` does)")
+    return (f"stock transformers would {' and '.join(what)}, so the folder is written for normfold.from_pretrained "
+            f"only ({cls_name}.from_pretrained refuses it); for a folder stock transformers loads, fold with the "
+            "stock-compatible plan (normfold.hf.folder.fold_for_stock(model, example_inputs), what `normfold fold` "
+            "does)")
 
 
 # ---------------------------------------------------------------------------------------- reloading
@@ -270,7 +277,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     # resized (sliced) tensors do not fit the class built from the config: loaded below, once it is built;
     # transformers' own load report is not shown: what it would say is judged below (_check_load)
     model, info = load_model_and_info(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                      ignore_mismatched_sizes=bool(layout["resized"]), quiet=True)
+                                      ignore_mismatched_sizes=bool(layout["resized"]), quiet=True, normfold_only=True)
     try:
         for module_path in layout["identity"]:
             parent_path, _, attr = module_path.rpartition(".")

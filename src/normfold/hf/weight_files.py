@@ -7,7 +7,9 @@ folder, no ``variant``) takes the first of: the file ``config.json`` names as
 ``"transformers_weights"``; ``model.safetensors``; ``model.safetensors.index.json``;
 ``pytorch_model.bin``; ``pytorch_model.bin.index.json``; then every file the config class lists in
 ``extra_files``. From an index it loads *every* tensor of every shard the index names (sorted by
-name; a key in two shards: the last one wins), whatever the index's ``weight_map`` says.
+name; a key in two shards: the last one wins), whatever the index's ``weight_map`` says. A folder only
+normfold loads correctly stores its entry under normfold's own name instead
+(:mod:`normfold.hf.normfold_only`), which no stock class looks for and ``normfold.from_pretrained`` names.
 """
 from __future__ import annotations
 
@@ -19,12 +21,14 @@ from pathlib import Path
 import torch
 
 from .._deps import require
+from . import normfold_only
 from .errors import CheckpointError, _first_line
 from .side_files import WEIGHT_SUFFIXES
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
 BIN_SINGLE, BIN_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
 _DEFAULT_ORDER = (SAFE_SINGLE, SAFE_INDEX, BIN_SINGLE, BIN_INDEX)
+_NORMFOLD_ORDER = (normfold_only.SINGLE, normfold_only.INDEX)  # only where none of transformers' is present
 
 # What loads weights in some tool: a second one beside the source transformers picks could load instead
 # (another library, another transformers option), so a folder holding one is ambiguous.
@@ -70,11 +74,12 @@ def weight_source(folder: str | os.PathLike, *, extra_files: tuple[str, ...] = (
             raise CheckpointError(f"{folder / 'config.json'} names the weights {entry!r} (\"transformers_weights\"), "
                                   f"which {folder} does not hold")
         chosen_by = f"config.json names it (\"transformers_weights\": {entry!r})"
-    else:
-        entry = next((name for name in _DEFAULT_ORDER if (folder / name).is_file()), None)
-        if entry is None:
-            raise CheckpointError(f"no weights in {folder}: expected {', '.join(_DEFAULT_ORDER)} (transformers' order)")
+    elif (entry := next((name for name in _DEFAULT_ORDER if (folder / name).is_file()), None)) is not None:
         chosen_by = f"the first of {', '.join(_DEFAULT_ORDER)} present (transformers' order)"
+    elif (entry := next((name for name in _NORMFOLD_ORDER if (folder / name).is_file()), None)) is not None:
+        chosen_by = "normfold's own name (a folder only normfold.from_pretrained loads)"
+    else:
+        raise CheckpointError(f"no weights in {folder}: expected {', '.join(_DEFAULT_ORDER)} (transformers' order)")
     files = _shards(folder / entry) if entry.endswith(".index.json") else [entry]
     files += [f for f in extra_files if (folder / f).is_file() and f not in files]
     return WeightSource(folder, entry, tuple(files), chosen_by)

@@ -195,7 +195,7 @@ def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swap
     own = _own_error(ref_seen, model, lambda m, dt: _shell_quantities(*_run_shell(m, list(stacks), cast_floats(inputs, dt)),
                                                                        stacks, stream_map), stored)
     del model
-    model, keys = _load_shell(folded_dir, swapped, list(stacks), trust_remote_code, extra_parameters)
+    model, keys = _load_shell(folded_dir, swapped, list(stacks), trust_remote_code, extra_parameters, normfold_only=True)
     out, calls = _run_shell(model, list(stacks), inputs)
     del model
     problems = []
@@ -225,11 +225,12 @@ def _shell_quantities(outputs: list[torch.Tensor], calls: dict[str, Call], stack
 
 
 def _load_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str],
-                trust_remote_code: bool, extra_parameters: list[str] = ()) -> tuple[nn.Module, set[str]]:
+                trust_remote_code: bool, extra_parameters: list[str] = (),
+                normfold_only: bool = False) -> tuple[nn.Module, set[str]]:
     """``folder``'s model with ``num_hidden_layers`` = 1 (0 without ``stacks``) in float64, its
     tensors loaded from the checkpoint (the ``extra_parameters`` its class lacks registered where
     their module is in the shell) and the RMSNorms swapped in; and the keys loaded."""
-    config = load_config(folder, trust_remote_code=trust_remote_code)
+    config = load_config(folder, trust_remote_code=trust_remote_code, normfold_only=normfold_only)
     config.num_hidden_layers = 1 if stacks else 0
     cls = model_class_for(config, trust_remote_code=trust_remote_code)
     model = cls._from_config(config, attn_implementation="eager", dtype=torch.float64).eval()

@@ -18,6 +18,7 @@ from ...fold.plan import FoldPlan
 from ...fold.report import FoldReport
 from ..folder import write_report_files
 from ..load import CheckpointError, check_model_dir
+from ..normfold_only import mark_normfold_only
 from ..output_dir import atomic_output_dir
 from ..recipe import Recipe, Rotation
 from ..report import describe_model, folder_report, require_norms
@@ -104,6 +105,8 @@ def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool
         (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": written}, "weight_map": weight_map},
                                                indent=2) + "\n")
     _write_config(skeleton.config, folder, untied=bool(report.plan.untie), dtype=out_dtype)
+    if after is not None:  # a rotation: stock transformers would load another model
+        mark_normfold_only(folder)
     skipped_files = copy_side_files(model_dir, folder)
     streaming = {"bytes_read": checkpoint.bytes_read, "bytes_written": written, "plan_seconds": round(t_plan, 2),
                  "read_seconds": round(checkpoint.read_seconds, 2), "math_seconds": round(rewrite.math_seconds, 2),
