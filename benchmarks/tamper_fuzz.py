@@ -261,11 +261,20 @@ def _write_safetensors(path: Path, tensors: dict, metadata) -> None:
 
 
 def _loaded_weight_files(folder: Path) -> list[Path]:
-    """The safetensors files of the untampered layout: the index's shards, else model.safetensors."""
-    if (folder / _INDEX).is_file():
-        shards = set(json.loads((folder / _INDEX).read_text())["weight_map"].values())
-        return [folder / s for s in sorted(shards)]
-    return [folder / "model.safetensors"]
+    """The safetensors files of the untampered layout, as normfold resolves them (an index's shards, or the
+    single file: ``model.safetensors``, or ``normfold_model.safetensors`` in a folder only normfold loads)."""
+    from normfold.hf.weight_files import weight_source
+
+    return [folder / name for name in weight_source(folder).files]
+
+
+def _index_file(folder: Path) -> Path:
+    """The untampered layout's index (``model.safetensors.index.json``, or normfold's own name), or where a
+    new one for the stock name goes."""
+    from normfold.hf.weight_files import weight_source
+
+    source = weight_source(folder)
+    return folder / (source.entry if source.is_index else _INDEX)
 
 
 def _all_tensors(folder: Path) -> dict:
@@ -451,7 +460,7 @@ def _tampered_copy(folder: Path, rng: random.Random) -> tuple[dict, str, str]:
 
 
 def _weight_ops(folder: Path) -> list[str]:
-    sharded = (folder / _INDEX).is_file()
+    sharded = _index_file(folder).is_file()
     return ["pytorch_model.bin beside", "transformers_weights alt file", "variant file", "tensor dropped",
             "tensor added", "tensor dtype changed",
             *(("stale single file beside index", "shard renamed", "index entry redirected") if sharded
@@ -501,9 +510,10 @@ def _tamper_weight_file(folder: Path, rng: random.Random, pool) -> Change:
         index = {"metadata": {}, "weight_map": {name: target for name in tensors}}
         (folder / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
     else:  # index entry redirected: the changed tensor alone in a new shard the index points at
-        index = json.loads((folder / _INDEX).read_text())
+        index_file = _index_file(folder)
+        index = json.loads(index_file.read_text())
         index["weight_map"][changed] = target = "model-extra.safetensors"
-        (folder / _INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        index_file.write_text(json.dumps(index, indent=2) + "\n")
         _write_safetensors(folder / target, {changed: tensors[changed]}, {"format": "pt"})
     return Change("weight file", op, f"{target} holds the weights with {what}")
 
