@@ -46,9 +46,9 @@ def _logits(model, inputs):
 
 @pytest.fixture(scope="module")
 def folded_gpt2():
-    """``normfold.fold``'s GPT-2: ln_f's γ/β moved into a created ``lm_head.bias`` stock GPT-2 lacks."""
+    """``normfold.fold``'s whole plan of GPT-2: ln_f's γ/β moved into a created ``lm_head.bias`` stock GPT-2 lacks."""
     model = _gpt2()
-    folded, report = normfold.fold(model, _inputs())
+    folded, report = normfold.fold(model, _inputs(), stock_compatible=False)
     assert folded.lm_head.bias is not None
     return model, folded, report
 
@@ -76,7 +76,7 @@ def test_save_pretrained_then_from_pretrained_rebuilds_exactly_the_folded_model(
 
 def test_save_pretrained_warns_because_stock_transformers_loads_a_different_model(folded_gpt2, tmp_path):
     _, folded, _ = folded_gpt2
-    with pytest.warns(UserWarning, match=r"drop lm_head.bias .*normfold.from_pretrained.*fold_for_stock"):
+    with pytest.warns(UserWarning, match=r"drop lm_head.bias .*normfold.from_pretrained.*stock-compatible plan \(normfold.fold"):
         normfold.save_pretrained(folded, tmp_path / "out")
     stock = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     inputs = _inputs()
@@ -118,7 +118,7 @@ def test_a_norm_precomputed_into_the_table_round_trips_as_identity(tmp_path):
     config = transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=2, attn_implementation="eager")
     model = transformers.BloomForCausalLM(config).eval()
     inputs = {"input_ids": torch.randint(0, 96, (2, 12)), "use_cache": False}
-    folded, report = normfold.fold(model, inputs)
+    folded, report = normfold.fold(model, inputs, stock_compatible=False)
     assert isinstance(folded.transformer.word_embeddings_layernorm, torch.nn.Identity)
     with pytest.warns(UserWarning, match="word_embeddings_layernorm as norms"):
         record = normfold.save_pretrained(folded, tmp_path / "out", report=report)
@@ -320,7 +320,7 @@ def test_a_created_head_bias_of_a_gpt_neox_is_restored_from_the_name_it_is_store
     do not hold: lm_head.bias")."""
     original = load_model(neox_dir)
     inputs = example_inputs_for(original)
-    folded, report = normfold.fold(original, inputs)
+    folded, report = normfold.fold(original, inputs, stock_compatible=False)
     with pytest.warns(UserWarning, match="stock transformers would drop lm_head.bias"):
         normfold.save_pretrained(folded, tmp_path / "out", report=report, source_dir=neox_dir)
     assert "embed_out.bias" in safetensors_torch.load_file(tmp_path / "out" / "model.safetensors")
