@@ -57,9 +57,9 @@ def gpt2(tiny_dirs):
 
 def test_gpt2s_habit_folder_loads_exactly_in_stock_transformers_and_bitwise_in_normfold(gpt2, tmp_path):
     src, original, (folded, report), _ = gpt2
-    assert getattr(folded.lm_head, "bias", None) is None  # the default plan creates nothing GPT-2 lacks...
-    ln_f = folded.transformer.ln_f
-    assert isinstance(ln_f, normfold.RMSNorm) and ln_f.weight is not None and ln_f.bias is not None  # ...ln_f keeps γ/β
+    assert getattr(folded.lm_head, "bias", None) is None  # the default plan creates nothing GPT-2 lacks:
+    ln_f = folded.transformer.ln_f  # ln_f keeps its γ/β, inside its RMSNorm
+    assert isinstance(ln_f, normfold.RMSNorm) and ln_f.weight is not None and ln_f.bias is not None
     assert "lm_head.bias" in next(e.reason for e in report.norms if e.path == "transformer.ln_f")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -6,7 +6,9 @@ on a zero-mean input computes exactly the RMSNorm. ``normfold_report.json`` reco
 model of the class lacks (:func:`folded_layout`: the swapped norms, norms precomputed away,
 parameters the fold created), so :func:`from_pretrained` rebuilds the folded model exactly, with
 the fast :class:`normfold.nn.RMSNorm` modules; stock transformers loads the same model only when
-nothing but swapped norms is recorded (``"stock_compatible"``), which ``normfold fold`` ensures.
+nothing but swapped norms is recorded (``"stock_compatible"``), which ``normfold fold`` and
+``normfold.fold``'s default plan for a ``PreTrainedModel`` ensure. The model ``normfold.fold``
+returns saves itself this way (:class:`FoldedModelSaver`: ``folded.save_pretrained(d)``).
 """
 from __future__ import annotations
 
@@ -164,8 +166,10 @@ def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: tor
     which records what a stock model of the class lacks (:func:`folded_layout`: the RMSNorms, norms
     precomputed away, parameters the fold created such as ``lm_head.bias``; those are in the weights).
     Stock ``from_pretrained`` loads the same model when the fold fits the stock class (``normfold
-    fold`` and :func:`normfold.hf.folder.fold_for_stock` make such folds); otherwise a
-    ``UserWarning`` says what stock transformers would drop or rebuild.
+    fold``, :func:`normfold.hf.folder.fold_for_stock` and ``normfold.fold``'s default plan for a
+    ``PreTrainedModel`` make such folds); otherwise a ``UserWarning`` says what stock transformers
+    would drop or rebuild. ``folded.save_pretrained(out_dir)`` on the model ``normfold.fold``
+    returned calls this with its report (:class:`FoldedModelSaver`).
 
     Args:
         dtype: storage dtype (``torch.float32`` / ``float16`` / ``bfloat16`` or its name); default: as is.
