@@ -10,9 +10,11 @@ no report (``normfold.from_pretrained``: "no normfold_report.json") and dropped 
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import pickle
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -112,14 +114,15 @@ def test_berts_habit_folder_loads_exactly_in_stock_transformers_and_bitwise_in_n
 # ------------------------------------------------------------------------------ transformers' keywords
 
 @pytest.mark.parametrize("name, value", [
-    ("state_dict", {}), ("push_to_hub", True), ("token", "hf_abc"), ("variant", "fp16"), ("max_shard_size", "1GB"),
-    ("safe_serialization", False), ("save_function", torch.save),
+    ("state_dict", {f"w{i}": torch.zeros(1000) for i in range(100)}), ("push_to_hub", True), ("token", "hf_abc"),
+    ("variant", "fp16"), ("max_shard_size", "1GB"), ("safe_serialization", False), ("save_function", torch.save),
 ])
 def test_transformers_keywords_normfold_cannot_honour_are_refused_before_anything_is_written(gpt2, tmp_path,
                                                                                             name, value):
     folded = gpt2[2][0]
-    with pytest.raises(ValueError, match=rf"cannot honour {name}=.*; it takes save_directory, source_dir="):
+    with pytest.raises(ValueError, match=rf"cannot honour {name}=.*; it takes save_directory, source_dir=") as err:
         folded.save_pretrained(tmp_path / "d", **{name: value})
+    assert len(str(err.value)) < 600  # one line, however large the value (this dict's repr: 434490 characters)
     assert not (tmp_path / "d").exists()
 
 
@@ -136,9 +139,9 @@ def test_keywords_at_the_value_that_changes_nothing_are_accepted_and_other_ranks
     folded = gpt2[2][0]
     assert folded.save_pretrained(tmp_path / "rank1", is_main_process=False) is None
     assert not (tmp_path / "rank1").exists()
-    record = folded.save_pretrained(tmp_path / "d", push_to_hub=False, state_dict=None, safe_serialization=True,
-                                    variant=None, token=None)
-    assert record["stock_compatible"] and (tmp_path / "d" / REPORT_JSON).is_file()
+    assert folded.save_pretrained(tmp_path / "d", push_to_hub=False, state_dict=None, safe_serialization=True,
+                                  variant=None, token=None) is None  # as transformers' save_pretrained returns
+    assert json.loads((tmp_path / "d" / REPORT_JSON).read_text())["stock_compatible"] is True
 
 
 # ---------------------------------------------------------------------------------- existing folders
@@ -183,6 +186,18 @@ def test_a_model_that_is_not_a_transformers_model_keeps_its_class_behaviour_and_
         normfold.fold(_OwnSaver(), (torch.randn(2, 3, 8),), stock_compatible=True)
     with pytest.raises(TypeError, match="FoldConfig.stock_compatible must be a bool"):
         normfold.FoldConfig(stock_compatible="yes")
+
+
+def test_deleting_a_folded_model_frees_it_without_the_garbage_collector(gpt2):
+    """The saver holds its model weakly: no reference cycle keeps a large model's memory after ``del``."""
+    folded = copy.deepcopy(gpt2[2][0])
+    alive = weakref.ref(folded)
+    gc.disable()
+    try:
+        del folded
+        assert alive() is None
+    finally:
+        gc.enable()
 
 
 def test_a_deep_copy_and_an_unpickled_model_save_themselves(gpt2, tmp_path):

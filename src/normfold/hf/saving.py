@@ -12,11 +12,14 @@ returns saves itself this way (:class:`FoldedModelSaver`: ``folded.save_pretrain
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
+import reprlib
 import sys
 import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -281,33 +284,50 @@ class FoldedModelSaver:
     after the model, or pass ``source_dir``, the folder the model came from, to copy them).
     ``is_main_process=False`` writes nothing, as transformers does. transformers' other keywords
     are refused (ValueError saying what to do instead) unless at the value that changes nothing;
-    unknown keywords are a TypeError. An attribute of the instance, not a method: ``copy.deepcopy``
-    and pickling give the copy a saver of its own (``model`` and ``report`` are its state).
+    unknown keywords are a TypeError. Returns None, as transformers' does (a notebook shows nothing);
+    the report written is the folder's ``normfold_report.json``. An attribute of the instance, not a
+    method; it holds its model weakly, so that ``del model`` frees the model at once, as without
+    normfold (no reference cycle waiting for the garbage collector), and ``copy.deepcopy`` and
+    pickling of the model give the copy a saver of its own.
     """
 
     def __init__(self, model: nn.Module, report: FoldReport) -> None:
-        self.model = model
+        self._model = weakref.ref(model)
         self.report = report
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("the model this save_pretrained belongs to no longer exists")
+        return model
+
+    def __deepcopy__(self, memo: dict) -> "FoldedModelSaver":
+        # inside a deep copy of the model, memo already maps the model to its copy
+        return FoldedModelSaver(copy.deepcopy(self.model, memo), copy.deepcopy(self.report, memo))
+
+    def __reduce__(self):
+        return FoldedModelSaver, (self.model, self.report)  # pickle stores the model once, with the saver in it
 
     def __repr__(self) -> str:
         return f"<save_pretrained of a {type(self.model).__name__} folded by normfold: normfold.save_pretrained>"
 
     def __call__(self, save_directory: str | os.PathLike, *, source_dir: str | os.PathLike | None = None,
                  dtype: torch.dtype | str | None = None, overwrite: bool = True, is_main_process: bool = True,
-                 **transformers_options: Any) -> dict[str, Any] | None:
+                 **transformers_options: Any) -> None:
         for name, value in transformers_options.items():
             if name not in _TRANSFORMERS_ONLY:
                 raise TypeError(f"save_pretrained() of a model folded by normfold got an unexpected keyword "
                                 f"argument {name!r}: {_SUPPORTED}")
             harmless, instead = _TRANSFORMERS_ONLY[name]
             if value is not harmless:
-                raise ValueError(f"save_pretrained() of a model folded by normfold cannot honour {name}={value!r}: "
-                                 f"{instead}; {_SUPPORTED}")
+                raise ValueError(f"save_pretrained() of a model folded by normfold cannot honour "
+                                 f"{name}={reprlib.repr(value)}: {instead}; {_SUPPORTED}")
         for name, value in (("overwrite", overwrite), ("is_main_process", is_main_process)):
             if not isinstance(value, bool):
                 raise TypeError(f"save_pretrained()'s {name} must be a bool, got {type(value).__name__} {value!r}")
         if not is_main_process:
-            return None
+            return
         out = Path(save_directory)
         if overwrite and out.is_dir() and not out.is_symlink() and not _replaceable(out):
             held = sorted(p.name for p in out.iterdir())
@@ -316,8 +336,8 @@ class FoldedModelSaver:
                                   f"{' ...' if len(held) > 4 else ''}: save into a new folder, and a tokenizer "
                                   "after the model (or pass source_dir=, the model's original folder, to copy its "
                                   "files)")
-        return save_pretrained(self.model, save_directory, dtype=dtype, source_dir=source_dir, report=self.report,
-                               overwrite=overwrite)
+        save_pretrained(self.model, save_directory, dtype=dtype, source_dir=source_dir, report=self.report,
+                        overwrite=overwrite)
 
 
 # ---------------------------------------------------------------------------------------- reloading
