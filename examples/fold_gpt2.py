@@ -6,10 +6,11 @@ Every LayerNorm of GPT-2 reads the residual stream, which only embeddings and ou
 write. Centering those producers makes every LayerNorm input zero-mean, so each LayerNorm becomes
 an RMSNorm with the same outputs; γ and β move into the linear layers that read the norms.
 
-ln_f's γ/β move into the LM head, which gets a bias stock GPT-2 does not have: the folded model is
-saved with ``normfold.save_pretrained`` (which warns that ``GPT2LMHeadModel.from_pretrained`` would
-drop it) and reloaded exactly with ``normfold.from_pretrained``. ``normfold fold`` on a folder, or
-``normfold.hf.folder.fold_for_stock``, keeps ln_f's γ/β instead, so stock transformers loads the result.
+With ``stock_compatible=False`` (the whole plan) ln_f's γ/β move into the LM head, which gets a bias
+stock GPT-2 does not have: the folded model's ``save_pretrained`` (``normfold.save_pretrained``) warns
+that ``GPT2LMHeadModel.from_pretrained`` would drop it, and ``normfold.from_pretrained`` reloads it
+exactly. By default (and in ``normfold fold``) a transformers model keeps ln_f's γ/β in its RMSNorm
+instead, so stock transformers loads the result.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def main() -> None:
     report = normfold.analyze(model, example)  # what would fold, and why; the model is untouched
     print(report, end="\n\n")
 
-    folded, report = normfold.fold(model, example)  # verified in float64; raises if outputs differ
+    folded, report = normfold.fold(model, example, stock_compatible=False)  # proved in float64, or raises
     print(report.verification)
     print("ln_1 of block 0:", folded.transformer.h[0].ln_1)
 
@@ -53,7 +54,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         with warnings.catch_warnings(record=True) as caught:  # stock GPT-2 has no lm_head.bias: it would be dropped
             warnings.simplefilter("always")
-            normfold.save_pretrained(folded, f"{tmp}/folded", report=report)
+            folded.save_pretrained(f"{tmp}/folded")  # normfold.save_pretrained, with the fold's report
         for warning in caught:
             print("warning:", warning.message)
         reloaded = normfold.from_pretrained(f"{tmp}/folded")  # RMSNorms and lm_head.bias restored

@@ -7,8 +7,8 @@ LayerNorms of any ``torch.export``-able model exactly into RMSNorms (``analyze``
 ``normfold.fold(model, inputs)`` is the exact fold in one line; ``normfold.convert`` composes it
 with fusion and the approximate fold (``FoldConfig``, ``FuseConfig``, ``ApproximateConfig``).
 
-``import normfold`` needs only torch; checkpoint I/O, training and benchmarks are imported on
-first use.
+``import normfold`` needs only torch; transformers and safetensors (checkpoint I/O), training and
+benchmarks are imported on first use.
 """
 from __future__ import annotations
 

@@ -9,7 +9,9 @@ errors naming what was expected and what was received), so a wrong option fails 
 The steps run in this order, each on the previous one's output, and each writes its own section of
 the one ``FoldReport``:
 
-1. ``fold``  (:class:`FoldConfig`, ``normfold.fold``): LayerNorms → RMSNorms, proved exact in float64.
+1. ``fold``  (:class:`FoldConfig`, ``normfold.fold``): LayerNorms → RMSNorms, proved exact in float64;
+   for a transformers ``PreTrainedModel``, by default only what its own class loads from a folder
+   (``stock_compatible``), and the returned model's ``save_pretrained`` writes normfold's folder.
 2. ``fuse``  (:class:`FuseConfig`, ``normfold.fuse``): residual adds run inside the norm kernel;
    proved equal to step 1's model in float64 (``report.fuse``).
 3. ``approximate`` (:class:`ApproximateConfig`, ``normfold.lab.approximate``): norms the exact fold
@@ -28,12 +30,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .fold import FoldReport
-from .fold import fold as exact_fold
+from .fold import FoldReport, PlanConstraints, fold_within
 from .fold.graph import check_model_and_inputs
 from .fold.verify import FOLD_TOLERANCE, prove_or_raise
 from .fold.verify import verify as verify_models
 from .fuse import fuse_residual_norms
+from .hf.saving import FoldedModelSaver, is_pretrained_model, stock_constraints
 from .lab._common import as_batches
 from .lab.approximate import approximate_fold
 
@@ -55,16 +57,27 @@ class FoldConfig:
     LayerNorm applied straight to an embedding lookup into the table. ``fold_batchnorm``: merge
     eval-mode BatchNorms into the Linear/Conv before them first. ``verify``: prove the result in
     float64 before returning it (``FoldVerificationError`` otherwise).
+
+    ``stock_compatible``: plan only what the model's own transformers class loads from a folder, so
+    that ``folded.save_pretrained(d)`` then stock ``from_pretrained(d)`` is the same model: no
+    parameter the class lacks (GPT-2's ln_f keeps its γ/β, applied inside its RMSNorm, rather than
+    creating an ``lm_head.bias``), no norm precomputed away, merged BatchNorms kept as exact
+    identities; the report gives each kept γ/β's reason. ``None`` (default): on for a transformers
+    ``PreTrainedModel``, off for any other module (``True`` there is a TypeError). ``False``: the
+    whole plan, whose folder only ``normfold.from_pretrained`` rebuilds (saving it warns).
     """
 
     fold_affine: bool = True
     precompute: bool = True
     fold_batchnorm: bool = True
     verify: bool = True
+    stock_compatible: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("fold_affine", "precompute", "fold_batchnorm", "verify"):
             _require_bool("FoldConfig", name, getattr(self, name))
+        if self.stock_compatible is not None:
+            _require_bool("FoldConfig", "stock_compatible", self.stock_compatible)
 
 
 @dataclass(frozen=True)
@@ -143,20 +156,39 @@ def convert(model: nn.Module, example_inputs, *, fold: FoldConfig = FoldConfig()
     exact fold and fusion leave outputs unchanged (each proved in float64 when its ``verify`` is on);
     ``approximate`` changes them, by at most what ``report.approximate`` measured on the calibration
     batches. ``model`` is never modified.
+
+    For a transformers ``PreTrainedModel`` the returned model's ``save_pretrained`` is
+    ``normfold.save_pretrained`` with this report (:class:`normfold.hf.saving.FoldedModelSaver`): the
+    folder it writes ``normfold.from_pretrained`` rebuilds exactly, and stock ``from_pretrained``
+    loads as the same model under the stock-compatible plan (``FoldConfig.stock_compatible``).
     """
     _check_config("fold", fold, FoldConfig, optional=False)
     _check_config("fuse", fuse, FuseConfig, optional=True)
     _check_config("approximate", approximate, ApproximateConfig, optional=True)
     calls = check_model_and_inputs(model, example_inputs)  # TypeError before any work
-    converted, report = exact_fold(model, example_inputs, fold_affine=fold.fold_affine, precompute=fold.precompute,
-                                   fold_batchnorm=fold.fold_batchnorm, verify=fold.verify)
+    converted, report = fold_within(model, example_inputs, _plan_constraints(model, fold), verify=fold.verify)
     if fuse is not None:
         converted, report.fuse = _fuse(converted, calls, fuse)
     if approximate is not None:
         converted, report.approximate = approximate_fold(model, converted, report, approximate.calibration,
                                                          min_cosine=approximate.min_cosine,
                                                          output_fn=approximate.output_fn)
+    if is_pretrained_model(converted):  # the habit: folded.save_pretrained(d) writes normfold's folder
+        converted.save_pretrained = FoldedModelSaver(converted, report)
     return converted, report
+
+
+def _plan_constraints(model: nn.Module, config: FoldConfig) -> PlanConstraints:
+    """The fold's options as planning constraints, within what the model's transformers class loads
+    under ``config.stock_compatible`` (default: for a ``PreTrainedModel``), saved in its own dtype."""
+    hugging_face = is_pretrained_model(model)
+    if not (hugging_face if config.stock_compatible is None else config.stock_compatible):
+        return PlanConstraints(fold_affine=config.fold_affine, precompute=config.precompute,
+                               fold_batchnorm=config.fold_batchnorm)
+    if not hugging_face:
+        raise TypeError(f"stock_compatible=True plans what a transformers PreTrainedModel's class loads, got a "
+                        f"{type(model).__name__}: leave it None (or False) for other modules")
+    return stock_constraints(model, model.dtype, fold_affine=config.fold_affine, fold_batchnorm=config.fold_batchnorm)
 
 
 def _fuse(folded: nn.Module, calls: list, config: FuseConfig):
@@ -171,8 +203,9 @@ def _fuse(folded: nn.Module, calls: list, config: FuseConfig):
 
 
 def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
-         fold_batchnorm: bool = True, verify: bool = True, fuse: bool = False, approximate: bool = False,
-         calibration=None, min_cosine: float = 0.999, output_fn=None) -> tuple[nn.Module, FoldReport]:
+         fold_batchnorm: bool = True, verify: bool = True, stock_compatible: bool | None = None, fuse: bool = False,
+         approximate: bool = False, calibration=None, min_cosine: float = 0.999,
+         output_fn=None) -> tuple[nn.Module, FoldReport]:
     """Return ``(folded_copy, report)``: foldable LayerNorms become RMSNorms, outputs unchanged.
 
     With ``verify=True`` the plan is also applied to a float64 copy and compared with ``model`` in
@@ -183,6 +216,13 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     overflows the model's dtype (naming the tensor). ``report.verification`` holds the numbers.
     ``example_inputs`` as for :func:`normfold.analyze` (one call, or a list of calls: only what is
     exact for all of them folds).
+
+    A transformers ``PreTrainedModel`` is folded, by default, only as far as its own class can load
+    (``stock_compatible``, see :class:`FoldConfig`: γ/β with no place in the class stay in their
+    RMSNorm), and the returned model's ``save_pretrained(d)`` writes normfold's folder (with this
+    report): stock ``from_pretrained(d)`` and ``normfold.from_pretrained(d)`` (the fast RMSNorms)
+    both give the same model. ``stock_compatible=False`` folds every γ/β it can (GPT-2's ln_f into a
+    new ``lm_head.bias``): only ``normfold.from_pretrained`` rebuilds that, and saving warns.
 
     The keyword form of :func:`convert` (``FoldConfig`` / ``FuseConfig`` / ``ApproximateConfig``):
 
@@ -197,7 +237,7 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     longer exact: ``report.approximate`` holds the measured change, ``report.num_approximate`` the count.
     """
     fold_config = FoldConfig(fold_affine=fold_affine, precompute=precompute, fold_batchnorm=fold_batchnorm,
-                             verify=verify)
+                             verify=verify, stock_compatible=stock_compatible)
     _require_bool("fold", "fuse", fuse)
     _require_bool("fold", "approximate", approximate)
     fuse_config = FuseConfig(verify=verify) if fuse else None

@@ -46,9 +46,9 @@ def _logits(model, inputs):
 
 @pytest.fixture(scope="module")
 def folded_gpt2():
-    """``normfold.fold``'s GPT-2: ln_f's γ/β moved into a created ``lm_head.bias`` stock GPT-2 lacks."""
+    """``normfold.fold``'s whole plan of GPT-2: ln_f's γ/β moved into a created ``lm_head.bias`` stock GPT-2 lacks."""
     model = _gpt2()
-    folded, report = normfold.fold(model, _inputs())
+    folded, report = normfold.fold(model, _inputs(), stock_compatible=False)
     assert folded.lm_head.bias is not None
     return model, folded, report
 
@@ -78,7 +78,7 @@ def test_a_folder_stock_transformers_would_load_as_another_model_is_refused_by_s
     """Fails on main (36efdc1): stock GPT2LMHeadModel.from_pretrained loaded it silently without lm_head.bias,
     11% off. Now the folder is written for normfold.from_pretrained only, and stock loading refuses it loudly."""
     _, folded, _ = folded_gpt2
-    with pytest.warns(UserWarning, match=r"drop lm_head.bias .*normfold.from_pretrained only.*fold_for_stock"):
+    with pytest.warns(UserWarning, match=r"drop lm_head.bias .*normfold.from_pretrained only.*stock-compatible plan \(normfold.fold"):
         normfold.save_pretrained(folded, tmp_path / "out")
     with pytest.raises(ValueError, match="model type `normfold: load with normfold.from_pretrained`"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -122,7 +122,7 @@ def test_a_norm_precomputed_into_the_table_round_trips_as_identity(tmp_path):
     config = transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=2, attn_implementation="eager")
     model = transformers.BloomForCausalLM(config).eval()
     inputs = {"input_ids": torch.randint(0, 96, (2, 12)), "use_cache": False}
-    folded, report = normfold.fold(model, inputs)
+    folded, report = normfold.fold(model, inputs, stock_compatible=False)
     assert isinstance(folded.transformer.word_embeddings_layernorm, torch.nn.Identity)
     with pytest.warns(UserWarning, match="word_embeddings_layernorm as norms"):
         record = normfold.save_pretrained(folded, tmp_path / "out", report=report)
@@ -325,7 +325,7 @@ def test_a_created_head_bias_of_a_gpt_neox_is_restored_from_the_name_it_is_store
     do not hold: lm_head.bias")."""
     original = load_model(neox_dir)
     inputs = example_inputs_for(original)
-    folded, report = normfold.fold(original, inputs)
+    folded, report = normfold.fold(original, inputs, stock_compatible=False)
     with pytest.warns(UserWarning, match="stock transformers would drop lm_head.bias"):
         normfold.save_pretrained(folded, tmp_path / "out", report=report, source_dir=neox_dir)
     assert "embed_out.bias" in safetensors_torch.load_file(sealing.weights_file(tmp_path / "out"))

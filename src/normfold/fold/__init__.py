@@ -56,13 +56,20 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     naming the tensor). ``report.verification`` holds the numbers. ``example_inputs`` as for :func:`analyze` (one call,
     or a list of calls: only what is exact for all of them folds).
     """
-    check_model_and_inputs(model, example_inputs)  # TypeError before any work
     constraints = PlanConstraints(fold_affine=fold_affine, precompute=precompute, fold_batchnorm=fold_batchnorm)
+    return fold_within(model, example_inputs, constraints, verify=verify)
+
+
+def fold_within(model: nn.Module, example_inputs, constraints: PlanConstraints, *,
+                verify: bool = True) -> tuple[nn.Module, FoldReport]:
+    """:func:`fold` planned within ``constraints``: what the caller's loader can load besides the
+    options (``PlanConstraints.for_stock_checkpoint``: what a stock Hugging Face class loads)."""
+    check_model_and_inputs(model, example_inputs)  # TypeError before any work
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         raise FoldError("fold needs the model's weights, but some are on the meta device: load them first "
                         "(analyze works on a meta model; normfold.hf folds checkpoints shard by shard)")
     return fold_exactly(model, example_inputs, constraints, prove=verify)
 
 
-__all__ = ["analyze", "fold", "verify", "FoldReport", "NormEntry", "VerifyResult", "FoldError",
+__all__ = ["analyze", "fold", "fold_within", "verify", "FoldReport", "NormEntry", "VerifyResult", "FoldError",
            "FoldVerificationError", "FoldPlan", "PlanConstraints"]

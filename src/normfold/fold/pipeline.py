@@ -54,7 +54,8 @@ def _plan(model: nn.Module, calls: list, constraints: PlanConstraints) -> FoldRe
     plan = FoldPlan(batchnorm=bn_steps, layer_scale=plan.layer_scale, center=plan.center, untie=plan.untie, precompute=plan.precompute,
                     affine_fold=plan.affine_fold, swap=plan.swap)
     return FoldReport(entries, plan, untied, batchnorms=bn_entries,
-                      traced_calls=[describe_call(model, *split_example_inputs(call)) for call in calls])
+                      traced_calls=[describe_call(model, *split_example_inputs(call)) for call in calls],
+                      constraints=constraints)
 
 
 def _dropping_module(step):

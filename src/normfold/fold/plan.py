@@ -185,12 +185,12 @@ class PlanConstraints:
             raise TypeError(f"keep_modules_in must be a floating torch.dtype, got {self.keep_modules_in!r}")
 
     @classmethod
-    def for_stock_checkpoint(cls, loadable_keys, stored_dtype: torch.dtype, *,
-                             fold_affine: bool = True) -> "PlanConstraints":
+    def for_stock_checkpoint(cls, loadable_keys, stored_dtype: torch.dtype, *, fold_affine: bool = True,
+                             fold_batchnorm: bool = True) -> "PlanConstraints":
         """A plan whose result stock transformers loads: no precompute (every norm module stays), no
         parameter the architecture lacks (e.g. GPT-2's ``lm_head.bias``), BatchNorms kept as identities."""
-        return cls(fold_affine=fold_affine, precompute=False, loadable_keys=frozenset(loadable_keys),
-                   keep_modules_in=stored_dtype)
+        return cls(fold_affine=fold_affine, precompute=False, fold_batchnorm=fold_batchnorm,
+                   loadable_keys=frozenset(loadable_keys), keep_modules_in=stored_dtype)
 
     def may_create(self, fqn: str) -> bool:
         """Whether a step may create the parameter ``fqn`` (the loader knows that name)."""

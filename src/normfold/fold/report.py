@@ -5,7 +5,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from .batchnorm import BatchNormEntry
-from .plan import FoldPlan
+from .plan import FoldPlan, PlanConstraints
 
 if TYPE_CHECKING:  # the sections later steps write: types only, never imported at run time (dependency rules)
     from ..fuse.report import FuseReport
@@ -139,6 +139,7 @@ class FoldReport:
     approximate: ApproximateReport | None = None  # written by normfold.convert(approximate=...) / fold(approximate=True)
     fuse: FuseReport | None = None                # written by normfold.convert(fuse=...) / fold(fuse=True)
     traced_calls: list[dict] = field(default_factory=list)  # per example call: argument name -> what it was
+    constraints: PlanConstraints | None = None  # what the plan was made within: the options, a loader's limits
 
     @property
     def exactness_scope(self) -> str:

@@ -6,14 +6,20 @@ on a zero-mean input computes exactly the RMSNorm. ``normfold_report.json`` reco
 model of the class lacks (:func:`folded_layout`: the swapped norms, norms precomputed away,
 parameters the fold created), so :func:`from_pretrained` rebuilds the folded model exactly, with
 the fast :class:`normfold.nn.RMSNorm` modules; stock transformers loads the same model only when
-nothing but swapped norms is recorded (``"stock_compatible"``), which ``normfold fold`` ensures.
+nothing but swapped norms is recorded (``"stock_compatible"``), which ``normfold fold`` and
+``normfold.fold``'s default plan for a ``PreTrainedModel`` ensure. The model ``normfold.fold``
+returns saves itself this way (:class:`FoldedModelSaver`: ``folded.save_pretrained(d)``).
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
+import reprlib
+import sys
 import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +35,7 @@ from ..nn.resize import replace_parameter
 from .._deps import require
 from .load import CheckpointError, _first_line, check_model_dir, load_model_and_info
 from .normfold_only import mark_normfold_only
-from .output_dir import REPORT_JSON, atomic_output_dir
+from .output_dir import REPORT_JSON, _replaceable, atomic_output_dir
 from .recipe import Recipe
 from .report import folder_report, seal_problems, write_sealed_report
 from .side_files import copy_side_files
@@ -103,8 +109,8 @@ def save_folded(folded: nn.Module, out_dir: Path, *, dtype: torch.dtype | None =
     config_dtype = getattr(folded.config, "dtype", None)
     if dtype is not None:
         folded.config.dtype = dtype
-    try:
-        folded.save_pretrained(out_dir, state_dict=state, safe_serialization=True)
+    try:  # the class's method: a model normfold.fold returned has its own (FoldedModelSaver), which calls this
+        type(folded).save_pretrained(folded, out_dir, state_dict=state, safe_serialization=True)
     finally:  # the caller's model keeps its own config
         folded.config.dtype = config_dtype
     if normfold_only:
@@ -169,8 +175,10 @@ def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: tor
     which records what a stock model of the class lacks (:func:`folded_layout`: the RMSNorms, norms
     precomputed away, parameters the fold created such as ``lm_head.bias``; those are in the weights).
     Stock ``from_pretrained`` loads the same model when the fold fits the stock class (``normfold
-    fold`` and :func:`normfold.hf.folder.fold_for_stock` make such folds); otherwise a
-    ``UserWarning`` says what stock transformers would drop or rebuild.
+    fold``, :func:`normfold.hf.folder.fold_for_stock` and ``normfold.fold``'s default plan for a
+    ``PreTrainedModel`` make such folds); otherwise a ``UserWarning`` says what stock transformers
+    would drop or rebuild. ``folded.save_pretrained(out_dir)`` on the model ``normfold.fold``
+    returned calls this with its report (:class:`FoldedModelSaver`).
 
     Args:
         dtype: storage dtype (``torch.float32`` / ``float16`` / ``bfloat16`` or its name); default: as is.
@@ -211,15 +219,17 @@ def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: tor
 
 def _saved_recipe(report: FoldReport | None, record: Mapping[str, Any], *, side_files: bool) -> dict[str, Any] | None:
     """The recipe ``normfold verify`` re-makes a ``save_pretrained`` folder from (None when it cannot:
-    no FoldReport, or an approximate fold, whose calibration batches are the caller's): γ/β folding as
-    the report shows it (where no norm moved its γ/β, folding them or not plans the same), planned for
-    stock loading when the result loads as stock (a plan that was not re-makes as another one, and
-    verify says so)."""
+    no FoldReport, or an approximate fold, whose calibration batches are the caller's): γ/β folding
+    and the plan for stock loading as the fold was planned (``report.constraints``; a report without
+    them: as it shows, γ/β folding where some norm moved its γ/β, the stock plan where the result
+    loads as stock). Other options or example calls re-make as another plan, and verify says so."""
     if report is None or report.approximate is not None:
         return None
-    return Recipe(command="save_pretrained", streaming=False, fold_affine=any(n.affine_folded for n in report.norms),
-                  dtype=record["saved_dtype"], stock_plan=bool(record["stock_compatible"]),
-                  side_files=side_files).to_dict()
+    planned = report.constraints
+    fold_affine = any(n.affine_folded for n in report.norms) if planned is None else planned.fold_affine
+    stock_plan = bool(record["stock_compatible"]) if planned is None else planned.loadable_keys is not None
+    return Recipe(command="save_pretrained", streaming=False, fold_affine=fold_affine, dtype=record["saved_dtype"],
+                  stock_plan=stock_plan, side_files=side_files).to_dict()
 
 
 def _storage_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -243,8 +253,97 @@ def _stock_incompatibility(cls_name: str, record: Mapping[str, Any]) -> str:
         what.append(f"rebuild the approximate RMSNorms {', '.join(record['approximate_norms'])} as LayerNorms")
     return (f"stock transformers would {' and '.join(what)}, so the folder is written for normfold.from_pretrained "
             f"only ({cls_name}.from_pretrained refuses it); for a folder stock transformers loads, fold with the "
-            "stock-compatible plan (normfold.hf.folder.fold_for_stock(model, example_inputs), what `normfold fold` "
-            "does)")
+            "stock-compatible plan (normfold.fold(model, example_inputs)'s default for a transformers model, and "
+            "what `normfold fold` does)")
+
+
+# --------------------------------------------------------------------- the folded model's save_pretrained
+
+_ABSENT = object()  # a keyword the caller did not pass
+
+# transformers' save_pretrained keywords that normfold.save_pretrained has no equivalent for:
+# keyword -> (the one value that changes nothing, or _ABSENT: none does; what to do instead)
+_TRANSFORMERS_ONLY = {
+    "state_dict": (None, "load it into the model first (model.load_state_dict(state_dict)), then save"),
+    "push_to_hub": (False, "save, then upload the folder (huggingface_hub.upload_folder)"),
+    "token": (None, "it is for push_to_hub: save, then upload the folder (huggingface_hub.upload_folder)"),
+    "variant": (None, "normfold.from_pretrained reads model.safetensors; pass dtype= to store another dtype"),
+    "max_shard_size": (_ABSENT, "the weights are written with transformers' default shard size"),
+    "safe_serialization": (True, "the weights are written as safetensors only"),
+    "save_function": (_ABSENT, "the weights are written as safetensors only"),
+}
+_SUPPORTED = ("it takes save_directory, source_dir=, dtype=, overwrite= and is_main_process= "
+              "(normfold.save_pretrained's options)")
+
+
+class FoldedModelSaver:
+    """``model.save_pretrained`` of a Hugging Face model ``normfold.fold`` / ``normfold.convert``
+    returned: :func:`save_pretrained` with that fold's report, so the habit
+    ``folded.save_pretrained(d)`` writes a folder :func:`from_pretrained` rebuilds exactly (and
+    ``normfold verify ORIG d`` re-makes), which stock ``from_pretrained`` loads as the same model when
+    the fold fits the stock class (``stock_compatible``, the default plan), and otherwise warns.
+
+    ``save_pretrained(save_directory, *, source_dir=None, dtype=None, overwrite=True,
+    is_main_process=True)``: like transformers' it writes into an existing folder, but as
+    :func:`save_pretrained` with ``overwrite``: the folder is replaced whole, and only when it is empty
+    or a normfold output (files saved into it since, such as a tokenizer, go with it: save those
+    after the model, or pass ``source_dir``, the folder the model came from, to copy them).
+    ``is_main_process=False`` writes nothing, as transformers does. transformers' other keywords
+    are refused (ValueError saying what to do instead) unless at the value that changes nothing;
+    unknown keywords are a TypeError. Returns None, as transformers' does (a notebook shows nothing);
+    the report written is the folder's ``normfold_report.json``. An attribute of the instance, not a
+    method; it holds its model weakly, so that ``del model`` frees the model at once, as without
+    normfold (no reference cycle waiting for the garbage collector), and ``copy.deepcopy`` and
+    pickling of the model give the copy a saver of its own.
+    """
+
+    def __init__(self, model: nn.Module, report: FoldReport) -> None:
+        self._model = weakref.ref(model)
+        self.report = report
+
+    @property
+    def model(self) -> nn.Module:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("the model this save_pretrained belongs to no longer exists")
+        return model
+
+    def __deepcopy__(self, memo: dict) -> "FoldedModelSaver":
+        # inside a deep copy of the model, memo already maps the model to its copy
+        return FoldedModelSaver(copy.deepcopy(self.model, memo), copy.deepcopy(self.report, memo))
+
+    def __reduce__(self):
+        return FoldedModelSaver, (self.model, self.report)  # pickle stores the model once, with the saver in it
+
+    def __repr__(self) -> str:
+        return f"<save_pretrained of a {type(self.model).__name__} folded by normfold: normfold.save_pretrained>"
+
+    def __call__(self, save_directory: str | os.PathLike, *, source_dir: str | os.PathLike | None = None,
+                 dtype: torch.dtype | str | None = None, overwrite: bool = True, is_main_process: bool = True,
+                 **transformers_options: Any) -> None:
+        for name, value in transformers_options.items():
+            if name not in _TRANSFORMERS_ONLY:
+                raise TypeError(f"save_pretrained() of a model folded by normfold got an unexpected keyword "
+                                f"argument {name!r}: {_SUPPORTED}")
+            harmless, instead = _TRANSFORMERS_ONLY[name]
+            if value is not harmless:
+                raise ValueError(f"save_pretrained() of a model folded by normfold cannot honour "
+                                 f"{name}={reprlib.repr(value)}: {instead}; {_SUPPORTED}")
+        for name, value in (("overwrite", overwrite), ("is_main_process", is_main_process)):
+            if not isinstance(value, bool):
+                raise TypeError(f"save_pretrained()'s {name} must be a bool, got {type(value).__name__} {value!r}")
+        if not is_main_process:
+            return
+        out = Path(save_directory)
+        if overwrite and out.is_dir() and not out.is_symlink() and not _replaceable(out):
+            held = sorted(p.name for p in out.iterdir())
+            raise CheckpointError(f"save_pretrained() of a model folded by normfold replaces a folder only when it "
+                                  f"is empty or a normfold output, and {out} holds {', '.join(held[:4])}"
+                                  f"{' ...' if len(held) > 4 else ''}: save into a new folder, and a tokenizer "
+                                  "after the model (or pass source_dir=, the model's original folder, to copy its "
+                                  "files)")
+        save_pretrained(self.model, save_directory, dtype=dtype, source_dir=source_dir, report=self.report,
+                        overwrite=overwrite)
 
 
 # ---------------------------------------------------------------------------------------- reloading
@@ -435,10 +534,18 @@ def swap_in_rmsnorm(model: nn.Module, entry: Mapping[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------ stock-compatible plans
 
-def stock_constraints(model, stored_dtype: torch.dtype, *, fold_affine: bool = True):
+def stock_constraints(model, stored_dtype: torch.dtype, *, fold_affine: bool = True, fold_batchnorm: bool = True):
     """The planning constraints of a folder that stock transformers loads, saved in ``stored_dtype``:
     no precompute (every norm module stays), no parameter the architecture lacks (e.g. GPT-2's
     ``lm_head.bias``: folding ln_f's β into the head would write it, stock drops it; ln_f keeps γ/β),
     and merged BatchNorms kept as exact identities (the architecture loads their keys)."""
     return PlanConstraints.for_stock_checkpoint(stock_parameter_shapes(model.config, type(model)), stored_dtype,
-                                                fold_affine=fold_affine)
+                                                fold_affine=fold_affine, fold_batchnorm=fold_batchnorm)
+
+
+def is_pretrained_model(model: object) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (importing nothing: one exists only once
+    transformers' modeling module is loaded)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
+
