@@ -381,3 +381,19 @@ def test_options_an_exact_fold_has_no_use_for_are_refused_not_ignored(saved, tmp
         verify_folders(src, out, min_cosine=0.99)
     assert main(["verify", str(src), str(out), "--min-cosine", "0.99"]) == EXIT_USAGE
     assert "not to this one (exact fold)" in capsys.readouterr().err
+
+
+def test_a_folder_checked_against_another_model_fails_before_anything_is_remade(saved, tiny_dirs, monkeypatch):
+    """Fails on main (0a5ea51): verify of a folded GPT-2 against a BERT folder ran for seconds, then crashed."""
+    from normfold.hf import judge
+
+    _, out = saved("tiny gpt2", "float32")
+
+    def never(*args, **kwargs):
+        raise AssertionError("re-made although the folder names another model")
+
+    monkeypatch.setattr(judge, "fold_folder", never)
+    result = verify_folders(tiny_dirs["bert"], out)
+    assert not result["ok"] and result["files"] is None
+    assert result["why"] == (f"the folder was folded from a GPT2LMHeadModel (gpt2), but {tiny_dirs['bert']} holds a "
+                             "BertModel (bert): it is not the folder's original")

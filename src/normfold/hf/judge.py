@@ -33,7 +33,7 @@ from ..fold.errors import FoldError
 from .errors import CheckpointError, _first_line
 from .folder import fold_folder, remake_saved
 from .inputs import example_inputs_for
-from .load import check_model_dir, load_model
+from .load import check_model_dir, load_config, load_model, model_class_for
 from .output_dir import REPORT_JSON
 from .recipe import DEFAULT_MIN_COSINE, CalibrationRecord, Recipe, file_sha256
 from .report import seal_problems
@@ -88,6 +88,9 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
     except CheckpointError as err:
         return _result(problems + [f"{REPORT_JSON}: {err}"], None)
     _check_options_apply(recipe, calibration_file, min_cosine)
+    other_model = _other_model_problem(report, orig_dir, trust_remote_code)
+    if other_model:  # before anything is loaded or re-made: the folder says it comes from another model
+        return _result(problems + [other_model], recipe)
     calibration = _calibration_problem(recipe, calibration_file)
     if calibration:
         return _result(problems + [calibration], recipe)
@@ -150,6 +153,22 @@ def read_report(folder: Path) -> dict[str, Any]:
     if not isinstance(report, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got {type(report).__name__}")
     return report
+
+
+def _other_model_problem(report: dict[str, Any], orig_dir: Path, trust_remote_code: bool) -> str | None:
+    """Why ORIG cannot be the folder's original by what the report says it was folded from (its class
+    and model type against ORIG's config), or None. Only a fast refusal: a report that names ORIG's
+    class falsely is caught by the comparison with the re-made folder."""
+    model = report.get("model")
+    if not isinstance(model, dict):
+        return None
+    config = load_config(orig_dir, trust_remote_code=trust_remote_code)
+    cls = None if trust_remote_code else model_class_for(config).__name__  # the class normfold builds ORIG as
+    said = (model.get("architecture"), model.get("model_type"))
+    if said[1] == config.model_type and (cls is None or said[0] == cls):
+        return None
+    return (f"the folder was folded from a {said[0]} ({said[1]}), but {orig_dir} holds a {cls or 'model'} "
+            f"({config.model_type}): it is not the folder's original")
 
 
 def _check_options_apply(recipe: Recipe, calibration_file, min_cosine: float | None) -> None:
