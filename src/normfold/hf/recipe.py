@@ -97,7 +97,7 @@ class Recipe:
         if dtype is not None and dtype not in SAVED_DTYPES:
             raise CheckpointError(f"recipe.dtype must be null or one of {', '.join(SAVED_DTYPES)}, got {_show(dtype)}")
         min_cosine = data["approximate_min_cosine"]
-        if min_cosine is not None and (not _is_number(min_cosine) or not 0.0 < min_cosine <= 1.0):
+        if min_cosine is not None and (not is_finite_number(min_cosine) or not 0.0 < min_cosine <= 1.0):
             raise CheckpointError(f"recipe.approximate_min_cosine must be null or a number in (0, 1], got "
                                   f"{_show(min_cosine)}")
         recipe = cls(command=command, streaming=_field(data, "streaming", bool, "recipe"),
@@ -128,7 +128,7 @@ def _rotation(data: object) -> Rotation:
     if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise CheckpointError(f"recipe.rotation.seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed}")
     fraction = data["slice_fraction"]
-    if not _is_number(fraction) or not 0.0 <= fraction < 1.0:
+    if not is_finite_number(fraction) or not 0.0 <= fraction < 1.0:
         raise CheckpointError(f"recipe.rotation.slice_fraction must be a number in [0, 1), got {_show(fraction)}")
     return Rotation(method, seed, float(fraction))
 
@@ -170,7 +170,8 @@ def _one_of(data: dict, name: str, choices: tuple[str, ...], where: str) -> str:
     return value
 
 
-def _is_number(value: object) -> bool:
+def is_finite_number(value: object) -> bool:
+    """A JSON number that is finite (not a bool, which Python counts as an int)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import reprlib
 import sys
@@ -36,7 +35,7 @@ from .._deps import require
 from .load import CheckpointError, _first_line, check_model_dir, load_model_and_info
 from .normfold_only import mark_normfold_only
 from .output_dir import REPORT_JSON, _replaceable, atomic_output_dir
-from .recipe import Recipe
+from .recipe import Recipe, is_finite_number
 from .report import folder_report, seal_problems, write_sealed_report
 from .side_files import copy_side_files
 from .weight_files import read_tensor, stored_tensors, weight_source
@@ -432,7 +431,7 @@ def read_layout(report: Mapping[str, Any], where: Path | str = REPORT_JSON) -> d
             raise fail(f"{at} must be an object with path, normalized_shape, eps, weight and bias")
         if not isinstance(e["path"], str) or not _is_int_list(e["normalized_shape"]) or not e["normalized_shape"]:
             raise fail(f"{at} needs a string path and a non-empty list of sizes as normalized_shape")
-        if not _is_number(e["eps"]) or e["eps"] < 0 or not _is_number(e.get("offset", 0.0)):
+        if not is_finite_number(e["eps"]) or e["eps"] < 0 or not is_finite_number(e.get("offset", 0.0)):
             raise fail(f"{at}.eps and .offset must be finite numbers (eps >= 0), got {e['eps']!r}, {e.get('offset')!r}")
         if not all(isinstance(e.get(k, False), bool) for k in ("weight", "bias", "approximate")):
             raise fail(f"{at}.weight, .bias and .approximate must be true or false")
@@ -453,9 +452,6 @@ def read_layout(report: Mapping[str, Any], where: Path | str = REPORT_JSON) -> d
 def _is_int_list(value: object) -> bool:
     return isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
 
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _restore_parameter(model: nn.Module, entry: Mapping[str, Any], stored: Mapping[str, tuple[Path, str]]) -> None:
