@@ -20,6 +20,7 @@ from normfold.fold import FoldVerificationError
 from normfold.fold.verify import OWN_ERROR_MULTIPLE
 from normfold.hf import CheckpointError, default_model_path, fold_folder, load_model, verify_folders
 from normfold.hf.output_dir import REPORT_JSON
+from normfold.hf.report import write_sealed_report
 
 import sealing
 
@@ -397,3 +398,18 @@ def test_a_folder_checked_against_another_model_fails_before_anything_is_remade(
     assert not result["ok"] and result["files"] is None
     assert result["why"] == (f"the folder was folded from a GPT2LMHeadModel (gpt2), but {tiny_dirs['bert']} holds a "
                              "BertModel (bert): it is not the folder's original")
+
+
+def test_a_rendering_dropped_from_the_seal_and_then_changed_fails(saved, tmp_path):
+    """Which files the seal covers comes from the re-made report, never from the folder: a markdown report
+    edited after its name was taken out of the seal (and the report resealed) is caught."""
+    src, out = saved("tiny gpt2", "float32")
+    folder = tmp_path / "unsealed-md"
+    shutil.copytree(out, folder)
+    (folder / "normfold_report.md").write_text("# all 9 norms folded, proved exact\n")
+    report = json.loads((folder / REPORT_JSON).read_text())
+    write_sealed_report(report, folder, ("normfold_zero_mean_graph.png",))  # sealed again, without the markdown
+    result = verify_folders(src, folder)
+    assert not result["ok"]
+    assert any("seals model.safetensors, normfold_zero_mean_graph.png; the re-made folder seals model.safetensors, "
+               "normfold_report.md, normfold_zero_mean_graph.png" in p for p in result["problems"]), result["problems"]

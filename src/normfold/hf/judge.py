@@ -303,12 +303,18 @@ class _Lazy(Mapping):
 
 def compare_reports(expected: dict[str, Any], report: dict[str, Any]) -> list[str]:
     """Where the folder's report claims something the re-made report does not: every field but the
-    measured ones (``_MEASURED``, sealed instead), figures equal to 1e-6 relative."""
+    measured ones (``_MEASURED``, sealed instead), figures equal to 1e-6 relative; and the files the
+    seal covers must be the re-made report's (a rendering dropped from the seal would go unchecked)."""
     expected = json.loads(json.dumps(expected, default=str))  # as the folder's was written and read back
+    problems = []
+    sealed, remade = sorted(report.get("files") or {}), sorted(expected.get("files") or {})
+    if sealed != remade:  # which files the seal covers is normfold's to say, not the folder's
+        problems.append(f"{REPORT_JSON} seals {', '.join(sealed) or 'no file'}; the re-made folder seals "
+                        f"{', '.join(remade)}")
     where = _first_json_difference(expected, report, skip=_MEASURED)
-    if where is None:
-        return []
-    return [f"{REPORT_JSON} differs from the report of the re-made folder at {where}"]
+    if where is not None:
+        problems.append(f"{REPORT_JSON} differs from the report of the re-made folder at {where}")
+    return problems
 
 
 def _first_json_difference(want: Any, got: Any, path: tuple = (), skip: set[tuple] = frozenset()) -> str | None:
@@ -335,16 +341,12 @@ def _first_json_difference(want: Any, got: Any, path: tuple = (), skip: set[tupl
             if found:
                 return found
         return None
-    if _is_float(want) and _is_float(got):
+    if isinstance(want, float) and isinstance(got, float):
         same = math.isclose(want, got, rel_tol=_FLOAT_RTOL, abs_tol=_FLOAT_ATOL) or (math.isnan(want) and math.isnan(got))
         return None if same else f"{here} ({got!r}, re-made {want!r})"
     if type(want) is not type(got) or want != got:
         return f"{here} ({got!r:.60}, re-made {want!r:.60})"
     return None
-
-
-def _is_float(value: Any) -> bool:
-    return isinstance(value, float)
 
 
 # ----------------------------------------------------------------------------------------- the outputs
