@@ -3,7 +3,8 @@ the option asked for), and an approximately replaced norm's row gives its cosine
 calibration inputs instead of what blocked the exact fold."""
 from __future__ import annotations
 
-from normfold.hf.report import norm_rows, render_markdown
+from normfold.hf.card import model_card, render_markdown
+from normfold.hf.report import norm_rows
 
 
 def _norm(path: str, *, foldable: bool, affine_folded: bool, reason: str = "input zero-mean: centered 2 producers"):
@@ -67,3 +68,78 @@ def test_an_approximate_row_of_a_report_without_its_sentences_does_not_invent_a_
 def test_the_headline_counts_approximate_replacements():
     assert _headline(_approximate_report(["one."])).startswith(
         "**0 of 2 LayerNorms folded into RMSNorm, 1 replaced approximately**")
+
+
+# ------------------------------------------------------------------------------- reports people read
+
+def _blocked(where: str) -> str:
+    return f"blocked: aten.layer_norm at {where}: aten.layer_norm output with an affine transform is not zero-mean"
+
+
+def _residual_report() -> dict:
+    """A post-LN stack as the engine reports it: the first norm folds, each later one is blocked by
+    the norm before it, and folded norms along a residual stream share producers."""
+    norms = [{**_norm("emb.ln", foldable=True, affine_folded=False,
+                      reason="input zero-mean: centered 2 producers; affine kept: its output feeds aten.add at h.0, "
+                             "not a linear layer"), "producers": ["wte.weight", "wpe.weight"]},
+             {**_norm("h.0.ln", foldable=True, affine_folded=True, reason="input zero-mean: centered 3 producers"),
+              "producers": ["wte.weight", "wpe.weight", "h.0.proj.bias"]}]
+    norms += [_norm(f"h.{i}.ln2", foldable=False, affine_folded=False, reason=_blocked(f"h.{i}.ln"))
+              for i in range(3)]
+    norms.append(_norm("pool.ln", foldable=False, affine_folded=False,
+                       reason="kept whole: normalizes over several dims together, (4, 8) (only the last dim alone folds)"))
+    verification = {"ok": True, "max_rel_error": 1.5e-14, "max_abs_error": 5e-15, "tolerance": 1e-9,
+                    "tolerance_rule": "fixed", "num_runs": 3, "why": None, "fallback": None, "compared_in": "float64",
+                    "max_input_mean_ratio": 3.8e-17, "model_dtype_max_rel_error": None, "stored_dtype_own_error": None,
+                    "worst": {"output": "out['logits']", "index": [0, 1], "original": 0.5, "folded": 0.5,
+                              "error": 1e-14, "input": 2}}
+    return {"fold_affine": True, "norms": norms, "verification": verification, "stock_compatible": True}
+
+
+def test_kept_norms_are_grouped_by_cause_one_sentence_each_with_where_each_input_stops_being_zero_mean():
+    markdown = render_markdown(_residual_report())
+    cause = "aten.layer_norm output with an affine transform is not zero-mean"
+    assert markdown.count(cause) == 1  # once, not once per norm
+    assert f"**3 norms**: {cause}." in markdown
+    assert "| `h.1.ln2` | aten.layer_norm at h.1.ln |" in markdown
+    assert "**1 norm**: kept whole: normalizes over several dims together" in markdown
+    assert "## Kept as LayerNorm (4)" in markdown
+
+
+def test_each_folded_norm_counts_the_producers_centered_for_it_that_no_earlier_norm_had():
+    markdown = render_markdown(_residual_report())
+    assert "| `emb.ln` | 2 | kept in the RMSNorm: its output feeds aten.add at h.0, not a linear layer |" in markdown
+    assert "| `h.0.ln` | 1 new (3 in all) | folded into the next linear layers |" in markdown
+
+
+def test_the_proof_is_in_words_without_field_names_or_none():
+    markdown = render_markdown(_residual_report())
+    assert "## Proof: passed" in markdown
+    assert "max relative error 1.5e-14 ≤ tolerance 1e-09" in markdown
+    assert "out['logits'][0, 1] on input 2" in markdown
+    for field in ("max_rel_error", "max_input_mean_ratio", "tolerance_rule", "why", "None", "| figure |"):
+        assert field not in markdown, field
+
+
+def test_a_comparison_of_nothing_says_why_instead_of_figures():
+    report = _residual_report()
+    report["verification"].update(ok=False, why="no floating output to compare")
+    markdown = render_markdown(report)
+    assert "## Proof: FAILED" in markdown and "could not be compared on 3 inputs" in markdown
+    assert "no floating output to compare" in markdown and "max relative error" not in markdown
+
+
+def test_the_model_card_keeps_the_original_and_adds_one_normfold_section():
+    original = "---\nlicense: apache-2.0\n---\n\n# My model\n\nTrained on things.\n"
+    card = model_card(_residual_report(), original)
+    assert card.startswith(original.rstrip("\n"))
+    assert card.count("## Folded by normfold") == 1
+    assert "**2 of 6 LayerNorms folded into RMSNorm**" in card and "normfold.from_pretrained(folder)" in card
+    again = model_card(_residual_report(), card)  # a folded folder folded again: one section, the new one
+    assert again == card
+
+
+def test_the_model_card_of_a_folder_stock_transformers_refuses_says_so():
+    report = {**_residual_report(), "stock_compatible": False}
+    assert "stock transformers refuses this folder" in model_card(report, "")
+    assert "stock transformers loads it too" in model_card(_residual_report(), "")

@@ -54,7 +54,10 @@ def test_fold_carries_every_side_file_over_and_skips_links_and_weights(tiny_dirs
     out = tmp_path / "out"
     report = _FOLDS[path](model, out)
     for name, text in side.items():
-        if name != "generation_config.json":  # the fold writes its own
+        if name == "README.md":  # the model card: the original's, then normfold's section
+            card = (out / name).read_text()
+            assert card.startswith(text + "\n\n## Folded by normfold\n"), card
+        elif name != "generation_config.json":  # the fold writes its own
             assert (out / name).read_text() == text, name
     for name in ("LICENSE", "tokenizer_copy.json", "linked_folder", "pipe", "pytorch_model.bin", "onnx", ".git"):
         assert not os.path.lexists(out / name), name
@@ -104,6 +107,7 @@ def test_a_hub_cache_snapshot_folds_with_its_side_files_read_through_its_own_blo
     assert (out / "tokenizer.json").read_text() == '{"tok": 1}'
     assert (out / "1_Pooling" / "config.json").read_text() == '{"mean": true}'
     assert not any(p.is_symlink() for p in out.rglob("*"))
-    assert not os.path.lexists(out / "README.md")
+    card = out / "README.md"  # the link was not followed: the card is normfold's section alone
+    assert not card.is_symlink() and card.read_text().startswith("## Folded by normfold") and "hunter2" not in card.read_text()
     assert {s["path"]: s["reason"] for s in report["skipped_files"]} == {"README.md": "symbolic link, not followed"}
     assert report["verification"]["ok"]

@@ -349,9 +349,10 @@ def test_fold_json_and_markdown_say_what_was_traced_and_what_the_fold_is_exact_f
     assert "## What the fold is exact for" in markdown and "traced call 0: `input_ids` = tensor (" in markdown
     assert report["exactness_scope"][1:] in markdown
     assert "### Weights rounded to the saved dtype, against the original" in markdown
-    # numbers for people: two digits, never a dict or a float repr
+    # numbers for people: in words, four digits, never a field name, a dict, None or a float repr
     own = report["verification"]["saved_dtype_check"]["stored_dtype_own_error"]
-    assert f"| stored_dtype_own_error | {own:.1e} |" in markdown and "{" not in markdown
+    assert f"the original's own error in the stored dtype: {own:.4g}" in markdown and "{" not in markdown
+    assert repr(own) not in markdown and "stored_dtype_own_error" not in markdown and "None" not in markdown
 
 
 def test_a_sentence_transformers_pooling_switched_after_the_fold_fails(tiny_dirs, tmp_path):

@@ -11,7 +11,7 @@ from typing import Any
 
 from .._deps import require
 from .._progress import notice
-from ..hf.folder import approximate_warning
+from ..hf.card import approximate_warning, exact_rule_line, number, saved_dtype_check_text, weights_text
 from ..hf.report import norm_rows
 
 
@@ -33,11 +33,6 @@ def steps(enabled: bool = True) -> Iterator:
             stack.enter_context(notice(description))
 
         yield step if enabled else (lambda _description: None)
-
-
-def number(value: float) -> str:
-    """A number for people: 4 significant digits (``0.9990``, ``3.142e-07``)."""
-    return f"{value:.4g}"
 
 
 def print_norm_table(report: dict) -> None:
@@ -83,27 +78,8 @@ def _figure_text(key: str, value) -> str:
     if key == "weights":
         return weights_text(value)
     if key == "saved_dtype_check":
-        return _saved_dtype_check_text(value)
+        return saved_dtype_check_text(value)
     return number(value) if isinstance(value, float) else str(value)
-
-
-def weights_text(weights: dict) -> str:
-    """The tensor-by-tensor check in one line: bit-identical, or the worst tensor."""
-    if weights.get("why"):
-        return f"FAILED: {weights['why']}"
-    worst = weights.get("worst")
-    if worst is None:
-        return f"{weights['num_tensors']} tensors, all bit-identical"
-    return (f"{weights['num_tensors']} tensors within {weights['bound']}; {weights['num_differing_tensors']} not "
-            f"bit-identical, worst {worst['name']} ({number(worst['max_ulps'])} ulp, "
-            f"max abs {number(worst['max_abs_error'])})")
-
-
-def _saved_dtype_check_text(check: dict) -> str:
-    if check.get("skipped"):
-        return f"skipped: {check['skipped']}"
-    return (f"{'passed' if check['ok'] else 'FAILED'}: max relative error {number(check['max_rel_error'])}, "
-            f"tolerance {number(check['tolerance'])}")
 
 
 def print_verification(ver: dict, what: str = "fold", title: str = "verification") -> None:
@@ -127,18 +103,6 @@ def print_verification(ver: dict, what: str = "fold", title: str = "verification
     rule = exact_rule_line(ver, what)
     if rule:
         console().print(rule)
-
-
-def exact_rule_line(ver: dict[str, Any], what: str = "fold") -> str | None:
-    """The exact check's verdict with its rule in words, e.g. ``exact fold: max relative error 3.1e-08 ≤
-    tolerance 2.5e-07 = 2 x (the original's own error in float32) + float32's unit roundoff``."""
-    max_rel, tolerance = ver.get("max_rel_error"), ver.get("tolerance")
-    if max_rel is None or tolerance is None or ver.get("why"):
-        return None
-    rule = ver.get("tolerance_rule") or "fixed"
-    words = (f"a fixed bound: the {what} is an exact transform, compared in float64" if rule == "fixed" else rule)
-    sign = "≤" if max_rel <= tolerance else ">"
-    return f"exact {what}: max relative error {number(max_rel)} {sign} tolerance {number(tolerance)}, {words}"
 
 
 def approximate_rule_line(ver: dict[str, Any]) -> str:

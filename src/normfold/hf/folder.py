@@ -19,12 +19,13 @@ from torch import nn
 from ..fold import FoldReport, FoldVerificationError, verify
 from ..fold.pipeline import fold_exactly, plan_fold, rms_norm_paths
 from ..fold.plan import PlanConstraints
+from .card import render_markdown, write_model_card
 from .inputs import calibration_batches, example_inputs_for, is_sentence_encoder, load_tokenizer, read_calibration_file
 from .load import CheckpointError, check_model_dir, load_model
 from .output_dir import atomic_output_dir
 from .picture import draw_zero_mean_graph
 from .recipe import CalibrationRecord, Recipe
-from .report import describe_model, folder_report, norm_rows, render_markdown, require_norms, write_sealed_report
+from .report import describe_model, folder_report, norm_rows, require_norms, write_sealed_report
 from .saving import DTYPES, folded_layout, save_folded, save_pretrained, stock_constraints
 from .side_files import copy_side_files
 
@@ -168,17 +169,6 @@ def _compared(model) -> str:
     return "mean-pooled sentence embeddings" if is_sentence_encoder(model) else "token outputs"
 
 
-def approximate_warning(report: dict[str, Any]) -> str | None:
-    """The one-line warning for a folder with approximately replaced norms (None when there are none)."""
-    n = report.get("num_approximate") or 0
-    if not n:
-        return None
-    cos = report.get("calibration_min_cosine")
-    cos_text = "n/a" if cos is None else f"{cos:.4g}"  # for people: 4 significant digits (the JSON keeps all)
-    return (f"{n} norm{'s' if n != 1 else ''} replaced approximately; min cosine {cos_text} on the calibration set; "
-            "load with normfold.from_pretrained (stock transformers would rebuild them as LayerNorms)")
-
-
 def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dtype: torch.dtype = torch.float32):
     """``normfold.fold`` within what stock transformers can load, saved in ``stored_dtype``
     (``normfold.hf.saving.stock_constraints``): the same pipeline (``normfold.fold.pipeline.fold_exactly``), proved in
@@ -209,22 +199,10 @@ def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code
 
 
 def write_report_files(report: dict[str, Any], out_dir: Path) -> dict[str, Any]:
-    """``normfold_report.md``, the zero-mean graph picture, then ``normfold_report.json`` sealed with
-    their hashes (:func:`normfold.hf.report.seal`); returns the report as written."""
-    markdown = render_markdown(report, picture=PICTURE)
-    warning = approximate_warning(report)
-    if warning:
-        approx = report["approximate"]
-        lines = ["", "## Approximate replacements: NOT exact", "", f"**Warning: {warning}.**", "",
-                 "| norm | status | min cosine alone (corrected) | min cosine alone (plain) | correction |",
-                 "|---|---|---|---|---|"]
-        lines += [f"| `{e['path']}` | {e['status']} | {_cos(e['cosine_alone'])} | {_cos(e['cosine_alone_naive'])} | "
-                  f"{e['correction'] or e['reason']} |" for e in approx["entries"]]
-        markdown += "\n".join(lines) + "\n"
-    (out_dir / REPORT_MD).write_text(markdown)
+    """``normfold_report.md``, the zero-mean graph picture and the model card's normfold section, then
+    ``normfold_report.json`` sealed with the hashes of the first two (:func:`normfold.hf.report.seal`);
+    returns the report as written."""
+    (out_dir / REPORT_MD).write_text(render_markdown(report, picture=PICTURE))
     draw_zero_mean_graph(norm_rows(report), out_dir / PICTURE, title=report["model"]["architecture"])
+    write_model_card(report, out_dir)
     return write_sealed_report(report, out_dir, (REPORT_MD, PICTURE))
-
-
-def _cos(value: float | None) -> str:
-    return "-" if value is None else f"{value:.6f}"

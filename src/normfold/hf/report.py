@@ -1,6 +1,6 @@
 """The folder report (``normfold_report.json``) of a folded folder, built by one function for every
-path that writes one (the in-memory and the streaming fold, ``normfold.save_pretrained``), and its
-views: per-norm rows (for the table and the picture) and markdown."""
+path that writes one (the in-memory and the streaming fold, ``normfold.save_pretrained``), its
+per-norm rows (for the table, the picture and ``hf.card``'s markdown), and its seal."""
 from __future__ import annotations
 
 import hashlib
@@ -90,80 +90,6 @@ def _approximate_reason(entry: dict[str, Any], num_inputs: int | None) -> str:
     inputs = "the calibration inputs" if num_inputs is None else f"{num_inputs} calibration inputs"
     close = "cosine not measured" if cosine is None else f"cosine {cosine:.6f} on {inputs}"
     return f"approximate: {close}; {entry.get('correction') or 'corrected RMSNorm'}"
-
-
-def _fmt(value: Any) -> str:
-    """A figure for people: floats to 2 digits (``1.2e-03``), a tensor summary as its fields."""
-    if isinstance(value, float):
-        return f"{value:.1e}"
-    if isinstance(value, dict):
-        return ", ".join(f"{k} {_fmt(v)}" for k, v in value.items())
-    return str(value).replace("|", "\\|")
-
-
-def render_markdown(report: dict[str, Any], *, picture: str | None = None) -> str:
-    """A short human report: what was folded, what was kept and why, and the verification."""
-    model = report.get("model", {})
-    rows = norm_rows(report)
-    lines = [f"# normfold report: {model.get('architecture', 'model')}", ""]
-    if model.get("source"):
-        lines += [f"Source: `{model['source']}` ({model.get('parameters', '?'):,} parameters)", ""]
-    lines += [_headline(report, rows), ""]
-    if picture:
-        lines += [f"![zero-mean graph]({picture})", ""]
-    lines += ["| norm | result | γ/β | why |", "|---|---|---|---|"]
-
-    def result(r) -> str:
-        return "RMSNorm" if r["folded"] else "RMSNorm (approximate)" if r["approximate"] else "LayerNorm kept"
-
-    lines += [f"| `{r['path']}` | {result(r)} | "
-              f"{'folded into next layer' if r['affine_folded'] else 'kept'} | {r['reason']} |" for r in rows]
-    if report.get("untied"):
-        lines += ["", "Untied: " + "; ".join(report["untied"])]
-    lines += _scope_lines(report)
-    ver = report.get("verification")
-    if ver:
-        lines += ["", f"## Verification: {'passed' if ver['ok'] else 'FAILED'}", "",
-                  "Original and folded model on the example inputs and random inputs of the same shapes.", "",
-                  "| figure | value |", "|---|---|"]
-        lines += [f"| {k} | {_fmt(v)} |" for k, v in ver.items() if k not in ("outputs", "ok", *_NESTED)]
-        for key, title in _NESTED.items():
-            if isinstance(ver.get(key), dict):
-                lines += ["", f"### {title}", "", "| figure | value |", "|---|---|"]
-                lines += [f"| {k} | {_fmt(v)} |" for k, v in ver[key].items() if k != "outputs"]
-    return "\n".join(lines) + "\n"
-
-
-def _headline(report: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """What the fold did, in one bold line: the norms folded (and replaced approximately), and where
-    γ/β went, counted from the rows rather than from the option asked for."""
-    folded, approximate = sum(r["folded"] for r in rows), sum(r["approximate"] for r in rows)
-    moved = sum(r["affine_folded"] for r in rows)
-    text = f"**{folded} of {len(rows)} LayerNorms folded into RMSNorm" + (
-        f", {approximate} replaced approximately**" if approximate else "**")
-    if moved:
-        return f"{text} (the affine γ/β of {moved} folded into the next linear layers)"
-    off = report.get("fold_affine") is False
-    return f"{text} ({'affine folding turned off: ' if off else ''}every norm keeps its γ/β)"
-
-
-_NESTED = {  # verification parts that are checks of their own
-    "saved_dtype_check": "Weights rounded to the saved dtype, against the original",
-    "weights": "Stored weights against the fold re-derived from the original",
-}
-
-
-def _scope_lines(report: dict[str, Any]) -> list[str]:
-    """What the fold was traced on and what it is therefore exact for (empty for older reports)."""
-    calls = report.get("traced_calls") or []
-    if not calls:
-        return []
-    lines = ["", "## What the fold is exact for", ""]
-    lines += [f"- traced call {i}: " + ", ".join(f"`{name}` = {what}" for name, what in call.items())
-              for i, call in enumerate(calls)]
-    if report.get("exactness_scope"):
-        lines += ["", report["exactness_scope"][0].upper() + report["exactness_scope"][1:] + "."]
-    return lines
 
 
 # ------------------------------------------------------------------------------------------- the seal

@@ -32,6 +32,7 @@ from ..fold.transform import norm_like, untie_config
 from ..nn import RMSNorm
 from ..nn.resize import replace_parameter
 from .._deps import require
+from .card import write_model_card
 from .load import CheckpointError, _first_line, check_model_dir, load_model_and_info
 from .normfold_only import mark_normfold_only
 from .output_dir import REPORT_JSON, _replaceable, atomic_output_dir
@@ -212,6 +213,7 @@ def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: tor
             if record["skipped_files"]:
                 listed = ", ".join(f"{s['path']} ({s['reason']})" for s in record["skipped_files"])
                 warnings.warn(f"not copied from {source}: {listed}", UserWarning, stacklevel=2)
+        write_model_card(record, tmp)
         record = write_sealed_report(record, tmp)
     return record
 
