@@ -11,7 +11,13 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# Where torch comes from: empty for the default index (PyPI, or a local wheel pip finds); on a machine
+# without a GPU, `make demo TORCH_INDEX=https://download.pytorch.org/whl/cpu` avoids PyPI's CUDA build.
+TORCH_INDEX ?=
+TORCH_FROM = $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH_SPEC)"
+TORCH_INSTALL = $(PY) -m pip install -q $(TORCH_FROM)
 STAMP := $(VENV)/.normfold-installed
+DEMO_STAMP := $(VENV)/.normfold-demo-installed
 PYTEST_ARGS ?=
 N ?= 2000
 
@@ -20,13 +26,21 @@ N ?= 2000
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(TORCH_INSTALL)
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
 venv: $(STAMP)
 
-demo: venv
+# The demo needs only torch and the cli extra (transformers, safetensors, matplotlib, rich), not dev's.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(TORCH_INSTALL)
+	$(PY) -m pip install -q -e ".[cli]"
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/normfold demo
 
 test: venv
@@ -42,7 +56,7 @@ wheel-check: venv
 	rm -rf $(WHEEL_CHECK)
 	$(PY) -m build -q --outdir $(WHEEL_CHECK)/dist .
 	$(PYTHON) -m venv $(WHEEL_CHECK)/venv
-	$(WHEEL_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(WHEEL_PY) -m pip install -q $(TORCH_FROM)
 	$(WHEEL_PY) -m pip install -q "$$(ls $(WHEEL_CHECK)/dist/normfold-*.whl)[hf]"
 	cd $(WHEEL_CHECK) && export NORMFOLD_CACHE_DIR="$$PWD/cache" && \
 	  venv/bin/python -c "import normfold; print('smoke import: normfold', normfold.__version__)" && \
