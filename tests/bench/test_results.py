@@ -5,7 +5,7 @@ import csv
 
 import pytest
 
-from normfold.bench.results import plot_rows, read_rows, write_results
+from normfold.bench.results import RATIO_AXIS, plot_rows, ratio_axis, read_rows, write_results
 
 
 def test_results_are_written_as_csv_markdown_and_png(quick_rows, tmp_path):
@@ -25,3 +25,17 @@ def test_csv_reads_back_into_the_rows_it_was_written_from(quick_rows, tmp_path):
         assert got.ratio == pytest.approx(want.ratio, abs=1e-4)
         assert got.ratio_ci.keys() == want.ratio_ci.keys() and got.norm_ms == pytest.approx(want.norm_ms, abs=1e-4)
     assert plot_rows(back, tmp_path / "again.png").stat().st_size > 0
+
+
+def test_the_plot_axis_keeps_one_noisy_row_from_squashing_the_others():
+    """A CI to 70x on a busy machine used to set the y axis to 70, every other bar a line."""
+    assert ratio_axis([0.97, 1.03, 0.9, 70.0]) == (pytest.approx(0.9 / 1.02), RATIO_AXIS[1])
+    assert ratio_axis([0.01, 1.1]) == (RATIO_AXIS[0], pytest.approx(1.1 * 1.02))
+    low, high = ratio_axis([1.01, 1.02])
+    assert low < 1.0 < high  # "no change" is always on the axis
+
+
+def test_a_plot_with_a_clipped_row_is_still_written(quick_rows, tmp_path):
+    noisy = quick_rows[0]
+    noisy.ratio_ci = {c: (low, 70.0) for c, (low, _) in noisy.ratio_ci.items()}
+    assert plot_rows(quick_rows, tmp_path / "noisy.png").stat().st_size > 0

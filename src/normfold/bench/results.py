@@ -130,33 +130,57 @@ def read_rows(path) -> list[BenchRow]:
     return rows
 
 
+RATIO_AXIS = (0.5, 2.0)  # the plot's widest y range: a noisy CI beyond it is clipped and labelled
+
+
+def ratio_axis(extremes: list[float], widest: tuple[float, float] = RATIO_AXIS) -> tuple[float, float]:
+    """The y range of a speed-up plot (log scale): the data's range with 1 in it, padded by 2%, but
+    never wider than ``widest``, so that one noisy row (a CI to 70× on a busy machine) cannot squash
+    every other bar into a line."""
+    low, high = min(extremes + [1.0]) / 1.02, max(extremes + [1.0]) * 1.02
+    return max(low, widest[0]), min(high, widest[1])
+
+
 def plot_rows(rows: list[BenchRow], path):
-    """Bar chart of every contender's speed-up with its CI (PNG at ``path``); needs matplotlib."""
+    """Bar chart of every contender's speed-up with its CI (PNG at ``path``); needs matplotlib.
+    Log y axis around 1 (no change), limited to :data:`RATIO_AXIS`; a value beyond it is drawn at the
+    edge with its number."""
     try:
-        import matplotlib
+        import matplotlib  # not at the top: optional dependency
     except ImportError as exc:
         raise ImportError("plotting needs matplotlib: pip install 'normfold[plot]'") from exc
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # not at the top: optional dependency
 
-    labels = [f"{r.model}\n{r.mode} b{r.batch} {r.kind[0]}{r.seq}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, 0.6 * len(rows)), 4))
+    labels = [f"{r.model} {r.mode}\nb{r.batch} {r.kind} {r.seq}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows)), 4.5))
     shown = [c for c in ("control", "folded", "fused") if all(c in r.ratio for r in rows)]
+    extremes = [v for r in rows for c in shown for v in r.ratio_ci[c]]
+    low, high = ratio_axis(extremes)
     width = 0.8 / len(shown)
     colors = {"control": "0.7", "folded": "tab:blue", "fused": "tab:orange"}
     for k, c in enumerate(shown):
         xs = [i + (k - (len(shown) - 1) / 2) * width for i in range(len(rows))]
-        ys = [r.ratio[c] for r in rows]
-        err = [[y - r.ratio_ci[c][0] for y, r in zip(ys, rows)], [r.ratio_ci[c][1] - y for y, r in zip(ys, rows)]]
+        ys = [min(max(r.ratio[c], low), high) for r in rows]
+        cis = [(min(max(r.ratio_ci[c][0], low), high), min(max(r.ratio_ci[c][1], low), high)) for r in rows]
+        err = [[y - ci[0] for y, ci in zip(ys, cis)], [ci[1] - y for y, ci in zip(ys, cis)]]
         # bars grow from 1 (no change) so that a few percent either way is visible
         ax.bar(xs, [y - 1 for y in ys], width, bottom=1.0, yerr=err, capsize=2, color=colors[c],
                label="control (A/A copy)" if c == "control" else c)
+        for x, r in zip(xs, rows):
+            for value in r.ratio_ci[c]:
+                if not low <= value <= high:  # clipped: say where it really goes
+                    ax.annotate(f"{value:.2g}", (x, high if value > high else low), fontsize=6, ha="center",
+                                va="bottom" if value > high else "top")
+    ax.set_yscale("log")
+    ax.set_ylim(low, high)
+    plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")  # 0.9, 1, 1.1: not 9x10^-1
+    ax.yaxis.set_major_formatter(plain)
+    ax.yaxis.set_minor_formatter(plain)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    extremes = [v for r in rows for c in shown for v in r.ratio_ci[c]]
-    ax.set_ylim(min(extremes + [1.0]) - 0.02, max(extremes + [1.0]) + 0.02)
-    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=6)
-    ax.set_ylabel("speedup over original (median, 95% CI)")
-    ax.legend()
+    ax.set_xticks(range(len(rows)), labels, rotation=45, ha="right", fontsize=7)
+    ax.set_ylabel("speed-up over original (median, 95% CI)")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
