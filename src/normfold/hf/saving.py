@@ -61,8 +61,10 @@ def stock_state_dict(folded: nn.Module, dtype: torch.dtype | None = None) -> dic
     LN(x)·1 + 0 on a zero-mean x is exactly the weightless RMSNorm. So does a LayerNorm the fold kept
     but whose γ/β it moved into the next layer (:func:`_affine_moved_away`): LN(x)·1 + 0 is that LN.
     """
-    stock_keys = stock_parameter_shapes(folded.config, type(folded))
-    state = {k: v for k, v in folded.state_dict().items()}
+    with torch.device("meta"):
+        stock = type(folded)._from_config(folded.config)
+    stock_keys = {k: v.shape for k, v in stock.state_dict().items()}
+    state = _separate_what_stock_keeps_apart(folded.state_dict(), _shared_names(stock))
     norms = {s["path"]: s for s in swapped_norms(folded)}
     for key, shape in stock_keys.items():
         if key in state:
@@ -75,6 +77,34 @@ def stock_state_dict(folded: nn.Module, dtype: torch.dtype | None = None) -> dic
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     # save_pretrained shares storage between tied tensors; untied ones must not alias
     return {k: v.contiguous() for k, v in state.items()}
+
+
+def _shared_names(model: nn.Module) -> set[frozenset[str]]:
+    """The groups of parameter names ``model`` ties to one tensor (input and output embeddings, BERT's
+    ``cls.predictions.decoder.bias`` and ``cls.predictions.bias``)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return {frozenset(names) for names in groups.values() if len(names) > 1}
+
+
+def _separate_what_stock_keeps_apart(state: dict[str, torch.Tensor],
+                                     stock_shared: set[frozenset[str]]) -> dict[str, torch.Tensor]:
+    """``state`` with a copy of its own for every tensor it shares under several names that the stock
+    model, built from the folded config, keeps apart. ``save_pretrained`` stores a shared tensor once,
+    and the stock class re-ties only what its config ties: once a fold unties the word embeddings
+    (``tie_word_embeddings=False``), transformers no longer ties BERT's decoder bias to
+    ``cls.predictions.bias`` either, and a bias stored once would load at random."""
+    groups: dict[tuple, list[str]] = {}
+    for name, tensor in state.items():
+        groups.setdefault((tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape)),
+                          []).append(name)
+    state = dict(state)
+    for names in groups.values():
+        if len(names) > 1 and frozenset(names) not in stock_shared:
+            for name in names[1:]:
+                state[name] = state[name].clone()
+    return state
 
 
 def _affine_moved_away(model: nn.Module, name: str) -> bool:
