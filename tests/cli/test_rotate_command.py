@@ -84,6 +84,12 @@ def test_report_says_rotated_with_method_seed_proof_and_the_stock_warning(rotate
     assert report["saved_dtype"] == "float32"
 
 
+def test_the_model_card_says_rotated_and_that_only_normfold_loads_it(rotated_dir):
+    card = (rotated_dir / "README.md").read_text()
+    assert card.startswith("## Folded by normfold") and "rotated (random, seed 3)" in card
+    assert "stock transformers refuses this folder" in card
+
+
 def test_seed_and_method_change_the_written_weights(tiny_dirs, rotated_dir, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "hadamard"
     code, printed, err = _run(capsys, tiny_dirs["gpt2"], "-o", out, "--seed", "3")
@@ -101,7 +107,7 @@ def test_side_files_are_copied_and_overwrite_replaces_an_earlier_output(tiny_dir
     (source / "README.md").write_text("model card\n")
     out = tmp_path / "out"
     assert _run(capsys, source, "-o", out)[0] == EXIT_OK
-    assert (out / "README.md").read_text() == "model card\n"
+    assert (out / "README.md").read_text().startswith("model card\n\n## Folded by normfold\n")  # the card, and ours
     code, _, err = _run(capsys, source, "-o", out)
     assert code == EXIT_USAGE and "output folder exists" in err
     assert _run(capsys, source, "-o", out, "--overwrite", "--seed", "1")[0] == EXIT_OK

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .._deps import require
+from .card import write_model_card
 from .folder import Step, _noop
 from .inputs import calibration_batches, example_inputs_for, load_tokenizer, read_calibration_file
 from .load import check_model_dir, load_model
@@ -87,6 +88,7 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
         out["recipe"] = Recipe(command="rotate", streaming=False, fold_affine=True, dtype=None, calibration=record,
                                rotation=Rotation(rotation.method, rotation.seed,
                                                  0.0 if slicing is None else slicing.fraction)).to_dict()
+        write_model_card(out, tmp)
         out = write_sealed_report(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
