@@ -3,6 +3,8 @@ verifier's fresh inputs come from the user's example; a model that cannot run in
 in its own dtype, said so in the result, and a wrong fold still fails there (issue 16 item 5)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -148,3 +150,36 @@ def test_verify_called_directly_names_the_model_and_step_when_a_model_raises():
     model = NoFloat64().double()
     with pytest.raises(FoldError, match=r"NoFloat64: verifying \(running both models\) failed: RuntimeError"):
         verify(model, model, tuple(t.double() for t in _x()))  # before: the model's RuntimeError, raw
+
+
+def test_fresh_inputs_permute_related_integer_inputs_together_and_keep_float_masks_as_masks():
+    """Kosmos-2.5 on main 4025376: noise on its 0/1 float mask and ids permuted apart from their token
+    types made inputs the original itself fails on, and the fold was refused ("shape mismatch")."""
+    ids = torch.arange(12).reshape(2, 6)
+    token_types = ids * 100  # a value tied to each id's position
+    mask = torch.tensor([[1.0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    fresh = fresh_inputs_like({"input_ids": ids, "token_type_ids": token_types, "attention_mask": mask},
+                              torch.Generator().manual_seed(0))
+    assert not torch.equal(fresh["input_ids"], ids)
+    assert torch.equal(fresh["token_type_ids"], fresh["input_ids"] * 100)  # permuted together
+    assert torch.equal(fresh["attention_mask"], mask)  # still the 0/1 mask it was
+    zeros = fresh_inputs_like((torch.zeros(2, 3),), torch.Generator().manual_seed(0))[0]
+    assert zeros.abs().max() > 0  # all zeros is an example like any other, not a mask
+
+
+class NanWithIntegerOutput(nn.Module):
+    """Parakeet in float64: an all-NaN hidden state beside an integer output (lengths)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.norm(x) * float("nan"), torch.full((x.shape[0],), x.shape[1])
+
+
+def test_an_integer_output_beside_an_all_nan_one_compares_nothing():
+    """Fails on main 4025376: the integer output counted as compared, and the proof read "OK, 0.0"."""
+    model = NanWithIntegerOutput().eval()
+    result = verify(model, copy.deepcopy(model), (torch.randn(2, 3, 4),), tolerance=1e-9)
+    assert not result.ok and "compared nothing" in result.why

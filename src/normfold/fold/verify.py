@@ -447,29 +447,39 @@ FRESH_FLOAT_NOISE = 0.1  # fresh float inputs: the example plus this fraction of
 
 
 def fresh_inputs_like(value, generator: torch.Generator):
-    """Fresh inputs of the same shapes built from the user's example ``value`` (a call or any pytree).
+    """Fresh inputs of the same shapes built from the user's example ``value`` (a call or any pytree),
+    each keeping its set of valid values.
 
     Integer tensors: the example's own values permuted over the leading (batch, position) dims, each
     trailing row kept whole, so token ids stay in the vocabulary and structured integers (a bounding
-    box's ordered corners) stay valid, which independent random integers would break. Float tensors:
-    x + 0.1·rms(x)·z, z ~ N(0, 1), on finite elements (inf/nan, e.g. masks, kept). Bools, complex
-    and other values: copied.
+    box's ordered corners) stay valid, which independent random integers would break; tensors with as
+    many rows share one permutation, so related inputs (ids, token types, an integer mask) move
+    together. Float tensors: x + 0.1·rms(x)·z, z ~ N(0, 1), on finite elements (inf/nan kept), except
+    0/1 masks, which stay as they are (noise would make them something no model was given). Bools,
+    complex and other values: copied.
     """
+    permutations: dict[int, Tensor] = {}  # number of rows -> its one permutation
+
+    def permuted(t: Tensor) -> Tensor:
+        rows = t.reshape(-1, *t.shape[2:]) if t.dim() > 1 else t
+        if rows.shape[0] not in permutations:
+            permutations[rows.shape[0]] = torch.randperm(rows.shape[0], generator=generator, device="cpu")
+        return rows[permutations[rows.shape[0]].to(t.device)].reshape(t.shape).clone()
+
     def fresh(t: Tensor) -> Tensor:
         if t.is_floating_point():
-            return _perturbed(t, generator)
+            return t.clone() if is_binary_mask(t) else _perturbed(t, generator)
         if t.dtype != torch.bool and not t.is_complex() and t.dim():
-            return _permuted_rows(t, generator)
+            return permuted(t)
         return t.clone()
 
     return pytree.tree_map_only(Tensor, fresh, value)
 
 
-def _permuted_rows(t: Tensor, generator: torch.Generator) -> Tensor:
-    """``t`` with its rows over the first two dims (every element for a 1-D tensor) shuffled."""
-    rows = t.reshape(-1, *t.shape[2:]) if t.dim() > 1 else t
-    order = torch.randperm(rows.shape[0], generator=generator, device="cpu").to(t.device)
-    return rows[order].reshape(t.shape).clone()
+def is_binary_mask(t: Tensor) -> bool:
+    """A floating tensor holding only 0 and 1, some 1 (an attention or padding mask given as floats;
+    all zeros is an ordinary example, perturbed like any other)."""
+    return bool(((t == 0) | (t == 1)).all()) and bool((t == 1).any())
 
 
 def _perturbed(t: Tensor, generator: torch.Generator) -> Tensor:
@@ -510,12 +520,12 @@ def _compare_runs(ref_outputs, model, runs, dtype) -> tuple[list[dict], str | No
             return rows, f"input {i}: {why}"
         for name, ref, out, is_tensor in pairs:
             rows.append(_row(i, name, dtype, ref, out, output_error(ref, out)))
-            if is_tensor:  # NaN matching NaN proves nothing: only finite (or integer) elements count
-                compared += int(torch.isfinite(ref).sum()) if ref.is_floating_point() else ref.numel()
+            if is_tensor and ref.is_floating_point():  # NaN matching NaN proves nothing, nor do equal integers
+                compared += int(torch.isfinite(ref).sum())  # (an argmax or a length): only finite floats count
     if not compared:
         names = sorted({r["name"] for r in rows}) or "none"
-        return rows, (f"compared nothing: the outputs hold no finite tensor elements (tensor outputs: {names}); "
-                      "a check that compared nothing cannot pass")
+        return rows, (f"compared nothing: the outputs hold no finite floating-point elements (tensor outputs: "
+                      f"{names}); a check that compared nothing cannot pass")
     return rows, None
 
 
