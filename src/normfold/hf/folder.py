@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..fold import FoldReport, FoldVerificationError, verify
-from ..fold.pipeline import fold_exactly, plan_fold, rms_norm_paths
-from ..fold.plan import PlanConstraints
+from ..fold import FoldReport, FoldVerificationError, fold_within, verify
+from ..fold.pipeline import plan_fold, rms_norm_paths
+from ..fold.plan import FoldConfig
 from .inputs import calibration_batches, example_inputs_for, is_sentence_encoder, load_tokenizer, read_calibration_file
 from .load import CheckpointError, check_model_dir, load_model
 from .output_dir import atomic_output_dir
@@ -67,7 +67,7 @@ def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, tr
     step("loading")
     model = load_model(model_dir, trust_remote_code=trust_remote_code)
     step("analysing")  # planned as `normfold fold` plans it (stock-loadable), so the two reports agree
-    constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)), fold_affine=fold_affine)
+    constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)), FoldConfig(fold_affine=fold_affine))
     report = plan_fold(model, example_inputs_for(model), constraints).to_dict()
     report["model"] = describe_model(model, model_dir)
     return report
@@ -181,10 +181,10 @@ def approximate_warning(report: dict[str, Any]) -> str | None:
 
 def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dtype: torch.dtype = torch.float32):
     """``normfold.fold`` within what stock transformers can load, saved in ``stored_dtype``
-    (``normfold.hf.saving.stock_constraints``): the same pipeline (``normfold.fold.pipeline.fold_exactly``), proved in
+    (``normfold.hf.saving.stock_constraints``): the same step (``normfold.fold.fold_within``), proved in
     float64; raises ``FoldVerificationError`` (nothing is saved) on failure.
     """
-    return fold_exactly(model, example_inputs, stock_constraints(model, stored_dtype, fold_affine=fold_affine))
+    return fold_within(model, example_inputs, stock_constraints(model, stored_dtype, FoldConfig(fold_affine=fold_affine)))
 
 
 def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code: bool = False,
@@ -198,9 +198,9 @@ def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code
     model = load_model(orig_dir, trust_remote_code=trust_remote_code)
     step("folding")
     dtype = DTYPES[recipe.dtype]
-    constraints = (stock_constraints(model, dtype, fold_affine=recipe.fold_affine) if recipe.stock_plan
-                   else PlanConstraints(fold_affine=recipe.fold_affine))
-    folded, report = fold_exactly(model, example_inputs_for(model), constraints)
+    options = FoldConfig(fold_affine=recipe.fold_affine)
+    folded, report = fold_within(model, example_inputs_for(model),
+                                 stock_constraints(model, dtype, options) if recipe.stock_plan else options)
     step("saving")
     with warnings.catch_warnings():  # what stock transformers would do differently was said when the folder was saved
         warnings.simplefilter("ignore", UserWarning)
