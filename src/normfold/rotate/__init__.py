@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -57,27 +58,47 @@ class RotateConfig:
     slice_fraction: float = 0.0
 
     def __post_init__(self) -> None:
-        method, calibration, slice_fraction = self.method, self.calibration, self.slice_fraction
-        if not isinstance(method, str) or method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-        if not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool):
-            raise TypeError(f"seed must be an int, got {self.seed!r}")
-        if not isinstance(slice_fraction, numbers.Real) or isinstance(slice_fraction, bool):
-            raise TypeError(f"slice_fraction must be a number in [0, 1), got {slice_fraction!r}")
-        if not 0.0 <= slice_fraction < 1.0:  # also refuses NaN
-            raise ValueError(f"slice_fraction must be in [0, 1) (the share of the stream's directions to drop), "
-                             f"got {slice_fraction!r}")
-        if slice_fraction > 0 and method != "pca":
-            raise ValueError(f"slicing keeps the stream's most used directions, so it needs method='pca' (with "
-                             f"calibration), got method={method!r}")
-        if method != "pca" and calibration is not None:
-            raise ValueError(f"calibration is used only by method='pca' (to find the stream's principal directions), "
-                             f"got method={method!r}: leave it out, or use method='pca'")
-        if method == "pca" and calibration is None:
-            raise ValueError("method='pca' needs calibration: a call (tuple or dict of inputs) or a list of calls whose "
-                             "stream the principal directions are taken from")
-        if calibration is not None:
-            object.__setattr__(self, "calibration", tuple(split_example_calls(example_calls(calibration))))
+        check_rotate_options(self.method, self.seed, self.slice_fraction, self.calibration is not None, API_OPTIONS)
+        if self.calibration is not None:
+            object.__setattr__(self, "calibration", tuple(split_example_calls(example_calls(self.calibration))))
+
+
+@dataclass(frozen=True)
+class OptionNames:
+    """How a caller spells the rotation's options in its messages (the API's keywords, or a command's flags)."""
+
+    slice_fraction: str
+    method: Callable[[object], str]   # method=... as the caller writes it
+    calibration: str                  # the calibration option's name
+    calibration_needed: str           # the calibration option, saying what it holds
+
+
+API_OPTIONS = OptionNames("slice_fraction", lambda method: f"method={method!r}", "calibration",
+                          "calibration: a call (tuple or dict of inputs) or a list of calls whose stream the principal "
+                          "directions are taken from")
+
+
+def check_rotate_options(method, seed, slice_fraction, has_calibration: bool, names: OptionNames) -> None:
+    """The rotation's argument rules, the one definition (``RotateConfig`` and the ``normfold rotate``
+    command): ValueError / TypeError naming the option as ``names`` spells it, before any work."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if not isinstance(slice_fraction, numbers.Real) or isinstance(slice_fraction, bool):
+        raise TypeError(f"{names.slice_fraction} must be a number in [0, 1), got {slice_fraction!r}")
+    if not 0.0 <= slice_fraction < 1.0:  # also refuses NaN
+        raise ValueError(f"{names.slice_fraction} must be in [0, 1) (the share of the stream's directions to drop), "
+                         f"got {slice_fraction!r}")
+    pca = names.method("pca")
+    if slice_fraction > 0 and method != "pca":
+        raise ValueError(f"slicing keeps the stream's most used directions, so it needs {pca} (with "
+                         f"{names.calibration}), got {names.method(method)}")
+    if method != "pca" and has_calibration:
+        raise ValueError(f"{names.calibration} is used only by {pca} (to find the stream's principal directions), "
+                         f"got {names.method(method)}: leave it out, or use {pca}")
+    if method == "pca" and not has_calibration:
+        raise ValueError(f"{pca} needs {names.calibration_needed}")
 
 
 def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: int = 0, calibration=None,
@@ -231,5 +252,5 @@ register_step(RotateConfig, rotate_step, section="rotation", section_type=Rotati
               proof="rotated model differs from the original")
 
 
-__all__ = ["rotate", "RotateConfig", "RotationReport", "StreamRotation", "SliceReport", "Stream", "StreamTensor", "OutputAgreement",
+__all__ = ["rotate", "RotateConfig", "check_rotate_options", "OptionNames", "API_OPTIONS", "RotationReport", "StreamRotation", "SliceReport", "Stream", "StreamTensor", "OutputAgreement",
            "rotate_along", "kept_directions", "bases", "METHODS"]
