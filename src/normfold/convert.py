@@ -28,8 +28,6 @@ knows nothing of fusion or of the lab (``docs/CONTRIBUTING.md``, dependency rule
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from torch import nn
 
 from .fold import FoldConfig, FoldReport

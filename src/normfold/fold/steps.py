@@ -99,17 +99,24 @@ def step_for(config) -> Step:
     return step
 
 
-def run_steps(model: nn.Module, example_inputs, configs: Sequence) -> tuple[nn.Module, dict[type, Any]]:
+def run_steps(model: nn.Module, example_inputs, configs: Sequence, *, original: nn.Module | None = None,
+              earlier: dict[type, Any] | None = None) -> tuple[nn.Module, dict[type, Any]]:
     """Run the steps ``configs`` name, in order, on ``model`` (never modified): ``(the last step's
     model, the sections by config type)``. TypeError / ValueError before any work for a config that
     names no step, a step given twice, or bad model or inputs; ``FoldVerificationError`` as soon as an
-    exact step's proof fails (nothing returned)."""
+    exact step's proof fails (nothing returned).
+
+    ``original`` and ``earlier``: ``model`` is what ``original`` became through steps already run,
+    whose sections ``earlier`` holds (a caller that checks something between two steps, as
+    ``normfold.hf`` does between the exact and the approximate fold); the handlers see them as if one
+    run had made them."""
     steps = [step_for(config) for config in configs]
-    repeated = sorted({s.config_type.__name__ for s in steps if sum(t is s for t in steps) > 1})
+    given = [*(earlier or {}), *(s.config_type for s in steps)]
+    repeated = sorted({t.__name__ for t in given if given.count(t) > 1})
     if repeated:
         raise ValueError(f"each step runs at most once, got {', '.join(repeated)} more than once")
     calls = check_model_and_inputs(model, example_inputs)  # TypeError before any work
-    context = StepContext(model, example_inputs)
+    context = StepContext(model if original is None else original, example_inputs, dict(earlier or {}))
     for config, step in zip(configs, steps):
         model, section = step.handler(model, calls, config, context)
         assert isinstance(section, step.section_type), (step, type(section))

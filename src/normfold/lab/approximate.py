@@ -467,5 +467,6 @@ def approximate_step(model: nn.Module, calls: list, config: ApproximateConfig,
 register_step(ApproximateConfig, approximate_step, section="approximate", section_type=ApproximateReport, proof=None)
 
 
-__all__ = ["approximate_fold", "ApproximateConfig", "ApproximateReport", "ApproxEntry", "OutputChange", "compare_outputs",
+__all__ = ["approximate_fold", "ApproximateConfig", "ApproximateReport", "ApproxEntry", "OutputChange",
+           "compare_outputs",
            "retrieval_agreement", "token_outputs", "mean_pooled", "center_linear_", "fit_rms_affine"]

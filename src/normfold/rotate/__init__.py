@@ -252,5 +252,6 @@ register_step(RotateConfig, rotate_step, section="rotation", section_type=Rotati
               proof="rotated model differs from the original")
 
 
-__all__ = ["rotate", "RotateConfig", "check_rotate_options", "OptionNames", "API_OPTIONS", "RotationReport", "StreamRotation", "SliceReport", "Stream", "StreamTensor", "OutputAgreement",
+__all__ = ["rotate", "RotateConfig", "check_rotate_options", "OptionNames", "API_OPTIONS", "RotationReport",
+           "StreamRotation", "SliceReport", "Stream", "StreamTensor", "OutputAgreement",
            "rotate_along", "kept_directions", "bases", "METHODS"]
