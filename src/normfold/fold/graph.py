@@ -38,8 +38,8 @@ def example_calls(example_inputs) -> list:
         raise ValueError("example_inputs as a list must hold at least one call (a tuple or a dict), got []")
     for i, call in enumerate(example_inputs):
         if not isinstance(call, (tuple, dict)):
-            raise TypeError(f"example call {i}: each call in the list example_inputs must be a tuple of positional "
-                            f"arguments or a dict of keyword arguments, got {type(call).__name__}")
+            raise TypeError(f"example call {i}: each call in the list must be a tuple of positional arguments or "
+                            f"a dict of keyword arguments (example_inputs), got {type(call).__name__}")
         split_example_inputs(call)
     return list(example_inputs)
 
