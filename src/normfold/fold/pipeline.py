@@ -27,6 +27,7 @@ from .graph import capture, check_model_and_inputs, describe_call, split_example
 from .plan import (AffineFoldStep, BatchNormFoldStep, CenterStep, FoldConfig, FoldPlan, LayerScaleStep,
                    PrecomputeStep)
 from .report import FoldReport, VerifyResult
+from .steps import StepContext
 from . import transform  # looked up at call time: tests substitute a broken apply_plan
 from .verify import FOLD_TOLERANCE, dtype_name, verify
 
@@ -146,8 +147,9 @@ def prove_fold(model: nn.Module, folded: nn.Module, example_inputs, plan: FoldPl
                   exact_transform=lambda exact: transform.apply_plan(exact, plan), judge_model_dtype=True)
 
 
-def fold_step(model: nn.Module, calls: list, config: FoldConfig, context=None) -> tuple[nn.Module, FoldReport]:
-    """The registered step of a :class:`FoldConfig`: ``(folded copy, report)``, planned within
+def fold_step(model: nn.Module, calls: list, config: FoldConfig, context: StepContext) -> tuple[nn.Module, FoldReport]:
+    """The registered step of a :class:`FoldConfig` (first in a run: ``context`` holds nothing it
+    reads): ``(folded copy, report)``, planned within
     ``config``, applied, and (``config.verify``) ``report.verification`` measured for the runner to
     prove: the float64 error within ``FOLD_TOLERANCE``, the returned model in its own dtype within its
     measured tolerance, the outputs comparable. ``FoldError`` for a model whose weights are not loaded."""

@@ -2,10 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Protocol
 
 from .batchnorm import BatchNormEntry
 from .plan import FoldConfig, FoldPlan
+
+
+class ReportSection(Protocol):
+    """What a step after the fold files in the report (``FoldReport.sections``): plain data to
+    serialize, and a text to print (its ``__str__``); its class is the one the step registered."""
+
+    def to_dict(self) -> dict: ...
 
 
 @dataclass
@@ -136,7 +143,7 @@ class FoldReport:
     constraints: FoldConfig | None = None  # what the plan was made within: the options, a loader's limits
     # the sections the steps after the fold filed (normfold.convert), by the name each registered
     # (normfold.fold.steps.register_step, which also holds each section's type): "fuse", "approximate", ...
-    sections: dict[str, Any] = field(default_factory=dict)
+    sections: dict[str, ReportSection] = field(default_factory=dict)
 
     @property
     def fuse(self):

@@ -20,29 +20,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from torch import nn
 
 from .graph import check_model_and_inputs
 from .verify import prove_or_raise
 
-__all__ = ["ReportSection", "Step", "StepContext", "register_step", "registered_steps", "step_for", "run_steps"]
-
-
-class ReportSection(Protocol):
-    """What a step files in the report: plain data to serialize and a text to print."""
-
-    def to_dict(self) -> dict: ...
+__all__ = ["Step", "StepContext", "register_step", "registered_steps", "step_for", "run_steps"]
 
 
 @dataclass
 class StepContext:
-    """What a handler may read besides its input model: the model the runner was given (untouched),
-    the example inputs as given, and the sections of the steps run before it, by config type."""
+    """What a handler may read besides its input model and the example calls: the model the runner
+    was given (untouched), and the sections of the steps run before it, by config type."""
 
     original: nn.Module
-    example_inputs: object
     sections: dict[type, Any] = field(default_factory=dict)
 
 
@@ -54,7 +47,7 @@ class Step:
     """A registered step. ``proof``: what a failed proof of its section says (the section holds a
     ``verification``); None for a step that is not exact (it measures, and proves nothing).
     ``section``: the name its report section is filed under (``report.fuse``, ...);
-    ``section_type``: that section's class."""
+    ``section_type``: that section's class (a :class:`~normfold.fold.report.ReportSection`)."""
 
     config_type: type
     handler: Handler
@@ -116,7 +109,7 @@ def run_steps(model: nn.Module, example_inputs, configs: Sequence, *, original: 
     if repeated:
         raise ValueError(f"each step runs at most once, got {', '.join(repeated)} more than once")
     calls = check_model_and_inputs(model, example_inputs)  # TypeError before any work
-    context = StepContext(model if original is None else original, example_inputs, dict(earlier or {}))
+    context = StepContext(model if original is None else original, dict(earlier or {}))
     for config, step in zip(configs, steps):
         model, section = step.handler(model, calls, config, context)
         assert isinstance(section, step.section_type), (step, type(section))
