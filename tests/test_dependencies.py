@@ -34,7 +34,8 @@ ONLY = {
 NEVER = {
     "fold": {"hf", "lab", "train", "fuse", "bench"},
     "lab": {"hf"},
-    "hf": {"lab"},
+    # hf runs the steps above the engine through the registry (normfold.fold.steps), never importing them
+    "hf": {"lab", "fuse", "rotate"},
 }
 
 # ------------------------------------------------------------------------------------ the graph

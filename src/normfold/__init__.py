@@ -21,7 +21,7 @@ from .ops import layer_norm, rms_norm
 # Imported eagerly (torch only): the function ``fold`` must shadow the subpackage ``normfold.fold``
 # (the engine, whose exact ``fold`` it wraps) and the function ``convert`` the module ``normfold.convert``.
 from .fold import FoldError, FoldPlan, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze, verify
-from .convert import ApproximateConfig, FoldConfig, FuseConfig, convert, fold
+from .convert import ApproximateConfig, FoldConfig, FuseConfig, RotateConfig, convert, fold
 from .rotate import RotationReport, rotate  # the function shadows the subpackage, as fold does
 
 __version__ = "0.1.0"
@@ -48,7 +48,7 @@ _LAZY_MODULES = {"cbwc": "normfold.train.cbwc", "hf": "normfold.hf", "train": "n
 __all__ = [
     "ops", "nn", "rms_norm", "layer_norm", "RMSNorm", "FusedAddRMSNorm",
     "analyze", "fold", "verify", "FoldPlan", "FoldReport", "NormEntry", "VerifyResult", "FoldError", "FoldVerificationError",
-    "convert", "FoldConfig", "FuseConfig", "ApproximateConfig",
+    "convert", "FoldConfig", "FuseConfig", "ApproximateConfig", "RotateConfig",
     "rotate", "RotationReport",
     *_LAZY, *_LAZY_MODULES,
 ]

@@ -1,22 +1,26 @@
 """Top-level composition: the exact fold, then the optional steps on top of it.
 
     folded, report = normfold.convert(model, example_inputs)                      # the exact fold
-    folded, report = normfold.convert(model, example_inputs, fuse=FuseConfig(),
-                                      approximate=ApproximateConfig(calibration=batches))
+    folded, report = normfold.convert(model, example_inputs, FuseConfig(),
+                                      ApproximateConfig(calibration=batches))
 
 Each step is configured by a frozen dataclass checked when it is built (``__post_init__``: typed
-errors naming what was expected and what was received), so a wrong option fails before any work.
-The steps run in this order, each on the previous one's output, and each writes its own section of
-the one ``FoldReport``:
+errors naming what was expected and what was received), defined by the layer that owns the step,
+which registers its handler (``normfold.fold.steps``). :func:`convert` runs them through the one
+runner (:func:`normfold.fold.steps.run_steps`), in the order given, each on the previous one's
+output, and files each step's section in the one ``FoldReport``:
 
-1. ``fold``  (:class:`FoldConfig`, ``normfold.fold``): LayerNorms → RMSNorms, proved exact in float64;
-   for a transformers ``PreTrainedModel``, by default only what its own class loads from a folder
-   (``stock_compatible``), and the returned model's ``save_pretrained`` writes normfold's folder.
-2. ``fuse``  (:class:`FuseConfig`, ``normfold.fuse``): residual adds run inside the norm kernel;
-   proved equal to step 1's model in float64 (``report.fuse``).
-3. ``approximate`` (:class:`ApproximateConfig`, ``normfold.lab.approximate``): norms the exact fold
-   kept become corrected RMSNorms while every output row keeps a cosine ≥ ``min_cosine`` to the
-   original on the calibration batches. **Outputs change**; ``report.approximate`` measures by how much.
+- :class:`FoldConfig` (``normfold.fold``), always first (added when not given): LayerNorms →
+  RMSNorms, proved exact in float64; for a transformers ``PreTrainedModel``, by default only what its
+  own class loads from a folder (``stock_compatible``), and the returned model's ``save_pretrained``
+  writes normfold's folder.
+- :class:`FuseConfig` (``normfold.fuse``): residual adds run inside the norm kernel; proved equal to
+  the previous step's model in float64 (``report.fuse``).
+- :class:`ApproximateConfig` (``normfold.lab.approximate``): norms the exact fold kept become
+  corrected RMSNorms while every output row keeps a cosine ≥ ``min_cosine`` to the original on the
+  calibration batches. **Outputs change**; ``report.approximate`` measures by how much.
+- :class:`RotateConfig` (``normfold.rotate``): the residual stream rotated, proved equal
+  (``report.sections["rotation"]``).
 
 This module and the CLI are the only places that import every layer: the engine (``normfold.fold``)
 knows nothing of fusion or of the lab (``docs/CONTRIBUTING.md``, dependency rules). ``normfold.fold``
@@ -24,22 +28,16 @@ knows nothing of fusion or of the lab (``docs/CONTRIBUTING.md``, dependency rule
 """
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-
 from torch import nn
 
-from .fold import FoldReport, PlanConstraints, fold_within
-from .fold.graph import check_model_and_inputs
-from .fold.verify import FOLD_TOLERANCE, prove_or_raise
-from .fold.verify import verify as verify_models
-from .fuse import fuse_residual_norms
+from .fold import FoldConfig, FoldReport
+from .fold.steps import run_steps, step_for
+from .fuse import FuseConfig
 from .hf.saving import FoldedModelSaver, is_pretrained_model, stock_constraints
-from .lab._common import as_batches
-from .lab.approximate import approximate_fold
+from .lab.approximate import ApproximateConfig
+from .rotate import RotateConfig
 
-__all__ = ["convert", "fold", "FoldConfig", "FuseConfig", "ApproximateConfig"]
+__all__ = ["convert", "fold", "FoldConfig", "FuseConfig", "ApproximateConfig", "RotateConfig"]
 
 
 def _require_bool(owner: str, name: str, value) -> None:
@@ -47,159 +45,73 @@ def _require_bool(owner: str, name: str, value) -> None:
         raise TypeError(f"{owner}.{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-# ------------------------------------------------------------------------------------------ configs
-
-@dataclass(frozen=True)
-class FoldConfig:
-    """Options of the exact fold (see :func:`normfold.fold.analyze` for what each one plans).
-
-    ``fold_affine``: move γ/β into the linear layers that read a norm. ``precompute``: bake a
-    LayerNorm applied straight to an embedding lookup into the table. ``fold_batchnorm``: merge
-    eval-mode BatchNorms into the Linear/Conv before them first. ``verify``: prove the result in
-    float64 before returning it (``FoldVerificationError`` otherwise).
-
-    ``stock_compatible``: plan only what the model's own transformers class loads from a folder, so
-    that ``folded.save_pretrained(d)`` then stock ``from_pretrained(d)`` is the same model: no
-    parameter the class lacks (GPT-2's ln_f keeps its γ/β, applied inside its RMSNorm, rather than
-    creating an ``lm_head.bias``), no norm precomputed away, merged BatchNorms kept as exact
-    identities; the report gives each kept γ/β's reason. ``None`` (default): on for a transformers
-    ``PreTrainedModel``, off for any other module (``True`` there is a TypeError). ``False``: the
-    whole plan, whose folder only ``normfold.from_pretrained`` rebuilds (saving it warns).
-    """
-
-    fold_affine: bool = True
-    precompute: bool = True
-    fold_batchnorm: bool = True
-    verify: bool = True
-    stock_compatible: bool | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("fold_affine", "precompute", "fold_batchnorm", "verify"):
-            _require_bool("FoldConfig", name, getattr(self, name))
-        if self.stock_compatible is not None:
-            _require_bool("FoldConfig", "stock_compatible", self.stock_compatible)
-
-
-@dataclass(frozen=True)
-class FuseConfig:
-    """Options of residual-add fusion (:func:`normfold.fuse.fuse_residual_norms`), inference only.
-
-    ``norm_paths``: the norm modules to consider (default: every normfold RMSNorm, and with
-    ``layer_norms`` every LayerNorm the fold kept). ``verify``: prove the fused model equal to the
-    unfused one in float64 on every example call.
-    """
-
-    norm_paths: tuple[str, ...] | None = None
-    layer_norms: bool = True
-    verify: bool = True
-
-    def __post_init__(self) -> None:
-        if self.norm_paths is not None:
-            if isinstance(self.norm_paths, str) or not isinstance(self.norm_paths, Iterable):
-                raise TypeError(f"FuseConfig.norm_paths must be None or a sequence of module paths (str), "
-                                f"got {type(self.norm_paths).__name__} {self.norm_paths!r}")
-            paths = tuple(self.norm_paths)
-            not_str = [p for p in paths if not isinstance(p, str)]
-            if not_str:
-                raise TypeError(f"FuseConfig.norm_paths must hold module paths (str), got {not_str!r}")
-            if not paths:
-                raise ValueError("FuseConfig.norm_paths must name at least one norm (None considers all of them), "
-                                 "got an empty sequence")
-            object.__setattr__(self, "norm_paths", paths)
-        _require_bool("FuseConfig", "layer_norms", self.layer_norms)
-        _require_bool("FuseConfig", "verify", self.verify)
-
-
-@dataclass(frozen=True, eq=False)  # eq=False: calibration holds tensors, which do not compare to a bool
-class ApproximateConfig:
-    """Options of the approximate fold (:func:`normfold.lab.approximate_fold`): not exact.
-
-    ``calibration``: a batch or a list of batches (tensor, tuple of positional or dict of keyword
-    arguments) on which norms are chosen and corrected. ``min_cosine``: every output row keeps at
-    least this cosine similarity to the original's, in (0, 1]. ``output_fn``: ``(model, batch) ->
-    Tensor`` whose rows are compared (default: the main output, one row per real token; e.g.
-    ``normfold.lab.mean_pooled`` for sentence embeddings).
-    """
-
-    calibration: object = field(repr=False)
-    min_cosine: float = 0.999
-    output_fn: Callable[[nn.Module, object], object] | None = None
-
-    def __post_init__(self) -> None:
-        if self.calibration is None:
-            raise ValueError("ApproximateConfig.calibration must be a batch or a list of batches "
-                             "(inputs like example_inputs), got None")
-        as_batches(self.calibration)  # TypeError / ValueError naming what a batch may be
-        if isinstance(self.min_cosine, bool) or not isinstance(self.min_cosine, (int, float)) \
-                or not 0.0 < self.min_cosine <= 1.0:
-            raise ValueError(f"ApproximateConfig.min_cosine must be a number in (0, 1], got {self.min_cosine!r}")
-        if self.output_fn is not None and not callable(self.output_fn):
-            raise TypeError(f"ApproximateConfig.output_fn must be None or a callable (model, batch) -> Tensor, "
-                            f"got {type(self.output_fn).__name__}")
-
-
-# ------------------------------------------------------------------------------------- composition
-
-def _check_config(name: str, value, expected: type, optional: bool) -> None:
+def _keyword_config(name: str, value, expected: type, optional: bool):
+    """A step given by keyword (``fold=``, ``fuse=``, ``approximate=``), checked to be its config."""
     if value is None and optional:
-        return
+        return None
     if not isinstance(value, expected):
         allowed = f"None or {expected.__name__}(...)" if optional else f"{expected.__name__}(...)"
         raise TypeError(f"convert's {name}= must be {allowed}, got {type(value).__name__}")
+    return value
 
 
-def convert(model: nn.Module, example_inputs, *, fold: FoldConfig = FoldConfig(), fuse: FuseConfig | None = None,
+_NOT_GIVEN = object()  # fold= not given: FoldConfig() unless a FoldConfig comes first among the steps
+
+
+def convert(model: nn.Module, example_inputs, *configs, fold: FoldConfig = _NOT_GIVEN,
+            fuse: FuseConfig | None = None,
             approximate: ApproximateConfig | None = None) -> tuple[nn.Module, FoldReport]:
-    """Return ``(converted_copy, report)``: the exact fold, then fusion and the approximate fold if asked.
+    """Return ``(converted_copy, report)``: the exact fold, then the steps ``configs`` name, in order.
 
-    ``example_inputs`` as for :func:`normfold.fold.analyze` (one call, or a list of calls). The
-    exact fold and fusion leave outputs unchanged (each proved in float64 when its ``verify`` is on);
-    ``approximate`` changes them, by at most what ``report.approximate`` measured on the calibration
-    batches. ``model`` is never modified.
+    ``configs``: step configs (:class:`FuseConfig`, :class:`ApproximateConfig`, :class:`RotateConfig`,
+    any registered step), each section filed in the report under the name its step registered
+    (``report.fuse``, ``report.approximate``, ``report.sections["rotation"]``). The exact fold runs
+    first: a :class:`FoldConfig` first among ``configs``, or ``fold=``, else ``FoldConfig()``. The
+    keywords ``fuse=`` and ``approximate=`` run after ``configs``, in that order. ``example_inputs``
+    as for :func:`normfold.fold.analyze` (one call, or a list of calls). The exact fold and fusion
+    leave outputs unchanged (each proved in float64 when its ``verify`` is on); ``approximate``
+    changes them, by at most what ``report.approximate`` measured on the calibration batches.
+    ``model`` is never modified. A config that names no registered step, a step given twice or a
+    FoldConfig after another step is a TypeError / ValueError before any work.
 
     For a transformers ``PreTrainedModel`` the returned model's ``save_pretrained`` is
     ``normfold.save_pretrained`` with this report (:class:`normfold.hf.saving.FoldedModelSaver`): the
     folder it writes ``normfold.from_pretrained`` rebuilds exactly, and stock ``from_pretrained``
     loads as the same model under the stock-compatible plan (``FoldConfig.stock_compatible``).
     """
-    _check_config("fold", fold, FoldConfig, optional=False)
-    _check_config("fuse", fuse, FuseConfig, optional=True)
-    _check_config("approximate", approximate, ApproximateConfig, optional=True)
-    calls = check_model_and_inputs(model, example_inputs)  # TypeError before any work
-    converted, report = fold_within(model, example_inputs, _plan_constraints(model, fold), verify=fold.verify)
-    if fuse is not None:
-        converted, report.fuse = _fuse(converted, calls, fuse)
-    if approximate is not None:
-        converted, report.approximate = approximate_fold(model, converted, report, approximate.calibration,
-                                                         min_cosine=approximate.min_cosine,
-                                                         output_fn=approximate.output_fn)
+    given = [] if fold is _NOT_GIVEN else [_keyword_config("fold", fold, FoldConfig, optional=False)]
+    steps = [*given, *configs, *(c for c in (_keyword_config("fuse", fuse, FuseConfig, optional=True),
+                                            _keyword_config("approximate", approximate, ApproximateConfig,
+                                                            optional=True)) if c is not None)]
+    for config in steps:
+        step_for(config)  # TypeError naming the registered configs, before any work
+    if not steps or not isinstance(steps[0], FoldConfig):
+        steps.insert(0, FoldConfig())
+    late = [i for i, config in enumerate(steps) if i and isinstance(config, FoldConfig)]
+    if late:
+        raise ValueError(f"the exact fold runs first, once: one FoldConfig, before the other steps (or fold=), got "
+                         f"another FoldConfig at step {late[0]}")
+    steps[0] = _within_stock(model, steps[0])
+    converted, sections = run_steps(model, example_inputs, steps)
+    report = sections[FoldConfig]
+    for config in steps[1:]:
+        report.sections[step_for(config).section] = sections[type(config)]
     if is_pretrained_model(converted):  # the habit: folded.save_pretrained(d) writes normfold's folder
         converted.save_pretrained = FoldedModelSaver(converted, report)
     return converted, report
 
 
-def _plan_constraints(model: nn.Module, config: FoldConfig) -> PlanConstraints:
-    """The fold's options as planning constraints, within what the model's transformers class loads
-    under ``config.stock_compatible`` (default: for a ``PreTrainedModel``), saved in its own dtype."""
+def _within_stock(model: nn.Module, config: FoldConfig) -> FoldConfig:
+    """``config`` within what the model's transformers class loads under ``config.stock_compatible``
+    (default: for a ``PreTrainedModel``), saved in its own dtype; else ``config`` as it is."""
     hugging_face = is_pretrained_model(model)
-    if not (hugging_face if config.stock_compatible is None else config.stock_compatible):
-        return PlanConstraints(fold_affine=config.fold_affine, precompute=config.precompute,
-                               fold_batchnorm=config.fold_batchnorm)
+    if not (hugging_face if config.stock_compatible is None else config.stock_compatible) \
+            or config.loadable_keys is not None:
+        return config
     if not hugging_face:
         raise TypeError(f"stock_compatible=True plans what a transformers PreTrainedModel's class loads, got a "
                         f"{type(model).__name__}: leave it None (or False) for other modules")
-    return stock_constraints(model, model.dtype, fold_affine=config.fold_affine, fold_batchnorm=config.fold_batchnorm)
-
-
-def _fuse(folded: nn.Module, calls: list, config: FuseConfig):
-    """Fuse ``folded`` in place; ``fuse_residual_norms`` proves the first call, this the others."""
-    unfused = copy.deepcopy(folded) if config.verify and len(calls) > 1 else None
-    fused, report = fuse_residual_norms(folded, calls[0], norm_paths=config.norm_paths,
-                                        layer_norms=config.layer_norms, inplace=True, verify=config.verify)
-    if unfused is not None:
-        prove_or_raise(verify_models(unfused, fused, calls[1:], tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
-                                     judge_model_dtype=True), "fused model differs from the unfused one")
-    return fused, report
+    return stock_constraints(model, model.dtype, config)
 
 
 def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,

@@ -8,35 +8,25 @@ it again, against the bar of the person verifying (``--min-cosine``, default 0.9
 """
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..convert import ApproximateConfig
-from ..fold import FoldReport
-from ..hf.folder import Step
 from ..hf.inputs import calibration_batches, is_sentence_encoder, load_tokenizer
 from ..hf.recipe import DEFAULT_MIN_COSINE
-from ..lab.approximate import approximate_fold, compare_outputs, mean_pooled, token_outputs
+from ..lab.approximate import ApproximateConfig, compare_outputs, mean_pooled, token_outputs
 
-__all__ = ["DEFAULT_MIN_COSINE", "approximate_step", "measure_approximate"]
-
-
-def approximate_step(min_cosine: float):
-    """hf's ``ApproximateFold`` for a cosine bar: ``normfold.lab.approximate_fold`` with sentence
-    encoders compared on mean-pooled embeddings, every other model on its token outputs."""
-    return partial(_approximate, min_cosine=min_cosine)
+__all__ = ["DEFAULT_MIN_COSINE", "approximate_config", "measure_approximate"]
 
 
-def _approximate(original: nn.Module, folded: nn.Module, report: FoldReport, batches: list, sentence_encoder: bool,
-                 step: Step, *, min_cosine: float):
-    config = ApproximateConfig(batches, min_cosine=min_cosine, output_fn=mean_pooled if sentence_encoder else None)
-    step(f"approximate fold on {len(batches)} calibration batch(es)")  # approximate_fold draws its own bars
-    return approximate_fold(original, folded, report, config.calibration, min_cosine=config.min_cosine,
-                            output_fn=config.output_fn)
+def approximate_config(min_cosine: float):
+    """hf's ``ApproximateStep`` for a cosine bar: the ``normfold.lab.ApproximateConfig`` of the calibration
+    batches, with sentence encoders compared on mean-pooled embeddings, every other model on its token outputs."""
+    def config(batches: list, sentence_encoder: bool) -> ApproximateConfig:
+        return ApproximateConfig(batches, min_cosine=min_cosine, output_fn=mean_pooled if sentence_encoder else None)
+    return config
 
 
 def measure_approximate(original: nn.Module, loaded: nn.Module, tokenizer_dir: Path, sentences: list[str],

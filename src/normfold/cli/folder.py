@@ -11,7 +11,7 @@ from ..hf.load import default_model_path
 from ..hf.streaming import fold_checkpoint, is_sharded
 from . import _output as output
 from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_model_dir, add_trust_remote_code, model_dir
-from .approximate import DEFAULT_MIN_COSINE, approximate_step
+from .approximate import DEFAULT_MIN_COSINE, approximate_config
 
 _JSON_KEYS = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype",
               "streaming", "num_approximate", "calibration_min_cosine", "approximate", "skipped_files",
@@ -71,7 +71,7 @@ def _approximate_options(args, source: Path) -> dict:
         raise UsageError(f"--min-cosine must be in (0, 1], got {min_cosine}")
     if args.stream or is_sharded(source):
         raise UsageError("--approximate needs the whole model in memory: not available with --stream or sharded folders")
-    return {"calibration_file": args.calibration, "approximate": approximate_step(min_cosine)}
+    return {"calibration_file": args.calibration, "approximate": approximate_config(min_cosine)}
 
 
 def _run_demo(args) -> int:

@@ -16,7 +16,7 @@ from ..hf.load import load_config
 from ..hf.rotate_folder import calibration_calls, rotate_checkpoint, rotate_folder, rotation_after_fold
 from ..hf.recipe import SEED_RANGE, Recipe
 from ..hf.streaming import is_sharded
-from ..rotate import kept_directions, rotate
+from ..rotate import OptionNames, check_rotate_options, kept_directions, rotate
 from ..rotate.calibration import output_agreement
 from ..rotate.streaming import plan_rotation, stream_rotation
 from . import _output as output
@@ -91,21 +91,21 @@ def _slicing_line(slicing: dict, streams: list[dict]) -> str:
             f"{slicing['mean_cosine']:.6f}{losses}")
 
 
+_OPTIONS = OptionNames("--slice", lambda method: f"--method {method}", "--calibration FILE",
+                       "--calibration FILE (UTF-8 text, one example per line, tokenized with the folder's tokenizer): "
+                       "the principal directions are those of its residual stream")
+
+
 def _check_supported(args, source: Path, *, streaming: bool) -> None:
     """UsageError, before any loading, for bad combinations and what folders do not support yet."""
     if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
         raise UsageError(f"--seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (what torch's generators take), "
                          f"got {args.seed}")
-    if args.slice is not None and not 0.0 <= args.slice < 1.0:  # also refuses NaN
-        raise UsageError(f"--slice must be in [0, 1) (the share of the stream's directions to drop), got {args.slice}")
-    if args.slice and args.method != "pca":
-        raise UsageError(f"--slice keeps the stream's most used directions, so it needs --method pca (with "
-                         f"--calibration FILE), got --method {args.method}")
-    if args.method == "pca" and args.calibration is None:
-        raise UsageError("--method pca needs --calibration FILE (UTF-8 text, one example per line, tokenized with the "
-                         "folder's tokenizer): the principal directions are those of its residual stream")
-    if args.method != "pca" and args.calibration is not None:
-        raise UsageError(f"--calibration is used only by --method pca, got --method {args.method}")
+    try:  # the rotation's own rules (normfold.rotate.RotateConfig), spelled as this command's options
+        check_rotate_options(args.method, args.seed, 0.0 if args.slice is None else args.slice,
+                             args.calibration is not None, _OPTIONS)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
     if streaming and args.method == "pca":
         raise UsageError("--method pca needs the stream's covariance over the calibration text, so the whole model in "
                          "memory: not available with --stream or sharded folders (use --method hadamard or random)")

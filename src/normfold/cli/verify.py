@@ -16,7 +16,7 @@ from ..hf.inputs import read_calibration_file
 from ..hf.rotate_folder import rotate_checkpoint, rotate_folder
 from . import _output as output
 from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_trust_remote_code
-from .approximate import approximate_step, measure_approximate
+from .approximate import approximate_config, measure_approximate
 from .rotate import measure_sliced, rotation_step, stream_map_for, streaming_rotation_step
 
 
@@ -47,7 +47,8 @@ def _remake(trust_remote_code: bool):
     def remake(orig_dir: Path, out: Path, recipe: Recipe, calibration_file: str | None, step) -> dict:
         if recipe.approximate_min_cosine is not None:
             return fold_folder(orig_dir, out, fold_affine=recipe.fold_affine, dtype=recipe.dtype,
-                               calibration_file=calibration_file, approximate=approximate_step(recipe.approximate_min_cosine),
+                               calibration_file=calibration_file,
+                               approximate=approximate_config(recipe.approximate_min_cosine),
                                trust_remote_code=trust_remote_code, step=step)
         rotation = recipe.rotation
         if rotation is not None and recipe.streaming:

@@ -7,21 +7,24 @@
 Pieces, in the order they run: ``graph`` (torch.export capture), ``batchnorm`` (BatchNorms that
 merge into the Linear/Conv before them), ``rules`` (the one table of zero-mean-preserving ops),
 ``analysis`` (zero-mean graphs, closedness, the plan), ``affine`` (where γ/β can go), ``plan``
-(plain data, and the ``PlanConstraints`` a checkpoint's loader imposes), ``math`` (pure tensor
-functions), ``transform`` (applies a plan to a module: the one norm swap and config untying),
-``verify``, ``report``; ``pipeline`` runs plan → apply → prove for every caller. Only torch is
-imported here.
+(plain data, and ``FoldConfig``: the fold's options with what a checkpoint's loader imposes),
+``math`` (pure tensor functions), ``transform`` (applies a plan to a module: the one norm swap and
+config untying), ``verify``, ``report``; ``pipeline`` runs plan → apply → prove for every caller,
+as the step ``steps`` runs for a ``FoldConfig`` (registered here). Only torch is imported here.
 """
 from __future__ import annotations
 
 from torch import nn
 
 from .errors import FoldError, FoldVerificationError
-from .graph import check_model_and_inputs
-from .pipeline import fold_exactly, plan_fold
-from .plan import FoldPlan, PlanConstraints
+from .pipeline import fold_step, plan_fold
+from .plan import FoldConfig, FoldPlan, PlanConstraints
 from .report import FoldReport, NormEntry, VerifyResult
+from .steps import register_step, run_steps
 from .verify import verify
+
+register_step(FoldConfig, fold_step, section="fold", section_type=FoldReport,
+              proof="folded model differs from the original")
 
 
 def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
@@ -38,8 +41,8 @@ def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True, preco
     ``fold_batchnorm``: eval-mode BatchNorms right after a Linear/Conv are planned to merge into it
     first (``report.batchnorms`` says which and why not; ``report.plan.batchnorm`` holds the steps).
     """
-    return plan_fold(model, example_inputs, PlanConstraints(fold_affine=fold_affine, precompute=precompute,
-                                                            fold_batchnorm=fold_batchnorm))
+    return plan_fold(model, example_inputs, FoldConfig(fold_affine=fold_affine, precompute=precompute,
+                                                       fold_batchnorm=fold_batchnorm))
 
 
 def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
@@ -56,20 +59,17 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     naming the tensor). ``report.verification`` holds the numbers. ``example_inputs`` as for :func:`analyze` (one call,
     or a list of calls: only what is exact for all of them folds).
     """
-    constraints = PlanConstraints(fold_affine=fold_affine, precompute=precompute, fold_batchnorm=fold_batchnorm)
-    return fold_within(model, example_inputs, constraints, verify=verify)
+    config = FoldConfig(fold_affine=fold_affine, precompute=precompute, fold_batchnorm=fold_batchnorm, verify=verify)
+    return fold_within(model, example_inputs, config)
 
 
-def fold_within(model: nn.Module, example_inputs, constraints: PlanConstraints, *,
-                verify: bool = True) -> tuple[nn.Module, FoldReport]:
-    """:func:`fold` planned within ``constraints``: what the caller's loader can load besides the
-    options (``PlanConstraints.for_stock_checkpoint``: what a stock Hugging Face class loads)."""
-    check_model_and_inputs(model, example_inputs)  # TypeError before any work
-    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        raise FoldError("fold needs the model's weights, but some are on the meta device: load them first "
-                        "(analyze works on a meta model; normfold.hf folds checkpoints shard by shard)")
-    return fold_exactly(model, example_inputs, constraints, prove=verify)
+def fold_within(model: nn.Module, example_inputs, config: FoldConfig) -> tuple[nn.Module, FoldReport]:
+    """:func:`fold` with every option of ``config``, among them what the caller's loader can load
+    (``FoldConfig.for_stock_checkpoint``: what a stock Hugging Face class loads): the step
+    :func:`~normfold.fold.steps.run_steps` runs for a ``FoldConfig``, alone."""
+    folded, sections = run_steps(model, example_inputs, [config])
+    return folded, sections[FoldConfig]
 
 
 __all__ = ["analyze", "fold", "fold_within", "verify", "FoldReport", "NormEntry", "VerifyResult", "FoldError",
-           "FoldVerificationError", "FoldPlan", "PlanConstraints"]
+           "FoldVerificationError", "FoldPlan", "FoldConfig", "PlanConstraints", "run_steps"]

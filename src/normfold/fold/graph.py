@@ -39,7 +39,7 @@ def example_calls(example_inputs) -> list:
     for i, call in enumerate(example_inputs):
         if not isinstance(call, (tuple, dict)):
             raise TypeError(f"example call {i}: each call in the list must be a tuple of positional arguments or "
-                            f"a dict of keyword arguments, got {type(call).__name__}")
+                            f"a dict of keyword arguments (example_inputs), got {type(call).__name__}")
         split_example_inputs(call)
     return list(example_inputs)
 

@@ -1,16 +1,16 @@
 """The fold, written once: plan → apply → prove. ``normfold.fold``, the Hugging Face folder fold and
 the streaming fold of sharded checkpoints all run these functions.
 
-    report = plan_fold(model, calls, constraints)        # FoldReport; model untouched
+    report = plan_fold(model, calls, config)             # FoldReport; model untouched
     folded = apply_fold(model, report.plan)              # a new model
     report.verification = prove_fold(model, folded, calls, report.plan)   # float64, FOLD_TOLERANCE
 
-:func:`fold_exactly` runs the three and raises ``FoldVerificationError`` (returning nothing) when
-the proof fails; applying refuses a plan that overflows the model's dtype (``FoldError`` naming the
-tensor), and the proof judges the returned model in its own dtype besides the float64 transform.
-What a caller's checkpoint can load (no new parameters outside its keys, every module kept) is a
-:class:`~normfold.fold.plan.PlanConstraints` given to the planning, never an edit of the plan
-afterwards.
+:func:`fold_step` runs the three as the registered step of a :class:`~normfold.fold.plan.FoldConfig`
+(``normfold.fold.steps``: the runner raises ``FoldVerificationError`` when the proof fails);
+applying refuses a plan that overflows the model's dtype (``FoldError`` naming the tensor), and the
+proof judges the returned model in its own dtype besides the float64 transform. What a caller's
+checkpoint can load (no new parameters outside its keys, every module kept) is part of the
+``FoldConfig`` given to the planning, never an edit of the plan afterwards.
 """
 from __future__ import annotations
 
@@ -24,25 +24,30 @@ from .analysis import analyze_calls
 from .batchnorm import has_batchnorms, plan_batchnorms
 from .errors import FoldError, failures_as_fold_error, model_name
 from .graph import capture, check_model_and_inputs, describe_call, split_example_inputs
-from .plan import (AffineFoldStep, BatchNormFoldStep, CenterStep, FoldPlan, LayerScaleStep, PlanConstraints,
+from .plan import (AffineFoldStep, BatchNormFoldStep, CenterStep, FoldConfig, FoldPlan, LayerScaleStep,
                    PrecomputeStep)
 from .report import FoldReport, VerifyResult
+from .steps import StepContext
 from . import transform  # looked up at call time: tests substitute a broken apply_plan
-from .verify import FOLD_TOLERANCE, dtype_name, prove_or_raise, verify
+from .verify import FOLD_TOLERANCE, dtype_name, verify
 
 
-def plan_fold(model: nn.Module, example_inputs, constraints: PlanConstraints = PlanConstraints()) -> FoldReport:
+def plan_fold(model: nn.Module, example_inputs, constraints: FoldConfig = FoldConfig()) -> FoldReport:
     """The report and the whole plan (BatchNorm merges first): the model is untouched.
 
     BatchNorms merge first, so a Linear → BatchNorm → LayerNorm chain is analysed as the
     Linear → LayerNorm it becomes (on a copy with the merges applied).
     """
-    calls = check_model_and_inputs(model, example_inputs)  # the user's errors first, as TypeError/ValueError
+    return plan_calls(model, check_model_and_inputs(model, example_inputs), constraints)  # the user's errors first
+
+
+def plan_calls(model: nn.Module, calls: list, constraints: FoldConfig) -> FoldReport:
+    """:func:`plan_fold` of calls already checked (``check_model_and_inputs``)."""
     with failures_as_fold_error(model_name(model), "planning (capture and analysis)"):
         return _plan(model, calls, constraints)
 
 
-def _plan(model: nn.Module, calls: list, constraints: PlanConstraints) -> FoldReport:
+def _plan(model: nn.Module, calls: list, constraints: FoldConfig) -> FoldReport:
     bn_steps, bn_entries = [], []
     if constraints.fold_batchnorm and has_batchnorms(model):
         bn_steps, bn_entries = plan_batchnorms(model, [capture(model, call) for call in calls], constraints)
@@ -142,16 +147,19 @@ def prove_fold(model: nn.Module, folded: nn.Module, example_inputs, plan: FoldPl
                   exact_transform=lambda exact: transform.apply_plan(exact, plan), judge_model_dtype=True)
 
 
-def fold_exactly(model: nn.Module, example_inputs, constraints: PlanConstraints = PlanConstraints(), *,
-                 prove: bool = True) -> tuple[nn.Module, FoldReport]:
-    """``(folded copy, report)``: plan, apply, and (``prove``) prove, raising ``FoldVerificationError``
-    when the float64 error exceeds ``FOLD_TOLERANCE``, the returned model in its own dtype exceeds its
-    measured tolerance, or the outputs cannot be compared. ``report.verification`` holds the numbers."""
-    report = plan_fold(model, example_inputs, constraints)
+def fold_step(model: nn.Module, calls: list, config: FoldConfig, context: StepContext) -> tuple[nn.Module, FoldReport]:
+    """The registered step of a :class:`FoldConfig` (first in a run: ``context`` holds nothing it
+    reads): ``(folded copy, report)``, planned within
+    ``config``, applied, and (``config.verify``) ``report.verification`` measured for the runner to
+    prove: the float64 error within ``FOLD_TOLERANCE``, the returned model in its own dtype within its
+    measured tolerance, the outputs comparable. ``FoldError`` for a model whose weights are not loaded."""
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        raise FoldError("fold needs the model's weights, but some are on the meta device: load them first "
+                        "(analyze works on a meta model; normfold.hf folds checkpoints shard by shard)")
+    report = plan_calls(model, calls, config)
     folded = apply_fold(model, report.plan)
-    if prove:
-        report.verification = prove_fold(model, folded, example_inputs, report.plan)
-        prove_or_raise(report.verification, "folded model differs from the original", str(report))
+    if config.verify:
+        report.verification = prove_fold(model, folded, calls, report.plan)
     return folded, report
 
 

@@ -26,7 +26,7 @@ its math is a pure function in ``normfold.fold.math``. Steps apply in this order
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -154,12 +154,24 @@ _STEP_TYPES = {"batchnorm": BatchNormFoldStep, "layer_scale": LayerScaleStep, "u
 
 
 @dataclass(frozen=True)
-class PlanConstraints:
-    """What a plan may do besides being exact, given to the analysis so that it writes the reasons itself.
+class FoldConfig:
+    """The exact fold's options, the one definition planning, ``normfold.convert`` and hf read: what
+    a plan may do besides being exact, given to the analysis so that it writes the reasons itself.
 
     ``fold_affine``: move γ/β into the linear layers that read a norm. ``precompute``: bake a
     LayerNorm applied straight to an embedding lookup into the table (the norm disappears).
-    ``fold_batchnorm``: merge eval-mode BatchNorms into the Linear/Conv before them.
+    ``fold_batchnorm``: merge eval-mode BatchNorms into the Linear/Conv before them first.
+    ``verify``: prove the result in float64 before returning it (``FoldVerificationError`` otherwise).
+
+    ``stock_compatible``: plan only what the model's own transformers class loads from a folder, so
+    that ``folded.save_pretrained(d)`` then stock ``from_pretrained(d)`` is the same model: no
+    parameter the class lacks (GPT-2's ln_f keeps its γ/β, applied inside its RMSNorm, rather than
+    creating an ``lm_head.bias``), no norm precomputed away, merged BatchNorms kept as exact
+    identities; the report gives each kept γ/β's reason. ``None`` (default): on for a transformers
+    ``PreTrainedModel``, off for any other module (``True`` there is a TypeError). ``False``: the
+    whole plan, whose folder only ``normfold.from_pretrained`` rebuilds (saving it warns).
+    ``normfold.convert`` turns it into the two fields below (``normfold.hf.saving.stock_constraints``).
+
     ``loadable_keys``: when set, the checkpoint's loader (a stock architecture) knows only these
     parameter names: no step may create a parameter outside them. ``keep_modules_in``: when set,
     the loader needs every module's keys, stored in that dtype: a merged BatchNorm stays as an exact
@@ -169,29 +181,45 @@ class PlanConstraints:
     fold_affine: bool = True
     precompute: bool = True
     fold_batchnorm: bool = True
+    verify: bool = True
+    stock_compatible: bool | None = None
     loadable_keys: frozenset[str] | None = None
     keep_modules_in: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for name in ("fold_affine", "precompute", "fold_batchnorm"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in _FLAGS:
+            _require_bool(name, getattr(self, name))
+        if self.stock_compatible is not None:
+            _require_bool("stock_compatible", self.stock_compatible)
         if self.loadable_keys is not None:
-            if not all(isinstance(k, str) for k in self.loadable_keys):
-                raise TypeError("loadable_keys must hold parameter names (str)")
+            if isinstance(self.loadable_keys, str) or not all(isinstance(k, str) for k in self.loadable_keys):
+                raise TypeError(f"FoldConfig.loadable_keys must be None or a collection of parameter names (str), "
+                                f"got {self.loadable_keys!r}")
             object.__setattr__(self, "loadable_keys", frozenset(self.loadable_keys))
         if self.keep_modules_in is not None and (not isinstance(self.keep_modules_in, torch.dtype)
                                                  or not self.keep_modules_in.is_floating_point):
-            raise TypeError(f"keep_modules_in must be a floating torch.dtype, got {self.keep_modules_in!r}")
+            raise TypeError(f"FoldConfig.keep_modules_in must be None or a floating torch.dtype, "
+                            f"got {self.keep_modules_in!r}")
 
-    @classmethod
-    def for_stock_checkpoint(cls, loadable_keys, stored_dtype: torch.dtype, *, fold_affine: bool = True,
-                             fold_batchnorm: bool = True) -> "PlanConstraints":
-        """A plan whose result stock transformers loads: no precompute (every norm module stays), no
-        parameter the architecture lacks (e.g. GPT-2's ``lm_head.bias``), BatchNorms kept as identities."""
-        return cls(fold_affine=fold_affine, precompute=False, fold_batchnorm=fold_batchnorm,
-                   loadable_keys=frozenset(loadable_keys), keep_modules_in=stored_dtype)
+    def for_stock_checkpoint(self, loadable_keys, stored_dtype: torch.dtype) -> "FoldConfig":
+        """These options within what a stock checkpoint's loader loads: no precompute (every norm
+        module stays), no parameter the architecture lacks (e.g. GPT-2's ``lm_head.bias``),
+        BatchNorms kept as identities stored in ``stored_dtype``."""
+        return replace(self, precompute=False, stock_compatible=True, loadable_keys=frozenset(loadable_keys),
+                       keep_modules_in=stored_dtype)
 
     def may_create(self, fqn: str) -> bool:
         """Whether a step may create the parameter ``fqn`` (the loader knows that name)."""
         return self.loadable_keys is None or fqn in self.loadable_keys
+
+
+_FLAGS = ("fold_affine", "precompute", "fold_batchnorm", "verify")
+
+
+def _require_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"FoldConfig.{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+# The name the planning modules use for the options they plan within: the same class, not a second definition.
+PlanConstraints = FoldConfig

@@ -2,14 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .batchnorm import BatchNormEntry
-from .plan import FoldPlan, PlanConstraints
+from .plan import FoldConfig, FoldPlan
 
-if TYPE_CHECKING:  # the sections later steps write: types only, never imported at run time (dependency rules)
-    from ..fuse.report import FuseReport
-    from ..lab.approximate import ApproximateReport
+
+class ReportSection(Protocol):
+    """What a step after the fold files in the report (``FoldReport.sections``): plain data to
+    serialize, and a text to print (its ``__str__``); its class is the one the step registered."""
+
+    def to_dict(self) -> dict: ...
 
 
 @dataclass
@@ -136,10 +139,21 @@ class FoldReport:
     untied: list[str] = field(default_factory=list)   # "lm_head.weight (copy of transformer.wte.weight)"
     verification: VerifyResult | None = None
     batchnorms: list[BatchNormEntry] = field(default_factory=list)  # one per BatchNorm module
-    approximate: ApproximateReport | None = None  # written by normfold.convert(approximate=...) / fold(approximate=True)
-    fuse: FuseReport | None = None                # written by normfold.convert(fuse=...) / fold(fuse=True)
     traced_calls: list[dict] = field(default_factory=list)  # per example call: argument name -> what it was
-    constraints: PlanConstraints | None = None  # what the plan was made within: the options, a loader's limits
+    constraints: FoldConfig | None = None  # what the plan was made within: the options, a loader's limits
+    # the sections the steps after the fold filed (normfold.convert), by the name each registered
+    # (normfold.fold.steps.register_step, which also holds each section's type): "fuse", "approximate", ...
+    sections: dict[str, ReportSection] = field(default_factory=dict)
+
+    @property
+    def fuse(self):
+        """The fusion step's section (``normfold.fuse.FuseReport``), None when fusion did not run."""
+        return self.sections.get("fuse")
+
+    @property
+    def approximate(self):
+        """The approximate fold's section (``normfold.lab.ApproximateReport``), None when it did not run."""
+        return self.sections.get("approximate")
 
     @property
     def exactness_scope(self) -> str:
@@ -182,8 +196,8 @@ class FoldReport:
             "verification": None if self.verification is None else self.verification.to_dict(),
             "batchnorms": [asdict(e) for e in self.batchnorms],
             "num_approximate": self.num_approximate,
-            "approximate": None if self.approximate is None else self.approximate.to_dict(),
-            "fuse": None if self.fuse is None else self.fuse.to_dict(),
+            "approximate": None, "fuse": None,  # present (None) when the step did not run
+            **{name: section.to_dict() for name, section in self.sections.items()},
             "traced_calls": [dict(call) for call in self.traced_calls],
             "exactness_scope": self.exactness_scope if self.traced_calls else None,
         }
@@ -206,6 +220,6 @@ class FoldReport:
             lines.append(f"BatchNorm {e.path}: {'folded' if e.folded else 'kept'} ({e.reason})")
         if self.verification is not None:
             lines.append(str(self.verification))
-        if self.approximate is not None:
+        if self.approximate is not None:  # fusion leaves outputs unchanged: its section prints on its own
             lines.append(str(self.approximate))
         return "\n".join(lines)

@@ -20,8 +20,12 @@ the row. The add sits in the forward of the norm's parent (``GPT2Block``: ``h = 
    handed to another module's norm (``runtime.Handoff``) is checked by the version counter and runs
    unfused where there is none.
 4. **Verify**: the fused model is compared with the input model in float64 (≤ 1e-9), and as
-   returned, in its own dtype, against the input model's own error there, before it is returned;
-   ``report.py`` lists what was fused and why every other norm was not.
+   returned, in its own dtype, against the input model's own error there, on every example call,
+   before it is returned; ``report.py`` lists what was fused and why every other norm was not.
+
+Fusion is the step a :class:`FuseConfig` names (registered here with ``normfold.fold.steps``):
+``normfold.convert(model, inputs, FuseConfig())`` fuses the folded model, and
+:func:`fuse_residual_norms` is that step alone.
 
 The generated forward is an instance attribute: ``torch.compile`` traces it and ``state_dict`` is
 unchanged, but ``torch.save(model)`` (pickling the module) is not supported and Hugging Face's
@@ -34,12 +38,15 @@ from __future__ import annotations
 import copy
 import inspect
 import types
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..fold.graph import eval_mode, split_example_inputs
-from ..fold.verify import FOLD_TOLERANCE, prove_or_raise
+from ..fold.steps import StepContext, register_step, run_steps
+from ..fold.verify import FOLD_TOLERANCE
 from ..fold.verify import verify as verify_models
 from ..nn import FusedAddRMSNorm, RMSNorm
 from ..nn.kinds import LAYER_NORM_TYPES
@@ -48,26 +55,69 @@ from .report import FusedPair, FuseReport
 from .rewrite import ForwardRewrite, FusePlan, Probe
 from .runtime import Handoff
 
-__all__ = ["fuse_residual_norms", "FuseReport", "FusedPair"]
+__all__ = ["fuse_residual_norms", "FuseConfig", "FuseReport", "FusedPair"]
+
+
+def _require_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"FuseConfig.{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+@dataclass(frozen=True)
+class FuseConfig:
+    """Options of residual-add fusion (:func:`fuse_residual_norms`), inference only.
+
+    ``norm_paths``: the norm modules to consider (default: every normfold RMSNorm, and with
+    ``layer_norms`` every LayerNorm the fold kept). ``verify``: prove the fused model equal to the
+    unfused one in float64 on every example call.
+    """
+
+    norm_paths: tuple[str, ...] | None = None
+    layer_norms: bool = True
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        if self.norm_paths is not None:
+            if isinstance(self.norm_paths, str) or not isinstance(self.norm_paths, Iterable):
+                raise TypeError(f"FuseConfig.norm_paths must be None or a sequence of module paths (str), "
+                                f"got {type(self.norm_paths).__name__} {self.norm_paths!r}")
+            paths = tuple(self.norm_paths)
+            not_str = [p for p in paths if not isinstance(p, str)]
+            if not_str:
+                raise TypeError(f"FuseConfig.norm_paths must hold module paths (str), got {not_str!r}")
+            if not paths:
+                raise ValueError("FuseConfig.norm_paths must name at least one norm (None considers all of them), "
+                                 "got an empty sequence")
+            object.__setattr__(self, "norm_paths", paths)
+        _require_bool("layer_norms", self.layer_norms)
+        _require_bool("verify", self.verify)
 
 
 def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, layer_norms: bool = True,
-                        verify: bool = True, inplace: bool = False) -> tuple[nn.Module, FuseReport]:
+                        verify: bool = True) -> tuple[nn.Module, FuseReport]:
     """Return ``(fused_model, report)``: residual adds feeding the model's norms run fused with them.
 
     ``norm_paths``: the norms to consider (default: every ``normfold.nn.RMSNorm`` in the model, e.g.
     the ones ``normfold.fold`` created, and with ``layer_norms=True`` every torch / normfold
     ``LayerNorm``: the ones folding left, which normfold's LayerNorm kernel then runs).
     ``example_inputs`` as for ``normfold.fold`` (a tuple of positional or a dict of keyword
-    arguments); they drive the probe and the float64 check. With ``verify=True``,
-    ``FoldVerificationError`` is raised if outputs differ by more than 1e-9 in float64, or the fused
-    model in its own dtype by more than the measured tolerance (``report.verification``).
+    arguments, or a list of such calls: the first drives the probe, every one the float64 check).
+    With ``verify=True``, ``FoldVerificationError`` is raised if outputs differ by more than 1e-9 in
+    float64, or the fused model in its own dtype by more than the measured tolerance
+    (``report.verification``). The step a :class:`FuseConfig` names, alone; ``model`` is untouched.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    args, kwargs = split_example_inputs(example_inputs)
-    norms = _candidate_norms(model, norm_paths, layer_norms)
-    fused = model if inplace else copy.deepcopy(model)
+    config = FuseConfig(norm_paths=norm_paths, layer_norms=layer_norms, verify=verify)
+    fused, sections = run_steps(model, example_inputs, [config])
+    return fused, sections[FuseConfig]
+
+
+def fuse_step(model: nn.Module, calls: list, config: FuseConfig, context: StepContext) -> tuple[nn.Module, FuseReport]:
+    """The registered step of a :class:`FuseConfig`: a fused copy of ``model`` (probed on the first
+    call) and its report, with ``report.verification`` against ``model`` on every call for the
+    runner to prove."""
+    args, kwargs = split_example_inputs(calls[0])
+    norms = _candidate_norms(model, config.norm_paths, config.layer_norms)
+    fused = copy.deepcopy(model)
     report = FuseReport()
     by_parent: dict[str, list[str]] = {}
     for path in norms:
@@ -137,12 +187,15 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
         report.fused += [FusedPair(parent_path, _join(parent_path, site.norm), site.source)
                          for site in rewrite.inline]
 
-    if verify:
+    if config.verify:
         # rms_norm_paths=[]: no watching hooks on the norms, which would send their calls down the unfused path
-        report.verification = verify_models(model, fused, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
+        report.verification = verify_models(model, fused, calls, tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
                                             judge_model_dtype=True)
-        prove_or_raise(report.verification, "fused model differs from the unfused one", str(report))
     return fused, report
+
+
+register_step(FuseConfig, fuse_step, section="fuse", section_type=FuseReport,
+              proof="fused model differs from the unfused one")
 
 
 # ------------------------------------------------------------------------------ which norms

@@ -11,14 +11,13 @@ import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
 
-from ..fold import FoldReport, FoldVerificationError, verify
-from ..fold.pipeline import fold_exactly, plan_fold, rms_norm_paths
-from ..fold.plan import PlanConstraints
+from ..fold import FoldVerificationError, fold_within, run_steps, verify
+from ..fold.pipeline import plan_fold, rms_norm_paths
+from ..fold.plan import FoldConfig
 from .card import render_markdown, write_model_card
 from .inputs import calibration_batches, example_inputs_for, is_sentence_encoder, load_tokenizer, read_calibration_file
 from .load import CheckpointError, check_model_dir, load_model
@@ -34,14 +33,11 @@ PICTURE = "normfold_zero_mean_graph.png"
 
 Step = Callable[[str], None]  # called with a description before each slow step (for progress bars)
 
-if TYPE_CHECKING:  # the lab's report type, for annotations only: hf never imports the lab
-    from ..lab.approximate import ApproximateReport
-
-# The approximate fold, as the caller composes it (the CLI: normfold.cli.approximate). hf reads and tokenizes
-# the calibration file and saves the result; it never runs the lab itself (docs/CONTRIBUTING.md):
-# (original, exactly folded copy, the exact fold's report, calibration batches, sentence_encoder, step)
-#   -> (approximately folded model, ApproximateReport)
-ApproximateFold = Callable[[nn.Module, nn.Module, FoldReport, list, bool, Step], "tuple[nn.Module, ApproximateReport]"]
+# The approximate fold, as the caller configures it (the CLI: normfold.cli.approximate): hf reads and tokenizes
+# the calibration file, builds the step's config from the batches and runs it through the registry of steps
+# (normfold.fold.steps) after the exact fold; it never imports the lab (docs/CONTRIBUTING.md):
+# (calibration batches, sentence_encoder) -> the step's config (normfold.lab.ApproximateConfig)
+ApproximateStep = Callable[[list, bool], Any]
 
 
 def _noop(_: str) -> None:
@@ -68,7 +64,7 @@ def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, tr
     step("loading")
     model = load_model(model_dir, trust_remote_code=trust_remote_code)
     step("analysing")  # planned as `normfold fold` plans it (stock-loadable), so the two reports agree
-    constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)), fold_affine=fold_affine)
+    constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)), FoldConfig(fold_affine=fold_affine))
     report = plan_fold(model, example_inputs_for(model), constraints).to_dict()
     report["model"] = describe_model(model, model_dir)
     return report
@@ -76,7 +72,7 @@ def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, tr
 
 def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
                 dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
-                calibration_file: str | os.PathLike | None = None, approximate: ApproximateFold | None = None,
+                calibration_file: str | os.PathLike | None = None, approximate: ApproximateStep | None = None,
                 step: Step = _noop) -> dict[str, Any]:
     """Fold a folder, verify in float64, and write OUT_DIR only if the verification passes.
 
@@ -87,8 +83,8 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
     verification raises ``FoldVerificationError`` and leaves no OUT_DIR.
 
     ``approximate`` with ``calibration_file`` (one sentence per line, tokenized with the folder's own
-    tokenizer) runs an approximate fold after the exact one (:data:`ApproximateFold`; the CLI gives
-    ``normfold.lab.approximate_fold`` with the user's cosine bar): norms the exact fold cannot touch
+    tokenizer) runs an approximate fold after the exact one (:data:`ApproximateStep`; the CLI gives
+    ``normfold.lab.ApproximateConfig`` with the user's cosine bar): norms the exact fold cannot touch
     become corrected RMSNorms while every output row keeps the promised cosine on the calibration
     sentences. Such norms are listed in the report under ``"approximate"`` and only
     :func:`normfold.from_pretrained` rebuilds them. The sentences are the user's: the report keeps
@@ -117,8 +113,11 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         require_norms(report, type(model).__name__)
         approx = None
         if sentences is not None:
-            folded, approx = approximate(model, folded, report, calibration_batches(model, tokenizer, sentences),
-                                         is_sentence_encoder(model), step)
+            batches = calibration_batches(model, tokenizer, sentences)
+            config = approximate(batches, is_sentence_encoder(model))
+            step(f"approximate fold on {len(batches)} calibration batch(es)")  # approximate_fold draws its own bars
+            folded, sections = run_steps(folded, inputs, [config], original=model, earlier={FoldConfig: report})
+            approx = sections[type(config)]
             saved_check = {"ok": None, "skipped": "approximate fold: its replaced norms are judged by the cosine bar "
                                                   "on the calibration set, not by an exact bound"}
         else:
@@ -171,10 +170,11 @@ def _compared(model) -> str:
 
 def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dtype: torch.dtype = torch.float32):
     """``normfold.fold`` within what stock transformers can load, saved in ``stored_dtype``
-    (``normfold.hf.saving.stock_constraints``): the same pipeline (``normfold.fold.pipeline.fold_exactly``), proved in
+    (``normfold.hf.saving.stock_constraints``): the same step (``normfold.fold.fold_within``), proved in
     float64; raises ``FoldVerificationError`` (nothing is saved) on failure.
     """
-    return fold_exactly(model, example_inputs, stock_constraints(model, stored_dtype, fold_affine=fold_affine))
+    return fold_within(model, example_inputs,
+                       stock_constraints(model, stored_dtype, FoldConfig(fold_affine=fold_affine)))
 
 
 def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code: bool = False,
@@ -188,9 +188,9 @@ def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code
     model = load_model(orig_dir, trust_remote_code=trust_remote_code)
     step("folding")
     dtype = DTYPES[recipe.dtype]
-    constraints = (stock_constraints(model, dtype, fold_affine=recipe.fold_affine) if recipe.stock_plan
-                   else PlanConstraints(fold_affine=recipe.fold_affine))
-    folded, report = fold_exactly(model, example_inputs_for(model), constraints)
+    options = FoldConfig(fold_affine=recipe.fold_affine)
+    folded, report = fold_within(model, example_inputs_for(model),
+                                 stock_constraints(model, dtype, options) if recipe.stock_plan else options)
     step("saving")
     with warnings.catch_warnings():  # what stock transformers would do differently was said when the folder was saved
         warnings.simplefilter("ignore", UserWarning)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fold.plan import PlanConstraints
+from ..fold.plan import FoldConfig
 from ..fold.report import FoldReport
 from ..fold.transform import norm_like, untie_config
 from ..nn import RMSNorm
@@ -562,13 +562,12 @@ def swap_in_rmsnorm(model: nn.Module, entry: Mapping[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------ stock-compatible plans
 
-def stock_constraints(model, stored_dtype: torch.dtype, *, fold_affine: bool = True, fold_batchnorm: bool = True):
-    """The planning constraints of a folder that stock transformers loads, saved in ``stored_dtype``:
+def stock_constraints(model, stored_dtype: torch.dtype, config: FoldConfig = FoldConfig()) -> FoldConfig:
+    """``config`` within what a folder that stock transformers loads can hold, saved in ``stored_dtype``:
     no precompute (every norm module stays), no parameter the architecture lacks (e.g. GPT-2's
     ``lm_head.bias``: folding ln_f's β into the head would write it, stock drops it; ln_f keeps γ/β),
     and merged BatchNorms kept as exact identities (the architecture loads their keys)."""
-    return PlanConstraints.for_stock_checkpoint(stock_parameter_shapes(model.config, type(model)), stored_dtype,
-                                                fold_affine=fold_affine, fold_batchnorm=fold_batchnorm)
+    return config.for_stock_checkpoint(stock_parameter_shapes(model.config, type(model)), stored_dtype)
 
 
 def is_pretrained_model(model: object) -> bool:

@@ -7,14 +7,15 @@ the functions that need them.
 """
 from __future__ import annotations
 
-from .approximate import (ApproxEntry, ApproximateReport, OutputChange, approximate_fold, compare_outputs,
-                          mean_pooled, retrieval_agreement)
-from .batchnorm import BatchNormEntry, fold_batchnorms
+from .approximate import (ApproxEntry, ApproximateConfig, ApproximateReport, OutputChange, approximate_fold,
+                          compare_outputs, mean_pooled, retrieval_agreement)
+from .batchnorm import BatchNormConfig, BatchNormEntry, BatchNormFold, fold_batchnorms
 from .check import Finding, check
 from .diagnostics import InspectResult, NormInputStats, ScalePoint, inspect
 
 __all__ = ["inspect", "InspectResult", "NormInputStats", "ScalePoint",
            "check", "Finding",
-           "approximate_fold", "ApproximateReport", "ApproxEntry", "OutputChange", "compare_outputs",
+           "approximate_fold", "ApproximateConfig", "ApproximateReport", "ApproxEntry", "OutputChange",
+           "compare_outputs",
            "mean_pooled", "retrieval_agreement",
-           "fold_batchnorms", "BatchNormEntry"]
+           "fold_batchnorms", "BatchNormConfig", "BatchNormFold", "BatchNormEntry"]

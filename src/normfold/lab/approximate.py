@@ -32,6 +32,8 @@ import torch
 from torch import Tensor, nn
 
 from .._progress import progress as progress_bar  # `progress` is approximate_fold's callback argument
+from ..fold.plan import FoldConfig
+from ..fold.steps import StepContext, register_step
 from ..fold.transform import norm_like
 from ..nn import RMSNorm
 from ..nn.kinds import norm_modules
@@ -425,5 +427,46 @@ def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibrat
     return approx, ApproximateReport(ordered, float(min_cosine), final)
 
 
-__all__ = ["approximate_fold", "ApproximateReport", "ApproxEntry", "OutputChange", "compare_outputs",
+@dataclass(frozen=True, eq=False)  # eq=False: calibration holds tensors, which do not compare to a bool
+class ApproximateConfig:
+    """Options of the approximate fold (:func:`approximate_fold`): not exact.
+
+    ``calibration``: a batch or a list of batches (tensor, tuple of positional or dict of keyword
+    arguments) on which norms are chosen and corrected. ``min_cosine``: every output row keeps at
+    least this cosine similarity to the original's, in (0, 1]. ``output_fn``: ``(model, batch) ->
+    Tensor`` whose rows are compared (default: the main output, one row per real token; e.g.
+    :func:`mean_pooled` for sentence embeddings).
+    """
+
+    calibration: object = field(repr=False)
+    min_cosine: float = 0.999
+    output_fn: OutputFn | None = None
+
+    def __post_init__(self) -> None:
+        if self.calibration is None:
+            raise ValueError("ApproximateConfig.calibration must be a batch or a list of batches "
+                             "(inputs like example_inputs), got None")
+        as_batches(self.calibration)  # TypeError / ValueError naming what a batch may be
+        if isinstance(self.min_cosine, bool) or not isinstance(self.min_cosine, (int, float)) \
+                or not 0.0 < self.min_cosine <= 1.0:
+            raise ValueError(f"ApproximateConfig.min_cosine must be a number in (0, 1], got {self.min_cosine!r}")
+        if self.output_fn is not None and not callable(self.output_fn):
+            raise TypeError(f"ApproximateConfig.output_fn must be None or a callable (model, batch) -> Tensor, "
+                            f"got {type(self.output_fn).__name__}")
+
+
+def approximate_step(model: nn.Module, calls: list, config: ApproximateConfig,
+                     context: StepContext) -> tuple[nn.Module, ApproximateReport]:
+    """The registered step of an :class:`ApproximateConfig`: :func:`approximate_fold` of ``model``
+    (the previous step's output) against the original the runner was given, with the exact fold's
+    report when a fold ran before. Not exact: the report measures the change, nothing is proved."""
+    return approximate_fold(context.original, model, context.sections.get(FoldConfig), config.calibration,
+                            min_cosine=config.min_cosine, output_fn=config.output_fn)
+
+
+register_step(ApproximateConfig, approximate_step, section="approximate", section_type=ApproximateReport, proof=None)
+
+
+__all__ = ["approximate_fold", "ApproximateConfig", "ApproximateReport", "ApproxEntry", "OutputChange",
+           "compare_outputs",
            "retrieval_agreement", "token_outputs", "mean_pooled", "center_linear_", "fit_rms_affine"]

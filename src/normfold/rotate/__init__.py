@@ -17,6 +17,8 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -24,10 +26,11 @@ from torch import Tensor, nn
 from .._progress import notice
 from ..fold import fold as fold_engine
 from ..fold.errors import FoldError
-from ..fold.graph import capture, check_model_and_inputs, example_calls, split_example_calls
+from ..fold.graph import capture, example_calls, split_example_calls
 from ..fold.transform import apply_plan
-from ..fold.report import FoldReport
-from ..fold.verify import FOLD_TOLERANCE, prove_or_raise, verify
+from ..fold.report import FoldReport, VerifyResult
+from ..fold.steps import StepContext, register_step, run_steps
+from ..fold.verify import FOLD_TOLERANCE, verify
 from .apply import apply_rotation, rotate_along
 from .calibration import OutputAgreement, output_agreement, run_error, stream_second_moments
 from .closure import Stream, StreamTensor, find_streams
@@ -38,17 +41,74 @@ from .report import RotationReport, SliceReport, StreamRotation
 METHODS = ("hadamard", "random", "pca")
 
 
+@dataclass(frozen=True, eq=False)  # eq=False: calibration holds tensors
+class RotateConfig:
+    """Options of the rotation (:func:`rotate`), checked when built (ValueError / TypeError).
+
+    ``method``: "hadamard" (randomised Hadamard diag(±1)·H/√d, seeded; a width no Hadamard
+    construction here reaches gets a seeded Haar matrix, said in the report), "random" (seeded
+    Haar), "pca" (eigenvectors of the stream's second moment on ``calibration``: a call or a list
+    of calls, like ``example_inputs``, kept as ``(args, kwargs)`` pairs). ``slice_fraction`` in
+    [0, 1), with "pca": drop that share of the stream's directions, the least used (SliceGPT).
+    """
+
+    method: str = "hadamard"
+    seed: int = 0
+    calibration: object = field(default=None, repr=False)
+    slice_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_rotate_options(self.method, self.seed, self.slice_fraction, self.calibration is not None, API_OPTIONS)
+        if self.calibration is not None:
+            object.__setattr__(self, "calibration", tuple(split_example_calls(example_calls(self.calibration))))
+
+
+@dataclass(frozen=True)
+class OptionNames:
+    """How a caller spells the rotation's options in its messages (the API's keywords, or a command's flags)."""
+
+    slice_fraction: str
+    method: Callable[[object], str]   # method=... as the caller writes it
+    calibration: str                  # the calibration option's name
+    calibration_needed: str           # the calibration option, saying what it holds
+
+
+API_OPTIONS = OptionNames("slice_fraction", lambda method: f"method={method!r}", "calibration",
+                          "calibration: a call (tuple or dict of inputs) or a list of calls whose stream the principal "
+                          "directions are taken from")
+
+
+def check_rotate_options(method, seed, slice_fraction, has_calibration: bool, names: OptionNames) -> None:
+    """The rotation's argument rules, the one definition (``RotateConfig`` and the ``normfold rotate``
+    command): ValueError / TypeError naming the option as ``names`` spells it, before any work."""
+    if not isinstance(method, str) or method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if not isinstance(slice_fraction, numbers.Real) or isinstance(slice_fraction, bool):
+        raise TypeError(f"{names.slice_fraction} must be a number in [0, 1), got {slice_fraction!r}")
+    if not 0.0 <= slice_fraction < 1.0:  # also refuses NaN
+        raise ValueError(f"{names.slice_fraction} must be in [0, 1) (the share of the stream's directions to drop), "
+                         f"got {slice_fraction!r}")
+    pca = names.method("pca")
+    if slice_fraction > 0 and method != "pca":
+        raise ValueError(f"slicing keeps the stream's most used directions, so it needs {pca} (with "
+                         f"{names.calibration}), got {names.method(method)}")
+    if method != "pca" and has_calibration:
+        raise ValueError(f"{names.calibration} is used only by {pca} (to find the stream's principal directions), "
+                         f"got {names.method(method)}: leave it out, or use {pca}")
+    if method == "pca" and not has_calibration:
+        raise ValueError(f"{pca} needs {names.calibration_needed}")
+
+
 def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: int = 0, calibration=None,
            slice_fraction: float = 0.0) -> tuple[nn.Module, RotationReport]:
     """``(rotated copy, report)``: the model folded exactly, then its residual stream rotated by an
     orthogonal Q (writers W ↦ Qᵀ·W, readers W ↦ W·Q), the same function, proved in float64.
 
-    ``method``: "hadamard" (randomised Hadamard diag(±1)·H/√d, seeded; a width no Hadamard
-    construction here reaches gets a seeded Haar matrix, said in the report), "random" (seeded
-    Haar), "pca" (eigenvectors of the stream's second moment on ``calibration``: a call or a list
-    of calls, like ``example_inputs``). ``slice_fraction`` in [0, 1), with "pca": drop that share of
-    the stream's directions, the least used (SliceGPT); the result is then approximate, and the
-    report gives its cosine (and any loss the model returns) on the calibration calls.
+    ``method``, ``seed``, ``calibration``, ``slice_fraction``: see :class:`RotateConfig`; with
+    ``slice_fraction`` > 0 the result is approximate, and the report gives its cosine (and any loss
+    the model returns) on the calibration calls. The step a ``RotateConfig`` names, alone.
 
     Raises ``FoldError`` naming what blocks rotation (a norm the fold keeps as a LayerNorm, a γ that
     stays, a stream read by anything but a weightless RMSNorm, a stream that is a model output),
@@ -56,23 +116,32 @@ def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: 
     own dtype within the tolerance measured from the original's own error there (nothing returned), and
     ValueError / TypeError for bad arguments, before any work.
     """
-    calls = check_model_and_inputs(model, example_inputs)
-    calibration_calls = _check_arguments(method, seed, calibration, slice_fraction)
-    folded, fold_report = fold_engine(model, example_inputs, verify=False)  # proved below, with the rotation
+    config = RotateConfig(method=method, seed=seed, calibration=calibration, slice_fraction=slice_fraction)
+    rotated, sections = run_steps(model, example_inputs, [config])
+    return rotated, sections[RotateConfig]
+
+
+def rotate_step(model: nn.Module, calls: list, config: RotateConfig,
+                context: StepContext) -> tuple[nn.Module, RotationReport]:
+    """The registered step of a :class:`RotateConfig`: ``model`` (the previous step's output, or the
+    original) folded and rotated, with ``report.verification`` against ``model`` for the runner to
+    prove (when sliced: of the whole rotation, before slicing)."""
+    method, slice_fraction, calibration_calls = config.method, config.slice_fraction, list(config.calibration or ())
+    folded, fold_report = fold_engine(model, calls, verify=False)  # proved below, with the rotation
     streams = closed_streams(folded, calls, fold_report)
     if slice_fraction > 0:
         _check_sliceable(streams, slice_fraction)
     folded64 = apply_plan(copy.deepcopy(model).to(torch.float64), fold_report.plan)  # the fold, exact
     moments = stream_second_moments(folded64, streams, calibration_calls) if method == "pca" else None
-    rotations, energies = bases(streams, method, seed, moments)
-    report = RotationReport(method, seed, fold_report, rotations)
+    rotations, energies = bases(streams, method, config.seed, moments)
+    report = RotationReport(method, config.seed, fold_report, rotations)
     kept = [kept_directions(stream.width, slice_fraction) for stream in streams]
     if all(k == stream.width for k, stream in zip(kept, streams)):
         qs = [r.basis for r in rotations]
         rotated = apply_rotation(folded, streams, qs)  # our own copy: rotated in place
-        report.verification = _prove(model, rotated, apply_rotation(folded64, streams, qs), example_inputs, report)
+        report.verification = _proof(model, rotated, apply_rotation(folded64, streams, qs), calls)
         return rotated, report
-    return _slice(model, folded, folded64, example_inputs, report, kept, energies, calibration_calls, slice_fraction)
+    return _slice(model, folded, folded64, calls, report, kept, energies, calibration_calls, slice_fraction)
 
 
 def _slice(model, folded, folded64, example_inputs, report: RotationReport, kept: list[int], energies,
@@ -82,7 +151,7 @@ def _slice(model, folded, folded64, example_inputs, report: RotationReport, kept
     reference = copy.deepcopy(model).to(torch.float64)
     streams = [r.stream for r in report.streams]
     whole = apply_rotation(copy.deepcopy(folded64), streams, [r.basis for r in report.streams])
-    report.verification = _prove(reference, whole, whole, example_inputs, report)
+    report.verification = _proof(reference, whole, whole, example_inputs)
     del whole
     report.streams = [_sliced(r, k, e) for r, k, e in zip(report.streams, kept, energies)]
     qs = [r.basis for r in report.streams]
@@ -104,38 +173,12 @@ def _check_runs_sliced(sliced64: nn.Module, call, kept: list[int]) -> None:
                         "slice_fraction=0, or a model whose layers take their sizes from their config") from error
 
 
-def _prove(original: nn.Module, rotated: nn.Module, rotated64: nn.Module, example_inputs, report: RotationReport):
-    """The float64 proof, as for a fold (FOLD_TOLERANCE), and the rotated model as returned judged in
-    its own dtype, or ``FoldVerificationError``."""
+def _proof(original: nn.Module, rotated: nn.Module, rotated64: nn.Module, example_inputs) -> VerifyResult:
+    """The float64 comparison, as for a fold (FOLD_TOLERANCE), and the rotated model as returned judged
+    in its own dtype: the verification the runner proves (``FoldVerificationError``)."""
     with notice("rotate: proving the rotated model equal to the original in float64"):
-        result = verify(original, rotated, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
-                        folded_exact=rotated64, judge_model_dtype=True)
-    return prove_or_raise(result, "rotated model differs from the original", str(report))
-
-
-def _check_arguments(method, seed, calibration, slice_fraction) -> list[tuple[tuple, dict]]:
-    """ValueError / TypeError for bad arguments; the calibration calls as (args, kwargs)."""
-    if not isinstance(method, str) or method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    if not isinstance(seed, numbers.Integral) or isinstance(seed, bool):
-        raise TypeError(f"seed must be an int, got {seed!r}")
-    if not isinstance(slice_fraction, numbers.Real) or isinstance(slice_fraction, bool):
-        raise TypeError(f"slice_fraction must be a number in [0, 1), got {slice_fraction!r}")
-    if not 0.0 <= slice_fraction < 1.0:  # also refuses NaN
-        raise ValueError(f"slice_fraction must be in [0, 1) (the share of the stream's directions to drop), "
-                         f"got {slice_fraction!r}")
-    if slice_fraction > 0 and method != "pca":
-        raise ValueError(f"slicing keeps the stream's most used directions, so it needs method='pca' (with "
-                         f"calibration), got method={method!r}")
-    if method != "pca" and calibration is not None:
-        raise ValueError(f"calibration is used only by method='pca' (to find the stream's principal directions), "
-                         f"got method={method!r}: leave it out, or use method='pca'")
-    if method == "pca" and calibration is None:
-        raise ValueError("method='pca' needs calibration: a call (tuple or dict of inputs) or a list of calls whose "
-                         "stream the principal directions are taken from")
-    if calibration is None:
-        return []
-    return split_example_calls(example_calls(calibration))
+        return verify(original, rotated, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
+                      folded_exact=rotated64, judge_model_dtype=True)
 
 
 def closed_streams(folded: nn.Module, calls: list, fold_report: FoldReport) -> list[Stream]:
@@ -205,5 +248,10 @@ def _sliced(rotation: StreamRotation, kept: int, energies: Tensor) -> StreamRota
     return _rotation(rotation.stream, rotation.basis[:, :kept], rotation.how, kept_energy)
 
 
-__all__ = ["rotate", "RotationReport", "StreamRotation", "SliceReport", "Stream", "StreamTensor", "OutputAgreement",
+register_step(RotateConfig, rotate_step, section="rotation", section_type=RotationReport,
+              proof="rotated model differs from the original")
+
+
+__all__ = ["rotate", "RotateConfig", "check_rotate_options", "OptionNames", "API_OPTIONS", "RotationReport",
+           "StreamRotation", "SliceReport", "Stream", "StreamTensor", "OutputAgreement",
            "rotate_along", "kept_directions", "bases", "METHODS"]

@@ -10,6 +10,7 @@ from torch import nn
 
 from ...fold.graph import parameter_aliases
 from ...fold.pipeline import plan_fold
+from ...fold.plan import FoldConfig
 from ...fold.report import FoldReport
 from ...nn.kinds import GROUP_NORM_TYPES, LAYER_NORM_TYPES, RMS_NORM_TYPES
 from ..inputs import example_inputs_for
@@ -45,7 +46,7 @@ def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remo
     skeleton = skeleton.to_empty(device="cpu").eval()  # virtual memory only: pages are never written
     skeleton.tie_weights()  # to_empty gives tied parameters separate storage; the analysis must see the tie
     _load_norm_parameters(skeleton, checkpoint)
-    constraints = stock_constraints(skeleton, stored_dtype or dtype, fold_affine=fold_affine)
+    constraints = stock_constraints(skeleton, stored_dtype or dtype, FoldConfig(fold_affine=fold_affine))
     if not stock_loadable:
         constraints = dataclasses.replace(constraints, loadable_keys=None)
     return plan_fold(skeleton, example_inputs_for(skeleton), constraints), skeleton, checkpoint
