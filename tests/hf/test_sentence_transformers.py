@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import normfold
 from normfold.cli import main
 
 st = pytest.importorskip("sentence_transformers")
@@ -46,7 +47,7 @@ def test_the_fast_pipeline_runs_normfold_kernels_and_gives_the_original_embeddin
     from normfold.hf import sentence_transformer
     from normfold.nn import RMSNorm
 
-    fast = sentence_transformer(folded_minilm, device="cpu")
+    fast = sentence_transformer(folded_minilm, normfold.FuseConfig(), device="cpu")
     kinds = {type(m).__name__ for m in fast[0].auto_model.modules()}
     assert any(isinstance(m, RMSNorm) for m in fast[0].auto_model.modules()), kinds  # stock loads a LayerNorm there
     stock = st.SentenceTransformer(str(folded_minilm), device="cpu")
@@ -62,5 +63,5 @@ def test_the_fast_pipeline_refuses_a_folder_that_is_not_a_sentence_transformers_
 
     with pytest.raises(CheckpointError, match="not a sentence-transformers folder"):
         sentence_transformer(tiny_dirs["gpt2"])
-    with pytest.raises(TypeError, match="fuse must be a bool"):
-        sentence_transformer(tiny_dirs["gpt2"], fuse="yes")
+    with pytest.raises(CheckpointError, match="not a sentence-transformers folder"):
+        sentence_transformer(tiny_dirs["gpt2"], normfold.FuseConfig())
