@@ -67,39 +67,28 @@ class CheckpointRewrite:
         self.key_of: dict[str, str] = {}            # every name a step uses -> its checkpoint key
         aliases = parameter_aliases(skeleton)
         steps: list[Step] = [*plan.steps(), *([] if after is None else after.maps())]
-        parent: dict[str, str] = {}
-
-        def find(k: str) -> str:
-            while parent.setdefault(k, k) != k:
-                k = parent[k]
-            return k
-
-        written: set[str] = set()   # keys the steps so far wrote
-        side: set[str] = set()      # vectors read as stored
-        step_keys: list[tuple[Step, list[str]]] = []
-        for step in steps:
-            reads = [self._key(n, aliases) for n in step.reads()]
-            for name, (like, dim) in step.creates().items():
-                self.new_keys[name], self._created_dim[name] = self._key(like, aliases), dim
-            writes = self._written_keys(step, aliases)
-            together = set(writes) | {k for k in reads if k in written or not self._is_vector(k)}
-            side.update(set(reads) - together)
-            if writes:
-                root = find(writes[0])
-                for k in together:
-                    parent[find(k)] = root
-            written.update(writes)
-            step_keys.append((step, writes))
+        keyed = [(step, *self._keys(step, aliases)) for step in steps]
+        self.group_of, side = _group(keyed, self._is_vector)
         self.groups: dict[str, set[str]] = defaultdict(set)
-        for k in parent:
-            self.groups[find(k)].add(k)
-        self.group_of = {k: find(k) for k in parent}
+        for k, group in self.group_of.items():
+            self.groups[group].add(k)
         self.steps_of: dict[str, list[Step]] = defaultdict(list)  # group -> its steps, in plan order
-        for step, writes in step_keys:
+        for step, _, writes in keyed:
             if writes:
                 self.steps_of[self.group_of[writes[0]]].append(step)
         self.side_values = {k: checkpoint.read(k) for k in sorted(side)}
         self.math_seconds = 0.0  # in the worker thread: overlaps the writing
+
+    def _keys(self, step: Step, aliases) -> tuple[list[str], list[str]]:
+        """The keys ``step`` reads and writes (registering those it creates); a swap writes the γ/β
+        the checkpoint stores for its norm."""
+        reads = [self._key(n, aliases) for n in step.reads()]
+        for name, (like, dim) in step.creates().items():
+            self.new_keys[name], self._created_dim[name] = self._key(like, aliases), dim
+        names = step.writes()
+        if isinstance(step, SwapStep):
+            names = [n for n in names if n in self.new_keys or resolve_key(n, aliases, self.checkpoint) is not None]
+        return reads, [self._key(n, aliases) for n in names]
 
     def _key(self, name: str, aliases) -> str:
         """The key storing ``name``: a tensor a step created, or the checkpoint's (a tied parameter is stored once)."""
@@ -112,13 +101,6 @@ class CheckpointRewrite:
         if self.key_of.setdefault(name, key) != key:
             raise CheckpointError(f"internal: the plan names {name} before the step that creates it")
         return key
-
-    def _written_keys(self, step: Step, aliases) -> list[str]:
-        """The keys ``step`` writes; a swap writes the γ/β the checkpoint stores for its norm."""
-        if isinstance(step, SwapStep):
-            return [self._key(n, aliases) for n in step.writes()
-                    if n in self.new_keys or resolve_key(n, aliases, self.checkpoint) is not None]
-        return [self._key(n, aliases) for n in step.writes()]
 
     def _is_vector(self, key: str) -> bool:
         return len(self.output_meta(key)[1]) <= 1
@@ -149,6 +131,34 @@ class CheckpointRewrite:
 
     def _cast(self, key: str, t: torch.Tensor) -> torch.Tensor:
         return t.to(TORCH_DTYPES[self.output_meta(key)[0]])
+
+
+def _group(keyed: list[tuple[Step, list[str], list[str]]],
+           is_vector: Callable[[str], bool]) -> tuple[dict[str, str], set[str]]:
+    """(key -> its group, the vectors read as stored) for steps given with the keys they read and write.
+
+    A step's writes are computed together, with what it reads that an earlier step wrote (it must
+    see the new values) or that is not a vector (an untied copy's source: read once for both); the
+    vectors it reads otherwise (norm γ/β, running statistics) are read once, as stored.
+    """
+    parent: dict[str, str] = {}
+
+    def find(k: str) -> str:
+        while parent.setdefault(k, k) != k:
+            k = parent[k]
+        return k
+
+    written: set[str] = set()
+    side: set[str] = set()
+    for _, reads, writes in keyed:
+        together = set(writes) | {k for k in reads if k in written or not is_vector(k)}
+        side.update(set(reads) - together)
+        if writes:
+            root = find(writes[0])
+            for k in together:
+                parent[find(k)] = root
+        written.update(writes)
+    return {k: find(k) for k in parent}, side
 
 
 _CHUNK = 1 << 22  # elements per slice of the math (at most 32 MB in float64), so a whole table never exists in the compute dtype
