@@ -12,6 +12,11 @@ through a store, so a step is written once for every place a plan runs:
 A store's ``chunk`` bounds the row-wise steps (centering, the affine fold, a :class:`TensorMap`):
 they run on slices of at most that many elements, so a whole table never exists in the compute
 dtype; None runs them on whole tensors.
+
+A new plan step is three edits: its dataclass in ``plan.py`` (fields, ``reads``/``writes``/``creates``,
+a section in ``_STEP_TYPES`` at its place in the order), its math in ``math.py``, and its kernel in
+:data:`_KERNELS` here; both stores then run it (a checkpoint store groups keys and sizes created
+tensors from the declarations alone: ``tests/fold/test_executor.py`` checks a kernel keeps to them).
 """
 from __future__ import annotations
 
