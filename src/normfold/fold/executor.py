@@ -28,19 +28,8 @@ import torch
 from torch import Tensor
 
 from .math import center, fold_affine_into_consumer, fold_batchnorm_into_producer, layer_norm_rows, scale_output_channels
-from .plan import AffineFoldStep, BatchNormFoldStep, CenterStep, LayerScaleStep, PrecomputeStep, SwapStep, UntieStep
-
-
-class Step(Protocol):
-    """What the executor needs of a step: the names it reads (values before the step), writes
-    (changed or created) and creates (new name -> (the tensor it is shaped from, that tensor's dim
-    giving its length, or None for the whole shape))."""
-
-    def reads(self) -> tuple[str, ...]: ...
-
-    def writes(self) -> tuple[str, ...]: ...
-
-    def creates(self) -> dict[str, tuple[str, int | None]]: ...
+from .plan import (AffineFoldStep, BatchNormFoldStep, CenterStep, LayerScaleStep, PrecomputeStep, Step, SwapStep,
+                   UntieStep)
 
 
 class TensorStore(Protocol):
@@ -68,7 +57,7 @@ class TensorStore(Protocol):
 
 
 @dataclass(frozen=True)
-class TensorMap:
+class TensorMap(Step):
     """A row-wise map of one tensor after a plan (``normfold rotate`` on a checkpoint: t ↦ t·Q along
     ``dim``): ``fn`` gives the new values (same shape and dtype) of tensor ``name`` or of a slice of
     it cut along another dim than ``dim``."""
@@ -82,9 +71,6 @@ class TensorMap:
 
     def writes(self) -> tuple[str, ...]:
         return (self.name,)
-
-    def creates(self) -> dict[str, tuple[str, int | None]]:
-        return {}
 
 
 def run(steps: Iterable[Step], store: TensorStore) -> None:

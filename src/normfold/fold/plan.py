@@ -32,8 +32,24 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 
+class Step:
+    """What every step declares, by tensor name: what it ``reads`` (the values before the step),
+    ``writes`` (changes or creates) and ``creates`` (new name -> (the tensor it is shaped from, the
+    dim of that tensor giving its length, or None for its whole shape)). The executor
+    (``normfold.fold.executor``) and a checkpoint's store work from these alone."""
+
+    def reads(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def writes(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def creates(self) -> dict[str, tuple[str, int | None]]:
+        return {}
+
+
 @dataclass(frozen=True)
-class BatchNormFoldStep:
+class BatchNormFoldStep(Step):
     """Merge the eval-mode BatchNorm at ``norm_path`` into the producer at ``producer_path``
     (output channels on dim 0 of ``weight_fqn``); ``bias_fqn`` is created, zero, when ``create_bias``.
 
@@ -66,7 +82,7 @@ class BatchNormFoldStep:
 
 
 @dataclass(frozen=True)
-class LayerScaleStep:
+class LayerScaleStep(Step):
     """Merge the layer scale ``scale_fqn`` (γ in t = γ ⊙ (W h + b), one value per output channel) into
     the producer: W ← diag(γ)·W along ``weight_fqn``'s dim 0, b ← γ ⊙ b, then γ ← 1."""
 
@@ -80,12 +96,9 @@ class LayerScaleStep:
     def writes(self) -> tuple[str, ...]:
         return _names(self.weight_fqn, self.bias_fqn, self.scale_fqn)
 
-    def creates(self) -> dict[str, tuple[str, int | None]]:
-        return {}
-
 
 @dataclass(frozen=True)
-class CenterStep:
+class CenterStep(Step):
     """Subtract the mean of ``fqn`` along ``dim`` (per contiguous ``group`` elements; None = whole dim)."""
 
     fqn: str
@@ -98,12 +111,9 @@ class CenterStep:
     def writes(self) -> tuple[str, ...]:
         return (self.fqn,)
 
-    def creates(self) -> dict[str, tuple[str, int | None]]:
-        return {}
-
 
 @dataclass(frozen=True)
-class UntieStep:
+class UntieStep(Step):
     """Give ``module_path.attr`` its own copy of the original ``source_fqn`` (a tied parameter)."""
 
     module_path: str
@@ -126,7 +136,7 @@ class UntieStep:
 
 
 @dataclass(frozen=True)
-class PrecomputeStep:
+class PrecomputeStep(Step):
     """Replace the rows of embedding table ``table_fqn`` by LayerNorm(rows) with γ, β, eps of ``norm_path``."""
 
     norm_path: str
@@ -141,12 +151,9 @@ class PrecomputeStep:
     def writes(self) -> tuple[str, ...]:
         return (self.table_fqn,)
 
-    def creates(self) -> dict[str, tuple[str, int | None]]:
-        return {}
-
 
 @dataclass(frozen=True)
-class AffineFoldStep:
+class AffineFoldStep(Step):
     """Fold norm ``norm_path``'s γ/β into the consumer weight ``weight_fqn`` (γ meets W along ``in_dim``)."""
 
     norm_path: str
@@ -168,7 +175,7 @@ class AffineFoldStep:
 
 
 @dataclass(frozen=True)
-class SwapStep:
+class SwapStep(Step):
     """Replace the norm module at ``path`` by ``to`` ("RMSNorm", "LayerNorm" or "Identity").
 
     ``offset``: the norm scales by (offset + γ), as Nemotron's ``LayerNorm1P`` (γ + 1) does; the
@@ -190,9 +197,6 @@ class SwapStep:
         """The γ/β a weightless norm drops, where the norm has them (a module-level step: the module
         store replaces the module, a checkpoint keeps the keys it stores as γ = 1, β = 0)."""
         return () if self.elementwise_affine else (f"{self.path}.weight", f"{self.path}.bias")
-
-    def creates(self) -> dict[str, tuple[str, int | None]]:
-        return {}
 
 
 @dataclass
@@ -221,7 +225,7 @@ class FoldPlan:
     def __bool__(self) -> bool:
         return any(getattr(self, name) for name in _STEP_TYPES)
 
-    def steps(self) -> list:
+    def steps(self) -> list[Step]:
         """Every step, in the order they apply (the order of the sections: see the module docstring)."""
         return [step for name in _STEP_TYPES for step in getattr(self, name)]
 

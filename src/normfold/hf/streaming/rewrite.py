@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...fold.executor import Step, TensorMap, run
+from ...fold.executor import TensorMap, run
 from ...fold.graph import parameter_aliases
-from ...fold.plan import FoldPlan, SwapStep
+from ...fold.plan import FoldPlan, Step, SwapStep
 from ..load import CheckpointError
 from .checkpoint import SAFETENSORS_DTYPES, TORCH_DTYPES, Checkpoint, resolve_key
 
