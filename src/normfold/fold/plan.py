@@ -1,9 +1,10 @@
 """FoldPlan: what the transform does, in terms of parameter FQNs and module paths only.
 
-A plan is plain data (JSON round-trip via ``to_dict`` / ``from_dict``), so it can be applied to a
-model copy (``normfold.fold.transform.apply_plan``) or, step by step, to the tensors of a
-checkpoint that does not fit in memory: every step names all the tensors it reads and writes, and
-its math is a pure function in ``normfold.fold.math``. Steps apply in this order:
+A plan is plain data (JSON round-trip via ``to_dict`` / ``from_dict``), run by one executor
+(``normfold.fold.executor``) over a model copy (``normfold.fold.transform.apply_plan``) or, step by
+step, over the tensors of a checkpoint that does not fit in memory: every step declares the tensors
+it ``reads()``, ``writes()`` and ``creates()`` (by parameter FQN), and its math is a pure function
+in ``normfold.fold.math``. Steps apply in this order (``FoldPlan.steps()``):
 
 0. ``batchnorm``: an eval-mode BatchNorm merges into the Linear/Conv before it,
    (W, b) ← ``math.fold_batchnorm_into_producer(W, b, μ, σ², γ, β, eps)`` (``b`` is a new zero bias
@@ -31,8 +32,24 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 
 
+class Step:
+    """What every step declares, by tensor name: what it ``reads`` (the values before the step),
+    ``writes`` (changes or creates) and ``creates`` (new name -> (the tensor it is shaped from, the
+    dim of that tensor giving its length, or None for its whole shape)). The executor
+    (``normfold.fold.executor``) and a checkpoint's store work from these alone."""
+
+    def reads(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def writes(self) -> tuple[str, ...]:
+        raise NotImplementedError
+
+    def creates(self) -> dict[str, tuple[str, int | None]]:
+        return {}
+
+
 @dataclass(frozen=True)
-class BatchNormFoldStep:
+class BatchNormFoldStep(Step):
     """Merge the eval-mode BatchNorm at ``norm_path`` into the producer at ``producer_path``
     (output channels on dim 0 of ``weight_fqn``); ``bias_fqn`` is created, zero, when ``create_bias``.
 
@@ -52,9 +69,20 @@ class BatchNormFoldStep:
     eps: float
     keep_module: bool = False   # an exact identity BatchNorm stays (see above)
 
+    def reads(self) -> tuple[str, ...]:
+        return _names(self.weight_fqn, None if self.create_bias else self.bias_fqn, self.mean_fqn, self.var_fqn,
+                      self.gamma_fqn, self.beta_fqn)
+
+    def writes(self) -> tuple[str, ...]:
+        kept = (self.mean_fqn, self.var_fqn, self.gamma_fqn, self.beta_fqn) if self.keep_module else ()
+        return _names(self.weight_fqn, self.bias_fqn, *kept)
+
+    def creates(self) -> dict[str, tuple[str, int | None]]:
+        return {self.bias_fqn: (self.weight_fqn, 0)} if self.create_bias else {}
+
 
 @dataclass(frozen=True)
-class LayerScaleStep:
+class LayerScaleStep(Step):
     """Merge the layer scale ``scale_fqn`` (γ in t = γ ⊙ (W h + b), one value per output channel) into
     the producer: W ← diag(γ)·W along ``weight_fqn``'s dim 0, b ← γ ⊙ b, then γ ← 1."""
 
@@ -62,27 +90,53 @@ class LayerScaleStep:
     weight_fqn: str
     bias_fqn: str | None        # None: the producer has no bias (γ ⊙ 0 = 0, nothing to scale)
 
+    def reads(self) -> tuple[str, ...]:
+        return _names(self.weight_fqn, self.bias_fqn, self.scale_fqn)
+
+    def writes(self) -> tuple[str, ...]:
+        return _names(self.weight_fqn, self.bias_fqn, self.scale_fqn)
+
 
 @dataclass(frozen=True)
-class CenterStep:
+class CenterStep(Step):
     """Subtract the mean of ``fqn`` along ``dim`` (per contiguous ``group`` elements; None = whole dim)."""
 
     fqn: str
     dim: int
     group: int | None = None
 
+    def reads(self) -> tuple[str, ...]:
+        return (self.fqn,)
+
+    def writes(self) -> tuple[str, ...]:
+        return (self.fqn,)
+
 
 @dataclass(frozen=True)
-class UntieStep:
+class UntieStep(Step):
     """Give ``module_path.attr`` its own copy of the original ``source_fqn`` (a tied parameter)."""
 
     module_path: str
     attr: str
     source_fqn: str
 
+    @property
+    def fqn(self) -> str:
+        """The name of the copy."""
+        return f"{self.module_path}.{self.attr}"
+
+    def reads(self) -> tuple[str, ...]:
+        return (self.source_fqn,)
+
+    def writes(self) -> tuple[str, ...]:
+        return (self.fqn,)
+
+    def creates(self) -> dict[str, tuple[str, int | None]]:
+        return {self.fqn: (self.source_fqn, None)}
+
 
 @dataclass(frozen=True)
-class PrecomputeStep:
+class PrecomputeStep(Step):
     """Replace the rows of embedding table ``table_fqn`` by LayerNorm(rows) with γ, β, eps of ``norm_path``."""
 
     norm_path: str
@@ -91,9 +145,15 @@ class PrecomputeStep:
     beta_fqn: str | None
     eps: float
 
+    def reads(self) -> tuple[str, ...]:
+        return _names(self.table_fqn, self.gamma_fqn, self.beta_fqn)
+
+    def writes(self) -> tuple[str, ...]:
+        return (self.table_fqn,)
+
 
 @dataclass(frozen=True)
-class AffineFoldStep:
+class AffineFoldStep(Step):
     """Fold norm ``norm_path``'s γ/β into the consumer weight ``weight_fqn`` (γ meets W along ``in_dim``)."""
 
     norm_path: str
@@ -104,9 +164,18 @@ class AffineFoldStep:
     bias_fqn: str
     create_bias: bool = False   # the consumer has no bias to take W·β: register one
 
+    def reads(self) -> tuple[str, ...]:
+        return _names(self.weight_fqn, None if self.create_bias else self.bias_fqn, self.gamma_fqn, self.beta_fqn)
+
+    def writes(self) -> tuple[str, ...]:
+        return _names(self.weight_fqn, self.bias_fqn)
+
+    def creates(self) -> dict[str, tuple[str, int | None]]:
+        return {self.bias_fqn: (self.weight_fqn, 1 - self.in_dim)} if self.create_bias else {}
+
 
 @dataclass(frozen=True)
-class SwapStep:
+class SwapStep(Step):
     """Replace the norm module at ``path`` by ``to`` ("RMSNorm", "LayerNorm" or "Identity").
 
     ``offset``: the norm scales by (offset + γ), as Nemotron's ``LayerNorm1P`` (γ + 1) does; the
@@ -120,6 +189,14 @@ class SwapStep:
     elementwise_affine: bool
     bias: bool
     offset: float = 0.0
+
+    def reads(self) -> tuple[str, ...]:
+        return ()
+
+    def writes(self) -> tuple[str, ...]:
+        """The γ/β a weightless norm drops, where the norm has them (a module-level step: the module
+        store replaces the module, a checkpoint keeps the keys it stores as γ = 1, β = 0)."""
+        return () if self.elementwise_affine else (f"{self.path}.weight", f"{self.path}.bias")
 
 
 @dataclass
@@ -148,9 +225,18 @@ class FoldPlan:
     def __bool__(self) -> bool:
         return any(getattr(self, name) for name in _STEP_TYPES)
 
+    def steps(self) -> list[Step]:
+        """Every step, in the order they apply (the order of the sections: see the module docstring)."""
+        return [step for name in _STEP_TYPES for step in getattr(self, name)]
+
 
 _STEP_TYPES = {"batchnorm": BatchNormFoldStep, "layer_scale": LayerScaleStep, "untie": UntieStep,
                "precompute": PrecomputeStep, "center": CenterStep, "affine_fold": AffineFoldStep, "swap": SwapStep}
+
+
+def _names(*fqns: str | None) -> tuple[str, ...]:
+    """The tensor names given, without the absent ones (None, or "" for no bias)."""
+    return tuple(f for f in fqns if f)
 
 
 @dataclass(frozen=True)

@@ -1,41 +1,55 @@
-"""Apply a FoldPlan to a model (in place: callers pass a copy)."""
+"""Apply a FoldPlan to a model (in place: callers pass a copy): the plan executor
+(``normfold.fold.executor``) over the model's parameters, and the module surgery it needs (the one
+norm swap, untying a config)."""
 from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
 
 from ..nn import RMSNorm
-from .math import center, fold_affine_into_consumer, fold_batchnorm_into_producer, layer_norm_rows, scale_output_channels
-from .plan import BatchNormFoldStep, FoldPlan, LayerScaleStep, SwapStep
+from .executor import run
+from .plan import FoldPlan, SwapStep
 
 
 def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
     """Merge BatchNorms and layer scales, untie, precompute, center, fold affines, swap norms — in that
     order (see ``normfold.fold.plan``)."""
-    with torch.no_grad():
-        for step in plan.batchnorm:
-            _merge_batchnorm(model, step)
-        for step in plan.layer_scale:
-            _merge_layer_scale(model, step)
-        for step in plan.untie:  # before centering: the copy keeps the original values
-            original = model.get_parameter(step.source_fqn)
-            owner = model.get_submodule(step.module_path)
-            setattr(owner, step.attr, nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad))
-        if plan.untie:
-            untie_config(model)
-        for step in plan.precompute:
-            table = model.get_parameter(step.table_fqn)
-            gamma = model.get_parameter(step.gamma_fqn) if step.gamma_fqn else None
-            beta = model.get_parameter(step.beta_fqn) if step.beta_fqn else None
-            table.copy_(layer_norm_rows(table, gamma, beta, step.eps))
-        for step in plan.center:
-            p = model.get_parameter(step.fqn)
-            p.copy_(center(p, step.dim, step.group))
-        for step in plan.affine_fold:
-            _fold_affine(model, step)
-        for step in plan.swap:
-            swap_norm(model, step)
+    run(plan.steps(), ModuleStore(model))
+    if plan.untie:
+        untie_config(model)
     return model
+
+
+class ModuleStore:
+    """The executor's store for a model: its parameters and buffers by fully-qualified name, changed
+    in place, on whole tensors; swapping a norm and removing a merged BatchNorm are module surgery."""
+
+    chunk = None
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def read(self, name: str) -> Tensor:
+        try:
+            return self.model.get_parameter(name)
+        except AttributeError:  # a BatchNorm's running statistics are buffers
+            return self.model.get_buffer(name)
+
+    def write(self, name: str, value: Tensor) -> None:
+        self.read(name).copy_(value)
+
+    def create(self, name: str, value: Tensor, like: Tensor) -> None:
+        owner_path, _, attr = name.rpartition(".")
+        setattr(self.model.get_submodule(owner_path), attr, nn.Parameter(value, requires_grad=like.requires_grad))
+
+    def fill(self, name: str, value: float) -> None:
+        self.read(name).fill_(value)
+
+    def swap_norm(self, step: SwapStep) -> None:
+        swap_norm(self.model, step)
+
+    def remove_module(self, path: str) -> None:
+        self.model.set_submodule(path, nn.Identity())
 
 
 _TIE_FLAGS = ("tie_word_embeddings", "tie_embeddings")  # Hugging Face's; normfold's GPTConfig
@@ -68,62 +82,6 @@ def _embedding(model: nn.Module, getter: str) -> nn.Module | None:
         return getattr(model, getter)()
     except (AttributeError, NotImplementedError):
         return None
-
-
-def _merge_batchnorm(model: nn.Module, step: BatchNormFoldStep) -> None:
-    """The producer takes the BatchNorm's affine map; the BatchNorm becomes Identity, or, with
-    ``keep_module``, an exact identity BatchNorm (γ=1, β=0, μ=0, σ²=1 − eps)."""
-    weight = model.get_parameter(step.weight_fqn)
-    bias = None if step.create_bias else model.get_parameter(step.bias_fqn)
-    bn = model.get_submodule(step.norm_path)
-    gamma = model.get_parameter(step.gamma_fqn) if step.gamma_fqn else None
-    beta = model.get_parameter(step.beta_fqn) if step.beta_fqn else None
-    new_weight, new_bias = fold_batchnorm_into_producer(weight, bias, model.get_buffer(step.mean_fqn),
-                                                        model.get_buffer(step.var_fqn), gamma, beta, step.eps)
-    weight.copy_(new_weight)
-    if bias is None:
-        owner_path, _, attr = step.bias_fqn.rpartition(".")
-        model.get_submodule(owner_path).register_parameter(attr, nn.Parameter(new_bias,
-                                                                               requires_grad=weight.requires_grad))
-    else:
-        bias.copy_(new_bias)
-    if not step.keep_module:
-        model.set_submodule(step.norm_path, nn.Identity())
-        return
-    bn.running_mean.zero_()
-    bn.running_var.fill_(1.0 - step.eps)
-    for p, value in ((gamma, 1.0), (beta, 0.0)):
-        if p is not None:
-            p.fill_(value)
-
-
-def _merge_layer_scale(model: nn.Module, step: LayerScaleStep) -> None:
-    """The producer takes the layer scale γ; γ becomes 1 (the multiply stays, now the identity)."""
-    weight = model.get_parameter(step.weight_fqn)
-    bias = model.get_parameter(step.bias_fqn) if step.bias_fqn else None
-    scale = model.get_parameter(step.scale_fqn)
-    new_weight, new_bias = scale_output_channels(weight, bias, scale)
-    weight.copy_(new_weight)
-    if bias is not None:
-        bias.copy_(new_bias)
-    scale.fill_(1.0)
-
-
-def _fold_affine(model: nn.Module, step) -> None:
-    w = model.get_parameter(step.weight_fqn)
-    gamma = model.get_parameter(step.gamma_fqn) if step.gamma_fqn else None
-    beta = model.get_parameter(step.beta_fqn) if step.beta_fqn else None
-    if step.create_bias:
-        owner_path, _, attr = step.bias_fqn.rpartition(".")
-        owner = model.get_submodule(owner_path)
-        n_out = w.shape[1 - step.in_dim]
-        owner.register_parameter(attr, nn.Parameter(torch.zeros(n_out, dtype=w.dtype, device=w.device),
-                                                     requires_grad=w.requires_grad))
-    b = model.get_parameter(step.bias_fqn) if step.bias_fqn else None
-    new_w, new_b = fold_affine_into_consumer(w, b, gamma, beta, step.in_dim)
-    w.copy_(new_w)
-    if b is not None:
-        b.copy_(new_b)
 
 
 def swap_norm(model: nn.Module, step: SwapStep, *, share_parameters: bool = False) -> None:

@@ -107,7 +107,8 @@ def rotate_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
 
 def rotation_after_fold(rotation: dict[str, Any], dims: dict[str, int], tensor: Callable, stream: Callable) -> AfterFold:
     """The streaming fold's step after the fold for a rotation (its report section ``rotation``, each
-    rotated tensor's stream dim, t ↦ t·Q by name and the stream map x ↦ x·Q), with the stock warning."""
+    rotated tensor's stream dim, t ↦ t·Q by name and the stream map x ↦ x·Q), with the stock warning;
+    the plan executor runs t ↦ t·Q after the fold's steps (``AfterFold.maps``)."""
     return AfterFold(dict(dims), tensor, stream,
                      {"rotation": rotation, "stock_compatible": False, "stock_warning": STOCK_WARNING})
 

@@ -2,7 +2,9 @@
 time (``normfold rotate`` on a sharded folder: ``normfold.hf.streaming``).
 
 Q does not depend on data, so the rotated model is the folded one with each stream tensor t ↦ t·Q
-along its stream dim (writers' output side, readers' input side; ``rotate.apply``). What is needed
+along its stream dim (writers' output side, readers' input side; ``rotate.apply``); the streaming
+fold runs ``TensorRotations.rotate_tensor`` after the fold's plan with the same executor, as a
+row-wise map (``normfold.fold.executor.TensorMap``, slice by slice). What is needed
 is read from the fold plan on a skeleton: the plan applied to a copy on the meta device (no memory),
 its graph checked closed (``closure.find_streams``) and the bases drawn as :func:`normfold.rotate`
 draws them (:func:`normfold.rotate.bases`), so the same method and seed give the same Q.

@@ -1,9 +1,11 @@
-"""Rewriting a checkpoint's tensors: the fold plan restated per checkpoint key, the groups of keys
-computed together (a weight and its bias, an untied copy and its source), the math on slices so a
-whole table never exists in the compute dtype, and a prefetcher that computes the next groups
-while the caller writes."""
+"""Rewriting a checkpoint's tensors: the fold plan (and a step after it) run by the fold's one
+executor (``normfold.fold.executor``) over a store of checkpoint keys, one group of keys at a time
+(the keys a step writes together: a weight and its bias, an untied copy and its source), the
+row-wise math on slices so a whole table never exists in the compute dtype, and a prefetcher that
+computes the next groups while the caller writes."""
 from __future__ import annotations
 
+import functools
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable
@@ -14,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...fold.executor import TensorMap, run
 from ...fold.graph import parameter_aliases
-from ...fold.math import center, fold_affine_into_consumer, fold_batchnorm_into_producer, scale_output_channels
-from ...fold.plan import FoldPlan
+from ...fold.plan import FoldPlan, Step, SwapStep
 from ..load import CheckpointError
 from .checkpoint import SAFETENSORS_DTYPES, TORCH_DTYPES, Checkpoint, resolve_key
 
@@ -26,7 +28,7 @@ class AfterFold:
     """A step after the fold that rewrites tensors one at a time (``normfold rotate``: t ↦ t·Q), as the
     caller composes it: ``tensor(name, t)`` gives the new values (same shape and dtype) of a tensor
     of ``dims`` or of a slice of it cut along another dim than ``dims[name]`` (a row-wise map: the
-    rewrite applies it slice by slice, so no whole table exists in its compute dtype); ``stream``
+    executor applies it slice by slice, so no whole table exists in its compute dtype); ``stream``
     maps the folded model's residual stream to the new one (x ↦ x·Q), for the per-block proof;
     ``sections`` go into the report."""
 
@@ -35,10 +37,21 @@ class AfterFold:
     stream: Callable[[torch.Tensor], torch.Tensor]
     sections: dict[str, Any]
 
+    def maps(self) -> list[TensorMap]:
+        """The executor's steps: one row-wise map a tensor."""
+        return [TensorMap(name, dim, functools.partial(self.tensor, name)) for name, dim in self.dims.items()]
+
 
 class CheckpointRewrite:
-    """The plan restated per checkpoint key, with the groups of keys that must be computed together;
-    ``after`` (optional) rewrites folded tensors before they are cast to their output dtype."""
+    """The checkpoint store of the plan executor: the plan's steps (then ``after``'s maps, before the
+    cast to the output dtype) by checkpoint key, in groups of keys computed together.
+
+    A group is every key a step writes (with the tensors it reads that are not vectors: an untied
+    copy's source); vectors a step only reads (norm γ/β, running statistics) are read once, as
+    stored, unless an earlier step wrote them. A checkpoint keeps every module: a swapped norm's
+    stored γ/β stay as γ = 1, β = 0 (left as they were, γ/β would apply twice), and a merged
+    BatchNorm stays as an exact identity.
+    """
 
     def __init__(self, plan: FoldPlan, skeleton: nn.Module, checkpoint: Checkpoint,
                  out_dtype: torch.dtype | None, after: AfterFold | None = None) -> None:
@@ -47,192 +60,142 @@ class CheckpointRewrite:
         if any(not s.keep_module for s in plan.batchnorm):
             raise CheckpointError("streaming folds keep every module: merged BatchNorms must stay as identities "
                                   "(internal: plan removes a BatchNorm)")
-        aliases = parameter_aliases(skeleton)
         self.checkpoint = checkpoint
         self.out_dtype = out_dtype
-        self.after = after
-
-        def key(fqn: str) -> str:
-            k = resolve_key(fqn, aliases, checkpoint)
-            if k is None:
-                raise CheckpointError(f"the plan names {fqn}, which the checkpoint does not store")
-            return k
-
-        parent: dict[str, str] = {}
-
-        def find(k: str) -> str:
-            while parent.setdefault(k, k) != k:
-                k = parent[k]
-            return k
-
-        def union(a: str, b: str) -> None:
-            parent[find(a)] = find(b)
-
-        self.new_keys: dict[str, str] = {}          # new key -> source key (untied copies, created biases)
-        self.norm_params: set[str] = set()          # small tensors read up front: BatchNorm statistics, norms' γ/β
-        # norms whose γ/β moved elsewhere keep their stock keys with identity values (``fill``)
-        self.fill: dict[str, float] = {}
-        self.batchnorm = []
-        for s in plan.batchnorm:  # first, as in apply_plan: the producer takes the BatchNorm's affine map
-            w = key(s.weight_fqn)
-            b = s.bias_fqn if s.create_bias else key(s.bias_fqn)
-            if s.create_bias:
-                self.new_keys[b] = w
-            stats = [key(f) if f else None for f in (s.mean_fqn, s.var_fqn, s.gamma_fqn, s.beta_fqn)]
-            self.norm_params.update(k for k in stats if k)
-            self.batchnorm.append((w, b, *stats, s.eps))
-            union(w, b)
-            # the BatchNorm stays for the stock loader as an exact identity: μ=0, σ²=1−ε, γ=1, β=0
-            self.fill.update({k: v for k, v in zip(stats, (0.0, 1.0 - s.eps, 1.0, 0.0)) if k})
-        self.layer_scale = []
-        for s in plan.layer_scale:  # then, as in apply_plan: the producer takes γ, γ becomes 1
-            w, g = key(s.weight_fqn), key(s.scale_fqn)
-            b = key(s.bias_fqn) if s.bias_fqn else None
-            self.norm_params.add(g)
-            self.layer_scale.append((w, b, g))
-            self.fill[g] = 1.0
-            if b:
-                union(w, b)
-        self.untie = []
-        for s in plan.untie:
-            new, src = f"{s.module_path}.{s.attr}", key(s.source_fqn)
-            self.new_keys[new] = src
-            self.untie.append((new, src))
-            union(new, src)
-        self.center = [(key(s.fqn), s.dim, s.group) for s in plan.center]
-        self.affine = []
-        for s in plan.affine_fold:
-            w = s.weight_fqn if s.weight_fqn in self.new_keys else key(s.weight_fqn)
-            b = (s.bias_fqn if s.create_bias else key(s.bias_fqn)) if s.bias_fqn else None
-            if s.create_bias:
-                self.new_keys[b] = w
-            g = key(s.gamma_fqn) if s.gamma_fqn else None
-            be = key(s.beta_fqn) if s.beta_fqn else None
-            self.norm_params.update(k for k in (g, be) if k)
-            self.affine.append((w, b, g, be, s.in_dim))
-            if b:
-                union(w, b)
-        # norms whose γ/β moved into the next layer (RMSNorms, and LayerNorms the fold kept) keep
-        # their stock keys as γ = 1, β = 0: left as they were, γ/β would apply twice
-        for s in plan.swap:
-            if not s.elementwise_affine:
-                for leaf, value in (("weight", 1.0), ("bias", 0.0)):
-                    k = resolve_key(f"{s.path}.{leaf}", aliases, checkpoint)
-                    if k is not None:
-                        self.fill[k] = value
-        touched = {k for k, *_ in self.center} | {w for w, *_ in self.affine} | {b for _, b, *_ in self.affine if b} \
-            | {w for w, *_ in self.batchnorm} | {b for _, b, *_ in self.batchnorm} | set(self.new_keys) | set(self.fill) \
-            | {k for w, b, _ in self.layer_scale for k in (w, b) if k}
+        self.new_keys: dict[str, str] = {}          # created key -> the key it is shaped from
+        self._created_dim: dict[str, int | None] = {}  # created key -> that key's dim giving its length (None: its shape)
+        self.key_of: dict[str, str] = {}            # every name a step uses -> its checkpoint key
+        aliases = parameter_aliases(skeleton)
+        steps: list[Step] = [*plan.steps(), *([] if after is None else after.maps())]
+        keyed = [(step, *self._keys(step, aliases)) for step in steps]
+        self.group_of, side = _group(keyed, self._is_vector)
         self.groups: dict[str, set[str]] = defaultdict(set)
-        for k in touched:
-            self.groups[find(k)].add(k)
-        self.group_of = {k: find(k) for k in touched}
-        self.norm_values = {k: checkpoint.read(k) for k in sorted(self.norm_params)}
+        for k, group in self.group_of.items():
+            self.groups[group].add(k)
+        self.steps_of: dict[str, list[Step]] = defaultdict(list)  # group -> its steps, in plan order
+        for step, _, writes in keyed:
+            if writes:
+                self.steps_of[self.group_of[writes[0]]].append(step)
+        self.side_values = {k: checkpoint.read(k) for k in sorted(side)}
         self.math_seconds = 0.0  # in the worker thread: overlaps the writing
+
+    def _keys(self, step: Step, aliases) -> tuple[list[str], list[str]]:
+        """The keys ``step`` reads and writes (registering those it creates); a swap writes the γ/β
+        the checkpoint stores for its norm."""
+        reads = [self._key(n, aliases) for n in step.reads()]
+        for name, (like, dim) in step.creates().items():
+            self.new_keys[name], self._created_dim[name] = self._key(like, aliases), dim
+        names = step.writes()
+        if isinstance(step, SwapStep):
+            names = [n for n in names if n in self.new_keys or resolve_key(n, aliases, self.checkpoint) is not None]
+        return reads, [self._key(n, aliases) for n in names]
+
+    def _key(self, name: str, aliases) -> str:
+        """The key storing ``name``: a tensor a step created, or the checkpoint's (a tied parameter is stored once)."""
+        if name in self.new_keys:
+            key = name
+        else:
+            key = resolve_key(name, aliases, self.checkpoint)
+            if key is None:
+                raise CheckpointError(f"the plan names {name}, which the checkpoint does not store")
+        if self.key_of.setdefault(name, key) != key:
+            raise CheckpointError(f"internal: the plan names {name} before the step that creates it")
+        return key
+
+    def _is_vector(self, key: str) -> bool:
+        return len(self.output_meta(key)[1]) <= 1
 
     def output_meta(self, key: str) -> tuple[str, list[int]]:
         """(safetensors dtype, shape) of an output key."""
         if key in self.checkpoint.meta:
             dtype, shape = self.checkpoint.meta[key]
-        else:  # an untied copy or a created bias
-            src_dtype, src_shape = self.checkpoint.meta.get(self.new_keys[key]) or self.output_meta(self.new_keys[key])
-            dtype = src_dtype
-            shape = src_shape if key in dict(self.untie) else [self._bias_len(key)]
+        else:  # an untied copy or a created bias: shaped from the tensor it is made for
+            dtype, like = self.output_meta(self.new_keys[key])
+            dim = self._created_dim[key]
+            shape = like if dim is None else [like[dim]]
         if self.out_dtype is not None and TORCH_DTYPES[dtype].is_floating_point:
             dtype = SAFETENSORS_DTYPES[self.out_dtype]
         return dtype, shape
 
-    def _bias_len(self, bias_key: str) -> int:
-        for w, b, *_ in self.batchnorm:  # output channels: dim 0 of the producer's weight
-            if b == bias_key:
-                return self.output_meta(w)[1][0]
-        for w, b, _, _, in_dim in self.affine:
-            if b == bias_key:
-                return self.output_meta(w)[1][1 - in_dim]
-        raise AssertionError(bias_key)
-
     def compute(self, key: str) -> dict[str, torch.Tensor]:
-        """New values for every key of ``key``'s group, in the checkpoint's dtype (the math runs
-        in ``fold.math.compute_dtype`` on slices of at most :data:`_CHUNK` elements, then rounds once per step)."""
+        """New values for every key of ``key``'s group, in their output dtypes (the math runs in
+        ``fold.math.compute_dtype`` on slices of at most :data:`_CHUNK` elements, rounding once per step)."""
         if key not in self.group_of:
-            return {key: self._cast(key, self._post(key, self.checkpoint.read(key)))}
-        keys = self.groups[self.group_of[key]]
-        vals = {k: self.checkpoint.read(k) for k in keys if k in self.checkpoint.meta}
+            return {key: self._cast(key, self.checkpoint.read(key))}
+        group = self.group_of[key]
+        values = {k: self.checkpoint.read(k) for k in self.groups[group] if k in self.checkpoint.meta}
         t0 = time.perf_counter()
-        for w, b, mean, var, gamma, beta, eps in self.batchnorm:
-            if w in keys:
-                values = [self.norm_values.get(k) for k in (mean, var, gamma, beta)]
-                vals[w], vals[b] = fold_batchnorm_into_producer(vals[w], vals.get(b), *values, eps)
-        for w, b, g in self.layer_scale:
-            if w in keys:
-                vals[w], scaled_bias = scale_output_channels(vals[w], vals.get(b) if b else None, self.norm_values[g])
-                if b:
-                    vals[b] = scaled_bias
-        for new, src in self.untie:  # the copy keeps the original values
-            if new in keys:
-                vals[new] = vals[src].clone()
-        for k, dim, group in self.center:
-            if k in keys:
-                _center_(vals[k], dim, group)
-        for w, b, g, be, in_dim in self.affine:
-            if w in keys:
-                if b and b not in vals:  # a created bias starts at zero
-                    vals[b] = torch.zeros(self.output_meta(b)[1], dtype=vals[w].dtype)
-                _fold_affine_(vals[w], vals.get(b) if b else None, self.norm_values.get(g), self.norm_values.get(be),
-                              in_dim)
-        for k in keys:
-            if k in self.fill:  # made in the output dtype: 1 − ε must round there, not in the checkpoint's
-                dtype, shape = self.output_meta(k)
-                vals[k] = torch.full(shape, self.fill[k], dtype=TORCH_DTYPES[dtype])
+        run(self.steps_of[group], _GroupStore(self, values))
         self.math_seconds += time.perf_counter() - t0
-        return {k: self._cast(k, self._post(k, v)) for k, v in vals.items()}
-
-    def _post(self, key: str, t: torch.Tensor) -> torch.Tensor:
-        """The folded tensor ``key`` (own memory) rewritten in place by the ``after`` step, slice by slice."""
-        if self.after is None or key not in self.after.dims:
-            return t
-        t0 = time.perf_counter()
-        for part in _slices(t, self.after.dims[key]):
-            part.copy_(self.after.tensor(key, part))
-        self.math_seconds += time.perf_counter() - t0
-        return t
+        return {k: self._cast(k, v) for k, v in values.items()}
 
     def _cast(self, key: str, t: torch.Tensor) -> torch.Tensor:
         return t.to(TORCH_DTYPES[self.output_meta(key)[0]])
 
 
+def _group(keyed: list[tuple[Step, list[str], list[str]]],
+           is_vector: Callable[[str], bool]) -> tuple[dict[str, str], set[str]]:
+    """(key -> its group, the vectors read as stored) for steps given with the keys they read and write.
+
+    A step's writes are computed together, with what it reads that an earlier step wrote (it must
+    see the new values) or that is not a vector (an untied copy's source: read once for both); the
+    vectors it reads otherwise (norm γ/β, running statistics) are read once, as stored.
+    """
+    parent: dict[str, str] = {}
+
+    def find(k: str) -> str:
+        while parent.setdefault(k, k) != k:
+            k = parent[k]
+        return k
+
+    written: set[str] = set()
+    side: set[str] = set()
+    for _, reads, writes in keyed:
+        together = set(writes) | {k for k in reads if k in written or not is_vector(k)}
+        side.update(set(reads) - together)
+        if writes:
+            root = find(writes[0])
+            for k in together:
+                parent[find(k)] = root
+        written.update(writes)
+    return {k: find(k) for k in parent}, side
+
+
 _CHUNK = 1 << 22  # elements per slice of the math (at most 32 MB in float64), so a whole table never exists in the compute dtype
 
-
-def _slices(t: torch.Tensor, keep_dim: int):
-    """Views of ``t`` cut along an axis other than ``keep_dim``, each of at most ~_CHUNK elements."""
-    if t.dim() < 2 or t.numel() <= _CHUNK:
-        yield t
-        return
-    axis = 1 if keep_dim % t.dim() == 0 else 0
-    step = max(1, _CHUNK * t.shape[axis] // t.numel())
-    for start in range(0, t.shape[axis], step):
-        yield t.narrow(axis, start, min(step, t.shape[axis] - start))
+_DROPPED_VALUE = {"weight": 1.0, "bias": 0.0}  # a swapped norm's γ/β as the identity
 
 
-def _center_(t: torch.Tensor, dim: int, group: int | None) -> None:
-    """In place, slice by slice: ``normfold.fold.math.center`` (the mean along ``dim`` is per slice exact)."""
-    for part in _slices(t, dim):
-        part.copy_(center(part, dim, group))
+class _GroupStore:
+    """One group's tensors (own memory, changed in place), and the vectors read as stored."""
 
+    def __init__(self, rewrite: CheckpointRewrite, values: dict[str, torch.Tensor]) -> None:
+        self.rewrite, self.values = rewrite, values
+        self.chunk = _CHUNK
 
-def _fold_affine_(weight: torch.Tensor, bias: torch.Tensor | None, gamma, beta, in_dim: int) -> None:
-    """In place, by slices of output rows: ``normfold.fold.math.fold_affine_into_consumer``."""
-    out_axis = 1 - in_dim
-    start = 0
-    for part in _slices(weight, in_dim):
-        n = part.shape[out_axis] if part is not weight else weight.shape[out_axis]
-        b_part = None if bias is None else bias.narrow(0, start, n)
-        new_w, new_b = fold_affine_into_consumer(part, b_part, gamma, beta, in_dim)
-        part.copy_(new_w)
-        if b_part is not None:
-            b_part.copy_(new_b)
-        start += n
+    def read(self, name: str) -> torch.Tensor:
+        key = self.rewrite.key_of[name]
+        return self.values[key] if key in self.values else self.rewrite.side_values[key]
+
+    def write(self, name: str, value: torch.Tensor) -> None:
+        self.values[self.rewrite.key_of[name]] = value
+
+    def create(self, name: str, value: torch.Tensor, like: torch.Tensor) -> None:
+        self.write(name, value)
+
+    def fill(self, name: str, value: float) -> None:
+        """Made in the output dtype: 1 − ε must round there, not in the checkpoint's."""
+        key = self.rewrite.key_of[name]
+        dtype, shape = self.rewrite.output_meta(key)
+        self.values[key] = torch.full(shape, value, dtype=TORCH_DTYPES[dtype])
+
+    def swap_norm(self, step: SwapStep) -> None:
+        for name in step.writes():
+            if name in self.rewrite.key_of:
+                self.fill(name, _DROPPED_VALUE[name.rpartition(".")[2]])
+
+    def remove_module(self, path: str) -> None:
+        raise AssertionError(f"a checkpoint keeps every module ({path}): refused when the rewrite was built")
 
 
 class Prefetcher:
