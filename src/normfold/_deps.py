@@ -1,4 +1,4 @@
-"""Optional dependencies (transformers, safetensors, matplotlib, rich, tqdm), imported on first use.
+"""Optional dependencies (transformers, safetensors, matplotlib, rich, tqdm, onnx), imported on first use.
 
 A leaf module: every layer may import it.
 """
@@ -8,7 +8,7 @@ import importlib
 from types import ModuleType
 
 _EXTRA = {"transformers": "hf", "safetensors": "hf", "matplotlib": "plot", "rich": "cli", "tqdm": "hf",
-          "tensorboard": "tensorboard"}
+          "tensorboard": "tensorboard", "onnx": "onnx", "onnxscript": "onnx", "onnxruntime": "onnx"}
 
 
 def require(module: str) -> ModuleType:
