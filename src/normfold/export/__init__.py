@@ -10,9 +10,9 @@ write atomically. Needs the ``onnx`` extra: ``pip install 'normfold[onnx]'``.
 """
 from __future__ import annotations
 
-from .pipeline import BATCH_AXIS, SEQUENCE_AXIS, OnnxExportReport, export_onnx
+from .pipeline import BATCH_AXIS, SEQUENCE_AXIS, OnnxExportReport, export_onnx, require_onnx_extra
 from .translations import (DEFAULT_OPSET, LAYER_NORM_NODE_TYPES, RMS_NODE_TYPES, TARGETS, check_target,
                            onnx_translations)
 
-__all__ = ["export_onnx", "OnnxExportReport", "onnx_translations", "check_target", "TARGETS", "DEFAULT_OPSET",
+__all__ = ["export_onnx", "OnnxExportReport", "require_onnx_extra", "onnx_translations", "check_target", "TARGETS", "DEFAULT_OPSET",
            "RMS_NODE_TYPES", "LAYER_NORM_NODE_TYPES", "BATCH_AXIS", "SEQUENCE_AXIS"]

@@ -33,7 +33,7 @@ from ..fold.verify import (OWN_ERROR_MULTIPLE, cast_floats, dtype_name, flatten_
 from . import runtime
 from .translations import LAYER_NORM_NODE_TYPES, RMS_NODE_TYPES, check_target, onnx_translations
 
-__all__ = ["export_onnx", "OnnxExportReport", "BATCH_AXIS", "SEQUENCE_AXIS"]
+__all__ = ["export_onnx", "OnnxExportReport", "require_onnx_extra", "BATCH_AXIS", "SEQUENCE_AXIS"]
 
 BATCH_AXIS, SEQUENCE_AXIS = "batch", "sequence"
 _TMP_MARK = ".normfold-onnx-tmp-"
@@ -98,8 +98,7 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
         if original_path == path:
             raise ValueError(f"path and original_path are the same file: {path}")
     args, kwargs = split_example_inputs(example_inputs)
-    for module in ("onnx", "onnxscript", "onnxruntime"):  # all three before any work
-        require(module)
+    require_onnx_extra()
 
     calls = [(args, kwargs), _other_sizes(args, kwargs, dynamic)]
     reference = original if original is not None else model
@@ -127,6 +126,12 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
         opset=opset, input_names=input_names, output_names=output_names,
         dynamic_axes={n: a for n, a in zip(input_names, axes) if a}, **proof, node_counts=counts,
         original_node_counts=original_counts, external_data=external, versions=_versions())
+
+
+def require_onnx_extra() -> None:
+    """ImportError naming the ``onnx`` extra unless onnx, onnxscript and onnxruntime all import."""
+    for module in ("onnx", "onnxscript", "onnxruntime"):
+        require(module)
 
 
 # ------------------------------------------------------------------------------------------ export
@@ -159,6 +164,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, file: Path, target: str
             warnings.filterwarnings("ignore", message=".*dynamic axes will not be renamed")
             program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True, opset_version=opset,
                                         custom_translation_table=table, verbose=False, optimize=True,
+                                        output_names=_output_names(model, args, kwargs),
                                         dynamic_shapes=_dynamic_shapes(model, args, kwargs) if dynamic else None)
     except Exception as err:  # noqa: BLE001  torch's exporter raises many kinds; the user needs its innermost reason
         raise FoldError(f"torch.onnx.export could not export {model_name(model)} (opset {opset}): "
@@ -166,6 +172,18 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, file: Path, target: str
     if dynamic:
         _name_axes(program.model, [_dynamic_axes(t) for t in runtime.call_tensors(args, kwargs)])
     program.save(file)
+
+
+def _output_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """The graph's output names: the model's own (``logits``, ``last_hidden_state``) where its outputs are
+    named and distinct, else ``output_0``, ``output_1``, ..."""
+    with eval_mode(model), torch.no_grad():
+        leaves, _ = pytree.tree_flatten_with_path(model(*args, **kwargs))
+    paths = [path for path, leaf in leaves if isinstance(leaf, Tensor)]
+    names = [getattr(path[-1], "key", None) if path else None for path in paths]
+    if all(isinstance(n, str) for n in names) and len(set(names)) == len(names):
+        return names
+    return [f"output_{i}" for i in range(len(paths))]
 
 
 def _export_failure(err: BaseException) -> str:
