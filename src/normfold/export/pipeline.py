@@ -104,12 +104,12 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
     reference = original if original is not None else model
     with contextlib.ExitStack() as stack:
         staged = stack.enter_context(_staging(path))
-        _export(model, args, kwargs, staged, target, opset, dynamic, translated=True)
+        _export(model, args, kwargs, staged, target, opset, dynamic)
         staged_original = None
         if original is not None:
             staged_original = stack.enter_context(_staging(original_path)) if original_path else \
                 staged.with_name(f"original-{staged.name}")
-            _export(original, args, kwargs, staged_original, target, opset, dynamic, translated=False)
+            _export(original, args, kwargs, staged_original, target, opset, dynamic)
         proof = _prove(model, reference, staged, staged_original, calls, threads)
         counts = _norm_counts(staged, threads)
         original_counts = None if staged_original is None else _norm_counts(staged_original, threads)
@@ -152,12 +152,11 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
             for name, value in bound.arguments.items()}
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, file: Path, target: str, opset: int, dynamic: bool, *,
-            translated: bool) -> None:
-    """``torch.onnx.export(dynamo=True)`` of the call into ``file`` (normfold's norms through
-    :func:`onnx_translations` when ``translated``; the original is exported as torch does it);
-    FoldError naming what failed."""
-    table = onnx_translations(target, opset) if translated else None
+def _export(model: nn.Module, args: tuple, kwargs: dict, file: Path, target: str, opset: int, dynamic: bool) -> None:
+    """``torch.onnx.export(dynamo=True)`` of the call into ``file``, normfold's norms through
+    :func:`onnx_translations` (an original without them is torch's stock export); FoldError naming what
+    failed."""
+    table = onnx_translations(target, opset)
     try:
         with eval_mode(model), torch.no_grad(), warnings.catch_warnings():
             # the exporter names the axes only when every argument is a tensor; _name_axes does it
