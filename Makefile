@@ -4,8 +4,8 @@
 #   make wheel-check   build the wheel and sdist, install the wheel into a fresh venv, walk a user's path there
 #   make docs   the API reference (build/docs) from the docstrings; fails on any warning
 #   make oldest-stack   ops tests and GPU dry runs on the oldest supported torch/triton (separate venv)
-# Each creates or reuses .venv/ idempotently (.[dev] includes the onnx extra: tests/export run, not skip). torch is installed first with an overridable spec,
-# because a bare torch requirement would pull a multi-GB CUDA build on CPU machines.
+# Each creates or reuses .venv/ idempotently (.[dev] includes the onnx extra, so tests/export run rather than
+# skip). torch is installed first with an overridable spec, because a bare torch requirement would pull a multi-GB CUDA build on CPU machines.
 
 PYTHON ?= python3
 VENV ?= .venv
