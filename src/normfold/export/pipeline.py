@@ -43,8 +43,10 @@ _TMP_MARK = ".normfold-onnx-tmp-"
 class OnnxExportReport:
     """What :func:`export_onnx` wrote and proved. ``error``: the export's largest output error against the
     float64 reference; ``own_error``: e_own; ``tolerance`` = 2 · e_own + u (``rule`` in words);
-    ``node_counts`` / ``original_node_counts``: the norm nodes of the graph ONNX Runtime runs (after its
-    optimizer) for the export and the original's; ``dynamic_axes``: per graph input, dim -> name."""
+    ``norm_calls``: normfold's norm calls in the program torch exported, by form (``rms``,
+    ``rms_residual``, ``layer_norm``, ``layer_norm_residual``); ``node_counts`` /
+    ``original_node_counts``: the norm nodes of the graph ONNX Runtime runs (after its optimizer) for
+    the export and the original's; ``dynamic_axes``: per graph input, dim -> name."""
 
     path: str
     original_path: str | None
@@ -58,6 +60,7 @@ class OnnxExportReport:
     tolerance: float
     rule: str
     compared: int
+    norm_calls: dict[str, int]
     node_counts: dict[str, int]
     original_node_counts: dict[str, int] | None
     external_data: bool
@@ -104,7 +107,7 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
     reference = original if original is not None else model
     with contextlib.ExitStack() as stack:
         staged = stack.enter_context(_staging(path))
-        _export(model, args, kwargs, staged, target, opset, dynamic)
+        norm_calls = _export(model, args, kwargs, staged, target, opset, dynamic)
         staged_original = None
         if original is not None:
             staged_original = stack.enter_context(_staging(original_path)) if original_path else \
@@ -124,7 +127,7 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
     return OnnxExportReport(
         path=str(path), original_path=None if original_path is None else str(original_path), target=target,
         opset=opset, input_names=input_names, output_names=output_names,
-        dynamic_axes={n: a for n, a in zip(input_names, axes) if a}, **proof, node_counts=counts,
+        dynamic_axes={n: a for n, a in zip(input_names, axes) if a}, **proof, norm_calls=norm_calls, node_counts=counts,
         original_node_counts=original_counts, external_data=external, versions=_versions())
 
 
@@ -152,15 +155,18 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
             for name, value in bound.arguments.items()}
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, file: Path, target: str, opset: int, dynamic: bool) -> None:
+def _export(model: nn.Module, args: tuple, kwargs: dict, file: Path, target: str, opset: int,
+            dynamic: bool) -> dict[str, int]:
     """``torch.onnx.export(dynamo=True)`` of the call into ``file``, normfold's norms through
     :func:`onnx_translations` (an original without them is torch's stock export); FoldError naming what
-    failed."""
+    failed. Returns the norm calls of the exported program (:func:`_norm_calls`)."""
     table = onnx_translations(target, opset)
     try:
         with eval_mode(model), torch.no_grad(), warnings.catch_warnings():
-            # the exporter names the axes only when every argument is a tensor; _name_axes does it
+            # the exporter names the axes only when every argument is a tensor (and warns when two inputs
+            # share one); _name_axes does it
             warnings.filterwarnings("ignore", message=".*dynamic axes will not be renamed")
+            warnings.filterwarnings("ignore", message=".*will not be used, since it shares the same shape")
             program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True, opset_version=opset,
                                         custom_translation_table=table, verbose=False, optimize=True,
                                         output_names=_output_names(model, args, kwargs),
@@ -171,6 +177,17 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, file: Path, target: str
     if dynamic:
         _name_axes(program.model, [_dynamic_axes(t) for t in runtime.call_tensors(args, kwargs)])
     program.save(file)
+    return _norm_calls(program.exported_program.graph)
+
+
+def _norm_calls(graph) -> dict[str, int]:
+    """normfold's norm calls in a traced graph, by form: what the translations turn into ONNX nodes."""
+    counts = dict.fromkeys(("rms", "rms_residual", "layer_norm", "layer_norm_residual"), 0)
+    for node in graph.nodes:
+        if node.target is torch.ops.normfold.norm_fwd.default:
+            _, _, _, residual, _, _, is_rms = node.args
+            counts[("rms" if is_rms else "layer_norm") + ("_residual" if residual is not None else "")] += 1
+    return counts
 
 
 def _output_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
