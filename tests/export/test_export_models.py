@@ -49,7 +49,8 @@ def test_exported_model_equals_the_original_and_runs_rms_kernels(zoo, tmp_path, 
     assert sum(exported.original_node_counts[t] for t in LAYER_NORM_NODE_TYPES) == original_kinds["LayerNorm"]
     calls = exported.norm_calls  # what torch traced: one call per norm module, the fused ones with a residual
     assert calls["rms"] + calls["rms_residual"] == kinds["RMSNorm"]
-    assert calls["layer_norm"] + calls["layer_norm_residual"] == kinds["LayerNorm"]
+    # a LayerNorm the fold kept runs through normfold's op only when fused (else as torch's own)
+    assert calls["layer_norm"] + calls["layer_norm_residual"] <= kinds["LayerNorm"]
     # every add fused in the traced graph is inside ONNX Runtime's Skip kernel
     assert counts["SkipSimplifiedLayerNormalization"] == calls["rms_residual"]
     assert counts["SkipLayerNormalization"] >= calls["layer_norm_residual"]
