@@ -4,8 +4,8 @@
 #   make wheel-check   build the wheel and sdist, install the wheel into a fresh venv, walk a user's path there
 #   make docs   the API reference (build/docs) from the docstrings; fails on any warning
 #   make oldest-stack   ops tests and GPU dry runs on the oldest supported torch/triton (separate venv)
-# Each creates or reuses .venv/ idempotently. torch is installed first with an overridable spec,
-# because a bare torch requirement would pull a multi-GB CUDA build on CPU machines.
+# Each creates or reuses .venv/ idempotently (.[dev] includes the onnx extra, so tests/export run rather than
+# skip). torch is installed first with an overridable spec, because a bare torch requirement would pull a multi-GB CUDA build on CPU machines.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -21,7 +21,7 @@ DEMO_STAMP := $(VENV)/.normfold-demo-installed
 PYTEST_ARGS ?=
 N ?= 2000
 
-.PHONY: venv demo test wheel-check docs oldest-stack fuzz tamper-fuzz bench bench-e2e bench-fold-large default-model gpu-check gpu-e2e clean
+.PHONY: venv demo test wheel-check docs oldest-stack fuzz tamper-fuzz bench bench-e2e bench-onnx bench-fold-large default-model gpu-check gpu-e2e clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -78,6 +78,12 @@ bench: venv
 bench-e2e: venv
 	$(PY) -m normfold.ops.build
 	$(PY) benchmarks/bench_e2e.py --threads 1
+
+# original vs folded vs folded+fused exports in ONNX Runtime, and the single-op table (benchmarks/results/onnx*.*;
+# the onnx extra comes with .[dev])
+bench-onnx: venv
+	$(PY) -m normfold.ops.build
+	$(PY) benchmarks/bench_onnx.py --ops
 
 # a 13 GB OPT-6.7B-shaped fp16 checkpoint folded shard by shard (needs ~30 GB free disk)
 bench-fold-large: venv

@@ -29,6 +29,8 @@ ONLY = {
     "fuse": {"fuse", "ops", "nn", "fold", "_deps", "_progress"},
     # rotation builds on the exact fold and nothing above it
     "rotate": {"rotate", "ops", "nn", "fold", "_deps", "_progress"},
+    # ONNX export: exports what the lower layers made; never hf, lab or the CLI
+    "export": {"export", "ops", "nn", "fold", "fuse", "_deps", "_progress"},
 }
 # layer -> layers it must never import (besides TOP, which no lower layer imports)
 NEVER = {
@@ -159,7 +161,7 @@ def test_normfold_modules_are_imported_at_the_top():
 def test_importing_normfold_loads_no_optional_dependency(module):
     """`import normfold` and the command's parser need only torch: transformers, triton, matplotlib and rich
     load when a feature uses them."""
-    optional = ("transformers", "triton", "matplotlib", "rich", "safetensors")
+    optional = ("transformers", "triton", "matplotlib", "rich", "safetensors", "onnx", "onnxscript", "onnxruntime")
     code = f"import sys, {module}; print(' '.join(m for m in {optional!r} if m in sys.modules))"
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert loaded == []

@@ -35,6 +35,8 @@ _LAZY = {
     "cbwc_": "normfold.train.cbwc",
     # faster folded models
     "fuse_residual_norms": "normfold.fuse",
+    # ONNX export (the onnx extra)
+    "export_onnx": "normfold.export",
     # lab
     "inspect": "normfold.lab",
     "check": "normfold.lab",
@@ -43,7 +45,7 @@ _LAZY = {
 }
 # public submodules reachable as attributes (``normfold.cbwc.bake_``)
 _LAZY_MODULES = {"cbwc": "normfold.train.cbwc", "hf": "normfold.hf", "train": "normfold.train", "lab": "normfold.lab",
-                 "bench": "normfold.bench", "fuse": "normfold.fuse"}
+                 "bench": "normfold.bench", "fuse": "normfold.fuse", "export": "normfold.export"}
 
 __all__ = [
     "ops", "nn", "rms_norm", "layer_norm", "RMSNorm", "FusedAddRMSNorm",

@@ -1,4 +1,5 @@
-"""Optional dependencies (transformers, safetensors, matplotlib, rich, tqdm, sentence-transformers), imported on first use.
+"""Optional dependencies (transformers, safetensors, matplotlib, rich, tqdm, sentence-transformers, onnx),
+imported on first use.
 
 A leaf module: every layer may import it.
 """
@@ -8,8 +9,8 @@ import importlib
 from types import ModuleType
 
 _EXTRA = {"transformers": "hf", "safetensors": "hf", "matplotlib": "plot", "rich": "cli", "tqdm": "hf",
-          "tensorboard": "tensorboard",
-          "sentence_transformers": "sentence-transformers"}
+          "tensorboard": "tensorboard", "sentence_transformers": "sentence-transformers",
+          "onnx": "onnx", "onnxscript": "onnx", "onnxruntime": "onnx"}
 
 
 def require(module: str) -> ModuleType:

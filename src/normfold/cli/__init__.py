@@ -34,13 +34,13 @@ from ..hf.load import CheckpointError
 from ..hf.output_dir import disk_full_error
 from ..train import cli as train_cli
 from ..train.cli import TrainConfigError
-from . import bench, folder, lab, rotate, verify
+from . import bench, folder, lab, onnx_export, rotate, verify
 from ._common import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, UsageError
 
 __all__ = ["main", "build_parser", "COMMAND_MODULES", "UsageError", "EXIT_OK", "EXIT_USAGE", "EXIT_VERIFY_FAILED"]
 
 # Modules that add subcommands (each defines ``add_commands(subparsers)``; see the module docstring).
-COMMAND_MODULES = (folder, verify, rotate, train_cli, lab, bench)
+COMMAND_MODULES = (folder, verify, rotate, train_cli, lab, bench, onnx_export)
 
 TRACEBACK_ENV = "NORMFOLD_TRACEBACK"  # set to re-raise an unexpected error with its traceback (for bug reports)
 

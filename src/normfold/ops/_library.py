@@ -246,6 +246,12 @@ def _plain_eager(x: Tensor) -> bool:
             and _get_current_dispatch_mode() is None)
 
 
+_LEGACY_ONNX_EXPORT = (
+    "normfold's norms export to ONNX only through the dynamo exporter, not the legacy TorchScript one "
+    "(dynamo=False): use normfold.export_onnx(model, example_inputs, path), or torch.onnx.export(model, args, "
+    "dynamo=True, custom_translation_table=normfold.export.onnx_translations())")
+
+
 def norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None, eps: float,
          offset: float, is_rms: bool, out: Tensor | None = None,
          residual_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
@@ -256,6 +262,8 @@ def norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor
     plain eager calls skip their dispatch overhead (~20 µs a call, as much as the kernel itself
     at (1024, 384)) and run the same implementations directly.
     """
+    if torch.jit.is_tracing() and torch.onnx.is_in_onnx_export():
+        raise NotImplementedError(_LEGACY_ONNX_EXPORT)
     eager = _plain_eager(x)
     if not eager and out is None and _inline_for_compile(x):
         y, s, _, _ = _reference_backend.norm_fwd(x, weight, bias, residual, eps, offset, is_rms)

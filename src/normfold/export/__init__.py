@@ -1,0 +1,18 @@
+"""ONNX export with the runtime's own norm kernels, proved in ONNX Runtime against the PyTorch model.
+
+    report = normfold.export_onnx(folded, example_inputs, "model.onnx", original=model)
+
+``translations.py``: normfold's norm op as ONNX Runtime's ``SimplifiedLayerNormalization`` /
+``SkipSimplifiedLayerNormalization`` (or the standard ``RMSNormalization``, opset >= 23) for the dynamo
+exporter, registered only through ``onnx_translations`` (no import-time effect); ``runtime.py``: ONNX
+Runtime sessions and the graph it optimizes; ``pipeline.py``: export, prove within the dtype rule,
+write atomically. Needs the ``onnx`` extra: ``pip install 'normfold[onnx]'``.
+"""
+from __future__ import annotations
+
+from .pipeline import BATCH_AXIS, SEQUENCE_AXIS, OnnxExportReport, export_onnx, require_onnx_extra
+from .translations import (DEFAULT_OPSET, LAYER_NORM_NODE_TYPES, RMS_NODE_TYPES, TARGETS, check_target,
+                           onnx_translations)
+
+__all__ = ["export_onnx", "OnnxExportReport", "require_onnx_extra", "onnx_translations", "check_target", "TARGETS", "DEFAULT_OPSET",
+           "RMS_NODE_TYPES", "LAYER_NORM_NODE_TYPES", "BATCH_AXIS", "SEQUENCE_AXIS"]

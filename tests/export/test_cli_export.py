@@ -1,0 +1,48 @@
+"""``normfold export DIR -o OUT``: the folder it writes, and what it refuses before any work."""
+from __future__ import annotations
+
+import json
+
+import numpy
+import pytest
+
+from normfold.cli import EXIT_OK, EXIT_USAGE, main
+
+pytest.importorskip("rich")
+onnxruntime = pytest.importorskip("onnxruntime", reason="the onnx extra (pip install 'normfold[onnx]') is not installed")
+pytest.importorskip("onnxscript", reason="the onnx extra (pip install 'normfold[onnx]') is not installed")
+
+
+def test_export_writes_model_original_config_and_report_then_refuses_to_overwrite(capsys, tmp_path, tiny_dirs):
+    out = tmp_path / "onnx"
+    assert main(["export", str(tiny_dirs["gpt2"]), "-o", str(out), "--fuse", "--json"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.onnx",
+                                                   "normfold_report.json", "original.onnx"]
+    assert json.loads((out / "normfold_report.json").read_text()) == report
+    onnx = report["onnx"]
+    assert report["num_folded"] == report["num_norms"] == 5 and report["fuse"] is True
+    assert onnx["opset"] == 20 and onnx["target"] == "onnxruntime" and onnx["error"] <= onnx["tolerance"]
+    assert onnx["input_names"] == ["input_ids", "attention_mask"] and onnx["output_names"] == ["logits"]
+    assert onnx["dynamic_axes"]["input_ids"] == {"0": "batch", "1": "sequence"}
+    rms = onnx["node_counts"]["SimplifiedLayerNormalization"] + onnx["node_counts"]["SkipSimplifiedLayerNormalization"]
+    assert rms == 5 and onnx["node_counts"]["LayerNormalization"] == 0
+    assert onnx["original_node_counts"]["LayerNormalization"] + onnx["original_node_counts"]["SkipLayerNormalization"] == 5
+    # both files run at other batch and sequence sizes
+    for name in ("model.onnx", "original.onnx"):
+        session = onnxruntime.InferenceSession(str(out / name))
+        ids = numpy.ones((3, 6), dtype="int64")
+        (logits,) = session.run(None, {"input_ids": ids, "attention_mask": ids})
+        assert logits.shape == (3, 6, 96)
+    before = (out / "model.onnx").read_bytes()
+    assert main(["export", str(tiny_dirs["gpt2"]), "-o", str(out)]) == EXIT_USAGE
+    assert "output folder exists" in capsys.readouterr().err
+    assert (out / "model.onnx").read_bytes() == before
+
+
+def test_an_opset_the_target_cannot_use_is_a_usage_error_before_loading(capsys, tmp_path):
+    out = tmp_path / "onnx"
+    missing = tmp_path / "no-such-model"  # never read: the opset is refused first
+    assert main(["export", str(missing), "-o", str(out), "--target", "onnx", "--opset", "20"]) == EXIT_USAGE
+    assert "must be >= 23" in capsys.readouterr().err
+    assert not out.exists()
