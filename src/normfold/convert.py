@@ -32,6 +32,7 @@ from torch import nn
 
 from .fold import FoldReport, PlanConstraints, fold_within
 from .fold.graph import check_model_and_inputs
+from .fold.plan import keep_patterns
 from .fold.verify import FOLD_TOLERANCE, prove_or_raise
 from .fold.verify import verify as verify_models
 from .fuse import fuse_residual_norms
@@ -65,6 +66,7 @@ class FoldConfig:
     identities; the report gives each kept γ/β's reason. ``None`` (default): on for a transformers
     ``PreTrainedModel``, off for any other module (``True`` there is a TypeError). ``False``: the
     whole plan, whose folder only ``normfold.from_pretrained`` rebuilds (saving it warns).
+    ``keep``: fnmatch patterns of norm module paths left as they are (reason "kept by request").
     """
 
     fold_affine: bool = True
@@ -72,8 +74,10 @@ class FoldConfig:
     fold_batchnorm: bool = True
     verify: bool = True
     stock_compatible: bool | None = None
+    keep: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "keep", keep_patterns(self.keep, "FoldConfig.keep"))
         for name in ("fold_affine", "precompute", "fold_batchnorm", "verify"):
             _require_bool("FoldConfig", name, getattr(self, name))
         if self.stock_compatible is not None:
@@ -165,6 +169,9 @@ def convert(model: nn.Module, example_inputs, *, fold: FoldConfig = FoldConfig()
     _check_config("fold", fold, FoldConfig, optional=False)
     _check_config("fuse", fuse, FuseConfig, optional=True)
     _check_config("approximate", approximate, ApproximateConfig, optional=True)
+    if approximate is not None and fold.keep:
+        raise ValueError(f"keep={list(fold.keep)} does not go with the approximate fold, which would replace the kept "
+                         "norms: fold exactly with keep=, or approximately without it")
     calls = check_model_and_inputs(model, example_inputs)  # TypeError before any work
     converted, report = fold_within(model, example_inputs, _plan_constraints(model, fold), verify=fold.verify)
     if fuse is not None:
@@ -184,11 +191,12 @@ def _plan_constraints(model: nn.Module, config: FoldConfig) -> PlanConstraints:
     hugging_face = is_pretrained_model(model)
     if not (hugging_face if config.stock_compatible is None else config.stock_compatible):
         return PlanConstraints(fold_affine=config.fold_affine, precompute=config.precompute,
-                               fold_batchnorm=config.fold_batchnorm)
+                               fold_batchnorm=config.fold_batchnorm, keep=config.keep)
     if not hugging_face:
         raise TypeError(f"stock_compatible=True plans what a transformers PreTrainedModel's class loads, got a "
                         f"{type(model).__name__}: leave it None (or False) for other modules")
-    return stock_constraints(model, model.dtype, fold_affine=config.fold_affine, fold_batchnorm=config.fold_batchnorm)
+    return stock_constraints(model, model.dtype, fold_affine=config.fold_affine, fold_batchnorm=config.fold_batchnorm,
+                             keep=config.keep)
 
 
 def _fuse(folded: nn.Module, calls: list, config: FuseConfig):
@@ -205,7 +213,7 @@ def _fuse(folded: nn.Module, calls: list, config: FuseConfig):
 def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
          fold_batchnorm: bool = True, verify: bool = True, stock_compatible: bool | None = None, fuse: bool = False,
          approximate: bool = False, calibration=None, min_cosine: float = 0.999,
-         output_fn=None) -> tuple[nn.Module, FoldReport]:
+         output_fn=None, keep=()) -> tuple[nn.Module, FoldReport]:
     """Return ``(folded_copy, report)``: foldable LayerNorms become RMSNorms, outputs unchanged.
 
     With ``verify=True`` the plan is also applied to a float64 copy and compared with ``model`` in
@@ -237,7 +245,7 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     longer exact: ``report.approximate`` holds the measured change, ``report.num_approximate`` the count.
     """
     fold_config = FoldConfig(fold_affine=fold_affine, precompute=precompute, fold_batchnorm=fold_batchnorm,
-                             verify=verify, stock_compatible=stock_compatible)
+                             verify=verify, stock_compatible=stock_compatible, keep=keep)
     _require_bool("fold", "fuse", fuse)
     _require_bool("fold", "approximate", approximate)
     fuse_config = FuseConfig(verify=verify) if fuse else None

@@ -25,7 +25,7 @@ def _json_report(report: dict) -> dict:
 
 def _run_analyze(args) -> int:
     with output.steps(not args.json) as step:
-        report = analyze_folder(model_dir(args), fold_affine=not args.no_fold_affine,
+        report = analyze_folder(model_dir(args), fold_affine=not args.no_fold_affine, keep=tuple(args.keep),
                                 trust_remote_code=args.trust_remote_code, step=step)
     if args.json:
         print(json.dumps(_json_report(report), indent=2, default=str))
@@ -37,11 +37,15 @@ def _run_analyze(args) -> int:
 def _run_fold(args) -> int:
     source = model_dir(args)
     approximate = _approximate_options(args, source)
-    # sharded checkpoints are streamed: never loaded whole, checked block by block
-    fold_fn = fold_checkpoint if args.stream or is_sharded(source) else fold_folder
+    streamed = args.stream or is_sharded(source)  # sharded checkpoints: never loaded whole, checked block by block
+    if args.keep and (streamed or approximate):
+        raise UsageError("--keep applies to exact in-memory folds only: not with --approximate (which would replace "
+                         "the kept norms), --stream or sharded folders")
+    fold_fn, keep = (fold_checkpoint, {}) if streamed else (fold_folder, {"keep": tuple(args.keep)})
     with output.steps(not args.json) as step:
         report = fold_fn(source, args.output, fold_affine=not args.no_fold_affine, dtype=args.dtype,
-                         overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step, **approximate)
+                         overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step, **approximate,
+                         **keep)
     if not report["verification"]["ok"]:
         if not args.json:
             output.print_verification(report["verification"])
@@ -93,6 +97,12 @@ def _add_no_fold_affine(parser) -> None:
                         help="keep γ/β on the RMSNorms instead of folding them into the next linear layers")
 
 
+def _add_keep(parser) -> None:
+    parser.add_argument("--keep", action="append", default=[], metavar="PATTERN",
+                        help="leave the norms whose module path matches PATTERN (fnmatch, e.g. 'transformer.h.0.*') "
+                             "as they are; repeatable")
+
+
 def _add_json(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON report on stdout (numbers in full)")
 
@@ -102,6 +112,7 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="per-norm table: which LayerNorms can become RMSNorms")
     add_model_dir(p)
     _add_no_fold_affine(p)
+    _add_keep(p)
     _add_json(p)
     add_trust_remote_code(p)
     p.set_defaults(run=_run_analyze)
@@ -127,6 +138,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--min-cosine", type=float, metavar="X",
                    help=f"lowest cosine similarity allowed between original and result outputs (default "
                         f"{DEFAULT_MIN_COSINE}); sentence encoders are compared on mean-pooled embeddings")
+    _add_keep(p)
     _add_json(p)
     add_trust_remote_code(p)
     p.set_defaults(run=_run_fold)

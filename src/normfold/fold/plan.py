@@ -164,6 +164,8 @@ class PlanConstraints:
     parameter names: no step may create a parameter outside them. ``keep_modules_in``: when set,
     the loader needs every module's keys, stored in that dtype: a merged BatchNorm stays as an exact
     identity there, or is kept when it cannot be exact (see :meth:`for_stock_checkpoint`).
+    ``keep``: fnmatch patterns of norm module paths (``"transformer.h.0.*"``) the plan leaves as
+    they are: neither swapped nor their γ/β moved, nor their producers centered for them.
     """
 
     fold_affine: bool = True
@@ -171,8 +173,10 @@ class PlanConstraints:
     fold_batchnorm: bool = True
     loadable_keys: frozenset[str] | None = None
     keep_modules_in: torch.dtype | None = None
+    keep: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "keep", keep_patterns(self.keep, "keep"))
         for name in ("fold_affine", "precompute", "fold_batchnorm"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -186,12 +190,26 @@ class PlanConstraints:
 
     @classmethod
     def for_stock_checkpoint(cls, loadable_keys, stored_dtype: torch.dtype, *, fold_affine: bool = True,
-                             fold_batchnorm: bool = True) -> "PlanConstraints":
+                             fold_batchnorm: bool = True, keep=()) -> "PlanConstraints":
         """A plan whose result stock transformers loads: no precompute (every norm module stays), no
         parameter the architecture lacks (e.g. GPT-2's ``lm_head.bias``), BatchNorms kept as identities."""
         return cls(fold_affine=fold_affine, precompute=False, fold_batchnorm=fold_batchnorm,
-                   loadable_keys=frozenset(loadable_keys), keep_modules_in=stored_dtype)
+                   loadable_keys=frozenset(loadable_keys), keep_modules_in=stored_dtype, keep=keep)
 
     def may_create(self, fqn: str) -> bool:
         """Whether a step may create the parameter ``fqn`` (the loader knows that name)."""
         return self.loadable_keys is None or fqn in self.loadable_keys
+
+
+def keep_patterns(patterns, name: str) -> tuple[str, ...]:
+    """``patterns`` as a tuple of non-empty strings (fnmatch patterns of norm paths); TypeError or
+    ValueError naming ``name`` otherwise (a bare string too: iterating it would give letters; a set has no order)."""
+    if not isinstance(patterns, (list, tuple)):
+        raise TypeError(f"{name} must be a list of module path patterns (str), got {type(patterns).__name__} "
+                        f"{patterns!r:.60}" + (f": write [{patterns!r}]" if isinstance(patterns, str) else ""))
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise TypeError(f"{name} must hold module path patterns (str), got {type(pattern).__name__} {pattern!r:.60}")
+        if not pattern:
+            raise ValueError(f"{name} must hold non-empty module path patterns, got ''")
+    return tuple(patterns)

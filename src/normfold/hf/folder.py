@@ -61,13 +61,13 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
 
 
 def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, trust_remote_code: bool = False,
-                   step: Step = _noop) -> dict[str, Any]:
+                   keep=(), step: Step = _noop) -> dict[str, Any]:
     """The fold engine's per-norm analysis of a Hugging Face folder, planned as ``fold_folder`` plans it
-    with the same ``fold_affine``: the two reports agree on every norm."""
+    with the same ``fold_affine`` and ``keep``: the two reports agree on every norm."""
     step("loading")
     model = load_model(model_dir, trust_remote_code=trust_remote_code)
     step("analysing")  # planned as `normfold fold` plans it (stock-loadable), so the two reports agree
-    constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)), fold_affine=fold_affine)
+    constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)), fold_affine=fold_affine, keep=keep)
     report = plan_fold(model, example_inputs_for(model), constraints).to_dict()
     report["model"] = describe_model(model, model_dir)
     return report
@@ -76,7 +76,7 @@ def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, tr
 def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
                 dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
                 calibration_file: str | os.PathLike | None = None, approximate: ApproximateFold | None = None,
-                step: Step = _noop) -> dict[str, Any]:
+                keep=(), step: Step = _noop) -> dict[str, Any]:
     """Fold a folder, verify in float64, and write OUT_DIR only if the verification passes.
 
     The model is folded in float32 (upcast from a half-precision checkpoint) and saved in
@@ -94,7 +94,8 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
     only the file's SHA-256, sentence count and path (``normfold verify --calibration FILE`` needs the file).
 
     The report records the ``recipe`` (:class:`normfold.hf.recipe.Recipe`) that ``normfold verify``
-    re-makes the folder from, and is sealed (:func:`normfold.hf.report.seal`).
+    re-makes the folder from, and is sealed (:func:`normfold.hf.report.seal`). ``keep``: fnmatch
+    patterns of norm module paths left as they are (not with ``approximate``, which would replace them).
     """
     model_dir = check_model_dir(model_dir)
     if dtype is not None and dtype not in DTYPES:
@@ -102,6 +103,8 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
     if (calibration_file is None) != (approximate is None):
         raise ValueError(f"an approximate fold needs both calibration_file and approximate, got "
                          f"calibration_file={calibration_file!r} and approximate={approximate!r}")
+    if keep and approximate is not None:
+        raise ValueError(f"keep={list(keep)} does not go with an approximate fold, which would replace the kept norms")
     sentences = tokenizer = None
     if calibration_file is not None:  # every user error before the model is loaded
         sentences = read_calibration_file(calibration_file)
@@ -112,7 +115,7 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         model = load_model(model_dir, trust_remote_code=trust_remote_code)
         step("folding and verifying in float64")
         inputs = example_inputs_for(model)
-        folded, report = fold_for_stock(model, inputs, fold_affine=fold_affine, stored_dtype=save_dtype)
+        folded, report = fold_for_stock(model, inputs, fold_affine=fold_affine, stored_dtype=save_dtype, keep=keep)
         require_norms(report, type(model).__name__)
         approx = None
         if sentences is not None:
@@ -136,7 +139,7 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         calibration = None if approx is None else CalibrationRecord.of_file(calibration_file, len(sentences))
         out["recipe"] = Recipe(command="fold", streaming=False, fold_affine=fold_affine, dtype=dtype,
                                approximate_min_cosine=None if approx is None else approx.min_cosine,
-                               calibration=calibration).to_dict()
+                               calibration=calibration, keep=tuple(keep)).to_dict()
         out = write_report_files(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
@@ -179,12 +182,13 @@ def approximate_warning(report: dict[str, Any]) -> str | None:
             "load with normfold.from_pretrained (stock transformers would rebuild them as LayerNorms)")
 
 
-def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dtype: torch.dtype = torch.float32):
+def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dtype: torch.dtype = torch.float32,
+                   keep=()):
     """``normfold.fold`` within what stock transformers can load, saved in ``stored_dtype``
     (``normfold.hf.saving.stock_constraints``): the same pipeline (``normfold.fold.pipeline.fold_exactly``), proved in
     float64; raises ``FoldVerificationError`` (nothing is saved) on failure.
     """
-    return fold_exactly(model, example_inputs, stock_constraints(model, stored_dtype, fold_affine=fold_affine))
+    return fold_exactly(model, example_inputs, stock_constraints(model, stored_dtype, fold_affine=fold_affine, keep=keep))
 
 
 def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code: bool = False,
@@ -198,8 +202,8 @@ def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code
     model = load_model(orig_dir, trust_remote_code=trust_remote_code)
     step("folding")
     dtype = DTYPES[recipe.dtype]
-    constraints = (stock_constraints(model, dtype, fold_affine=recipe.fold_affine) if recipe.stock_plan
-                   else PlanConstraints(fold_affine=recipe.fold_affine))
+    constraints = (stock_constraints(model, dtype, fold_affine=recipe.fold_affine, keep=recipe.keep) if recipe.stock_plan
+                   else PlanConstraints(fold_affine=recipe.fold_affine, keep=recipe.keep))
     folded, report = fold_exactly(model, example_inputs_for(model), constraints)
     step("saving")
     with warnings.catch_warnings():  # what stock transformers would do differently was said when the folder was saved

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..fold.plan import keep_patterns
 from .errors import CheckpointError
 
 COMMANDS = ("fold", "rotate", "save_pretrained")
@@ -69,7 +70,8 @@ class Recipe:
     rotation's choices; ``calibration``: the calibration text an approximate fold or a PCA rotation
     was computed from; ``stock_plan``: planned within what stock transformers loads (``save_pretrained``
     folds may not be); ``side_files``: the original's other files (tokenizer, ...) were carried over
-    (``save_pretrained`` without ``source_dir`` carries none).
+    (``save_pretrained`` without ``source_dir`` carries none); ``keep``: the norms kept by request
+    (``--keep`` / ``keep=`` patterns; recorded only when there are some, and only for in-memory exact folds).
     """
 
     command: str
@@ -81,9 +83,13 @@ class Recipe:
     calibration: CalibrationRecord | None = None
     stock_plan: bool = True
     side_files: bool = True
+    keep: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if not self.keep:  # the reports of folds without keep stay as they were
+            del data["keep"]
+        return data
 
     @classmethod
     def from_dict(cls, data: object) -> Recipe:
@@ -91,7 +97,7 @@ class Recipe:
         another type or out of range (a recipe is read from a folder nobody vouches for)."""
         if not isinstance(data, dict):
             raise CheckpointError(f"the report's recipe must be a JSON object, got {_show(data)}")
-        _expect_keys(data, cls, "recipe")
+        _expect_keys(data, cls, "recipe", optional=("keep",))
         command = _one_of(data, "command", COMMANDS, "recipe")
         dtype = data["dtype"]
         if dtype is not None and dtype not in SAVED_DTYPES:
@@ -106,7 +112,11 @@ class Recipe:
                      rotation=None if data["rotation"] is None else _rotation(data["rotation"]),
                      calibration=None if data["calibration"] is None else _calibration(data["calibration"]),
                      stock_plan=_field(data, "stock_plan", bool, "recipe"),
-                     side_files=_field(data, "side_files", bool, "recipe"))
+                     side_files=_field(data, "side_files", bool, "recipe"), keep=_keep(data.get("keep", [])))
+        if recipe.keep and (recipe.streaming or command == "rotate" or min_cosine is not None):
+            raise CheckpointError("recipe.keep must be recorded only for in-memory exact folds, got "
+                                  f"{list(recipe.keep)} for a {'streamed ' * recipe.streaming}{command}"
+                                  f"{' (approximate)' if min_cosine is not None else ''}")
         if command == "save_pretrained" and dtype is None:
             raise CheckpointError("recipe.dtype must name the saved dtype for command 'save_pretrained', got null")
         needs_calibration = min_cosine is not None or (recipe.rotation is not None and recipe.rotation.method == "pca")
@@ -146,10 +156,19 @@ def _calibration(data: object) -> CalibrationRecord:
     return CalibrationRecord(sha, count, _field(data, "path", str, "recipe.calibration"))
 
 
-def _expect_keys(data: dict, cls: type, where: str) -> None:
-    """CheckpointError unless ``data`` holds exactly the fields of dataclass ``cls``."""
+def _keep(data: object) -> tuple[str, ...]:
+    if not isinstance(data, list):
+        raise CheckpointError(f"recipe.keep must be a list of patterns, got {_show(data)}")
+    try:
+        return keep_patterns(data, "recipe.keep")
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(str(err)) from err
+
+
+def _expect_keys(data: dict, cls: type, where: str, optional: tuple[str, ...] = ()) -> None:
+    """CheckpointError unless ``data`` holds exactly the fields of dataclass ``cls`` (``optional`` ones may be absent)."""
     expected = {f.name for f in fields(cls)}
-    missing, extra = sorted(expected - data.keys()), sorted(data.keys() - expected)
+    missing, extra = sorted(expected - data.keys() - set(optional)), sorted(data.keys() - expected)
     if missing or extra:
         said = ([f"lacks {', '.join(missing)}"] if missing else []) + ([f"has unknown {', '.join(extra)}"] if extra else [])
         raise CheckpointError(f"{where} {' and '.join(said)} (expected exactly: {', '.join(sorted(expected))})")

@@ -228,7 +228,7 @@ def _saved_recipe(report: FoldReport | None, record: Mapping[str, Any], *, side_
     fold_affine = any(n.affine_folded for n in report.norms) if planned is None else planned.fold_affine
     stock_plan = bool(record["stock_compatible"]) if planned is None else planned.loadable_keys is not None
     return Recipe(command="save_pretrained", streaming=False, fold_affine=fold_affine, dtype=record["saved_dtype"],
-                  stock_plan=stock_plan, side_files=side_files).to_dict()
+                  stock_plan=stock_plan, side_files=side_files, keep=() if planned is None else planned.keep).to_dict()
 
 
 def _storage_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -530,13 +530,14 @@ def swap_in_rmsnorm(model: nn.Module, entry: Mapping[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------ stock-compatible plans
 
-def stock_constraints(model, stored_dtype: torch.dtype, *, fold_affine: bool = True, fold_batchnorm: bool = True):
+def stock_constraints(model, stored_dtype: torch.dtype, *, fold_affine: bool = True, fold_batchnorm: bool = True,
+                      keep=()):
     """The planning constraints of a folder that stock transformers loads, saved in ``stored_dtype``:
     no precompute (every norm module stays), no parameter the architecture lacks (e.g. GPT-2's
     ``lm_head.bias``: folding ln_f's β into the head would write it, stock drops it; ln_f keeps γ/β),
-    and merged BatchNorms kept as exact identities (the architecture loads their keys)."""
+    and merged BatchNorms kept as exact identities (the architecture loads their keys); ``keep``: norms kept by request."""
     return PlanConstraints.for_stock_checkpoint(stock_parameter_shapes(model.config, type(model)), stored_dtype,
-                                                fold_affine=fold_affine, fold_batchnorm=fold_batchnorm)
+                                                fold_affine=fold_affine, fold_batchnorm=fold_batchnorm, keep=keep)
 
 
 def is_pretrained_model(model: object) -> bool:
