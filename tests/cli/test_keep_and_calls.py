@@ -80,10 +80,51 @@ def test_a_recipe_records_keep_only_when_there_is_one():
 
 
 @pytest.mark.parametrize("edit, says", [
-    ({"keep": "h.0.*"}, "recipe.keep must be a list of patterns, got str"),
-    ({"keep": [""]}, "non-empty"),
+    ({"keep": "h.0.*"}, "recipe.keep must be a list of non-empty strings, got str"),
+    ({"keep": [""]}, "non-empty strings, got list"),
+    ({"calls": ["inputs_embeds"], "command": "save_pretrained", "dtype": "float32"},
+     "recipe.calls must be recorded only for in-memory folds"),
     ({"keep": ["h.0.*"], "streaming": True}, "recipe.keep must be recorded only for in-memory exact folds"),
 ])
 def test_a_recipe_with_an_unusable_keep_is_refused(edit, says):
     with pytest.raises(CheckpointError, match=says):
         Recipe.from_dict({**_FOLD_RECIPE, **edit})
+
+
+def _foldable(report: dict) -> set[str]:
+    return {n["path"] for n in report["norms"] if n["foldable"]}
+
+
+def test_fold_for_two_kinds_of_call_keeps_what_only_the_ids_make_zero_mean_and_verify_re_makes_it(capsys, tiny_dirs,  # noqa: F811
+                                                                                                  tmp_path):
+    """Embeddings passed in are the caller's, not a table the fold centers: the norms the token table
+    makes zero-mean stay LayerNorms once inputs_embeds calls must stay exact too."""
+    code, text, _ = _run(capsys, "analyze", tiny_dirs["gpt2"], "--json")
+    ids_only = _foldable(json.loads(text))
+    out = tmp_path / "out"
+    code, text, _ = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", out, "--call", "input_ids", "--call",
+                         "inputs_embeds", "--json")
+    assert code == EXIT_OK
+    report = json.loads(text)
+    both = _foldable(report)
+    assert both < ids_only and "transformer.h.0.ln_1" in ids_only - both
+    entry = next(n for n in report["norms"] if n["path"] == "transformer.h.0.ln_1")
+    assert entry["reason"].startswith("kept: not foldable in example call 1")
+    assert [sorted(call) for call in report["traced_calls"]] == [["attention_mask", "input_ids", "use_cache"],
+                                                                 ["attention_mask", "inputs_embeds", "use_cache"]]
+    assert json.loads((out / REPORT_JSON).read_text())["recipe"]["calls"] == ["input_ids", "inputs_embeds"]
+    code, text, _ = _run(capsys, "verify", tiny_dirs["gpt2"], out)
+    assert code == EXIT_OK and "passed" in text
+    code, text, _ = _run(capsys, "analyze", tiny_dirs["gpt2"], "--call", "input_ids", "--call", "inputs_embeds",
+                         "--json")
+    assert _foldable(json.loads(text)) == both
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--call", "pixel_values"], "example call 'pixel_values': GPT2LMHeadModel takes input_ids, inputs_embeds"),
+    (["--call", "inputs_embeds", "--stream"], "--call applies to in-memory folds only"),
+])
+def test_fold_call_refusals_are_one_line_and_write_nothing(capsys, tiny_dirs, tmp_path, extra, says):  # noqa: F811
+    code, _, err = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", tmp_path / "out", *extra)
+    assert code == EXIT_USAGE and says in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

@@ -26,7 +26,7 @@ def _json_report(report: dict) -> dict:
 def _run_analyze(args) -> int:
     with output.steps(not args.json) as step:
         report = analyze_folder(model_dir(args), fold_affine=not args.no_fold_affine, keep=tuple(args.keep),
-                                trust_remote_code=args.trust_remote_code, step=step)
+                                calls=tuple(args.call), trust_remote_code=args.trust_remote_code, step=step)
     if args.json:
         print(json.dumps(_json_report(report), indent=2, default=str))
     else:
@@ -41,11 +41,14 @@ def _run_fold(args) -> int:
     if args.keep and (streamed or approximate):
         raise UsageError("--keep applies to exact in-memory folds only: not with --approximate (which would replace "
                          "the kept norms), --stream or sharded folders")
-    fold_fn, keep = (fold_checkpoint, {}) if streamed else (fold_folder, {"keep": tuple(args.keep)})
+    if args.call and streamed:
+        raise UsageError("--call applies to in-memory folds only: not with --stream or sharded folders")
+    fold_fn, chosen = ((fold_checkpoint, {}) if streamed
+                       else (fold_folder, {"keep": tuple(args.keep), "calls": tuple(args.call)}))
     with output.steps(not args.json) as step:
         report = fold_fn(source, args.output, fold_affine=not args.no_fold_affine, dtype=args.dtype,
                          overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step, **approximate,
-                         **keep)
+                         **chosen)
     if not report["verification"]["ok"]:
         if not args.json:
             output.print_verification(report["verification"])
@@ -103,6 +106,13 @@ def _add_keep(parser) -> None:
                              "as they are; repeatable")
 
 
+def _add_call(parser) -> None:
+    parser.add_argument("--call", action="append", default=[], metavar="KIND",
+                        help="a kind of example call to fold for: input_ids (the default), inputs_embeds (embeddings "
+                             "instead of ids), or the model's other main input (pixel_values, ...); repeat it to fold "
+                             "only what is exact for every kind")
+
+
 def _add_json(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON report on stdout (numbers in full)")
 
@@ -113,6 +123,7 @@ def add_commands(subparsers) -> None:
     add_model_dir(p)
     _add_no_fold_affine(p)
     _add_keep(p)
+    _add_call(p)
     _add_json(p)
     add_trust_remote_code(p)
     p.set_defaults(run=_run_analyze)
@@ -139,6 +150,7 @@ def add_commands(subparsers) -> None:
                    help=f"lowest cosine similarity allowed between original and result outputs (default "
                         f"{DEFAULT_MIN_COSINE}); sentence encoders are compared on mean-pooled embeddings")
     _add_keep(p)
+    _add_call(p)
     _add_json(p)
     add_trust_remote_code(p)
     p.set_defaults(run=_run_fold)

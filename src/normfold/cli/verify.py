@@ -46,7 +46,7 @@ def _remake(trust_remote_code: bool):
 
     def remake(orig_dir: Path, out: Path, recipe: Recipe, calibration_file: str | None, step) -> dict:
         if recipe.approximate_min_cosine is not None:
-            return fold_folder(orig_dir, out, fold_affine=recipe.fold_affine, dtype=recipe.dtype,
+            return fold_folder(orig_dir, out, fold_affine=recipe.fold_affine, dtype=recipe.dtype, calls=recipe.calls,
                                calibration_file=calibration_file, approximate=approximate_step(recipe.approximate_min_cosine),
                                trust_remote_code=trust_remote_code, step=step)
         rotation = recipe.rotation

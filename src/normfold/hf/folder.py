@@ -19,7 +19,7 @@ from torch import nn
 from ..fold import FoldReport, FoldVerificationError, verify
 from ..fold.pipeline import fold_exactly, plan_fold, rms_norm_paths
 from ..fold.plan import PlanConstraints
-from .inputs import calibration_batches, example_inputs_for, is_sentence_encoder, load_tokenizer, read_calibration_file
+from .inputs import calibration_batches, example_calls_for, example_inputs_for, is_sentence_encoder, load_tokenizer, read_calibration_file
 from .load import CheckpointError, check_model_dir, load_model
 from .output_dir import atomic_output_dir
 from .picture import draw_zero_mean_graph
@@ -61,14 +61,14 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
 
 
 def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, trust_remote_code: bool = False,
-                   keep=(), step: Step = _noop) -> dict[str, Any]:
+                   keep=(), calls=(), step: Step = _noop) -> dict[str, Any]:
     """The fold engine's per-norm analysis of a Hugging Face folder, planned as ``fold_folder`` plans it
-    with the same ``fold_affine`` and ``keep``: the two reports agree on every norm."""
+    with the same ``fold_affine``, ``keep`` and ``calls``: the two reports agree on every norm."""
     step("loading")
     model = load_model(model_dir, trust_remote_code=trust_remote_code)
     step("analysing")  # planned as `normfold fold` plans it (stock-loadable), so the two reports agree
     constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)), fold_affine=fold_affine, keep=keep)
-    report = plan_fold(model, example_inputs_for(model), constraints).to_dict()
+    report = plan_fold(model, example_calls_for(model, calls), constraints).to_dict()
     report["model"] = describe_model(model, model_dir)
     return report
 
@@ -76,7 +76,7 @@ def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, tr
 def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
                 dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
                 calibration_file: str | os.PathLike | None = None, approximate: ApproximateFold | None = None,
-                keep=(), step: Step = _noop) -> dict[str, Any]:
+                keep=(), calls=(), step: Step = _noop) -> dict[str, Any]:
     """Fold a folder, verify in float64, and write OUT_DIR only if the verification passes.
 
     The model is folded in float32 (upcast from a half-precision checkpoint) and saved in
@@ -96,6 +96,8 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
     The report records the ``recipe`` (:class:`normfold.hf.recipe.Recipe`) that ``normfold verify``
     re-makes the folder from, and is sealed (:func:`normfold.hf.report.seal`). ``keep``: fnmatch
     patterns of norm module paths left as they are (not with ``approximate``, which would replace them).
+    ``calls``: the kinds of example call to fold for (:func:`normfold.hf.inputs.example_calls_for`; default
+    the model's main input): only what is exact for every one folds.
     """
     model_dir = check_model_dir(model_dir)
     if dtype is not None and dtype not in DTYPES:
@@ -114,7 +116,7 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         step("loading")
         model = load_model(model_dir, trust_remote_code=trust_remote_code)
         step("folding and verifying in float64")
-        inputs = example_inputs_for(model)
+        inputs = example_calls_for(model, calls)
         folded, report = fold_for_stock(model, inputs, fold_affine=fold_affine, stored_dtype=save_dtype, keep=keep)
         require_norms(report, type(model).__name__)
         approx = None
@@ -139,7 +141,7 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         calibration = None if approx is None else CalibrationRecord.of_file(calibration_file, len(sentences))
         out["recipe"] = Recipe(command="fold", streaming=False, fold_affine=fold_affine, dtype=dtype,
                                approximate_min_cosine=None if approx is None else approx.min_cosine,
-                               calibration=calibration, keep=tuple(keep)).to_dict()
+                               calibration=calibration, keep=tuple(keep), calls=tuple(calls)).to_dict()
         out = write_report_files(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
     return out

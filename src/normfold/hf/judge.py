@@ -404,4 +404,4 @@ def remake_exact(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code
         return fold_checkpoint(orig_dir, out, fold_affine=recipe.fold_affine, dtype=recipe.dtype,
                                trust_remote_code=trust_remote_code, step=step)
     return fold_folder(orig_dir, out, fold_affine=recipe.fold_affine, dtype=recipe.dtype, keep=recipe.keep,
-                       trust_remote_code=trust_remote_code, step=step)
+                       calls=recipe.calls, trust_remote_code=trust_remote_code, step=step)
