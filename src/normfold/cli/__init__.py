@@ -1,11 +1,15 @@
 """The ``normfold`` command.
 
     normfold analyze [MODEL_DIR]                      per-norm table (default: the bundled model)
-    normfold fold [MODEL_DIR] -o OUT_DIR [--json]     fold, verify in float64, write OUT_DIR
+    normfold fold MODEL_DIR -o OUT_DIR [--json]       fold, verify in float64, write OUT_DIR
+        [--keep PATTERN] [--call KIND]                 leave norms as they are; fold for several kinds of call
         [--approximate --calibration FILE [--min-cosine 0.999]]   also replace the other norms, within a cosine bar
     normfold verify ORIG_DIR FOLDED_DIR               re-make the folder from its original, compare, load, prove
         [--calibration FILE] [--min-cosine 0.999]     (approximate folders and PCA rotations: the file they were made from)
-    normfold rotate [MODEL_DIR] -o OUT_DIR            fold, rotate the residual stream, prove in float64, write OUT_DIR
+    normfold rotate MODEL_DIR -o OUT_DIR              fold, rotate the residual stream, prove in float64, write OUT_DIR
+
+MODEL_DIR (and ORIG_DIR, FOLDED_DIR) may be a Hugging Face model id (``--revision REV``); ``fold`` and
+``rotate`` take the bundled toy model only with ``--bundled`` (instead of MODEL_DIR).
     normfold demo                                     fold the bundled model into a temp folder
     normfold inspect | check | train | bench          the lab, training and benchmarks
 

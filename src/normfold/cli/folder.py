@@ -91,7 +91,7 @@ def _run_demo(args) -> int:
         output.print_norm_table(report)
         output.print_verification(report["verification"])
         files = ", ".join(sorted(p.name for p in out.iterdir()))
-        output.console().print(f"wrote {files}\n(into a temporary folder; `normfold fold -o DIR` keeps one)")
+        output.console().print(f"wrote {files}\n(into a temporary folder; `normfold fold --bundled -o DIR` keeps one)")
     return EXIT_OK
 
 
@@ -129,7 +129,7 @@ def add_commands(subparsers) -> None:
     p.set_defaults(run=_run_analyze)
 
     p = subparsers.add_parser("fold", help="fold, verify and write an equivalent RMSNorm model")
-    add_model_dir(p)
+    add_model_dir(p, required=True)
     p.add_argument("-o", "--output", metavar="OUT_DIR", required=True,
                    help="new folder to write (must not exist; not the input, inside it or above it)")
     _add_no_fold_affine(p)
