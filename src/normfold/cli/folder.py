@@ -84,14 +84,16 @@ def _approximate_options(args, source: Path) -> dict:
 def _run_demo(args) -> int:
     source = default_model_path()
     with tempfile.TemporaryDirectory(prefix="normfold-demo-") as tmp:
-        out = Path(tmp) / "folded"
+        out = Path(args.output) if args.output else Path(tmp) / "folded"
         output.console().print(f"folding the bundled model {source}\n")
         with output.steps() as step:
-            report = fold_folder(source, out, step=step)
+            report = fold_folder(source, out, overwrite=args.overwrite, step=step)
         output.print_norm_table(report)
         output.print_verification(report["verification"])
         files = ", ".join(sorted(p.name for p in out.iterdir()))
-        output.console().print(f"wrote {files}\n(into a temporary folder; `normfold fold --bundled -o DIR` keeps one)")
+        where = (f"into {report['out_dir']}" if args.output
+                 else "into a temporary folder, removed now; `normfold demo -o DIR` keeps them")
+        output.console().print(f"wrote {files}\n({where})")
     return EXIT_OK
 
 
@@ -156,5 +158,8 @@ def add_commands(subparsers) -> None:
     p.set_defaults(run=_run_fold)
 
     p = subparsers.add_parser("demo", help="fold the bundled trained model and show the report")
+    p.add_argument("-o", "--output", metavar="OUT_DIR",
+                   help="keep the folded folder here (default: a temporary folder, removed at the end)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is empty or an earlier normfold output")
     p.set_defaults(run=_run_demo)
 
