@@ -28,6 +28,11 @@ def default_model_path() -> Path:
 _MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 
+# files of other frameworks a hub repo often holds beside the PyTorch weights (GPT-2's: several GB): not fetched
+_OTHER_FRAMEWORKS = ("*.h5", "*.msgpack", "*.onnx", "*.onnx_data", "*.ot", "*.tflite", "*.mlmodel", "onnx/*",
+                     "coreml/*", "flax_model*", "tf_model*", "rust_model*")
+
+
 def resolve_model(name: str | os.PathLike, revision: str | None = None) -> Path:
     """A model folder, or a Hugging Face model id (``org/name``) resolved to its snapshot in the hub cache
     by ``huggingface_hub.snapshot_download``: downloaded at ``revision`` (default ``main``) unless cached,
@@ -43,7 +48,7 @@ def resolve_model(name: str | os.PathLike, revision: str | None = None) -> Path:
     hub = require("huggingface_hub")
     offline = hub.is_offline_mode()
     try:
-        folder = hub.snapshot_download(str(name), revision=revision)
+        folder = hub.snapshot_download(str(name), revision=revision, ignore_patterns=list(_OTHER_FRAMEWORKS))
     except (OSError, ValueError) as err:  # not cached offline, no such repo or revision, no network, a bad id
         where = "in the hub cache (offline)" if offline else "on the hub or in its cache"
         at = "" if revision is None else f" at revision {revision!r}"
