@@ -8,8 +8,11 @@ from pathlib import Path
 
 import pytest
 
+import normfold
 from normfold.cli import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, main
 from normfold.hf.errors import CheckpointError
+from normfold.hf.inputs import example_inputs_for
+from normfold.hf.load import load_model
 from normfold.hf.output_dir import REPORT_JSON
 from normfold.hf.recipe import Recipe
 import sealing
@@ -128,3 +131,15 @@ def test_fold_call_refusals_are_one_line_and_write_nothing(capsys, tiny_dirs, tm
     code, _, err = _run(capsys, "fold", tiny_dirs["gpt2"], "-o", tmp_path / "out", *extra)
     assert code == EXIT_USAGE and says in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_a_save_pretrained_fold_with_keep_is_re_made_with_its_keep(capsys, tiny_dirs, tmp_path):  # noqa: F811
+    """normfold.fold(..., keep=) then the model's save_pretrained: verify re-makes the fold with the
+    recorded keep and passes; the same folder with the keep dropped from its recipe fails."""
+    model = load_model(tiny_dirs["gpt2"])
+    folded, _ = normfold.fold(model, example_inputs_for(model), keep=["transformer.h.0.*"])
+    folded.save_pretrained(tmp_path / "d")
+    code, text, _ = _run(capsys, "verify", tiny_dirs["gpt2"], tmp_path / "d")
+    assert code == EXIT_OK and "passed" in text
+    sealing.reseal(tmp_path / "d", lambda report: report["recipe"].pop("keep"))
+    assert _run(capsys, "verify", tiny_dirs["gpt2"], tmp_path / "d")[0] == EXIT_VERIFY_FAILED
