@@ -66,7 +66,7 @@ def test_no_help_text_carries_rst_markup(capsys):
     parser = build_parser()
     texts = [parser.format_help()] + [sub.format_help() for sub in subcommand_parsers(parser).values()]
     for text in texts:
-        assert "``" not in text and not re.search(r":(func|class|mod):", text), text[:200]
+        assert "`" not in text and not re.search(r":(func|class|mod):", text), text[:200]
 
 
 def test_train_help_gives_the_readmes_examples_and_the_readme_the_help_ones():
