@@ -57,10 +57,10 @@ def test_analyze_prints_a_table_with_every_norm(capsys, tiny_dirs):  # noqa: F81
         assert name in out
 
 
-def test_analyze_and_fold_default_to_the_bundled_model(capsys, tmp_path):
+def test_analyze_defaults_to_the_bundled_model_and_fold_takes_it_with_bundled(capsys, tmp_path):
     code, out, _ = _run(capsys, "analyze", "--json")
     assert code == EXIT_OK and json.loads(out)["model"]["source"] == str(default_model_path().absolute())
-    code, out, _ = _run(capsys, "fold", "-o", tmp_path / "out", "--json")
+    code, out, _ = _run(capsys, "fold", "--bundled", "-o", tmp_path / "out", "--json")
     assert code == EXIT_OK and json.loads(out)["num_foldable"] == 9
 
 

@@ -178,5 +178,5 @@ def test_the_engine_fold_is_exact_only():
     """normfold.fold (the function) composes; the engine's fold takes only the exact fold's options."""
     engine_fold = sys.modules["normfold.fold"].fold
     assert set(inspect.signature(engine_fold).parameters) == {
-        "model", "example_inputs", "fold_affine", "precompute", "fold_batchnorm", "verify"}
+        "model", "example_inputs", "fold_affine", "precompute", "fold_batchnorm", "verify", "keep"}
     assert normfold.fold is not engine_fold and normfold.fold.__module__ == "normfold.convert"

@@ -17,12 +17,13 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
-def enabled() -> bool:
-    """Whether progress is shown: ``NORMFOLD_PROGRESS`` if set, else whether stderr is a terminal."""
+def enabled(*, unless_off: bool = False) -> bool:
+    """Whether progress is shown: ``NORMFOLD_PROGRESS`` if set, else whether stderr is a terminal
+    (``unless_off``: shown unless ``NORMFOLD_PROGRESS`` turns it off, terminal or not)."""
     setting = os.environ.get("NORMFOLD_PROGRESS", "").strip().lower()
     if setting in {"0", "false", "no", "off"}:
         return False
-    if setting in {"1", "true", "yes", "on"}:
+    if setting in {"1", "true", "yes", "on"} or unless_off:
         return True
     return bool(getattr(sys.stderr, "isatty", lambda: False)())
 
@@ -44,9 +45,10 @@ def progress(items: Iterable[T], *, desc: str, total: int | None = None, unit: s
 
 
 @contextlib.contextmanager
-def notice(message: str) -> Iterator[None]:
-    """One line on stderr for a single long wait: ``message ...`` then ``done in 12.3 s`` (when :func:`enabled`)."""
-    if not enabled():
+def notice(message: str, *, always: bool = False) -> Iterator[None]:
+    """One line on stderr for a single long wait: ``message ...`` then ``done in 12.3 s`` (when :func:`enabled`;
+    ``always``: a wait long enough to look like a hang, announced in logs and pipes too, unless turned off)."""
+    if not enabled(unless_off=always):
         yield
         return
     start = time.perf_counter()

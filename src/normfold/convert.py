@@ -91,6 +91,9 @@ def convert(model: nn.Module, example_inputs, *configs, fold: FoldConfig = _NOT_
     if late:
         raise ValueError(f"the exact fold runs first, once: one FoldConfig, before the other steps (or fold=), got "
                          f"another FoldConfig at step {late[0]}")
+    if steps[0].keep and any(isinstance(config, ApproximateConfig) for config in steps):
+        raise ValueError(f"keep={list(steps[0].keep)} does not go with the approximate fold, which would replace the "
+                         "kept norms: fold exactly with keep=, or approximately without it")
     steps[0] = _within_stock(model, steps[0])
     converted, sections = run_steps(model, example_inputs, steps)
     report = sections[FoldConfig]
@@ -117,7 +120,7 @@ def _within_stock(model: nn.Module, config: FoldConfig) -> FoldConfig:
 def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
          fold_batchnorm: bool = True, verify: bool = True, stock_compatible: bool | None = None, fuse: bool = False,
          approximate: bool = False, calibration=None, min_cosine: float = 0.999,
-         output_fn=None) -> tuple[nn.Module, FoldReport]:
+         output_fn=None, keep=()) -> tuple[nn.Module, FoldReport]:
     """Return ``(folded_copy, report)``: foldable LayerNorms become RMSNorms, outputs unchanged.
 
     With ``verify=True`` the plan is also applied to a float64 copy and compared with ``model`` in
@@ -136,6 +139,9 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     both give the same model. ``stock_compatible=False`` folds every γ/β it can (GPT-2's ln_f into a
     new ``lm_head.bias``): only ``normfold.from_pretrained`` rebuilds that, and saving warns.
 
+    ``keep``: fnmatch patterns of norm module paths (``["transformer.h.0.*"]``) left exactly as they are,
+    reported "kept by request"; a pattern matching no norm is a ValueError listing some norm paths.
+
     The keyword form of :func:`convert` (``FoldConfig`` / ``FuseConfig`` / ``ApproximateConfig``):
 
     ``fuse=True`` (opt-in, inference only) then runs each residual add that feeds a new RMSNorm, or
@@ -149,7 +155,7 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     longer exact: ``report.approximate`` holds the measured change, ``report.num_approximate`` the count.
     """
     fold_config = FoldConfig(fold_affine=fold_affine, precompute=precompute, fold_batchnorm=fold_batchnorm,
-                             verify=verify, stock_compatible=stock_compatible)
+                             verify=verify, stock_compatible=stock_compatible, keep=keep)
     _require_bool("fold", "fuse", fuse)
     _require_bool("fold", "approximate", approximate)
     fuse_config = FuseConfig(verify=verify) if fuse else None

@@ -68,3 +68,15 @@ def test_bench_refuses_to_overwrite_its_files_before_timing_unless_told(capsys, 
     monkeypatch.setattr(bench_cli, "bench_model", real)
     assert _run(capsys, "bench", tiny_dirs["gpt2"], *_QUICK, "--out", tmp_path / "notes.v2", "--overwrite")[0] == EXIT_OK
     assert (tmp_path / "notes.v2.md").read_text() != "my notes" and (tmp_path / "notes.v2.csv").is_file()
+
+
+def test_bench_says_how_long_it_takes_before_and_after_on_stderr(capsys, monkeypatch, tiny_dirs, tmp_path):  # noqa: F811
+    """--quick's help and the notice give its measured time (was: "a few seconds" for a 53 s run, then silence)."""
+    monkeypatch.delenv("NORMFOLD_PROGRESS", raising=False)
+    code, out, err = _run(capsys, "bench", tiny_dirs["gpt2"], *_QUICK, "--out", tmp_path / "out")
+    lines = err.splitlines()
+    assert code == EXIT_OK and "normfold:" not in out
+    assert lines[0] == "normfold: timing gpt2: --quick, about a minute on 2 CPU cores for a small model ..."
+    assert lines[1].startswith("normfold: timing gpt2: ") and " done in " in lines[1] and len(lines) == 2
+    assert main(["bench", "--help"]) == EXIT_OK
+    assert "a few seconds" not in capsys.readouterr().out

@@ -1,11 +1,15 @@
 """The ``normfold`` command.
 
     normfold analyze [MODEL_DIR]                      per-norm table (default: the bundled model)
-    normfold fold [MODEL_DIR] -o OUT_DIR [--json]     fold, verify in float64, write OUT_DIR
+    normfold fold MODEL_DIR -o OUT_DIR [--json]       fold, verify in float64, write OUT_DIR
+        [--keep PATTERN] [--call KIND]                 leave norms as they are; fold for several kinds of call
         [--approximate --calibration FILE [--min-cosine 0.999]]   also replace the other norms, within a cosine bar
     normfold verify ORIG_DIR FOLDED_DIR               re-make the folder from its original, compare, load, prove
         [--calibration FILE] [--min-cosine 0.999]     (approximate folders and PCA rotations: the file they were made from)
-    normfold rotate [MODEL_DIR] -o OUT_DIR            fold, rotate the residual stream, prove in float64, write OUT_DIR
+    normfold rotate MODEL_DIR -o OUT_DIR              fold, rotate the residual stream, prove in float64, write OUT_DIR
+
+MODEL_DIR (and ORIG_DIR, FOLDED_DIR) may be a Hugging Face model id (``--revision REV``); ``fold`` and
+``rotate`` take the bundled toy model only with ``--bundled`` (instead of MODEL_DIR).
     normfold demo                                     fold the bundled model into a temp folder
     normfold inspect | check | train | bench          the lab, training and benchmarks
 
@@ -59,10 +63,41 @@ def _version_line() -> str:
     return f"normfold {__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an option it does not know is its error, named under the subcommand
+    (``normfold fold: error: unrecognized arguments: --wrongflag``), before any other complaint
+    (a missing ``-o`` would otherwise hide the misspelled option that was meant to give it)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        unknown = self.unknown_options(getattr(self, "_given", []))
+        if unknown and not message.startswith("unrecognized arguments"):
+            message = f"unrecognized arguments: {' '.join(unknown)}"
+        super().error(message)
+
+    def unknown_options(self, given: list[str]) -> list[str]:
+        """The words of ``given`` that look like options this parser does not take (its unique
+        prefixes, ``--opt=value`` and ``-oVALUE`` forms are known; nothing after ``--`` is an option)."""
+        given = given[:given.index("--")] if "--" in given else given
+        known = self._option_string_actions
+        unknown = []
+        for word in given:
+            if not word.startswith("-") or word == "-" or self._negative_number_matcher.match(word):
+                continue
+            name = word.split("=", 1)[0] if word.startswith("--") else word[:2]
+            if not any(option.startswith(name) for option in known):
+                unknown.append(word)
+        return unknown
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="normfold", description="LayerNorm's behaviour at RMSNorm's cost.")
     parser.add_argument("--version", action="version", version=_version_line())
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", help="`normfold COMMAND --help` for its options")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser,
+                                       help="'normfold COMMAND --help' for its options")
     for module in COMMAND_MODULES:
         module.add_commands(subparsers)
     for sub in subparsers.choices.values():
@@ -82,7 +117,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # what the subcommand does not take: its own error, under its own name
+            command = subcommand_parsers(parser).get(args.command, parser)
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as exit_:  # argparse: --help (0) or a usage error (2, message already printed)
         return int(exit_.code or 0)
     if args.command is None:

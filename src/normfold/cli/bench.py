@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from .._progress import notice
 from ..bench.config import QUICK, BenchConfig
 from ..bench.driver import bench_model
 from ..bench.results import result_paths, write_results
@@ -29,7 +30,8 @@ def _run_bench(args) -> int:
     config = replace(config, compile=args.compile, rounds=args.rounds or config.rounds,
                      batches=tuple(args.batch) if args.batch else config.batches,
                      seqs=tuple(args.seq) if args.seq else config.seqs, profile=not args.no_profile)
-    rows = bench_model(load_model(source), config, name=source.name)
+    with notice(f"timing {source.name}: {_how_long(args)}", always=True):  # minutes of silence look like a hang
+        rows = bench_model(load_model(source), config, name=source.name)
     for r in rows:
         share = (f"  norm+add {r.norm_share['original']:.1%} -> {r.norm_share['fused']:.1%}"
                  if r.norm_share else "")
@@ -42,6 +44,18 @@ def _run_bench(args) -> int:
     if args.json:
         print(json.dumps([asdict(r) for r in rows], indent=2))
     return EXIT_OK
+
+
+# what a --quick run of the bundled model took on 2 loaded CPU cores (issue 30: 53 s), most of it the fold,
+# its float64 proof and the profiler pass rather than the timed rounds
+QUICK_TIME = "about a minute on 2 CPU cores"
+
+
+def _how_long(args) -> str:
+    """What to expect before the first line: --quick's measured time, or that a full grid takes longer."""
+    if args.quick:
+        return f"--quick, {QUICK_TIME} for a small model"
+    return f"the full grid takes many times longer than --quick ({QUICK_TIME})"
 
 
 def new_results_dir(parent: Path) -> Path:
@@ -61,7 +75,9 @@ def add_commands(subparsers) -> None:
     """Add ``bench`` to the ``normfold`` command's subparsers."""
     p = subparsers.add_parser("bench", help="time the original, folded and folded+fused model side by side")
     add_model_dir(p)
-    p.add_argument("--quick", action="store_true", help="a few seconds: batch 1, decode and seq 16, 5 rounds")
+    p.add_argument("--quick", action="store_true",
+                   help=f"a short run ({QUICK_TIME} for a small model, mostly folding, proving and profiling): "
+                        "batch 1, decode and seq 16, 5 rounds")
     p.add_argument("--compile", action="store_true", help="also time torch.compile'd contenders")
     p.add_argument("--batch", type=positive_int, nargs="+", help="batch sizes (default 1 8)")
     p.add_argument("--seq", type=positive_int, nargs="+", help="sequence lengths; 1 = a decode step (default 1 128 1024)")

@@ -25,8 +25,8 @@ def _json_report(report: dict) -> dict:
 
 def _run_analyze(args) -> int:
     with output.steps(not args.json) as step:
-        report = analyze_folder(model_dir(args), fold_affine=not args.no_fold_affine,
-                                trust_remote_code=args.trust_remote_code, step=step)
+        report = analyze_folder(model_dir(args), fold_affine=not args.no_fold_affine, keep=tuple(args.keep),
+                                calls=tuple(args.call), trust_remote_code=args.trust_remote_code, step=step)
     if args.json:
         print(json.dumps(_json_report(report), indent=2, default=str))
     else:
@@ -37,11 +37,18 @@ def _run_analyze(args) -> int:
 def _run_fold(args) -> int:
     source = model_dir(args)
     approximate = _approximate_options(args, source)
-    # sharded checkpoints are streamed: never loaded whole, checked block by block
-    fold_fn = fold_checkpoint if args.stream or is_sharded(source) else fold_folder
+    streamed = args.stream or is_sharded(source)  # sharded checkpoints: never loaded whole, checked block by block
+    if args.keep and (streamed or approximate):
+        raise UsageError("--keep applies to exact in-memory folds only: not with --approximate (which would replace "
+                         "the kept norms), --stream or sharded folders")
+    if args.call and streamed:
+        raise UsageError("--call applies to in-memory folds only: not with --stream or sharded folders")
+    fold_fn, chosen = ((fold_checkpoint, {}) if streamed
+                       else (fold_folder, {"keep": tuple(args.keep), "calls": tuple(args.call)}))
     with output.steps(not args.json) as step:
         report = fold_fn(source, args.output, fold_affine=not args.no_fold_affine, dtype=args.dtype,
-                         overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step, **approximate)
+                         overwrite=args.overwrite, trust_remote_code=args.trust_remote_code, step=step, **approximate,
+                         **chosen)
     if not report["verification"]["ok"]:
         if not args.json:
             output.print_verification(report["verification"])
@@ -77,20 +84,35 @@ def _approximate_options(args, source: Path) -> dict:
 def _run_demo(args) -> int:
     source = default_model_path()
     with tempfile.TemporaryDirectory(prefix="normfold-demo-") as tmp:
-        out = Path(tmp) / "folded"
+        out = Path(args.output) if args.output else Path(tmp) / "folded"
         output.console().print(f"folding the bundled model {source}\n")
         with output.steps() as step:
-            report = fold_folder(source, out, step=step)
+            report = fold_folder(source, out, overwrite=args.overwrite, step=step)
         output.print_norm_table(report)
         output.print_verification(report["verification"])
         files = ", ".join(sorted(p.name for p in out.iterdir()))
-        output.console().print(f"wrote {files}\n(into a temporary folder; `normfold fold -o DIR` keeps one)")
+        where = (f"into {report['out_dir']}" if args.output
+                 else "into a temporary folder, removed now; `normfold demo -o DIR` keeps them")
+        output.console().print(f"wrote {files}\n({where})")
     return EXIT_OK
 
 
 def _add_no_fold_affine(parser) -> None:
     parser.add_argument("--no-fold-affine", action="store_true",
                         help="keep γ/β on the RMSNorms instead of folding them into the next linear layers")
+
+
+def _add_keep(parser) -> None:
+    parser.add_argument("--keep", action="append", default=[], metavar="PATTERN",
+                        help="leave the norms whose module path matches PATTERN (fnmatch, e.g. 'transformer.h.0.*') "
+                             "as they are; repeatable")
+
+
+def _add_call(parser) -> None:
+    parser.add_argument("--call", action="append", default=[], metavar="KIND",
+                        help="a kind of example call to fold for: input_ids (the default), inputs_embeds (embeddings "
+                             "instead of ids), or the model's other main input (pixel_values, ...); repeat it to fold "
+                             "only what is exact for every kind")
 
 
 def _add_json(parser) -> None:
@@ -102,12 +124,14 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("analyze", help="per-norm table: which LayerNorms can become RMSNorms")
     add_model_dir(p)
     _add_no_fold_affine(p)
+    _add_keep(p)
+    _add_call(p)
     _add_json(p)
     add_trust_remote_code(p)
     p.set_defaults(run=_run_analyze)
 
     p = subparsers.add_parser("fold", help="fold, verify and write an equivalent RMSNorm model")
-    add_model_dir(p)
+    add_model_dir(p, required=True)
     p.add_argument("-o", "--output", metavar="OUT_DIR", required=True,
                    help="new folder to write (must not exist; not the input, inside it or above it)")
     _add_no_fold_affine(p)
@@ -127,10 +151,15 @@ def add_commands(subparsers) -> None:
     p.add_argument("--min-cosine", type=float, metavar="X",
                    help=f"lowest cosine similarity allowed between original and result outputs (default "
                         f"{DEFAULT_MIN_COSINE}); sentence encoders are compared on mean-pooled embeddings")
+    _add_keep(p)
+    _add_call(p)
     _add_json(p)
     add_trust_remote_code(p)
     p.set_defaults(run=_run_fold)
 
     p = subparsers.add_parser("demo", help="fold the bundled trained model and show the report")
+    p.add_argument("-o", "--output", metavar="OUT_DIR",
+                   help="keep the folded folder here (default: a temporary folder, removed at the end)")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it is empty or an earlier normfold output")
     p.set_defaults(run=_run_demo)
 

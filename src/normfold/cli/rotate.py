@@ -147,7 +147,7 @@ def add_commands(subparsers) -> None:
     """Add ``rotate`` to the ``normfold`` command's subparsers."""
     p = subparsers.add_parser("rotate", help="fold, rotate the residual stream (QuaRot-style), prove in float64 "
                                              "and write the result (load it with normfold.from_pretrained)")
-    add_model_dir(p)
+    add_model_dir(p, required=True)
     p.add_argument("-o", "--output", metavar="OUT_DIR", required=True,
                    help="new folder to write (must not exist; not the input, inside it or above it)")
     p.add_argument("--method", choices=["hadamard", "random", "pca"], default="hadamard",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ..hf.folder import fold_folder
 from ..hf.judge import partial_remake_exact, verify_folders
+from ..hf.load import resolve_model
 from ..hf.recipe import DEFAULT_MIN_COSINE, Recipe
 from ..hf.inputs import read_calibration_file
 from ..hf.rotate_folder import rotate_checkpoint, rotate_folder
@@ -26,8 +27,9 @@ def _run_verify(args) -> int:
     if args.calibration is not None and not Path(args.calibration).is_file():
         raise UsageError(f"--calibration: file not found: {args.calibration}")
     trust = args.trust_remote_code
+    orig_dir, folded_dir = resolve_model(args.orig_dir, args.revision), resolve_model(args.folded_dir)
     with output.steps(not args.json) as step:
-        ver = verify_folders(args.orig_dir, args.folded_dir, remake=_remake(trust), measure=_measure(trust),
+        ver = verify_folders(orig_dir, folded_dir, remake=_remake(trust), measure=_measure(trust),
                              stream_map_for=stream_map_for, calibration_file=args.calibration,
                              min_cosine=args.min_cosine, trust_remote_code=trust, step=step)
     if args.json:
@@ -46,7 +48,7 @@ def _remake(trust_remote_code: bool):
 
     def remake(orig_dir: Path, out: Path, recipe: Recipe, calibration_file: str | None, step) -> dict:
         if recipe.approximate_min_cosine is not None:
-            return fold_folder(orig_dir, out, fold_affine=recipe.fold_affine, dtype=recipe.dtype,
+            return fold_folder(orig_dir, out, fold_affine=recipe.fold_affine, dtype=recipe.dtype, calls=recipe.calls,
                                calibration_file=calibration_file,
                                approximate=approximate_config(recipe.approximate_min_cosine),
                                trust_remote_code=trust_remote_code, step=step)
@@ -99,8 +101,10 @@ def add_commands(subparsers) -> None:
     p = subparsers.add_parser("verify", help="check a folder normfold wrote against its original: re-made from the "
                                              "original and compared file by file, loaded and compared in float64 "
                                              "(approximate results: against --min-cosine)")
-    p.add_argument("orig_dir", metavar="ORIG_DIR", help="the original Hugging Face folder")
-    p.add_argument("folded_dir", metavar="FOLDED_DIR", help="the folder `normfold fold` (or rotate) wrote from it")
+    p.add_argument("orig_dir", metavar="ORIG_DIR", help="the original Hugging Face folder, or its hub model id")
+    p.add_argument("folded_dir", metavar="FOLDED_DIR",
+                   help="the folder 'normfold fold' (or rotate) wrote from it, or its hub model id")
+    p.add_argument("--revision", metavar="REV", help="with a hub model id as ORIG_DIR: its branch, tag or commit")
     p.add_argument("--calibration", metavar="FILE",
                    help="the calibration text the folder was made from (folders made with --approximate or "
                         "--method pca: they are re-made from it, and measured on it)")

@@ -28,7 +28,7 @@ register_step(FoldConfig, fold_step, section="fold", section_type=FoldReport,
 
 
 def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
-            fold_batchnorm: bool = True) -> FoldReport:
+            fold_batchnorm: bool = True, keep=()) -> FoldReport:
     """Report, for every norm of ``model``, whether it can become an RMSNorm and why (model untouched).
 
     ``example_inputs``: a tuple of positional arguments or a dict of keyword arguments
@@ -40,13 +40,15 @@ def analyze(model: nn.Module, example_inputs, *, fold_affine: bool = True, preco
     LayerNorm applied straight to an embedding lookup is baked into the table (the norm disappears).
     ``fold_batchnorm``: eval-mode BatchNorms right after a Linear/Conv are planned to merge into it
     first (``report.batchnorms`` says which and why not; ``report.plan.batchnorm`` holds the steps).
+    ``keep``: fnmatch patterns of norm module paths left as they are (reason "kept by request"); a
+    pattern that matches no norm is a ValueError listing some.
     """
     return plan_fold(model, example_inputs, FoldConfig(fold_affine=fold_affine, precompute=precompute,
-                                                       fold_batchnorm=fold_batchnorm))
+                                                       fold_batchnorm=fold_batchnorm, keep=keep))
 
 
 def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
-         fold_batchnorm: bool = True, verify: bool = True) -> tuple[nn.Module, FoldReport]:
+         fold_batchnorm: bool = True, verify: bool = True, keep=()) -> tuple[nn.Module, FoldReport]:
     """Return ``(folded_copy, report)``: foldable LayerNorms become RMSNorms, outputs unchanged.
 
     The engine's exact fold (``normfold.fold``, the function, adds fusion and the approximate fold
@@ -59,7 +61,8 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
     naming the tensor). ``report.verification`` holds the numbers. ``example_inputs`` as for :func:`analyze` (one call,
     or a list of calls: only what is exact for all of them folds).
     """
-    config = FoldConfig(fold_affine=fold_affine, precompute=precompute, fold_batchnorm=fold_batchnorm, verify=verify)
+    config = FoldConfig(fold_affine=fold_affine, precompute=precompute, fold_batchnorm=fold_batchnorm, verify=verify,
+                        keep=keep)
     return fold_within(model, example_inputs, config)
 
 

@@ -17,6 +17,7 @@ norms fold; splitting them would spread one decision over files (γ/β placement
 from __future__ import annotations
 
 import sys
+from fnmatch import fnmatchcase
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -26,7 +27,7 @@ from torch import fx, nn
 
 from ..nn.kinds import LAYER_NORM_TYPES, RMS_NORM_TYPES
 from .affine import affine_steps
-from .errors import FoldError
+from .errors import FoldError, KeepPatternError
 from .graph import Captured, describe, module_path, module_stack, shape, single_use_param, use_alias
 from .graph import op_packet as _packet  # the short name reads better in the walks below
 from .layer_scale import LayerScale, find_layer_scales
@@ -520,6 +521,9 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
     try:
         norms = _find_norms(model, captured)
         for norm in norms:
+            pattern = next((p for p in constraints.keep if fnmatchcase(norm.path, p)), None)
+            if pattern is not None:  # no module to replace: neither swapped nor its γ/β moved, nothing centered for it
+                norm.module, norm.reason = None, f"kept by request (keep pattern {pattern!r})"
             if norm.path in kept:
                 norm.forced_keep, norm.reason = True, kept[norm.path]
         precompute_untie = _find_precomputable(norms, captured) if constraints.precompute else []
@@ -632,6 +636,7 @@ def analyze_calls(model: nn.Module, captures: list[Captured], constraints: PlanC
     closedness) until all agree. Then every call's plan is the same, up to which tied names must be
     untied: those are merged.
     """
+    _check_keep_patterns(model, captures, constraints.keep)
     kept: dict[str, str] = {}
     affine_kept: dict[str, str] = {}
     while True:
@@ -648,6 +653,18 @@ def analyze_calls(model: nn.Module, captures: list[Captured], constraints: PlanC
         plan.layer_scale += [s for s in other_plan.layer_scale if s not in plan.layer_scale]
         untied += [u for u in other_untied if u not in untied]
     return entries, plan, untied
+
+
+def _check_keep_patterns(model: nn.Module, captures: list[Captured], patterns: tuple[str, ...]) -> None:
+    """KeepPatternError for a pattern that matches no norm the calls run (a typo would keep nothing)."""
+    if not patterns:
+        return
+    paths = list(dict.fromkeys(norm.path for c in captures for norm in _find_norms(model, c)))
+    for pattern in patterns:
+        if not any(fnmatchcase(path, pattern) for path in paths):
+            shown = ", ".join(paths[:5]) + (f", ... ({len(paths)} in all)" if len(paths) > 5 else "")
+            raise KeepPatternError(f"keep pattern {pattern!r} matches no norm of {type(model).__name__}; its norms: "
+                                   f"{shown or 'none'} (fnmatch on module paths, e.g. 'encoder.layer.*.output.LayerNorm')")
 
 
 def _restrict_to_agreement(results, kept: dict[str, str], affine_kept: dict[str, str]) -> bool:

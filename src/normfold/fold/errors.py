@@ -12,6 +12,11 @@ class FoldVerificationError(FoldError):
     """The folded model's outputs differ from the original's beyond the float64 bound."""
 
 
+class KeepPatternError(FoldError, ValueError):
+    """A ``keep`` pattern that matches no norm of the model (a typo would otherwise keep nothing, silently).
+    A ValueError (the caller's argument), and a FoldError subclass so the pipeline passes it on as it is."""
+
+
 def model_name(model) -> str:
     """How errors name a model: its class, and its Hugging Face model type when it has one."""
     model_type = getattr(getattr(model, "config", None), "model_type", None)

@@ -262,6 +262,8 @@ class FoldConfig:
     parameter names: no step may create a parameter outside them. ``keep_modules_in``: when set,
     the loader needs every module's keys, stored in that dtype: a merged BatchNorm stays as an exact
     identity there, or is kept when it cannot be exact (see :meth:`for_stock_checkpoint`).
+    ``keep``: fnmatch patterns of norm module paths (``"transformer.h.0.*"``) the plan leaves as
+    they are: neither swapped nor their γ/β moved, nor their producers centered for them.
     """
 
     fold_affine: bool = True
@@ -271,8 +273,10 @@ class FoldConfig:
     stock_compatible: bool | None = None
     loadable_keys: frozenset[str] | None = None
     keep_modules_in: torch.dtype | None = None
+    keep: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "keep", keep_patterns(self.keep, "keep"))
         for name in _FLAGS:
             _require_bool(name, getattr(self, name))
         if self.stock_compatible is not None:
@@ -309,3 +313,17 @@ def _require_bool(name: str, value) -> None:
 
 # The name the planning modules use for the options they plan within: the same class, not a second definition.
 PlanConstraints = FoldConfig
+
+
+def keep_patterns(patterns, name: str) -> tuple[str, ...]:
+    """``patterns`` as a tuple of non-empty strings (fnmatch patterns of norm paths); TypeError or
+    ValueError naming ``name`` otherwise (a bare string too: iterating it would give letters; a set has no order)."""
+    if not isinstance(patterns, (list, tuple)):
+        raise TypeError(f"{name} must be a list of module path patterns (str), got {type(patterns).__name__} "
+                        f"{patterns!r:.60}" + (f": write [{patterns!r}]" if isinstance(patterns, str) else ""))
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise TypeError(f"{name} must hold module path patterns (str), got {type(pattern).__name__} {pattern!r:.60}")
+        if not pattern:
+            raise ValueError(f"{name} must hold non-empty module path patterns, got ''")
+    return tuple(patterns)

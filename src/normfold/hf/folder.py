@@ -19,7 +19,8 @@ from ..fold import FoldVerificationError, fold_within, run_steps, verify
 from ..fold.pipeline import plan_fold, rms_norm_paths
 from ..fold.plan import FoldConfig
 from .card import render_markdown, write_model_card
-from .inputs import calibration_batches, example_inputs_for, is_sentence_encoder, load_tokenizer, read_calibration_file
+from .inputs import (calibration_batches, example_calls_for, example_inputs_for, is_sentence_encoder, load_tokenizer,
+                     read_calibration_file)
 from .load import CheckpointError, check_model_dir, load_model
 from .output_dir import atomic_output_dir
 from .picture import draw_zero_mean_graph
@@ -58,14 +59,15 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
 
 
 def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, trust_remote_code: bool = False,
-                   step: Step = _noop) -> dict[str, Any]:
+                   keep=(), calls=(), step: Step = _noop) -> dict[str, Any]:
     """The fold engine's per-norm analysis of a Hugging Face folder, planned as ``fold_folder`` plans it
-    with the same ``fold_affine``: the two reports agree on every norm."""
+    with the same ``fold_affine``, ``keep`` and ``calls``: the two reports agree on every norm."""
     step("loading")
     model = load_model(model_dir, trust_remote_code=trust_remote_code)
     step("analysing")  # planned as `normfold fold` plans it (stock-loadable), so the two reports agree
-    constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)), FoldConfig(fold_affine=fold_affine))
-    report = plan_fold(model, example_inputs_for(model), constraints).to_dict()
+    constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)), FoldConfig(fold_affine=fold_affine,
+                                                                                          keep=keep))
+    report = plan_fold(model, example_calls_for(model, calls), constraints).to_dict()
     report["model"] = describe_model(model, model_dir)
     return report
 
@@ -73,7 +75,7 @@ def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, tr
 def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
                 dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
                 calibration_file: str | os.PathLike | None = None, approximate: ApproximateStep | None = None,
-                step: Step = _noop) -> dict[str, Any]:
+                keep=(), calls=(), step: Step = _noop) -> dict[str, Any]:
     """Fold a folder, verify in float64, and write OUT_DIR only if the verification passes.
 
     The model is folded in float32 (upcast from a half-precision checkpoint) and saved in
@@ -91,7 +93,10 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
     only the file's SHA-256, sentence count and path (``normfold verify --calibration FILE`` needs the file).
 
     The report records the ``recipe`` (:class:`normfold.hf.recipe.Recipe`) that ``normfold verify``
-    re-makes the folder from, and is sealed (:func:`normfold.hf.report.seal`).
+    re-makes the folder from, and is sealed (:func:`normfold.hf.report.seal`). ``keep``: fnmatch
+    patterns of norm module paths left as they are (not with ``approximate``, which would replace them).
+    ``calls``: the kinds of example call to fold for (:func:`normfold.hf.inputs.example_calls_for`; default
+    the model's main input): only what is exact for every one folds.
     """
     model_dir = check_model_dir(model_dir)
     if dtype is not None and dtype not in DTYPES:
@@ -99,6 +104,8 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
     if (calibration_file is None) != (approximate is None):
         raise ValueError(f"an approximate fold needs both calibration_file and approximate, got "
                          f"calibration_file={calibration_file!r} and approximate={approximate!r}")
+    if keep and approximate is not None:
+        raise ValueError(f"keep={list(keep)} does not go with an approximate fold, which would replace the kept norms")
     sentences = tokenizer = None
     if calibration_file is not None:  # every user error before the model is loaded
         sentences = read_calibration_file(calibration_file)
@@ -108,8 +115,8 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         step("loading")
         model = load_model(model_dir, trust_remote_code=trust_remote_code)
         step("folding and verifying in float64")
-        inputs = example_inputs_for(model)
-        folded, report = fold_for_stock(model, inputs, fold_affine=fold_affine, stored_dtype=save_dtype)
+        inputs = example_calls_for(model, calls)
+        folded, report = fold_for_stock(model, inputs, fold_affine=fold_affine, stored_dtype=save_dtype, keep=keep)
         require_norms(report, type(model).__name__)
         approx = None
         if sentences is not None:
@@ -136,7 +143,7 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         calibration = None if approx is None else CalibrationRecord.of_file(calibration_file, len(sentences))
         out["recipe"] = Recipe(command="fold", streaming=False, fold_affine=fold_affine, dtype=dtype,
                                approximate_min_cosine=None if approx is None else approx.min_cosine,
-                               calibration=calibration).to_dict()
+                               calibration=calibration, keep=tuple(keep), calls=tuple(calls)).to_dict()
         out = write_report_files(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
@@ -168,13 +175,14 @@ def _compared(model) -> str:
     return "mean-pooled sentence embeddings" if is_sentence_encoder(model) else "token outputs"
 
 
-def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dtype: torch.dtype = torch.float32):
+def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dtype: torch.dtype = torch.float32,
+                   keep=()):
     """``normfold.fold`` within what stock transformers can load, saved in ``stored_dtype``
     (``normfold.hf.saving.stock_constraints``): the same step (``normfold.fold.fold_within``), proved in
     float64; raises ``FoldVerificationError`` (nothing is saved) on failure.
     """
     return fold_within(model, example_inputs,
-                       stock_constraints(model, stored_dtype, FoldConfig(fold_affine=fold_affine)))
+                       stock_constraints(model, stored_dtype, FoldConfig(fold_affine=fold_affine, keep=keep)))
 
 
 def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code: bool = False,
@@ -188,7 +196,7 @@ def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code
     model = load_model(orig_dir, trust_remote_code=trust_remote_code)
     step("folding")
     dtype = DTYPES[recipe.dtype]
-    options = FoldConfig(fold_affine=recipe.fold_affine)
+    options = FoldConfig(fold_affine=recipe.fold_affine, keep=recipe.keep)
     folded, report = fold_within(model, example_inputs_for(model),
                                  stock_constraints(model, dtype, options) if recipe.stock_plan else options)
     step("saving")

@@ -63,6 +63,36 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     return inputs
 
 
+# the kinds of example call a command line can ask for: the main input the call passes (the default
+# call's own, or ``inputs_embeds``: the embeddings of its token ids, passed instead of the ids)
+_MAIN_INPUTS = ("input_ids", "pixel_values", "input_values", "input_features")
+EMBEDS = "inputs_embeds"
+
+
+def example_calls_for(model: nn.Module, kinds=()) -> list[dict[str, Any]]:
+    """One example call per kind (``normfold fold --call KIND``), each built from :func:`example_inputs_for`:
+    ``input_ids`` (or the model's other main input: ``pixel_values``, ...) is that call itself;
+    ``inputs_embeds`` passes the embeddings of its token ids instead of the ids (the model's own input
+    embedding layer on them, so they have the width the model reads). No kinds: the default call alone.
+    A fold planned on several calls keeps what is exact for all of them. CheckpointError for a kind
+    the model does not take, naming the ones it does."""
+    base = example_inputs_for(model)
+    available = [name for name in _MAIN_INPUTS if name in base]
+    if "input_ids" in base and EMBEDS in inspect.signature(type(model).forward).parameters:
+        available.append(EMBEDS)
+    calls = []
+    for kind in kinds or available[:1]:
+        if kind not in available:
+            raise CheckpointError(f"example call {kind!r}: {type(model).__name__} takes {', '.join(available)}")
+        if kind != EMBEDS:
+            calls.append(base)
+            continue
+        with torch.no_grad():
+            embeds = model.get_input_embeddings()(base["input_ids"])  # (B, T, width)
+        calls.append({EMBEDS: embeds, **{k: v for k, v in base.items() if k != "input_ids"}})
+    return calls
+
+
 CHARACTER_VOCAB = 128  # models that read characters (Canine: Unicode code points) have no vocab_size: ASCII ids
 
 

@@ -400,6 +400,8 @@ def remake_exact(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code
         raise ValueError(f"a {describe(recipe)} is re-made by `normfold verify`, which composes its steps")
     if recipe.command == "save_pretrained":
         return remake_saved(orig_dir, out, recipe, trust_remote_code=trust_remote_code, step=step)
-    fold = fold_checkpoint if recipe.streaming else fold_folder
-    return fold(orig_dir, out, fold_affine=recipe.fold_affine, dtype=recipe.dtype,
-                trust_remote_code=trust_remote_code, step=step)
+    if recipe.streaming:
+        return fold_checkpoint(orig_dir, out, fold_affine=recipe.fold_affine, dtype=recipe.dtype,
+                               trust_remote_code=trust_remote_code, step=step)
+    return fold_folder(orig_dir, out, fold_affine=recipe.fold_affine, dtype=recipe.dtype, keep=recipe.keep,
+                       calls=recipe.calls, trust_remote_code=trust_remote_code, step=step)

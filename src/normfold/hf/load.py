@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,38 @@ from .weight_files import weight_source
 def default_model_path() -> Path:
     """The bundled trained byte-level GPT-2 (see its README.md)."""
     return Path(str(resources.files("normfold") / "data" / "default_model"))
+
+
+# what a Hugging Face model id looks like: "name" or "org/name" (letters, digits, "-", "_", "."), never a path
+_MODEL_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+# files of other frameworks a hub repo often holds beside the PyTorch weights (GPT-2's: several GB): not fetched
+_OTHER_FRAMEWORKS = ("*.h5", "*.msgpack", "*.onnx", "*.onnx_data", "*.ot", "*.tflite", "*.mlmodel", "onnx/*",
+                     "coreml/*", "flax_model*", "tf_model*", "rust_model*")
+
+
+def resolve_model(name: str | os.PathLike, revision: str | None = None) -> Path:
+    """A model folder, or a Hugging Face model id (``org/name``) resolved to its snapshot in the hub cache
+    by ``huggingface_hub.snapshot_download``: downloaded at ``revision`` (default ``main``) unless cached,
+    the cache and ``HF_HUB_OFFLINE`` honoured as transformers honours them. An existing folder wins over
+    an id of the same spelling; a name that cannot be an id is returned as a path (checked where it
+    is read: :func:`check_model_dir`). CheckpointError in one line naming the id when it cannot be
+    fetched, or for a ``revision`` given with a folder (a folder has no revisions)."""
+    path = Path(name)
+    if path.exists() or not _MODEL_ID.fullmatch(str(name)):
+        if revision is not None:
+            raise CheckpointError(f"a revision ({revision!r}) applies to a hub model id, not to the folder {path}")
+        return path
+    hub = require("huggingface_hub")
+    offline = hub.is_offline_mode()
+    try:
+        folder = hub.snapshot_download(str(name), revision=revision, ignore_patterns=list(_OTHER_FRAMEWORKS))
+    except (OSError, ValueError) as err:  # not cached offline, no such repo or revision, no network, a bad id
+        where = "in the hub cache (offline)" if offline else "on the hub or in its cache"
+        at = "" if revision is None else f" at revision {revision!r}"
+        raise CheckpointError(f"model {str(name)!r}{at} is neither a folder nor {where}: {_first_line(err)}") from err
+    return check_model_dir(folder)
 
 
 def check_model_dir(model_dir: str | os.PathLike) -> Path:

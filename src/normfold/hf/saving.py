@@ -33,7 +33,7 @@ from ..nn import RMSNorm
 from ..nn.resize import replace_parameter
 from .._deps import require
 from .card import write_model_card
-from .load import CheckpointError, _first_line, check_model_dir, load_model_and_info
+from .load import CheckpointError, _first_line, check_model_dir, load_model_and_info, resolve_model
 from .normfold_only import mark_normfold_only
 from .output_dir import REPORT_JSON, _replaceable, atomic_output_dir
 from .recipe import Recipe, is_finite_number
@@ -260,7 +260,7 @@ def _saved_recipe(report: FoldReport | None, record: Mapping[str, Any], *, side_
     fold_affine = any(n.affine_folded for n in report.norms) if planned is None else planned.fold_affine
     stock_plan = bool(record["stock_compatible"]) if planned is None else planned.loadable_keys is not None
     return Recipe(command="save_pretrained", streaming=False, fold_affine=fold_affine, dtype=record["saved_dtype"],
-                  stock_plan=stock_plan, side_files=side_files).to_dict()
+                  stock_plan=stock_plan, side_files=side_files, keep=() if planned is None else planned.keep).to_dict()
 
 
 def _storage_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -380,7 +380,7 @@ class FoldedModelSaver:
 # ---------------------------------------------------------------------------------------- reloading
 
 def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
-                    trust_remote_code: bool = False) -> nn.Module:
+                    trust_remote_code: bool = False, revision: str | None = None) -> nn.Module:
     """Load a folder written by ``normfold fold`` or :func:`save_pretrained`, rebuilt as it was folded.
 
     ``normfold_report.json`` says what stock transformers would build differently
@@ -393,9 +393,10 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     seal is broken (:func:`normfold.hf.report.seal_problems`: weights saved over the folder, e.g. a stock
     fine-tune, or an edited report), when an entry is malformed, when the weights lack a tensor the
     rebuilt model needs, or hold one of another shape than it (stock transformers would initialise
-    such tensors at random and only log it).
+    such tensors at random and only log it). ``path`` may be a Hugging Face model id, at ``revision``
+    (:func:`normfold.hf.load.resolve_model`: the hub cache and ``HF_HUB_OFFLINE`` honoured).
     """
-    path = check_model_dir(path)
+    path = check_model_dir(resolve_model(path, revision))
     report = _read_report(path)
     broken = seal_problems(report, path)
     if broken:

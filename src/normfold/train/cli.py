@@ -17,13 +17,17 @@ from .model import NORMS, PLACEMENTS, GPTConfig
 from .parallel import PARALLEL
 from .trainer import train
 
-_EPILOG = """\
-examples:
-  python -m normfold.train --norm=rmsnorm --placement=pre --max-steps=200 --out-dir=runs/rms
-  python -m normfold.train --config=my.toml --norm=cbwc_rmsnorm
-  torchrun --nproc_per_node=2 -m normfold.train --config=my.toml --parallel=fsdp2
-  python -m normfold.train --checkpoint-interval=50 --out-dir=runs/a   # interrupted? then:
-  python -m normfold.train --resume=runs/a"""
+# --help's text, plain (the module docstring is for the API reference); the examples are the README's
+_DESCRIPTION = """\
+Train the experiment GPT from a config. Every config key is an option (--norm=rmsnorm or
+--norm rmsnorm); model and training keys share one namespace. Precedence: defaults < --config
+file < options. 'python -m normfold.train' takes the same options."""
+EXAMPLES = (
+    "torchrun --nproc-per-node 2 --no-python normfold train --parallel=fsdp2 --norm=cbwc_rmsnorm --out-dir=runs/a",
+    "normfold train --checkpoint-interval=50 --out-dir=runs/b  # or --parallel=ddp; --tensorboard",
+    "normfold train --resume=runs/b  # after an interruption",
+)
+_EPILOG = "examples:\n" + "\n".join(f"  {line}" for line in EXAMPLES)
 
 
 def _config_keys() -> list[tuple[str, object]]:
@@ -70,6 +74,7 @@ def _resolve(args: argparse.Namespace) -> TrainConfig:
     overrides = [f"--{name}={getattr(args, name)}" for name, _ in _config_keys() if hasattr(args, name)]
     config_file = args.config
     if getattr(args, "resume", ""):
+        _check_run_folder(Path(args.resume))
         if config_file is None:  # the resumed run's own config, options on top
             config_file = Path(args.resume) / "config.json"
         if not hasattr(args, "out_dir"):  # never the out_dir its config.json recorded: the run may have moved
@@ -77,7 +82,26 @@ def _resolve(args: argparse.Namespace) -> TrainConfig:
     try:
         return resolve_config(config_file, overrides)
     except (ValueError, TypeError, OSError) as err:
-        raise TrainConfigError(str(err)) from err
+        raise TrainConfigError(_as_option(str(err))) from err
+
+
+def _check_run_folder(run: Path) -> None:
+    """TrainConfigError unless ``--resume`` names a run folder: one that exists and holds its config."""
+    if not run.is_dir():
+        raise TrainConfigError(f"--resume={run}: the run folder does not exist" if not run.exists()
+                               else f"--resume={run}: expected a run folder, got a file")
+    if not (run / "config.json").is_file():
+        raise TrainConfigError(f"--resume={run}: not a training run folder (it holds no config.json; "
+                               "give the --out-dir of an earlier run)")
+
+
+def _as_option(message: str) -> str:
+    """A config check's message as the command line spells it: its leading key as the option
+    (``checkpoint_interval must be >= 0`` -> ``--checkpoint-interval must be >= 0``)."""
+    key = message.split(" ", 1)[0]
+    if key in {name for name, _ in _config_keys()}:
+        return f"--{key.replace('_', '-')}{message[len(key):]}"
+    return message
 
 
 def run(args: argparse.Namespace) -> int:
@@ -105,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
 def add_commands(subparsers) -> None:
     """Add ``train`` to the ``normfold`` command (``normfold.cli``'s ``COMMAND_MODULES`` protocol)."""
     parser = subparsers.add_parser("train", help="train the experiment GPT (norm variants, placements, CBWC)",
-                                   description=__doc__, epilog=_EPILOG,
+                                   description=_DESCRIPTION, epilog=_EPILOG,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)
     parser.set_defaults(run=run, on_interrupt=_on_interrupt)
@@ -120,7 +144,7 @@ def _on_interrupt(args) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m normfold.train", description=__doc__, epilog=_EPILOG,
+    parser = argparse.ArgumentParser(prog="python -m normfold.train", description=_DESCRIPTION, epilog=_EPILOG,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(parser)
     dash_options(parser)  # --max-steps, as `normfold train` spells it; --max_steps still parses

@@ -84,7 +84,7 @@ def _parse_value(text: str, current: Any, key: str) -> Any:
             return True
         if text.lower() in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"--{key} expects {_expected(current)}, got {text!r}")
+        raise ValueError(f"--{key.replace('_', '-')} expects {_expected(current)}, got {text!r}")
     if isinstance(current, list):
         return [p for p in text.split(",") if p]
     try:
@@ -93,7 +93,7 @@ def _parse_value(text: str, current: Any, key: str) -> Any:
         if isinstance(current, float):
             return float(text)
     except ValueError:
-        raise ValueError(f"--{key} expects {_expected(current)}, got {text!r}") from None
+        raise ValueError(f"--{key.replace('_', '-')} expects {_expected(current)}, got {text!r}") from None
     return text
 
 

@@ -224,10 +224,10 @@ def check_out_dir(out_dir: str | os.PathLike, *, overwrite: bool = False) -> Pat
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise CheckpointError(f"--out_dir must be a folder, got a file: {out}")
+        raise CheckpointError(f"--out-dir must be a folder, got a file: {out}")
     if overwrite or not out.exists() or not any(out.iterdir()) or _is_training_run(out):
         return out
-    raise CheckpointError(f"--out_dir {out} is not empty and holds no training run of normfold (no {RUN_MARKER}, "
+    raise CheckpointError(f"--out-dir {out} is not empty and holds no training run of normfold (no {RUN_MARKER}, "
                           "which every run writes first); pass --overwrite to write into it anyway")
 
 

@@ -126,7 +126,9 @@ def _build_and_import(verbose: bool) -> ModuleType:
                 lock.unlink()
         except FileNotFoundError:
             pass
-        with notice(f"building the C++ CPU kernel (once; cached in {directory.parent})"):  # about a minute
+        # announced even in a log or a pipe: a silent first run of one to two minutes looks like a hang
+        with notice(f"building the C++ CPU kernel once, in {directory} (1-2 minutes; later runs load it)",
+                    always=True):
             module = cpp_extension.load(name=directory.name, sources=[str(path) for path in _SOURCES],
                                         extra_cflags=_cflags(), extra_ldflags=["-fopenmp"],
                                         build_directory=str(directory), verbose=verbose)
