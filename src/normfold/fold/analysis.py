@@ -31,6 +31,7 @@ from .graph import Captured, describe, module_path, module_stack, shape, single_
 from .graph import op_packet as _packet  # the short name reads better in the walks below
 from .layer_scale import LayerScale, find_layer_scales
 from .norm_forms import NormForm, traced_form
+from .op_kinds import passes_values_on
 from .plan import AffineFoldStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
 from .rules import (MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, cancelling_sum, classify, live_nodes,
@@ -214,9 +215,6 @@ def _functional_owner(model: nn.Module, call: NormCall) -> tuple[str | None, nn.
     return path, module
 
 
-_LOOKUP_PASS_THROUGH = {_aten.dropout, _aten.clone, _aten.contiguous, _aten.alias, _aten.detach}
-
-
 def _find_precomputable(norms: list[_Norm], captured: Captured) -> list[UntieStep]:
     """Mark LayerNorms applied straight to an embedding lookup for precomputing into the table.
 
@@ -230,9 +228,7 @@ def _find_precomputable(norms: list[_Norm], captured: Captured) -> list[UntieSte
         if call.output is not call.node or call.num_dims != 1:  # aten.layer_norm only
             continue
         lookup = call.x
-        while _packet(lookup) in _LOOKUP_PASS_THROUGH and len(lookup.users) == 1:
-            if _packet(lookup) == _aten.dropout and lookup.args[2:3] == (True,):
-                break
+        while passes_values_on(lookup) and len(lookup.users) == 1:  # copies, eval dropout: not casts
             lookup = lookup.args[0]
         if _packet(lookup) != _aten.embedding or len(lookup.users) != 1:
             continue

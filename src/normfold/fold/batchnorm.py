@@ -25,14 +25,11 @@ from dataclasses import dataclass
 
 from torch import fx, nn
 
-from .graph import Captured, op_name
+from .graph import Captured, op_name, op_packet
 from .math import identity_batchnorm_variance
+from .op_kinds import BATCH_NORM_OPS, LINEAR_PRODUCER_OPS, passes_values_on
 from .plan import BatchNormFoldStep, PlanConstraints
 
-_PASSTHROUGH = {"aten.dropout", "aten.clone", "aten.alias", "aten._to_copy", "aten.contiguous", "aten.feature_dropout"}
-_PRODUCER_OPS = {"aten.linear", "aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.convolution"}
-_BATCH_NORM_OPS = {"aten.batch_norm", "aten._native_batch_norm_legit_no_training", "aten._native_batch_norm_legit",
-                   "aten.native_batch_norm", "aten._batch_norm_with_update", "aten._batch_norm_no_update"}
 _PRODUCER_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
@@ -74,7 +71,7 @@ def plan_batchnorms(model: nn.Module, captures: list[Captured], constraints: Pla
 def _plan_one_call(model: nn.Module, captured: Captured, constraints: PlanConstraints):
     steps, entries, seen = [], [], set()
     for node in captured.graph.nodes:
-        if _op(node) not in _BATCH_NORM_OPS:
+        if op_packet(node) not in BATCH_NORM_OPS:
             continue
         path = _bn_path(captured, node)
         if path is None or path in seen:
@@ -95,10 +92,10 @@ def _producer(captured: Captured, node: fx.Node) -> tuple[fx.Node, str | None, b
     """(the node the BatchNorm reads through pass-through ops, the module owning it if it is a
     Linear/Conv op, whether the BatchNorm is the only reader of that output)."""
     x, private = node.args[0], True
-    while _op(x) in _PASSTHROUGH:
+    while passes_values_on(x, casts=True):
         private &= len(x.users) == 1
         x = x.args[0]
-    producer = _owner(captured, x.args[1]) if _op(x) in _PRODUCER_OPS and len(x.args) > 1 else None
+    producer = _owner(captured, x.args[1]) if op_packet(x) in LINEAR_PRODUCER_OPS and len(x.args) > 1 else None
     return x, producer, private and len(x.users) == 1
 
 

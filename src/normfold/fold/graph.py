@@ -186,9 +186,19 @@ def describe(node: fx.Node) -> str:
     return f"{op_name(node)} at {path}" if path else op_name(node)
 
 
-def op_packet(node: fx.Node):
-    """The aten overload packet a ``call_function`` node runs (``aten.add``), None for other nodes."""
-    return getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
+def op_packet(node) -> object | None:
+    """The aten overload packet a ``call_function`` node runs (``aten.add``), None for other nodes and
+    for values that are not nodes (literals in an op's arguments)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    return getattr(node.target, "overloadpacket", None)
+
+
+def node_arg(node: fx.Node, index: int, name: str, default=None):
+    """An op's argument given positionally at ``index`` or by keyword ``name`` (``default`` when absent)."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
 
 
 def use_alias(captured: Captured, param: fx.Node, user: fx.Node) -> str:

@@ -32,12 +32,11 @@ from dataclasses import asdict, dataclass
 from torch import fx, nn
 
 from ..fold.errors import FoldError
-from ..fold.graph import capture, module_path, op_name
+from ..fold.graph import capture, module_path, op_name, op_packet
+from ..fold.op_kinds import LINEAR_PRODUCER_OPS, through_value_copies
 from ..nn.kinds import norm_modules
 
 _BATCH_SIZE_KEYS = ("per_device_train_batch_size", "train_batch_size", "micro_batch_size", "batch_size")
-_PASSTHROUGH = {"aten.dropout", "aten.clone", "aten.alias", "aten._to_copy", "aten.contiguous", "aten.feature_dropout"}
-_PRODUCER_OPS = {"aten.linear", "aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.convolution"}
 _FULLY_CENTERING = ("BatchNorm", "InstanceNorm")  # subtract a per-channel mean: any per-channel bias vanishes
 
 
@@ -57,13 +56,6 @@ def _packet(node: fx.Node) -> str:
     return op_name(node) if node.op == "call_function" else ""
 
 
-def _through(node):
-    """Skip ops that pass a tensor on unchanged in value (eval-mode dropout, copies)."""
-    while isinstance(node, fx.Node) and _packet(node) in _PASSTHROUGH and node.args:
-        node = node.args[0]
-    return node
-
-
 def _norm_node_kind(node: fx.Node) -> str | None:
     name = _packet(node)
     if name == "aten.layer_norm":
@@ -81,7 +73,7 @@ def _norm_node_kind(node: fx.Node) -> str | None:
 
 def _norm_output_source(node) -> fx.Node | None:
     """The norm node whose output ``node`` is (directly or as item 0 of a multi-output norm)."""
-    node = _through(node)
+    node = through_value_copies(node, casts=True)
     if not isinstance(node, fx.Node):
         return None
     if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0:
@@ -109,8 +101,8 @@ def _structural(model: nn.Module, example_inputs) -> tuple[list[tuple[str, str, 
         kind = _norm_node_kind(node)
         if kind is None:
             continue
-        x = _through(node.args[0])
-        if isinstance(x, fx.Node) and _packet(x) in _PRODUCER_OPS and len(x.args) > 2 and x.args[2] is not None:
+        x = through_value_copies(node.args[0], casts=True)  # copies, casts, eval dropout
+        if isinstance(x, fx.Node) and op_packet(x) in LINEAR_PRODUCER_OPS and len(x.args) > 2 and x.args[2] is not None:
             producer = _param_owner(captured, x.args[1]) or x.name
             biased.append((_norm_path(captured, node), kind, producer))
         if isinstance(x, fx.Node) and _packet(x) == "aten.add" and kind in ("LayerNorm", "RMSNorm"):
