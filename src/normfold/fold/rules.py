@@ -33,7 +33,7 @@ from torch import fx
 
 from .graph import Captured, op_name, per_graph, shape
 from .graph import node_arg as _arg  # the short name reads better in the many rules below
-from .op_kinds import (CAST_OP_NAMES, COPY_OP_NAMES, DROPOUT_OP_NAMES, aten_packets, is_training_dropout,
+from .op_kinds import (CAST_OP_NAMES, COPY_OP_NAMES, DROPOUT_OP_NAMES, aten_packets, is_training_dropout, norm_node_kind,
                        through_value_copies)
 
 _aten = torch.ops.aten
@@ -86,10 +86,11 @@ class NormCall:
 
 
 def norm_call(node: fx.Node) -> NormCall | None:
-    """Recognize a norm over trailing dims; fused-residual and offset variants are not norms here."""
-    if node.op != "call_function":
+    """Recognize a norm over trailing dims (a LayerNorm or RMSNorm by ``op_kinds.norm_node_kind``);
+    fused-residual and offset variants are not norms here."""
+    if norm_node_kind(node) not in ("LayerNorm", "RMSNorm"):
         return None
-    packet = getattr(node.target, "overloadpacket", None)
+    packet = node.target.overloadpacket
     if packet == _aten.layer_norm:
         return NormCall(node, node.args[0], _arg(node, 2, "weight"), _arg(node, 3, "bias"), _arg(node, 4, "eps", 1e-5),
                         False, node, len(node.args[1]))

@@ -33,7 +33,7 @@ from torch import fx, nn
 
 from ..fold.errors import FoldError
 from ..fold.graph import capture, module_path, op_name, op_packet
-from ..fold.op_kinds import LINEAR_PRODUCER_OPS, through_value_copies
+from ..fold.op_kinds import LINEAR_PRODUCER_OPS, norm_node_kind, through_value_copies
 from ..nn.kinds import norm_modules
 
 _BATCH_SIZE_KEYS = ("per_device_train_batch_size", "train_batch_size", "micro_batch_size", "batch_size")
@@ -56,21 +56,6 @@ def _packet(node: fx.Node) -> str:
     return op_name(node) if node.op == "call_function" else ""
 
 
-def _norm_node_kind(node: fx.Node) -> str | None:
-    name = _packet(node)
-    if name == "aten.layer_norm":
-        return "LayerNorm"
-    if name == "aten.rms_norm" or name == "normfold.norm_fwd":
-        return "RMSNorm" if name == "aten.rms_norm" or bool(node.args[6]) else "LayerNorm"
-    if "batch_norm" in name:
-        return "BatchNorm"
-    if name == "aten.instance_norm":
-        return "InstanceNorm"
-    if name == "aten.group_norm":
-        return "GroupNorm"
-    return None
-
-
 def _norm_output_source(node) -> fx.Node | None:
     """The norm node whose output ``node`` is (directly or as item 0 of a multi-output norm)."""
     node = through_value_copies(node, casts=True)
@@ -78,7 +63,7 @@ def _norm_output_source(node) -> fx.Node | None:
         return None
     if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0:
         node = node.args[0]
-    return node if _norm_node_kind(node) else None
+    return node if norm_node_kind(node) else None
 
 
 def _param_owner(captured, node) -> str | None:
@@ -98,7 +83,7 @@ def _structural(model: nn.Module, example_inputs) -> tuple[list[tuple[str, str, 
     captured = capture(model, example_inputs)
     biased, post_ln = [], []
     for node in captured.graph.nodes:
-        kind = _norm_node_kind(node)
+        kind = norm_node_kind(node)
         if kind is None:
             continue
         x = through_value_copies(node.args[0], casts=True)  # copies, casts, eval dropout
