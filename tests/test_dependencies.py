@@ -24,6 +24,7 @@ ONLY = {
     "_deps": {"_deps"},
     "_progress": {"_progress"},
     "_options": {"_options"},
+    "_text": {"_text"},
     "ops": {"ops", "_deps", "_progress"},
     "nn": {"nn", "ops", "_deps", "_progress"},
     "fuse": {"fuse", "ops", "nn", "fold", "_deps", "_progress"},

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from torch import fx, nn
 
+from .._text import dtype_name
 from .graph import Captured, op_name, op_packet
 from .math import identity_batchnorm_variance
 from .op_kinds import BATCH_NORM_OPS, LINEAR_PRODUCER_OPS, passes_values_on
@@ -121,7 +122,7 @@ def _refusal(model, bn, producer, private, captured, x, constraints: PlanConstra
         return f"the stock architecture has no {producer}.bias to absorb its shift"
     stored = constraints.keep_modules_in
     if stored is not None and identity_batchnorm_variance(float(bn.eps), stored) is None:
-        return (f"the checkpoint keeps this BatchNorm's keys, and in {str(stored).replace('torch.', '')} no stored "
+        return (f"the checkpoint keeps this BatchNorm's keys, and in {dtype_name(stored)} no stored "
                 f"running variance makes it an exact identity (1 − eps + eps ≠ 1 there, eps={bn.eps})")
     return None
 

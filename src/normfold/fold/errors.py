@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from .._text import first_line
+
 
 class FoldError(RuntimeError):
     """The model cannot be analysed or folded (e.g. torch.export cannot capture it)."""
@@ -29,5 +31,4 @@ def failures_as_fold_error(name: str, step: str):
             raise  # a subclass carries its own meaning (and arguments): kept as it is
         raise FoldError(f"{name}: {step}: {err}") from err
     except Exception as err:  # noqa: BLE001  the model's own code, or an engine bug: either way, say where
-        message = (str(err).strip().splitlines() or [""])[0][:300]
-        raise FoldError(f"{name}: {step} failed: {type(err).__name__}: {message}") from err
+        raise FoldError(f"{name}: {step} failed: {type(err).__name__}: {first_line(err, 300)}") from err

@@ -31,6 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from .._text import dtype_name, first_line
 from ..nn import RMSNorm
 from .errors import FoldVerificationError, failures_as_fold_error, model_name
 from .graph import eval_mode, split_example_calls
@@ -191,7 +192,7 @@ def _outputs_if_usable(reference: nn.Module, runs, own_outputs, dtype: torch.dty
     except Exception as err:  # noqa: BLE001  any failure of the model's own code in float64
         if own_outputs is None:
             raise
-        return None, f"it raises {type(err).__name__} in {dtype_name(dtype)}: {_first_line(err)}"
+        return None, f"it raises {type(err).__name__} in {dtype_name(dtype)}: {first_line(err, 200)}"
     for i, (ref, own) in enumerate(zip(ref_outputs, own_outputs or ())):
         for (name, r), (_, o) in zip(ref, own):
             if isinstance(r, Tensor) and isinstance(o, Tensor) and r.is_floating_point() and r.shape == o.shape:
@@ -200,10 +201,6 @@ def _outputs_if_usable(reference: nn.Module, runs, own_outputs, dtype: torch.dty
                     return None, (f"input {i}: {name} has {lost} inf/nan elements in {dtype_name(dtype)} that are "
                                   f"finite in {dtype_name(o.dtype)}")
     return ref_outputs, None
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:200]
 
 
 def _verify_in_own_dtype(original: nn.Module, folded: nn.Module, inputs, own_outputs, unusable: str, *,
@@ -403,11 +400,6 @@ def flatten_outputs(value, prefix: str = "out") -> list[tuple[str, object]]:
 
 def _is_plain_dataclass(value) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type) and type(value) not in pytree.SUPPORTED_NODES
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``float16`` for ``torch.float16``: how messages name a dtype."""
-    return str(dtype).replace("torch.", "")
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype | None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .._text import dtype_name
 from ..fold import FoldReport, FoldVerificationError, verify
 from ..fold.pipeline import fold_exactly, plan_fold, rms_norm_paths
 from ..fold.plan import PlanConstraints
@@ -57,7 +58,7 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got {type(config).__name__}")
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+    return DTYPES.get(dtype_name(name), torch.float32)
 
 
 def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, trust_remote_code: bool = False,
@@ -121,13 +122,13 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
             saved_check = {"ok": None, "skipped": "approximate fold: its replaced norms are judged by the cosine bar "
                                                   "on the calibration set, not by an exact bound"}
         else:
-            step(f"verifying the weights rounded to {_dtype_name(save_dtype)}")
+            step(f"verifying the weights rounded to {dtype_name(save_dtype)}")
             saved_check = check_rounded(model, folded, inputs, save_dtype, report.plan)
         layout = folded_layout(folded)
         step("saving")
         save_folded(folded, tmp, dtype=save_dtype,
                     normfold_only=not layout["stock_compatible"] or bool(approx and approx.num_approximate))
-        out = folder_report(report, layout, saved_dtype=_dtype_name(save_dtype), approximate=approx,
+        out = folder_report(report, layout, saved_dtype=dtype_name(save_dtype), approximate=approx,
                             model=describe_model(model, model_dir), fold_affine=fold_affine,
                             skipped_files=copy_side_files(model_dir, tmp))
         out["verification"]["saved_dtype_check"] = saved_check
@@ -154,13 +155,9 @@ def check_rounded(model, folded, example_inputs, save_dtype: torch.dtype, plan) 
     rounded = copy.deepcopy(folded).to(save_dtype).to(torch.float32)
     result = verify(model, rounded, example_inputs, stored_dtype=save_dtype, rms_norm_paths=rms_norm_paths(plan))
     if not result.ok:
-        raise FoldVerificationError(f"the folded weights rounded to {_dtype_name(save_dtype)} (what would be saved) "
+        raise FoldVerificationError(f"the folded weights rounded to {dtype_name(save_dtype)} (what would be saved) "
                                     f"differ from the original: {result}")
     return result.to_dict()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _compared(model) -> str:

@@ -11,7 +11,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .load import CheckpointError, _first_line
+from .._text import first_line
+from .load import CheckpointError
 
 REPORT_JSON = "normfold_report.json"  # every folder normfold writes holds one: what marks a folder as replaceable
 
@@ -100,7 +101,7 @@ def atomic_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
         remove_stale_temporaries(out)
         tmp, lock = _locked_temporary(out)
     except OSError as err:  # e.g. a read-only parent: a user error, said before any work
-        raise CheckpointError(f"cannot write a folder next to {out}: {_first_line(err)}") from err
+        raise CheckpointError(f"cannot write a folder next to {out}: {first_line(err)}") from err
     ours = os.lstat(tmp)
     try:
         os.chmod(tmp, 0o777 & ~_umask())
@@ -111,7 +112,7 @@ def atomic_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
             shutil.rmtree(tmp, ignore_errors=True)
         if disk_full_error(err) is not None:
             raise CheckpointError(f"no space left on device while writing {out}: free space or pick another -o "
-                                  f"(nothing was published; {_first_line(err)})") from err
+                                  f"(nothing was published; {first_line(err)})") from err
         raise
     finally:
         if lock is not None:
@@ -191,7 +192,7 @@ def _publish(tmp: Path, out: Path, *, overwrite: bool) -> None:
         try:
             check_output_dir(out, overwrite=overwrite)
         except CheckpointError as err:
-            raise CheckpointError(_changed(out, _first_line(err))) from None
+            raise CheckpointError(_changed(out, first_line(err))) from None
         if overwrite and os.path.lexists(out):  # an empty folder or a normfold output, as just checked
             try:
                 _replace(tmp, out)

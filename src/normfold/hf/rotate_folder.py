@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from .._deps import require
+from .._text import dtype_name
 from .folder import Step, _noop
 from .inputs import calibration_batches, example_inputs_for, load_tokenizer, read_calibration_file
 from .load import check_model_dir, load_model
@@ -80,7 +81,7 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
         save_folded(rotated, tmp, normfold_only=True)
         record = None if sentences is None else CalibrationRecord.of_file(calibration_file, len(sentences))
         sections = {} if record is None else {"calibration": {**asdict(record), "num_batches": len(calibration)}}
-        out = rotated_report(rotation, layout, saved_dtype=str(saved_dtype).replace("torch.", ""),
+        out = rotated_report(rotation, layout, saved_dtype=dtype_name(saved_dtype),
                              model=describe_model(model, model_dir), skipped_files=copy_side_files(model_dir, tmp),
                              **sections)
         slicing = rotation.slicing
