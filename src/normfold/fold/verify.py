@@ -157,7 +157,7 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
         if judge_model_dtype:
             why = None if returned_why is None else f"in {dtype_name(model_dtype)}: {returned_why}"
             if why is None:
-                own_error_in_model_dtype = _own_error(ref_outputs, own_outputs, model_dtype, dtype)
+                own_error_in_model_dtype = outputs_own_error(ref_outputs, own_outputs, model_dtype, dtype)
                 bar, bar_rule = measured_tolerance(own_error_in_model_dtype, model_dtype,
                                                    multiple=MODEL_DTYPE_OWN_ERROR_MULTIPLE)
                 check = ModelDtypeCheck(dtype_name(model_dtype), own_rel, own_error_in_model_dtype, bar, bar_rule,
@@ -174,7 +174,7 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
             if low_outputs is None:
                 low = _cast_copy(original, stored_dtype)
                 low_outputs = [model_outputs(low, *cast_floats(run, stored_dtype)) for run in inputs]
-            stored_own = _own_error(ref_outputs, low_outputs, stored_dtype, dtype)
+            stored_own = outputs_own_error(ref_outputs, low_outputs, stored_dtype, dtype)
         tolerance, rule = measured_tolerance(stored_own, stored_dtype)
     else:
         tolerance, rule = 0.0, "not measured: the outputs could not be compared"
@@ -240,7 +240,7 @@ def perturbed_own_error(model: nn.Module, runs, outputs, rounding_dtype: torch.d
             if t.is_floating_point():
                 signs = torch.randint(0, 2, t.shape, generator=generator).double() * 2 - 1
                 t.copy_((t.double() * (1 + eps * signs)).to(t.dtype))
-    return _own_error(outputs, [model_outputs(perturbed, *run) for run in runs], rounding_dtype, rounding_dtype)
+    return outputs_own_error(outputs, [model_outputs(perturbed, *run) for run in runs], rounding_dtype, rounding_dtype)
 
 
 def measured_tolerance(own: float, stored_dtype: torch.dtype, *, measured_as: str | None = None,
@@ -271,10 +271,10 @@ def own_error(model: nn.Module, inputs: list[tuple[tuple, dict]], low_dtype: tor
     reference = _cast_copy(model, dtype) if reference is None else reference
     low = _cast_copy(model, low_dtype)
     ref = [model_outputs(reference, *cast_floats(run, dtype)) for run in inputs]
-    return _own_error(ref, [model_outputs(low, *cast_floats(run, low_dtype)) for run in inputs], low_dtype, dtype)
+    return outputs_own_error(ref, [model_outputs(low, *cast_floats(run, low_dtype)) for run in inputs], low_dtype, dtype)
 
 
-def _own_error(ref_outputs, low_outputs, low_dtype: torch.dtype, dtype: torch.dtype) -> float:
+def outputs_own_error(ref_outputs, low_outputs, low_dtype: torch.dtype, dtype: torch.dtype) -> float:
     """Max :func:`rounding_error` of the low-precision outputs against the reference ones, per run."""
     worst = 0.0
     for ref, out in zip(ref_outputs, low_outputs):
