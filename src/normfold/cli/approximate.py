@@ -19,7 +19,7 @@ from ..convert import ApproximateConfig
 from ..fold import FoldReport
 from ..hf.folder import Step
 from ..hf.inputs import calibration_batches, is_sentence_encoder, load_tokenizer
-from ..hf.recipe import DEFAULT_MIN_COSINE
+from ..fold.cosine_bar import DEFAULT_MIN_COSINE
 from ..lab.approximate import approximate_fold, compare_outputs, mean_pooled, token_outputs
 
 __all__ = ["DEFAULT_MIN_COSINE", "approximate_step", "measure_approximate"]

@@ -29,6 +29,7 @@ from typing import Any
 from torch import nn
 
 from ..fold import verify
+from ..fold.cosine_bar import DEFAULT_MIN_COSINE, check_cosine_bar
 from ..fold.errors import FoldError
 from .._text import first_line
 from .errors import CheckpointError
@@ -36,7 +37,7 @@ from .folder import fold_folder, remake_saved
 from .inputs import example_inputs_for
 from .load import check_model_dir, load_config, load_model, model_class_for
 from .output_dir import REPORT_JSON
-from .recipe import DEFAULT_MIN_COSINE, CalibrationRecord, Recipe, file_sha256
+from .recipe import CalibrationRecord, Recipe, file_sha256
 from .report import seal_problems
 from .saved_weights import compare_weights
 from .saving import DTYPES, from_pretrained
@@ -76,8 +77,8 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
     made from (its SHA-256 is checked). ``stream_map_for`` gives a streamed rotation's stream map.
     """
     orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
-    if min_cosine is not None and not 0.0 < min_cosine <= 1.0:
-        raise ValueError(f"min_cosine must be in (0, 1], got {min_cosine}")
+    if min_cosine is not None:
+        check_cosine_bar(min_cosine)
     remake = remake or partial_remake_exact(trust_remote_code)
     report = read_report(folded_dir)
     problems = seal_problems(report, folded_dir)
