@@ -18,7 +18,7 @@ from .op_kinds import passes_values_on
 from .plan import AffineFoldStep, PlanConstraints
 
 if TYPE_CHECKING:
-    from .analysis import _Norm
+    from .analysis import AnalyzedNorm
 
 _aten = torch.ops.aten
 
@@ -40,7 +40,7 @@ def _private_weight(node, user: fx.Node, captured: Captured, untied: frozenset) 
     return None
 
 
-def affine_steps(norm: _Norm, model: nn.Module, captured: Captured, untied: frozenset = frozenset(),
+def affine_steps(norm: AnalyzedNorm, model: nn.Module, captured: Captured, untied: frozenset = frozenset(),
                  constraints: PlanConstraints = PlanConstraints()) -> tuple[list[AffineFoldStep], str]:
     """Steps folding the norm's γ/β into every linear consumer, or ([], why not)."""
     if norm.module is None:

@@ -107,7 +107,7 @@ class Walker:
 
 
 @dataclass
-class _Norm:
+class AnalyzedNorm:
     """One norm module (all the layer_norm nodes it ran) or one functional layer_norm call."""
 
     path: str
@@ -152,7 +152,7 @@ def _has_hooks(module: nn.Module) -> bool:
                 or getattr(module, "_backward_pre_hooks", None))
 
 
-def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
+def _find_norms(model: nn.Module, captured: Captured) -> list[AnalyzedNorm]:
     """Norm calls grouped by the module that owns them, in graph order; then RMSNorm modules the
     graph shows no norm op for (e.g. a decomposed implementation).
 
@@ -161,7 +161,7 @@ def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
     is read from its traced ops (``norm_forms.traced_form``), never assumed from its class: one
     that is not y = LN(x)·(offset + γ) + β is kept, saying what it computes.
     """
-    norms: dict[str, _Norm] = {}
+    norms: dict[str, AnalyzedNorm] = {}
     called: set[str] = set()
     for node in captured.graph.nodes:
         called.update(p for p, _ in module_stack(node))
@@ -189,7 +189,7 @@ def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
         reason = "already an RMSNorm" if call.is_rms else ""
         if module is not None and _has_hooks(module):  # a swap would silently drop them: keep it, say why
             module, reason = None, "kept: the module carries hooks, which replacing it would drop"
-        norms.setdefault(path, _Norm(path, kind, [], module, reason=reason)).calls.append(call)
+        norms.setdefault(path, AnalyzedNorm(path, kind, [], module, reason=reason)).calls.append(call)
     for norm in norms.values():
         if norm.kind == "LayerNorm" and norm.module is not None:
             form = traced_form(norm.calls, norm.path, captured)
@@ -199,7 +199,7 @@ def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
                 norm.form = form
     for path, m in model.named_modules():
         if isinstance(m, RMS_NORM_TYPES) and path in called and path not in norms:
-            norms[path] = _Norm(path, "RMSNorm", [], m, reason="already an RMSNorm")
+            norms[path] = AnalyzedNorm(path, "RMSNorm", [], m, reason="already an RMSNorm")
     return list(norms.values())
 
 
@@ -215,7 +215,7 @@ def _functional_owner(model: nn.Module, call: NormCall) -> tuple[str | None, nn.
     return path, module
 
 
-def _find_precomputable(norms: list[_Norm], captured: Captured) -> list[UntieStep]:
+def _find_precomputable(norms: list[AnalyzedNorm], captured: Captured) -> list[UntieStep]:
     """Mark LayerNorms applied straight to an embedding lookup for precomputing into the table.
 
     Returns the untie steps that give the table's other names (a tied output head) the original.
@@ -252,7 +252,7 @@ def _find_precomputable(norms: list[_Norm], captured: Captured) -> list[UntieSte
     return untie
 
 
-def _walk_norms(walker: Walker, norms: list[_Norm]) -> None:
+def _walk_norms(walker: Walker, norms: list[AnalyzedNorm]) -> None:
     for norm in norms:
         if norm.kind != "LayerNorm" or norm.precompute is not None or norm.forced_keep:
             continue
@@ -283,7 +283,7 @@ def _walk_norms(walker: Walker, norms: list[_Norm]) -> None:
             norm.foldable = True
 
 
-def _close(walker: Walker, norms: list[_Norm], captured: Captured) -> dict[Need, set[fx.Node]]:
+def _close(walker: Walker, norms: list[AnalyzedNorm], captured: Captured) -> dict[Need, set[fx.Node]]:
     """Drop candidates until every changed node is read only where a rule allows it or through ops that
     carry its centering shift to LayerNorms that stay LayerNorms: a fixed point, since which norms fold
     decides which absorb. Failures that hold whatever else folds are dropped first; a failure that only
@@ -328,7 +328,7 @@ class _FoldingSet:
     changed: frozenset                  # nodes whose values centering may change (downstream of centered tensors)
 
     @classmethod
-    def of(cls, walker: Walker, active: list[_Norm], captured: Captured) -> _FoldingSet:
+    def of(cls, walker: Walker, active: list[AnalyzedNorm], captured: Captured) -> _FoldingSet:
         graph_needs = [need for norm in active for need in norm.zero_mean_graph]
         centered = {need.node for need in graph_needs if need.node in captured.param_fqn and walker.memo[need].changed}
         changed, stack = set(), list(centered)
@@ -341,7 +341,7 @@ class _FoldingSet:
                    frozenset(need.node for need in graph_needs), frozenset(changed))
 
 
-def _closedness_failure(walker: Walker, norm: _Norm, parents, captured: Captured,
+def _closedness_failure(walker: Walker, norm: AnalyzedNorm, parents, captured: Captured,
                         folding: _FoldingSet) -> _Failure | None:
     """Why centering this norm's producers would leak into something that no norm absorbs, or None.
 
@@ -477,7 +477,7 @@ def _canonical(fqn: str, captured: Captured) -> str:
     return captured.aliases.get(fqn, (fqn,))[0]
 
 
-def _conflict(norm: _Norm, active: list[_Norm], captured: Captured) -> _Failure | None:
+def _conflict(norm: AnalyzedNorm, active: list[AnalyzedNorm], captured: Captured) -> _Failure | None:
     """A tensor centered along two different (dim, group)s cannot satisfy both requirements."""
     wanted: dict[str, set] = {}
     for other in active:
@@ -561,14 +561,14 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
     return entries, plan, untied
 
 
-def _merged_layer_scales(layer_scales: Mapping[fx.Node, LayerScale], foldable: list[_Norm]) -> list:
+def _merged_layer_scales(layer_scales: Mapping[fx.Node, LayerScale], foldable: list[AnalyzedNorm]) -> list:
     """The merges some folded norm's zero-mean graph walks through (the others would change nothing useful)."""
     walked = {need.node for norm in foldable for need in norm.zero_mean_graph}
     steps = [scale.step for node, scale in layer_scales.items() if scale.step is not None and node in walked]
     return list(dict.fromkeys(steps))
 
 
-def _size_and_eps(norm: _Norm) -> tuple[int, float]:
+def _size_and_eps(norm: AnalyzedNorm) -> tuple[int, float]:
     """The normalized size and eps the norm's traced call used (a module's own attributes for an
     RMSNorm traced without an explicit eps)."""
     call, module = norm.calls[0], norm.module
@@ -576,7 +576,7 @@ def _size_and_eps(norm: _Norm) -> tuple[int, float]:
     return int(size), float(module.eps if call.eps is None else call.eps)
 
 
-def _swap_step(norm: _Norm, to: str) -> SwapStep:
+def _swap_step(norm: AnalyzedNorm, to: str) -> SwapStep:
     """The swap of a norm module: its γ/β stay unless they were folded (``norm.affine``); a LayerNorm's
     come from what its traced call reads (``norm.form``), with the offset of (offset + γ)."""
     folded = bool(norm.affine)
@@ -589,7 +589,7 @@ def _swap_step(norm: _Norm, to: str) -> SwapStep:
                     bias=bias and not folded, offset=offset)
 
 
-def _centering_steps(foldable: list[_Norm], parents, captured: Captured):
+def _centering_steps(foldable: list[AnalyzedNorm], parents, captured: Captured):
     """One CenterStep per distinct tensor; UntieSteps for its names that must keep the original."""
     by_tensor: dict[str, tuple[int, int | None]] = {}
     norm_of: dict[str, str] = {}  # canonical tensor -> a norm that centers it (for the error below)

@@ -44,8 +44,8 @@ if TYPE_CHECKING:  # the lab's report type, for annotations only: hf never impor
 ApproximateFold = Callable[[nn.Module, nn.Module, FoldReport, list, bool, Step], "tuple[nn.Module, ApproximateReport]"]
 
 
-def _noop(_: str) -> None:
-    pass
+def silent_step(_: str) -> None:
+    """The default ``step`` callback: says nothing."""
 
 
 def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
@@ -62,7 +62,7 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
 
 
 def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, trust_remote_code: bool = False,
-                   step: Step = _noop) -> dict[str, Any]:
+                   step: Step = silent_step) -> dict[str, Any]:
     """The fold engine's per-norm analysis of a Hugging Face folder, planned as ``fold_folder`` plans it
     with the same ``fold_affine``: the two reports agree on every norm."""
     step("loading")
@@ -77,7 +77,7 @@ def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, tr
 def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
                 dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
                 calibration_file: str | os.PathLike | None = None, approximate: ApproximateFold | None = None,
-                step: Step = _noop) -> dict[str, Any]:
+                step: Step = silent_step) -> dict[str, Any]:
     """Fold a folder, verify in float64, and write OUT_DIR only if the verification passes.
 
     The model is folded in float32 (upcast from a half-precision checkpoint) and saved in
@@ -185,7 +185,7 @@ def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dt
 
 
 def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code: bool = False,
-                 step: Step = _noop) -> dict[str, Any]:
+                 step: Step = silent_step) -> dict[str, Any]:
     """Re-make a ``normfold.save_pretrained`` folder from its recipe: the original folded by
     ``normfold.fold`` (``recipe.stock_plan``: within what stock transformers loads, as
     :func:`fold_for_stock`) on normfold's example inputs, saved by ``normfold.save_pretrained``. A fold

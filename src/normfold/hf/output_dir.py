@@ -48,13 +48,13 @@ def check_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
         raise CheckpointError(f"output path exists and is not a folder: {out}")
     if not overwrite:
         raise CheckpointError(f"output folder exists: {out} (pass --overwrite to replace it)")
-    if not _replaceable(out):
+    if not replaceable(out):
         raise CheckpointError(f"refusing to replace {out}: it is not empty and holds no {REPORT_JSON}, so it is not "
                               "a normfold output (--overwrite only replaces those)")
     return out
 
 
-def _replaceable(folder: Path) -> bool:
+def replaceable(folder: Path) -> bool:
     """Whether ``--overwrite`` may replace ``folder``: a real folder, empty or a normfold output."""
     return (folder.is_dir() and not folder.is_symlink()
             and (not any(folder.iterdir()) or (folder / REPORT_JSON).is_file()))
@@ -263,7 +263,7 @@ def _replace(tmp: Path, out: Path) -> None:
     held = _try_lock(out, wait=True)
     try:
         if _exchange(tmp, out):  # one atomic step: a kill leaves the old or the new output at out
-            if not _replaceable(tmp):  # tmp now holds the old folder: swap it back
+            if not replaceable(tmp):  # tmp now holds the old folder: swap it back
                 try:
                     _exchange(tmp, out)
                 except OSError as err:  # out vanished meanwhile: the folder stays where it is, and we say where
@@ -280,7 +280,7 @@ def _replace(tmp: Path, out: Path) -> None:
             aside.rmdir()
             raise
         try:
-            if not _replaceable(old):
+            if not replaceable(old):
                 raise CheckpointError(_changed(out, _NOT_REPLACEABLE_NOW))
             _claim(tmp, out)
         except BaseException:
@@ -299,7 +299,7 @@ def _put_back(old: Path, out: Path) -> None:
     try:
         _rename_noreplace(old, out)
     except OSError as err:
-        if not _replaceable(old):
+        if not replaceable(old):
             raise CheckpointError(_changed(out, f"something was created there; the folder that was there is now "
                                                 f"{old}")) from err
         shutil.rmtree(old.parent, ignore_errors=True)

@@ -22,7 +22,7 @@ from torch import nn
 
 from .._deps import require
 from .._text import dtype_name
-from .folder import Step, _noop
+from .folder import Step, silent_step
 from .inputs import calibration_batches, example_inputs_for, load_tokenizer, read_calibration_file
 from .load import check_model_dir, load_model
 from .output_dir import atomic_output_dir
@@ -50,7 +50,7 @@ SLICED_WARNING = ("sliced: approximate, not exact; the whole rotation was proved
 
 def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rotate: Rotate, *,
                   calibration_file: str | os.PathLike | None = None, overwrite: bool = False,
-                  trust_remote_code: bool = False, step: Step = _noop) -> dict[str, Any]:
+                  trust_remote_code: bool = False, step: Step = silent_step) -> dict[str, Any]:
     """Rotate a folder's residual stream with ``rotate`` and write OUT_DIR only once it returned (its
     float64 proof passed); any refusal or failed proof raises and leaves no OUT_DIR.
 
@@ -94,7 +94,7 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
 
 
 def rotate_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, plan: PlanAfterFold, *,
-                      overwrite: bool = False, trust_remote_code: bool = False, step: Step = _noop) -> dict[str, Any]:
+                      overwrite: bool = False, trust_remote_code: bool = False, step: Step = silent_step) -> dict[str, Any]:
     """Rotate a safetensors checkpoint without loading it (sharded ones larger than memory): the
     streaming fold (:func:`normfold.hf.streaming.fold_checkpoint`) with the rotation ``plan`` (the CLI
     composes it from ``normfold.rotate.streaming.plan_rotation``) as its step after the fold: every

@@ -35,7 +35,7 @@ from .._deps import require
 from .._text import dtype_name, first_line
 from .load import CheckpointError, check_model_dir, load_model_and_info
 from .normfold_only import mark_normfold_only
-from .output_dir import REPORT_JSON, _replaceable, atomic_output_dir
+from .output_dir import REPORT_JSON, replaceable, atomic_output_dir
 from .recipe import Recipe, is_finite_number
 from .report import folder_report, seal_problems, write_sealed_report
 from .side_files import copy_side_files
@@ -335,7 +335,7 @@ class FoldedModelSaver:
         if not is_main_process:
             return
         out = Path(save_directory)
-        if overwrite and out.is_dir() and not out.is_symlink() and not _replaceable(out):
+        if overwrite and out.is_dir() and not out.is_symlink() and not replaceable(out):
             held = sorted(p.name for p in out.iterdir())
             raise CheckpointError(f"save_pretrained() of a model folded by normfold replaces a folder only when it "
                                   f"is empty or a normfold output, and {out} holds {', '.join(held[:4])}"
