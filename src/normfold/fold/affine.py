@@ -7,18 +7,14 @@ planning constraints forbid new parameters. Anything else keeps the affine, with
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import fx, nn
 
 from ..nn.kinds import RMS_NORM_TYPES
+from .analyzed_norm import AnalyzedNorm
 from .graph import Captured, describe, op_packet, shape, single_use_param, use_alias
 from .op_kinds import passes_values_on
 from .plan import AffineFoldStep, PlanConstraints
-
-if TYPE_CHECKING:
-    from .analysis import AnalyzedNorm
 
 _aten = torch.ops.aten
 

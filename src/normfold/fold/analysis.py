@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
@@ -26,13 +26,14 @@ from torch import fx, nn
 
 from ..nn.kinds import LAYER_NORM_TYPES, RMS_NORM_TYPES
 from .affine import affine_steps
+from .analyzed_norm import AnalyzedNorm
 from .errors import FoldError
 from .graph import Captured, describe, module_path, module_stack, shape, single_use_param, use_alias
 from .graph import op_packet as _packet  # the short name reads better in the walks below
 from .layer_scale import LayerScale, find_layer_scales
-from .norm_forms import NormForm, traced_form
+from .norm_forms import traced_form
 from .op_kinds import passes_values_on
-from .plan import AffineFoldStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
+from .plan import CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
 from .rules import (MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, cancelling_sum, classify, live_nodes,
                     make_need, norm_call, reads_only_shape, shift_is_additive, shift_passes)
@@ -104,25 +105,6 @@ class Walker:
                 seen.add(need)
                 stack.extend(self.memo[need].children)
         return seen
-
-
-@dataclass
-class AnalyzedNorm:
-    """One norm module (all the layer_norm nodes it ran) or one functional layer_norm call."""
-
-    path: str
-    kind: str
-    calls: list[NormCall]
-    module: nn.Module | None
-    foldable: bool = False
-    precompute: PrecomputeStep | None = None
-    reason: str = ""
-    blocking_path: tuple[str, ...] = ()
-    zero_mean_graph: set[Need] = field(default_factory=set)
-    params: frozenset = frozenset()
-    affine: list[AffineFoldStep] = field(default_factory=list)
-    form: NormForm | None = None  # what a LayerNorm module computes, from its traced ops (``norm_forms``)
-    forced_keep: bool = False  # kept because another example call cannot fold it (``analyze_calls``)
 
 
 def effective_users(node: fx.Node):

@@ -1,4 +1,6 @@
-"""Exceptions of the fold engine."""
+"""Exceptions of the fold engine, and :class:`CheckpointError`, the user error for the files the layers
+above it read and write (``hf``'s folders, ``train``'s output folder and resume state): defined in the
+lowest layer both import, so ``train`` need not import ``hf`` for it."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -12,6 +14,10 @@ class FoldError(RuntimeError):
 
 class FoldVerificationError(FoldError):
     """The folded model's outputs differ from the original's beyond the float64 bound."""
+
+
+class CheckpointError(ValueError):
+    """A folder cannot be read as a model, or the output folder cannot be written: a user error."""
 
 
 def model_name(model) -> str:
