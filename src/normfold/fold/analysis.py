@@ -11,8 +11,10 @@ code, shape-only reads and sums in which the changed term cancels exactly ((h + 
 ``cancelling_sum``) are not readers. Which norms fold decides which absorb, so the check runs to a
 fixpoint.
 
-One idea, about 600 lines: the walk, the closedness check and its fixpoint decide together which
-norms fold; splitting them would spread one decision over files (γ/β placement is apart, in affine.py).
+One idea in one file, long (some 680 lines) because the walk, the closedness check and its fixpoint
+decide together which norms fold; splitting them would spread one decision over files. What is
+apart: γ/β placement (``affine.py``), the norm being decided (``analyzed_norm.py``), the ops a walk
+sees through (``op_kinds.py``) and what each op does to zero mean (``rules.py``).
 """
 from __future__ import annotations
 
