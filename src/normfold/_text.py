@@ -22,4 +22,4 @@ def dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-__all__ = ["first_line", "dtype_name"]
+__all__ = ["dtype_name", "first_line"]

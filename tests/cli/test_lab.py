@@ -13,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tiny folders of tests/hf
 from hf.conftest import tiny_dirs  # noqa: E402,F401
-from tiny_models import tiny_gpt2  # noqa: E402
+from tiny_models import tiny_gpt2
 
 
 @pytest.fixture(scope="module")

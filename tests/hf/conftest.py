@@ -6,7 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tiny_models import tiny_gpt2_config  # noqa: E402
+from tiny_models import tiny_gpt2_config
 
 
 def _tiny_configs():

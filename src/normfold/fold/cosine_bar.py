@@ -24,4 +24,4 @@ def check_cosine_bar(value: object, name: str = "min_cosine", error: type[ValueE
     return float(value)
 
 
-__all__ = ["DEFAULT_MIN_COSINE", "is_cosine_bar", "check_cosine_bar"]
+__all__ = ["DEFAULT_MIN_COSINE", "check_cosine_bar", "is_cosine_bar"]

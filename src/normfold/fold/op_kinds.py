@@ -83,6 +83,6 @@ def norm_node_kind(node) -> str | None:
     return None
 
 
-__all__ = ["aten_packets", "COPY_OP_NAMES", "CAST_OP_NAMES", "DROPOUT_OP_NAMES", "COPY_OPS", "CAST_OPS", "DROPOUT_OPS",
-           "LINEAR_PRODUCER_OPS", "BATCH_NORM_OPS", "is_training_dropout", "passes_values_on", "through_value_copies",
-           "norm_node_kind"]
+__all__ = ["BATCH_NORM_OPS", "CAST_OPS", "CAST_OP_NAMES", "COPY_OPS", "COPY_OP_NAMES", "DROPOUT_OPS", "DROPOUT_OP_NAMES",
+           "LINEAR_PRODUCER_OPS", "aten_packets", "is_training_dropout", "norm_node_kind", "passes_values_on",
+           "through_value_copies"]

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from .._deps import require
-from . import normfold_only
 from .._text import first_line
+from . import normfold_only
 from .errors import CheckpointError
 from .side_files import WEIGHT_SUFFIXES
 
