@@ -23,10 +23,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 from torch import fx, nn
 
 from .._text import dtype_name
-from .graph import Captured, op_name, op_packet
+from .graph import Captured, op_name, op_packet, owner_path
 from .math import identity_batchnorm_variance
 from .op_kinds import BATCH_NORM_OPS, LINEAR_PRODUCER_OPS, passes_values_on
 from .plan import BatchNormFoldStep, PlanConstraints
@@ -96,7 +97,7 @@ def _producer(captured: Captured, node: fx.Node) -> tuple[fx.Node, str | None, b
     while passes_values_on(x, casts=True):
         private &= len(x.users) == 1
         x = x.args[0]
-    producer = _owner(captured, x.args[1]) if op_packet(x) in LINEAR_PRODUCER_OPS and len(x.args) > 1 else None
+    producer = owner_path(captured, x.args[1]) if op_packet(x) in LINEAR_PRODUCER_OPS and len(x.args) > 1 else None
     return x, producer, private and len(x.users) == 1
 
 
@@ -107,8 +108,8 @@ def _refusal(model, bn, producer, private, captured, x, constraints: PlanConstra
     if getattr(bn, "running_mean", None) is None or getattr(bn, "running_var", None) is None:
         return "no running statistics (track_running_stats=False): it always uses batch statistics"
     if producer is None:
-        return f"its input is not a Linear/Conv output but {_op(x) or x.op}"
-    if _op(x) == "aten.convolution" and len(x.args) > 6 and x.args[6]:
+        return f"its input is not a Linear/Conv output but {op_name(x) if x.op == 'call_function' else x.op}"
+    if op_packet(x) == torch.ops.aten.convolution and len(x.args) > 6 and x.args[6]:
         return f"{producer} is a transposed convolution (output channels are not on weight dim 0)"
     if not private:
         return f"the output of {producer} is also used elsewhere: scaling its weights would change that use"
@@ -136,15 +137,6 @@ def _step(model: nn.Module, path: str, bn: nn.Module, producer: str, keep_module
         beta_fqn=f"{path}.bias" if bn.bias is not None else None, eps=float(bn.eps), keep_module=keep_module)
 
 
-def _op(node) -> str:
-    return op_name(node) if isinstance(node, fx.Node) and node.op == "call_function" else ""
-
-
-def _owner(captured: Captured, node) -> str | None:
-    fqn = (captured.param_fqn.get(node) or captured.buffer_fqn.get(node)) if isinstance(node, fx.Node) else None
-    return fqn.rpartition(".")[0] if fqn else None
-
-
 def _bn_path(captured: Captured, node: fx.Node) -> str | None:
     """The BatchNorm module that owns this node: via its weight, else its running mean."""
-    return _owner(captured, node.args[1]) or _owner(captured, node.args[3] if len(node.args) > 3 else None)
+    return owner_path(captured, node.args[1]) or owner_path(captured, node.args[3] if len(node.args) > 3 else None)

@@ -202,6 +202,12 @@ def node_arg(node: fx.Node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+def owner_path(captured: Captured, node) -> str | None:
+    """The path of the module owning a parameter or buffer placeholder (None for any other value)."""
+    fqn = (captured.param_fqn.get(node) or captured.buffer_fqn.get(node)) if isinstance(node, fx.Node) else None
+    return fqn.rpartition(".")[0] if fqn else None
+
+
 def use_alias(captured: Captured, param: fx.Node, user: fx.Node) -> str:
     """The name under which ``user`` reads a (possibly tied) parameter placeholder.
 

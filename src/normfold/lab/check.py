@@ -29,13 +29,15 @@ import operator
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+import torch
 from torch import fx, nn
 
 from ..fold.errors import FoldError
-from ..fold.graph import capture, module_path, op_name, op_packet
+from ..fold.graph import capture, module_path, op_packet, owner_path
 from ..fold.op_kinds import LINEAR_PRODUCER_OPS, norm_node_kind, through_value_copies
 from ..nn.kinds import norm_modules
 
+_aten = torch.ops.aten
 _BATCH_SIZE_KEYS = ("per_device_train_batch_size", "train_batch_size", "micro_batch_size", "batch_size")
 _FULLY_CENTERING = ("BatchNorm", "InstanceNorm")  # subtract a per-channel mean: any per-channel bias vanishes
 
@@ -52,10 +54,6 @@ class Finding:
         return f"[{self.severity}] {self.code}:{where} {self.message}"
 
 
-def _packet(node: fx.Node) -> str:
-    return op_name(node) if node.op == "call_function" else ""
-
-
 def _norm_output_source(node) -> fx.Node | None:
     """The norm node whose output ``node`` is (directly or as item 0 of a multi-output norm)."""
     node = through_value_copies(node, casts=True)
@@ -66,15 +64,10 @@ def _norm_output_source(node) -> fx.Node | None:
     return node if norm_node_kind(node) else None
 
 
-def _param_owner(captured, node) -> str | None:
-    fqn = captured.param_fqn.get(node) if isinstance(node, fx.Node) else None
-    return fqn.rpartition(".")[0] if fqn else None
-
-
 def _norm_path(captured, node: fx.Node) -> str:
-    weight = node.args[2] if _packet(node) in ("aten.layer_norm", "aten.group_norm") and len(node.args) > 2 else (
+    weight = node.args[2] if op_packet(node) in (_aten.layer_norm, _aten.group_norm) and len(node.args) > 2 else (
         node.args[1] if len(node.args) > 1 else None)
-    return _param_owner(captured, weight) or module_path(node) or node.name
+    return owner_path(captured, weight) or module_path(node) or node.name
 
 
 def _structural(model: nn.Module, example_inputs) -> tuple[list[tuple[str, str, str, float]], list[str]]:
@@ -88,9 +81,9 @@ def _structural(model: nn.Module, example_inputs) -> tuple[list[tuple[str, str, 
             continue
         x = through_value_copies(node.args[0], casts=True)  # copies, casts, eval dropout
         if isinstance(x, fx.Node) and op_packet(x) in LINEAR_PRODUCER_OPS and len(x.args) > 2 and x.args[2] is not None:
-            producer = _param_owner(captured, x.args[1]) or x.name
+            producer = owner_path(captured, x.args[1]) or x.name
             biased.append((_norm_path(captured, node), kind, producer))
-        if isinstance(x, fx.Node) and _packet(x) == "aten.add" and kind in ("LayerNorm", "RMSNorm"):
+        if isinstance(x, fx.Node) and op_packet(x) == _aten.add and kind in ("LayerNorm", "RMSNorm"):
             if any(_norm_output_source(a) is not None for a in x.args[:2]):
                 post_ln.append(_norm_path(captured, node))
     return biased, post_ln
