@@ -1,7 +1,8 @@
 """The layers of ``src/normfold`` import only what the dependency rules allow (docs/CONTRIBUTING.md).
 
 The import graph is read from the source with ``ast``: module-level and function-local imports,
-absolute and relative; imports under ``if TYPE_CHECKING:`` never run and are left out.
+absolute and relative. Imports under ``if TYPE_CHECKING:`` never run; they are read too
+(``type_only=True``) and held to the same rules: no import runs upward, even for a type.
 """
 from __future__ import annotations
 
@@ -18,23 +19,30 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "normfold"
 # the layers that see everything: the package's top level, its composition module and the command line
 TOP = {"normfold", "convert", "cli", "__main__"}
 
-# layer -> the only layers it may import (itself included)
+# leaf modules every layer may use: optional-dependency imports, progress output, the command lines'
+# option spelling, the wording of exceptions and dtypes
+LEAVES = {"_deps", "_progress", "_options", "_text"}
+
+# layer -> the only layers it may import (itself and the leaves besides): every package has a rule
 ONLY = {
-    # leaf modules every layer may use: optional-dependency imports and progress output
-    "_deps": {"_deps"},
-    "_progress": {"_progress"},
-    "_options": {"_options"},
-    "ops": {"ops", "_deps", "_progress"},
-    "nn": {"nn", "ops", "_deps", "_progress"},
-    "fuse": {"fuse", "ops", "nn", "fold", "_deps", "_progress"},
-    # rotation builds on the exact fold and nothing above it
-    "rotate": {"rotate", "ops", "nn", "fold", "_deps", "_progress"},
+    **{leaf: set() for leaf in LEAVES},
+    "ops": set(),
+    "nn": {"ops"},
+    "fold": {"ops", "nn"},  # the engine
+    # the steps built on the exact fold: fusion, rotation and the lab (lab and hf never import each other)
+    "fuse": {"ops", "nn", "fold"},
+    "rotate": {"ops", "nn", "fold"},
+    "lab": {"ops", "nn", "fold"},
+    "hf": {"ops", "nn", "fold"},
+    "train": {"ops", "nn", "fold"},  # CBWC and the GPT harness: the engine's CheckpointError, never hf
+    "bench": {"ops", "nn", "fold", "fuse", "hf"},  # times the fold and fusion on Hugging Face models
     # ONNX export: exports what the lower layers made; never hf, lab or the CLI
-    "export": {"export", "ops", "nn", "fold", "fuse", "_deps", "_progress"},
+    "export": {"ops", "nn", "fold", "fuse"},
 }
-# layer -> layers it must never import (besides TOP, which no lower layer imports)
+# layer -> layers it must never import (besides TOP, which no lower layer imports); implied by ONLY, spelled
+# out for the reader
 NEVER = {
-    "fold": {"hf", "lab", "train", "fuse", "bench"},
+    "fold": {"hf", "lab", "train", "fuse", "bench", "rotate"},
     "lab": {"hf"},
     # hf runs the steps above the engine through the registry (normfold.fold.steps), never importing them
     "hf": {"lab", "fuse", "rotate"},
@@ -53,28 +61,30 @@ def _is_type_checking(node: ast.If) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.AST):
-    """Import nodes anywhere in the tree (function bodies included) except under ``if TYPE_CHECKING:``."""
+def _imports(tree: ast.AST, type_only: bool = False):
+    """Import nodes anywhere in the tree (function bodies included); those under ``if TYPE_CHECKING:``
+    only with ``type_only``."""
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            yield from (n for child in node.orelse for n in _imports_in(child))
+        if isinstance(node, ast.If) and _is_type_checking(node) and not type_only:
+            yield from (n for child in node.orelse for n in _imports_in(child, type_only))
             continue
-        yield from _imports_in(node)
+        yield from _imports_in(node, type_only)
 
 
-def _imports_in(node: ast.AST):
+def _imports_in(node: ast.AST, type_only: bool):
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         yield node
-    yield from _imports(node)
+    yield from _imports(node, type_only)
 
 
-def import_edges(root: Path) -> set[tuple[str, str]]:
-    """``(importer, imported)`` module pairs inside the package at ``root``."""
+def import_edges(root: Path, type_only: bool = False) -> set[tuple[str, str]]:
+    """``(importer, imported)`` module pairs inside the package at ``root``: the imports that run, and
+    with ``type_only`` those under ``if TYPE_CHECKING:`` too."""
     files = {module_name(p, root): p for p in root.rglob("*.py")}
     edges = set()
     for importer, path in files.items():
         package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
-        for node in _imports(ast.parse(path.read_text(), str(path))):
+        for node in _imports(ast.parse(path.read_text(), str(path)), type_only):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             else:
@@ -101,7 +111,7 @@ def violations(edges: set[tuple[str, str]]) -> set[tuple[str, str]]:
         src, dst = layer(importer), layer(imported)
         if src == dst or src in TOP:
             continue
-        if dst in TOP or (src in ONLY and dst not in ONLY[src]) or dst in NEVER.get(src, ()):
+        if dst in TOP or (dst not in LEAVES and dst not in ONLY.get(src, {dst})) or dst in NEVER.get(src, ()):
             bad.add((importer, imported))
     return bad
 
@@ -120,6 +130,118 @@ def test_the_engine_does_not_import_fusion_or_the_lab():
     """The approximate fold and fusion compose at the top level (normfold.convert), not inside normfold.fold."""
     from_fold = {b for a, b in import_edges(SRC) if layer(a) == "fold"}
     assert not {layer(b) for b in from_fold} & {"fuse", "lab", "hf", "normfold", "convert"}
+
+
+def test_every_package_has_a_rule():
+    """A new package (or leaf module) must say what it may import before it can land."""
+    layers = {layer(m) for edge in import_edges(SRC, type_only=True) for m in edge}
+    assert layers >= {"train", "bench", "rotate", "lab", "hf"}
+    assert not layers - set(ONLY) - TOP, f"packages with no rule in ONLY: {sorted(layers - set(ONLY) - TOP)}"
+
+
+def test_the_rules_run_one_way():
+    """No layer may import a layer that may import it, however indirectly: the layers form a stack,
+    so no import can run upward."""
+    def reachable(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in ONLY.get(todo.pop(), set()) - seen:
+                seen.add(nxt)
+                todo.append(nxt)
+        return seen
+    assert not [name for name in ONLY if name in reachable(name)]
+    assert all(not ONLY[leaf] for leaf in LEAVES)
+
+
+def import_cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
+    """The groups of two or more modules that import each other, directly or around a loop (Tarjan)."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_modules_import_each_other_even_for_types():
+    """A type two modules share lives below both (``fold.analyzed_norm``), never in one of them under
+    ``if TYPE_CHECKING:``."""
+    assert import_cycles(import_edges(SRC, type_only=True)) == []
+
+
+def test_a_cycle_through_a_type_only_import_is_found(tmp_path):
+    root = _package(tmp_path, {"fold/analysis.py": "from .affine import steps\n", "fold/affine.py": """
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from .analysis import Norm
+        """})
+    assert import_cycles(import_edges(root)) == []
+    assert import_cycles(import_edges(root, type_only=True)) == [["normfold.fold.affine", "normfold.fold.analysis"]]
+
+
+@pytest.mark.parametrize("importer_layer", sorted(ONLY))
+def test_type_only_imports_keep_the_rules_too(importer_layer):
+    edges = {(a, b) for a, b in import_edges(SRC, type_only=True) if layer(a) == importer_layer}
+    unexpected = violations(edges)
+    assert not unexpected, "imports (TYPE_CHECKING ones included) that run upward:\n" + "\n".join(
+        f"  {a} -> {b}" for a, b in sorted(unexpected))
+
+
+def private_imports(root: Path) -> list[str]:
+    """``file:line: name`` for each private name (``_x``, not a module) imported from another module."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        importer = module_name(path, root)
+        package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom) or not _imports_package(node, root.name):
+                continue
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[: len(parts) - node.level + 1], *([node.module] if node.module else [])])
+            folder = root.parent.joinpath(*base.split("."))
+            for alias in node.names:
+                is_module = (folder / f"{alias.name}.py").is_file() or (folder / alias.name / "__init__.py").is_file()
+                if alias.name.startswith("_") and not alias.name.startswith("__") and not is_module:
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}: {alias.name}")
+    return found
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A name another module needs is public where it is defined (private modules such as ``ops._checks``
+    may be imported; their private names may not)."""
+    found = private_imports(SRC)
+    assert not found, "make these public where they are defined, or move them:\n" + "\n".join(found)
+
+
+def test_a_private_import_is_found_and_a_private_module_is_not(tmp_path):
+    root = _package(tmp_path, {"hf/load.py": "def _first_line(e):\n    return e\n",
+                               "hf/saving.py": "from .load import _first_line\nfrom . import _private_module\n",
+                               "hf/_private_module.py": "", "fold/plan.py": "from ..hf.load import __doc__\n"})
+    assert private_imports(root) == ["normfold/hf/saving.py:1: _first_line"]
 
 
 # Function-local imports of normfold modules hide the import graph from a reader; one stays only to break a
@@ -232,8 +354,25 @@ def test_allowed_and_type_only_imports_are_not_violations(tmp_path):
     ("hf/folder.py", "from ..lab import approximate\n"),
     ("lab/check.py", "from ..hf import load\n"),
     ("train/cbwc.py", "from ..cli import main\n"),
+    # train and bench have rules too, and the leaves are no way around them
+    ("train/trainer.py", "from ..hf.load import CheckpointError\n"),
+    ("train/cbwc.py", "from ..lab import approximate\n"),
+    ("bench/driver.py", "from ..lab import approximate\n"),
+    ("bench/driver.py", "from ..rotate import apply\n"),
+    ("fold/plan.py", "from ..rotate import apply\n"),
+    ("ops/functional.py", "from .._text import first_line\nfrom ..fold import plan\n"),
 ])
 def test_each_rule_refuses_its_forbidden_layer(tmp_path, importer, imported):
-    files = {importer: imported, "fold/plan.py": "", "nn/__init__.py": "", "hf/load.py": "",
-             "lab/approximate.py": "", "cli.py": ""}
+    files = {"fold/plan.py": "", "nn/__init__.py": "", "hf/load.py": "", "lab/approximate.py": "", "cli.py": "",
+             "rotate/apply.py": "", "_text.py": "", importer: imported}
     assert len(violations(import_edges(_package(tmp_path, files)))) == 1
+
+
+def test_a_type_only_import_is_read_when_asked_and_breaks_the_rules_like_any_other(tmp_path):
+    root = _package(tmp_path, {"fold/report.py": """
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from ..lab.approximate import ApproximateReport
+        """, "lab/approximate.py": ""})
+    assert import_edges(root) == set()
+    assert violations(import_edges(root, type_only=True)) == {("normfold.fold.report", "normfold.lab.approximate")}

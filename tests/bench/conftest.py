@@ -4,19 +4,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
+
+import tiny_models
 
 
 @pytest.fixture(scope="session")
 def tiny_gpt2():
     """A function that builds a fresh tiny GPT-2 (1 layer, width 32, 64 positions), the same weights every call."""
-    transformers = pytest.importorskip("transformers")
-
     def build():
-        torch.manual_seed(0)
-        config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
-                                         attn_implementation="eager")
-        return transformers.GPT2LMHeadModel(config).eval()
+        return tiny_models.tiny_gpt2(n_layer=1, vocab_size=100, n_positions=64, attn_implementation="eager").eval()
     return build
 
 

@@ -13,6 +13,7 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the tiny folders of tests/hf
 from hf.conftest import tiny_dirs  # noqa: E402,F401
+from tiny_models import tiny_gpt2
 
 
 @pytest.fixture(scope="module")
@@ -31,9 +32,8 @@ def gpt2_with_tokenizer(tmp_path_factory):
     words = "hello world the cat sat on mat one sentence , inline".split()
     (root / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     tokenizer = transformers.BertTokenizerFast(vocab_file=str(root / "vocab.txt"))
-    config = transformers.GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=16, n_layer=2, n_head=2)
     folder = root / "gpt2"
-    transformers.GPT2LMHeadModel(config).save_pretrained(folder, safe_serialization=True)
+    tiny_gpt2(None, vocab_size=len(tokenizer), n_positions=64, n_embd=16).save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
 
@@ -148,9 +148,8 @@ def test_a_seq_beyond_the_models_positions_is_refused_before_loading(capsys, mon
 
 
 def test_a_seq_within_the_positions_is_used_as_given_and_the_default_fits_a_short_model(capsys, tmp_path):
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
     folder = tmp_path / "short"
-    transformers.GPT2LMHeadModel(config).save_pretrained(folder, safe_serialization=True)
+    tiny_gpt2(None, vocab_size=64, n_positions=16, n_embd=16, n_layer=1).save_pretrained(folder, safe_serialization=True)
     for argv, tokens in ((["--seq", "16"], 16), ([], 16), (["--seq", "5"], 5)):  # the default 32 is cut to 16 positions
         code, out, err = _run(capsys, "inspect", folder, "--json", "--batch", "1", *argv)
         assert code == EXIT_OK, err

@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch import nn
 
+from tiny_models import tiny_gpt2
+
 BATCH, SEQ = 2, 8       # small enough to stay fast, batch 2 so padding/masks are exercised
 VOCAB = 100             # a tiny vocabulary keeps embedding tables and lm_heads cheap
 HIDDEN, HEADS, LAYERS = 32, 2, 2
@@ -52,10 +54,8 @@ def _transformers():
 
 
 def _gpt2() -> nn.Module:
-    t = _transformers()
-    config = t.GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=64,
-                          bos_token_id=0, eos_token_id=0, attn_implementation="eager")
-    return t.GPT2LMHeadModel(config)  # lm_head tied to transformer.wte
+    return tiny_gpt2(None, n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=64,
+                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")  # lm_head tied to transformer.wte
 
 
 def _opt(pre_norm: bool) -> Callable[[], nn.Module]:

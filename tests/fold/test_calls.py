@@ -8,6 +8,8 @@ from torch import nn
 
 import normfold
 
+from tiny_models import tiny_gpt2
+
 C = 8
 
 
@@ -85,10 +87,7 @@ def test_analyze_takes_a_list_and_other_list_contents_are_refused():
 
 
 def test_gpt2_folded_for_input_ids_and_inputs_embeds_is_exact_for_both():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    model = tiny_gpt2(vocab_size=64, n_positions=16, n_embd=16).eval()
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     by_ids = {"input_ids": ids, "use_cache": False}
     by_embeds = {"inputs_embeds": model.transformer.wte(ids).detach(), "use_cache": False}

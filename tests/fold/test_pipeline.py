@@ -9,6 +9,8 @@ from torch import nn
 import normfold
 from normfold.fold import FoldReport
 
+from tiny_models import tiny_gpt2
+
 
 class LinearBatchNormLayerNorm(nn.Module):
     """Linear → BatchNorm1d → LayerNorm → Linear: the LN folds only once the BN is merged into fc."""
@@ -181,10 +183,7 @@ def test_a_batchnorm_one_example_call_does_not_run_is_kept_naming_that_call():
 
 
 def _tiny_gpt2():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=99, n_positions=64)
-    return transformers.GPT2LMHeadModel(config).eval()
+    return tiny_gpt2(n_head=4, vocab_size=99, n_positions=64).eval()
 
 
 def test_the_folder_path_proves_on_a_short_example_that_still_mixes_tokens():

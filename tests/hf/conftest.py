@@ -6,12 +6,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from tiny_models import tiny_gpt2_config
+
 
 def _tiny_configs():
     return {
         # Pre-LN decoder, tied embeddings, Conv1D (in, out) weights
-        "gpt2": transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                        bos_token_id=0, eos_token_id=0),
+        "gpt2": tiny_gpt2_config(bos_token_id=0, eos_token_id=0),
         # Pre-LN decoder, nn.Linear weights, learned positions with an offset
         "opt": transformers.OPTConfig(vocab_size=96, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
                                       num_attention_heads=2, max_position_embeddings=32, word_embed_proj_dim=32,

@@ -17,6 +17,7 @@ from normfold.hf.folder import fold_for_stock
 from normfold.hf.output_dir import REPORT_JSON
 
 import sealing
+from tiny_models import tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -24,10 +25,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 def _gpt2(seed: int = 0):
     """A tiny GPT-2 with trained-looking norms, eager attention (what from_pretrained loads)."""
-    torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
-    model = transformers.GPT2LMHeadModel(config).eval()
+    model = tiny_gpt2(seed, bos_token_id=0, eos_token_id=0, attn_implementation="eager").eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".ln_" in name:

@@ -162,6 +162,7 @@ def test_refuses_a_folded_model_that_still_has_the_exactly_folded_norm():
 @pytest.mark.parametrize("kwargs, error", [
     ({"min_cosine": 0.0}, ValueError),
     ({"min_cosine": 1.5}, ValueError),
+    ({"min_cosine": True}, ValueError),  # a bool is not a bar (Python counts it as the int 1)
     ({"candidates": ["head"]}, ValueError),
 ])
 def test_refuses_bad_arguments(kwargs, error):

@@ -45,8 +45,8 @@ def compile_variant(kind: str, hidden: int, dtype: str, flags: dict):
 
     backward = kind != "fwd"
     plan = launch.plan_launch(hidden, launch.BWD_MAX_BLOCK if backward else launch.FWD_MAX_BLOCK, backward=backward)
-    kernel = {"fwd": kernels._norm_fwd_kernel, "bwd": kernels._norm_bwd_kernel,
-              "row_sums": kernels._norm_bwd_row_sums_kernel}[kind]
+    kernel = {"fwd": kernels.norm_fwd_kernel, "bwd": kernels.norm_bwd_kernel,
+              "row_sums": kernels.norm_bwd_row_sums_kernel}[kind]
     constexprs = dict(flags, BLOCK_N=plan.block_n)
     if kind == "fwd":
         constexprs.update(LOOPED=plan.looped, BLOCK_M=plan.block_m)

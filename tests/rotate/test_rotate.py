@@ -11,6 +11,8 @@ from torch import nn
 import normfold
 from normfold import FoldError
 
+from tiny_models import tiny_gpt2
+
 pytestmark = [pytest.mark.usefixtures("single_thread"),
               pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")]
 
@@ -148,11 +150,8 @@ def test_the_users_model_is_untouched(zoo):
 
 
 def _gpt2_of_width(width: int, heads: int) -> nn.Module:
-    t = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = t.GPT2Config(n_layer=1, n_embd=width, n_head=heads, vocab_size=100, n_positions=64,
-                          attn_implementation="eager")
-    return t.GPT2LMHeadModel(config).eval().double()
+    return tiny_gpt2(n_layer=1, n_embd=width, n_head=heads, vocab_size=100, n_positions=64,
+                     attn_implementation="eager").eval().double()
 
 
 def test_a_width_of_four_times_twelve_gets_a_kronecker_hadamard():

@@ -20,6 +20,8 @@ from normfold.train import GPT, GPTConfig, resolve_config, train
 from normfold.train.cbwc import Centered, PartialCBWCError, bake_, cbwc_, project_centering_
 from normfold.train.trainer import build_model, make_optimizer, train_step
 
+from tiny_models import tiny_gpt2
+
 TINY = dict(n_layer=2, n_head=2, n_embd=16, block_size=16)
 
 
@@ -288,11 +290,7 @@ def test_normfold_train_refuses_cbwc_with_post_placement_before_training_unless_
 
 
 def test_cbwc_works_on_a_hugging_face_gpt2():
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                                     attn_implementation="eager")
-    hf = transformers.GPT2LMHeadModel(config).double().eval()
+    hf = tiny_gpt2(vocab_size=64, n_positions=16, n_embd=16, attn_implementation="eager").double().eval()
     twin = copy.deepcopy(hf)
     ids = torch.randint(64, (2, 12))
     report = normfold.cbwc_(twin, {"input_ids": ids, "use_cache": False})

@@ -3,15 +3,18 @@ the verdict that compares a contender's interval with the A/A control's noise ba
 from __future__ import annotations
 
 import statistics
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .results import BenchRow
+
+class _RatioIntervals(Protocol):
+    """What a verdict reads of a result row (``results.BenchRow``, which imports this module)."""
+
+    ratio_ci: dict[str, tuple[float, float]]
 
 
-def verdict(row: BenchRow, contender: str = "fused") -> str:
+def verdict(row: _RatioIntervals, contender: str = "fused") -> str:
     """``faster`` / ``slower`` when the contender's CI clears the noise band, else ``within noise``.
 
     The band is the A/A control's CI widened to include 1 (just 1 without a control).

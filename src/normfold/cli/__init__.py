@@ -33,6 +33,7 @@ import torch
 
 from .. import __version__
 from .._options import dash_options
+from .._text import first_line as _first_line  # the name its lines use
 from ..fold import FoldError, FoldVerificationError
 from ..hf.load import CheckpointError
 from ..hf.output_dir import disk_full_error
@@ -168,11 +169,6 @@ def _quiet_transformers() -> None:
         return
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..hf.inputs import calibration_batches, is_sentence_encoder, load_tokenizer
-from ..hf.recipe import DEFAULT_MIN_COSINE
+from ..fold.cosine_bar import DEFAULT_MIN_COSINE
 from ..lab.approximate import ApproximateConfig, compare_outputs, mean_pooled, token_outputs
 
 __all__ = ["DEFAULT_MIN_COSINE", "approximate_config", "measure_approximate"]

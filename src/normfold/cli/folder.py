@@ -6,6 +6,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..fold.cosine_bar import is_cosine_bar
 from ..hf.folder import analyze_folder, fold_folder
 from ..hf.load import default_model_path
 from ..hf.streaming import fold_checkpoint, is_sharded
@@ -74,7 +75,7 @@ def _approximate_options(args, source: Path) -> dict:
     if args.calibration is None:
         raise UsageError("--approximate needs --calibration FILE (one sentence per line)")
     min_cosine = DEFAULT_MIN_COSINE if args.min_cosine is None else args.min_cosine
-    if not 0.0 < min_cosine <= 1.0:
+    if not is_cosine_bar(min_cosine):
         raise UsageError(f"--min-cosine must be in (0, 1], got {min_cosine}")
     if args.stream or is_sharded(source):
         raise UsageError("--approximate needs the whole model in memory: not available with --stream or sharded folders")

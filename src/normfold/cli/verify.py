@@ -9,10 +9,11 @@ import json
 import sys
 from pathlib import Path
 
+from ..fold.cosine_bar import DEFAULT_MIN_COSINE, is_cosine_bar
 from ..hf.folder import fold_folder
 from ..hf.judge import partial_remake_exact, verify_folders
 from ..hf.load import resolve_model
-from ..hf.recipe import DEFAULT_MIN_COSINE, Recipe
+from ..hf.recipe import Recipe
 from ..hf.inputs import read_calibration_file
 from ..hf.rotate_folder import rotate_checkpoint, rotate_folder
 from . import _output as output
@@ -22,7 +23,7 @@ from .rotate import measure_sliced, rotation_step, stream_map_for, streaming_rot
 
 
 def _run_verify(args) -> int:
-    if args.min_cosine is not None and not 0.0 < args.min_cosine <= 1.0:  # also refuses NaN
+    if args.min_cosine is not None and not is_cosine_bar(args.min_cosine):
         raise UsageError(f"--min-cosine must be in (0, 1], got {args.min_cosine}")
     if args.calibration is not None and not Path(args.calibration).is_file():
         raise UsageError(f"--calibration: file not found: {args.calibration}")

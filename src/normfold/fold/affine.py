@@ -7,23 +7,20 @@ planning constraints forbid new parameters. Anything else keeps the affine, with
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import fx, nn
 
 from ..nn.kinds import RMS_NORM_TYPES
+from .analyzed_norm import AnalyzedNorm
 from .graph import Captured, describe, op_packet, shape, single_use_param, use_alias
+from .op_kinds import passes_values_on
 from .plan import AffineFoldStep, PlanConstraints
-
-if TYPE_CHECKING:
-    from .analysis import _Norm
 
 _aten = torch.ops.aten
 
-# ops between a norm and the linear layers reading it that keep each row's features as they are
-_PASS_THROUGH = {_aten.view, _aten.reshape, _aten._unsafe_view, _aten.clone, _aten.contiguous, _aten.alias,
-                 _aten._to_copy, _aten.to, _aten.detach, _aten.dropout, _aten.flatten}
+# views between a norm and the linear layers reading it that keep each row's features as they are (when the
+# last dim keeps its width); value copies, casts and eval dropout (``op_kinds.passes_values_on``) do too
+_ROW_VIEWS = {_aten.view, _aten.reshape, _aten._unsafe_view, _aten.flatten}
 _TRANSPOSES = {_aten.t, _aten.numpy_T, _aten.transpose}
 
 
@@ -39,7 +36,7 @@ def _private_weight(node, user: fx.Node, captured: Captured, untied: frozenset) 
     return None
 
 
-def affine_steps(norm: _Norm, model: nn.Module, captured: Captured, untied: frozenset = frozenset(),
+def affine_steps(norm: AnalyzedNorm, model: nn.Module, captured: Captured, untied: frozenset = frozenset(),
                  constraints: PlanConstraints = PlanConstraints()) -> tuple[list[AffineFoldStep], str]:
     """Steps folding the norm's γ/β into every linear consumer, or ([], why not)."""
     if norm.module is None:
@@ -66,9 +63,8 @@ def affine_steps(norm: _Norm, model: nn.Module, captured: Captured, untied: froz
     while frontier:
         current = frontier.pop()
         for user in current.users:
-            packet = op_packet(user)
-            if packet in _PASS_THROUGH and user.args[0] is current and shape(user) and shape(user)[-1] == width \
-                    and not (packet == _aten.dropout and user.args[2:3] == (True,)):
+            keeps_rows = op_packet(user) in _ROW_VIEWS or passes_values_on(user, casts=True)
+            if keeps_rows and user.args[0] is current and shape(user) and shape(user)[-1] == width:
                 frontier.append(user)
                 continue
             if user.op == "output":

@@ -11,15 +11,17 @@ code, shape-only reads and sums in which the changed term cancels exactly ((h + 
 ``cancelling_sum``) are not readers. Which norms fold decides which absorb, so the check runs to a
 fixpoint.
 
-One idea, about 600 lines: the walk, the closedness check and its fixpoint decide together which
-norms fold; splitting them would spread one decision over files (γ/β placement is apart, in affine.py).
+One idea in one file, long (some 680 lines) because the walk, the closedness check and its fixpoint
+decide together which norms fold; splitting them would spread one decision over files. What is
+apart: γ/β placement (``affine.py``), the norm being decided (``analyzed_norm.py``), the ops a walk
+sees through (``op_kinds.py``) and what each op does to zero mean (``rules.py``).
 """
 from __future__ import annotations
 
 import sys
 from fnmatch import fnmatchcase
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import torch
@@ -27,12 +29,14 @@ from torch import fx, nn
 
 from ..nn.kinds import LAYER_NORM_TYPES, RMS_NORM_TYPES
 from .affine import affine_steps
+from .analyzed_norm import AnalyzedNorm
 from .errors import FoldError, KeepPatternError
 from .graph import Captured, describe, module_path, module_stack, shape, single_use_param, use_alias
 from .graph import op_packet as _packet  # the short name reads better in the walks below
 from .layer_scale import LayerScale, find_layer_scales
-from .norm_forms import NormForm, traced_form
-from .plan import AffineFoldStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
+from .norm_forms import traced_form
+from .op_kinds import passes_values_on
+from .plan import CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
 from .rules import (MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, cancelling_sum, classify, live_nodes,
                     make_need, norm_call, reads_only_shape, shift_is_additive, shift_passes)
@@ -106,25 +110,6 @@ class Walker:
         return seen
 
 
-@dataclass
-class _Norm:
-    """One norm module (all the layer_norm nodes it ran) or one functional layer_norm call."""
-
-    path: str
-    kind: str
-    calls: list[NormCall]
-    module: nn.Module | None
-    foldable: bool = False
-    precompute: PrecomputeStep | None = None
-    reason: str = ""
-    blocking_path: tuple[str, ...] = ()
-    zero_mean_graph: set[Need] = field(default_factory=set)
-    params: frozenset = frozenset()
-    affine: list[AffineFoldStep] = field(default_factory=list)
-    form: NormForm | None = None  # what a LayerNorm module computes, from its traced ops (``norm_forms``)
-    forced_keep: bool = False  # kept because another example call cannot fold it (``analyze_calls``)
-
-
 def effective_users(node: fx.Node):
     """Users that read a node's values, seeing through list-returning ops (split, chunk, unbind) to their
     getitems; dead code (no path to an output, no side effect) and shape-only reads (``sym_size``,
@@ -152,7 +137,7 @@ def _has_hooks(module: nn.Module) -> bool:
                 or getattr(module, "_backward_pre_hooks", None))
 
 
-def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
+def _find_norms(model: nn.Module, captured: Captured) -> list[AnalyzedNorm]:
     """Norm calls grouped by the module that owns them, in graph order; then RMSNorm modules the
     graph shows no norm op for (e.g. a decomposed implementation).
 
@@ -161,7 +146,7 @@ def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
     is read from its traced ops (``norm_forms.traced_form``), never assumed from its class: one
     that is not y = LN(x)·(offset + γ) + β is kept, saying what it computes.
     """
-    norms: dict[str, _Norm] = {}
+    norms: dict[str, AnalyzedNorm] = {}
     called: set[str] = set()
     for node in captured.graph.nodes:
         called.update(p for p, _ in module_stack(node))
@@ -189,7 +174,7 @@ def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
         reason = "already an RMSNorm" if call.is_rms else ""
         if module is not None and _has_hooks(module):  # a swap would silently drop them: keep it, say why
             module, reason = None, "kept: the module carries hooks, which replacing it would drop"
-        norms.setdefault(path, _Norm(path, kind, [], module, reason=reason)).calls.append(call)
+        norms.setdefault(path, AnalyzedNorm(path, kind, [], module, reason=reason)).calls.append(call)
     for norm in norms.values():
         if norm.kind == "LayerNorm" and norm.module is not None:
             form = traced_form(norm.calls, norm.path, captured)
@@ -199,7 +184,7 @@ def _find_norms(model: nn.Module, captured: Captured) -> list[_Norm]:
                 norm.form = form
     for path, m in model.named_modules():
         if isinstance(m, RMS_NORM_TYPES) and path in called and path not in norms:
-            norms[path] = _Norm(path, "RMSNorm", [], m, reason="already an RMSNorm")
+            norms[path] = AnalyzedNorm(path, "RMSNorm", [], m, reason="already an RMSNorm")
     return list(norms.values())
 
 
@@ -215,10 +200,7 @@ def _functional_owner(model: nn.Module, call: NormCall) -> tuple[str | None, nn.
     return path, module
 
 
-_LOOKUP_PASS_THROUGH = {_aten.dropout, _aten.clone, _aten.contiguous, _aten.alias, _aten.detach}
-
-
-def _find_precomputable(norms: list[_Norm], captured: Captured) -> list[UntieStep]:
+def _find_precomputable(norms: list[AnalyzedNorm], captured: Captured) -> list[UntieStep]:
     """Mark LayerNorms applied straight to an embedding lookup for precomputing into the table.
 
     Returns the untie steps that give the table's other names (a tied output head) the original.
@@ -231,9 +213,7 @@ def _find_precomputable(norms: list[_Norm], captured: Captured) -> list[UntieSte
         if call.output is not call.node or call.num_dims != 1:  # aten.layer_norm only
             continue
         lookup = call.x
-        while _packet(lookup) in _LOOKUP_PASS_THROUGH and len(lookup.users) == 1:
-            if _packet(lookup) == _aten.dropout and lookup.args[2:3] == (True,):
-                break
+        while passes_values_on(lookup) and len(lookup.users) == 1:  # copies, eval dropout: not casts
             lookup = lookup.args[0]
         if _packet(lookup) != _aten.embedding or len(lookup.users) != 1:
             continue
@@ -257,7 +237,7 @@ def _find_precomputable(norms: list[_Norm], captured: Captured) -> list[UntieSte
     return untie
 
 
-def _walk_norms(walker: Walker, norms: list[_Norm]) -> None:
+def _walk_norms(walker: Walker, norms: list[AnalyzedNorm]) -> None:
     for norm in norms:
         if norm.kind != "LayerNorm" or norm.precompute is not None or norm.forced_keep:
             continue
@@ -288,7 +268,7 @@ def _walk_norms(walker: Walker, norms: list[_Norm]) -> None:
             norm.foldable = True
 
 
-def _close(walker: Walker, norms: list[_Norm], captured: Captured) -> dict[Need, set[fx.Node]]:
+def _close(walker: Walker, norms: list[AnalyzedNorm], captured: Captured) -> dict[Need, set[fx.Node]]:
     """Drop candidates until every changed node is read only where a rule allows it or through ops that
     carry its centering shift to LayerNorms that stay LayerNorms: a fixed point, since which norms fold
     decides which absorb. Failures that hold whatever else folds are dropped first; a failure that only
@@ -333,7 +313,7 @@ class _FoldingSet:
     changed: frozenset                  # nodes whose values centering may change (downstream of centered tensors)
 
     @classmethod
-    def of(cls, walker: Walker, active: list[_Norm], captured: Captured) -> _FoldingSet:
+    def of(cls, walker: Walker, active: list[AnalyzedNorm], captured: Captured) -> _FoldingSet:
         graph_needs = [need for norm in active for need in norm.zero_mean_graph]
         centered = {need.node for need in graph_needs if need.node in captured.param_fqn and walker.memo[need].changed}
         changed, stack = set(), list(centered)
@@ -346,7 +326,7 @@ class _FoldingSet:
                    frozenset(need.node for need in graph_needs), frozenset(changed))
 
 
-def _closedness_failure(walker: Walker, norm: _Norm, parents, captured: Captured,
+def _closedness_failure(walker: Walker, norm: AnalyzedNorm, parents, captured: Captured,
                         folding: _FoldingSet) -> _Failure | None:
     """Why centering this norm's producers would leak into something that no norm absorbs, or None.
 
@@ -482,7 +462,7 @@ def _canonical(fqn: str, captured: Captured) -> str:
     return captured.aliases.get(fqn, (fqn,))[0]
 
 
-def _conflict(norm: _Norm, active: list[_Norm], captured: Captured) -> _Failure | None:
+def _conflict(norm: AnalyzedNorm, active: list[AnalyzedNorm], captured: Captured) -> _Failure | None:
     """A tensor centered along two different (dim, group)s cannot satisfy both requirements."""
     wanted: dict[str, set] = {}
     for other in active:
@@ -569,14 +549,14 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
     return entries, plan, untied
 
 
-def _merged_layer_scales(layer_scales: Mapping[fx.Node, LayerScale], foldable: list[_Norm]) -> list:
+def _merged_layer_scales(layer_scales: Mapping[fx.Node, LayerScale], foldable: list[AnalyzedNorm]) -> list:
     """The merges some folded norm's zero-mean graph walks through (the others would change nothing useful)."""
     walked = {need.node for norm in foldable for need in norm.zero_mean_graph}
     steps = [scale.step for node, scale in layer_scales.items() if scale.step is not None and node in walked]
     return list(dict.fromkeys(steps))
 
 
-def _size_and_eps(norm: _Norm) -> tuple[int, float]:
+def _size_and_eps(norm: AnalyzedNorm) -> tuple[int, float]:
     """The normalized size and eps the norm's traced call used (a module's own attributes for an
     RMSNorm traced without an explicit eps)."""
     call, module = norm.calls[0], norm.module
@@ -584,7 +564,7 @@ def _size_and_eps(norm: _Norm) -> tuple[int, float]:
     return int(size), float(module.eps if call.eps is None else call.eps)
 
 
-def _swap_step(norm: _Norm, to: str) -> SwapStep:
+def _swap_step(norm: AnalyzedNorm, to: str) -> SwapStep:
     """The swap of a norm module: its γ/β stay unless they were folded (``norm.affine``); a LayerNorm's
     come from what its traced call reads (``norm.form``), with the offset of (offset + γ)."""
     folded = bool(norm.affine)
@@ -597,7 +577,7 @@ def _swap_step(norm: _Norm, to: str) -> SwapStep:
                     bias=bias and not folded, offset=offset)
 
 
-def _centering_steps(foldable: list[_Norm], parents, captured: Captured):
+def _centering_steps(foldable: list[AnalyzedNorm], parents, captured: Captured):
     """One CenterStep per distinct tensor; UntieSteps for its names that must keep the original."""
     by_tensor: dict[str, tuple[int, int | None]] = {}
     norm_of: dict[str, str] = {}  # canonical tensor -> a norm that centers it (for the error below)

@@ -23,16 +23,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 from torch import fx, nn
 
-from .graph import Captured, op_name
+from .._text import dtype_name
+from .graph import Captured, op_name, op_packet, owner_path
 from .math import identity_batchnorm_variance
+from .op_kinds import BATCH_NORM_OPS, LINEAR_PRODUCER_OPS, passes_values_on
 from .plan import BatchNormFoldStep, PlanConstraints
 
-_PASSTHROUGH = {"aten.dropout", "aten.clone", "aten.alias", "aten._to_copy", "aten.contiguous", "aten.feature_dropout"}
-_PRODUCER_OPS = {"aten.linear", "aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.convolution"}
-_BATCH_NORM_OPS = {"aten.batch_norm", "aten._native_batch_norm_legit_no_training", "aten._native_batch_norm_legit",
-                   "aten.native_batch_norm", "aten._batch_norm_with_update", "aten._batch_norm_no_update"}
 _PRODUCER_MODULES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
@@ -74,7 +73,7 @@ def plan_batchnorms(model: nn.Module, captures: list[Captured], constraints: Pla
 def _plan_one_call(model: nn.Module, captured: Captured, constraints: PlanConstraints):
     steps, entries, seen = [], [], set()
     for node in captured.graph.nodes:
-        if _op(node) not in _BATCH_NORM_OPS:
+        if op_packet(node) not in BATCH_NORM_OPS:
             continue
         path = _bn_path(captured, node)
         if path is None or path in seen:
@@ -95,10 +94,10 @@ def _producer(captured: Captured, node: fx.Node) -> tuple[fx.Node, str | None, b
     """(the node the BatchNorm reads through pass-through ops, the module owning it if it is a
     Linear/Conv op, whether the BatchNorm is the only reader of that output)."""
     x, private = node.args[0], True
-    while _op(x) in _PASSTHROUGH:
+    while passes_values_on(x, casts=True):
         private &= len(x.users) == 1
         x = x.args[0]
-    producer = _owner(captured, x.args[1]) if _op(x) in _PRODUCER_OPS and len(x.args) > 1 else None
+    producer = owner_path(captured, x.args[1]) if op_packet(x) in LINEAR_PRODUCER_OPS and len(x.args) > 1 else None
     return x, producer, private and len(x.users) == 1
 
 
@@ -109,8 +108,8 @@ def _refusal(model, bn, producer, private, captured, x, constraints: PlanConstra
     if getattr(bn, "running_mean", None) is None or getattr(bn, "running_var", None) is None:
         return "no running statistics (track_running_stats=False): it always uses batch statistics"
     if producer is None:
-        return f"its input is not a Linear/Conv output but {_op(x) or x.op}"
-    if _op(x) == "aten.convolution" and len(x.args) > 6 and x.args[6]:
+        return f"its input is not a Linear/Conv output but {op_name(x) if x.op == 'call_function' else x.op}"
+    if op_packet(x) == torch.ops.aten.convolution and len(x.args) > 6 and x.args[6]:
         return f"{producer} is a transposed convolution (output channels are not on weight dim 0)"
     if not private:
         return f"the output of {producer} is also used elsewhere: scaling its weights would change that use"
@@ -124,7 +123,7 @@ def _refusal(model, bn, producer, private, captured, x, constraints: PlanConstra
         return f"the stock architecture has no {producer}.bias to absorb its shift"
     stored = constraints.keep_modules_in
     if stored is not None and identity_batchnorm_variance(float(bn.eps), stored) is None:
-        return (f"the checkpoint keeps this BatchNorm's keys, and in {str(stored).replace('torch.', '')} no stored "
+        return (f"the checkpoint keeps this BatchNorm's keys, and in {dtype_name(stored)} no stored "
                 f"running variance makes it an exact identity (1 − eps + eps ≠ 1 there, eps={bn.eps})")
     return None
 
@@ -138,15 +137,6 @@ def _step(model: nn.Module, path: str, bn: nn.Module, producer: str, keep_module
         beta_fqn=f"{path}.bias" if bn.bias is not None else None, eps=float(bn.eps), keep_module=keep_module)
 
 
-def _op(node) -> str:
-    return op_name(node) if isinstance(node, fx.Node) and node.op == "call_function" else ""
-
-
-def _owner(captured: Captured, node) -> str | None:
-    fqn = (captured.param_fqn.get(node) or captured.buffer_fqn.get(node)) if isinstance(node, fx.Node) else None
-    return fqn.rpartition(".")[0] if fqn else None
-
-
 def _bn_path(captured: Captured, node: fx.Node) -> str | None:
     """The BatchNorm module that owns this node: via its weight, else its running mean."""
-    return _owner(captured, node.args[1]) or _owner(captured, node.args[3] if len(node.args) > 3 else None)
+    return owner_path(captured, node.args[1]) or owner_path(captured, node.args[3] if len(node.args) > 3 else None)

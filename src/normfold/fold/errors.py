@@ -1,7 +1,11 @@
-"""Exceptions of the fold engine."""
+"""Exceptions of the fold engine, and :class:`CheckpointError`, the user error for the files the layers
+above it read and write (``hf``'s folders, ``train``'s output folder and resume state): defined in the
+lowest layer both import, so ``train`` need not import ``hf`` for it."""
 from __future__ import annotations
 
 from contextlib import contextmanager
+
+from .._text import first_line
 
 
 class FoldError(RuntimeError):
@@ -15,6 +19,10 @@ class FoldVerificationError(FoldError):
 class KeepPatternError(FoldError, ValueError):
     """A ``keep`` pattern that matches no norm of the model (a typo would otherwise keep nothing, silently).
     A ValueError (the caller's argument), and a FoldError subclass so the pipeline passes it on as it is."""
+
+
+class CheckpointError(ValueError):
+    """A folder cannot be read as a model, or the output folder cannot be written: a user error."""
 
 
 def model_name(model) -> str:
@@ -34,5 +42,4 @@ def failures_as_fold_error(name: str, step: str):
             raise  # a subclass carries its own meaning (and arguments): kept as it is
         raise FoldError(f"{name}: {step}: {err}") from err
     except Exception as err:  # noqa: BLE001  the model's own code, or an engine bug: either way, say where
-        message = (str(err).strip().splitlines() or [""])[0][:300]
-        raise FoldError(f"{name}: {step} failed: {type(err).__name__}: {message}") from err
+        raise FoldError(f"{name}: {step} failed: {type(err).__name__}: {first_line(err, 300)}") from err

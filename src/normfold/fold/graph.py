@@ -12,6 +12,7 @@ from typing import Callable, TypeVar
 import torch
 from torch import fx, nn
 
+from .._text import dtype_name, first_line
 from .errors import FoldError
 
 
@@ -63,7 +64,7 @@ def describe_call(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, str]
     for name, value in named.items():
         for path, leaf in pytree.tree_flatten_with_path(value, is_leaf=lambda v: v is None)[0]:
             if isinstance(leaf, torch.Tensor):
-                text = f"tensor {tuple(leaf.shape)} {str(leaf.dtype).replace('torch.', '')}"
+                text = f"tensor {tuple(leaf.shape)} {dtype_name(leaf.dtype)}"
             else:
                 text = repr(leaf) if len(repr(leaf)) <= 60 else repr(leaf)[:57] + "..."
             described[name + pytree.keystr(path)] = text
@@ -115,7 +116,7 @@ def capture(model: nn.Module, example_inputs) -> Captured:
         except Exception as exc:  # export raises many exception types; all mean "cannot capture"
             raise FoldError(
                 f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}. Try other example inputs "
+                f"{first_line(exc)}. Try other example inputs "
                 "(e.g. use_cache=False for Hugging Face models), or fold a submodule that export can capture."
             ) from exc
     sig = ep.graph_signature
@@ -186,9 +187,25 @@ def describe(node: fx.Node) -> str:
     return f"{op_name(node)} at {path}" if path else op_name(node)
 
 
-def op_packet(node: fx.Node):
-    """The aten overload packet a ``call_function`` node runs (``aten.add``), None for other nodes."""
-    return getattr(node.target, "overloadpacket", None) if node.op == "call_function" else None
+def op_packet(node) -> object | None:
+    """The aten overload packet a ``call_function`` node runs (``aten.add``), None for other nodes and
+    for values that are not nodes (literals in an op's arguments)."""
+    if not isinstance(node, fx.Node) or node.op != "call_function":
+        return None
+    return getattr(node.target, "overloadpacket", None)
+
+
+def node_arg(node: fx.Node, index: int, name: str, default=None):
+    """An op's argument given positionally at ``index`` or by keyword ``name`` (``default`` when absent)."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def owner_path(captured: Captured, node) -> str | None:
+    """The path of the module owning a parameter or buffer placeholder (None for any other value)."""
+    fqn = (captured.param_fqn.get(node) or captured.buffer_fqn.get(node)) if isinstance(node, fx.Node) else None
+    return fqn.rpartition(".")[0] if fqn else None
 
 
 def use_alias(captured: Captured, param: fx.Node, user: fx.Node) -> str:

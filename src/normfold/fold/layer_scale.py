@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from .batchnorm import _PASSTHROUGH, _PRODUCER_OPS, _op  # the same producers and pass-through ops as BatchNorm's
-from .graph import Captured, describe, shape
+from .graph import Captured, describe, op_packet, shape
+from .op_kinds import LINEAR_PRODUCER_OPS, passes_values_on  # the same producers and pass-through ops as BatchNorm's
 from .plan import LayerScaleStep
 
 _aten = torch.ops.aten
@@ -50,7 +50,7 @@ def find_layer_scales(captured: Captured) -> dict[fx.Node, LayerScale]:
 
 
 def _layer_scale(node: fx.Node, captured: Captured) -> LayerScale | None:
-    if _op(node) != "aten.mul" or len(node.args) != 2 or shape(node) is None:
+    if op_packet(node) != _aten.mul or len(node.args) != 2 or shape(node) is None:
         return None
     for gamma, x in (node.args, node.args[::-1]):
         if isinstance(gamma, fx.Node) and gamma in captured.param_fqn and isinstance(x, fx.Node) \
@@ -59,10 +59,10 @@ def _layer_scale(node: fx.Node, captured: Captured) -> LayerScale | None:
     else:
         return None
     producer, private = x, len(x.users) == 1
-    while _op(producer) in _PASSTHROUGH and not (_op(producer) == "aten.dropout" and producer.args[2:3] == (True,)):
+    while passes_values_on(producer, casts=True):
         producer = producer.args[0]
         private &= len(producer.users) == 1
-    if _op(producer) not in _PRODUCER_OPS or not _per_output_channel(shape(gamma), producer):
+    if op_packet(producer) not in LINEAR_PRODUCER_OPS or not _per_output_channel(shape(gamma), producer):
         return None  # not a layer scale: the rules table judges the multiply
     fqn = captured.param_fqn[gamma]
     weight, bias = producer.args[1], producer.args[2] if len(producer.args) > 2 else None
@@ -79,14 +79,14 @@ def _per_output_channel(gamma_shape, producer: fx.Node) -> bool:
     out = shape(producer)
     if gamma_shape is None or out is None or len(gamma_shape) == 0:
         return False
-    if _op(producer) == "aten.linear":
+    if op_packet(producer) == _aten.linear:
         return tuple(gamma_shape) == (out[-1],) and out[-1] > 1
     return tuple(gamma_shape) == (out[1], *[1] * (len(out) - 2)) and out[1] > 1
 
 
 def _refusal(captured: Captured, gamma: fx.Node, producer: fx.Node, private: bool, weight, bias) -> str:
     """Why γ cannot move into the producer ('' when it can)."""
-    if _op(producer) == "aten.convolution" and len(producer.args) > 6 and producer.args[6]:
+    if op_packet(producer) == _aten.convolution and len(producer.args) > 6 and producer.args[6]:
         return "a transposed convolution (output channels are not on weight dim 0)"
     if len(gamma.users) != 1 or len(captured.aliases.get(captured.param_fqn[gamma], ())) > 1:
         return "γ is also read elsewhere (setting it to 1 would change that use)"

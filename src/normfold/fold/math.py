@@ -1,6 +1,6 @@
 """Pure tensor math of folding: no modules, usable on checkpoint tensors one at a time.
 
-Each computes in ``compute_dtype(t)`` and casts back to the input dtype.
+Each computes in ``weight_math_dtype(t)`` and casts back to the input dtype.
 """
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from ..ops import centering
 from ..ops.centering import check_centering
 
 
-def compute_dtype(t: Tensor) -> torch.dtype:
-    """float64 for float32/float64 storage (results correctly rounded to float32); float32 for
-    16-bit storage, whose rounding (≥ 2⁻¹¹ relative) dwarfs float32's 2⁻²⁴, at half the memory
-    traffic and a fraction of the time on checkpoints of billions of half-precision weights."""
+def weight_math_dtype(t: Tensor) -> torch.dtype:
+    """The dtype the fold's weight math runs in: float64 for float32/float64 storage (results
+    correctly rounded to float32); float32 for 16-bit storage, whose rounding (≥ 2⁻¹¹ relative)
+    dwarfs float32's 2⁻²⁴, at half the memory traffic and a fraction of the time on checkpoints of
+    billions of half-precision weights. (The norm ops' "compute dtype", ``normfold.ops.reference``,
+    is another thing: float32 for 16-bit and float32 inputs.)"""
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else torch.float64
 
 
@@ -22,11 +24,11 @@ def center(t: Tensor, dim: int, group: int | None = None) -> Tensor:
     """t − mean(t) along ``dim``, the mean taken per contiguous ``group`` elements (None: whole dim).
 
     For a linear weight W (out, in) and dim=0 this is W ← (I − 11ᵀ/m)·W: every output is then
-    zero-mean over the outputs, whatever the input. Detached, in ``compute_dtype(t)``
+    zero-mean over the outputs, whatever the input. Detached, in ``weight_math_dtype(t)``
     (``normfold.ops.centering.center`` is the differentiable one in t's dtype).
     """
     dim = check_centering(t, dim, group)
-    return centering.center(t.detach().to(compute_dtype(t)), dim, group).to(t.dtype)
+    return centering.center(t.detach().to(weight_math_dtype(t)), dim, group).to(t.dtype)
 
 
 def fold_affine_into_consumer(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta: Tensor | None,
@@ -45,7 +47,7 @@ def fold_affine_into_consumer(weight: Tensor, bias: Tensor | None, gamma: Tensor
             raise ValueError(f"{name} must have shape ({n_in},) to match the weight's input dim, got {tuple(v.shape)}")
     if bias is not None and bias.shape != (n_out,):
         raise ValueError(f"bias must have shape ({n_out},), got {tuple(bias.shape)}")
-    dtype = compute_dtype(weight)
+    dtype = weight_math_dtype(weight)
     w = weight.detach().to(dtype)
     w_io = w if in_dim == 0 else w.t()  # (in, out)
     new_b = None if bias is None else bias.detach().to(dtype)
@@ -62,7 +64,7 @@ def fold_affine_into_consumer(weight: Tensor, bias: Tensor | None, gamma: Tensor
 def layer_norm_rows(table: Tensor, gamma: Tensor | None, beta: Tensor | None, eps: float) -> Tensor:
     """LayerNorm of every row of an embedding table: LN(W)[idx] = LN(W[idx]), so a norm applied
     right after a lookup can be precomputed into the table."""
-    dtype = compute_dtype(table)
+    dtype = weight_math_dtype(table)
     x = table.detach().to(dtype)
     centered = x - x.mean(-1, keepdim=True)
     y = centered * torch.rsqrt(centered.square().mean(-1, keepdim=True) + eps)
@@ -86,7 +88,7 @@ def fold_batchnorm_into_producer(weight: Tensor, bias: Tensor | None, running_me
         if v is not None and v.shape != (n_out,):
             raise ValueError(f"{name} must have shape ({n_out},) to match the weight's output channels, "
                              f"got {tuple(v.shape)}")
-    dtype = compute_dtype(weight)
+    dtype = weight_math_dtype(weight)
     scale = torch.rsqrt(running_var.detach().to(dtype) + eps)
     if gamma is not None:
         scale = scale * gamma.detach().to(dtype)
@@ -111,7 +113,7 @@ def scale_output_channels(weight: Tensor, bias: Tensor | None, scale: Tensor) ->
         raise ValueError(f"scale must hold one value per output channel ({n_out}), got shape {tuple(scale.shape)}")
     if bias is not None and bias.shape != (n_out,):
         raise ValueError(f"bias must have shape ({n_out},), got {tuple(bias.shape)}")
-    dtype = compute_dtype(weight)
+    dtype = weight_math_dtype(weight)
     gamma = scale.detach().to(dtype).reshape(n_out)
     new_weight = weight.detach().to(dtype) * gamma.reshape(-1, *([1] * (weight.dim() - 1)))
     new_bias = None if bias is None else (bias.detach().to(dtype) * gamma).to(bias.dtype)

@@ -16,8 +16,11 @@ would change the model, so those are Breaks. A question may also be asked jointl
 dims (features split and permuted by layout ops); only layout rules answer those. Unknown ops
 break: never a guess.
 
-One idea in one file, long because it is a table: a few lines of rule per op family and, at the
-end, ``_TABLE`` mapping the aten ops to them; splitting it would spread one table over files.
+One idea in one file, long (some 1,100 lines) because it is a table: a few lines of rule per op
+family, each next to its shift rule, and at the end ``_TABLE`` mapping the aten ops to both; split
+by family, every new op would touch the table and a family file, and a reader would follow one
+answer across files. Which ops pass values on unchanged (copies, casts, eval dropout) and which
+are norms is not the table's to say: ``op_kinds.py`` defines those once for every walk.
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ import torch
 from torch import fx
 
 from .graph import Captured, op_name, per_graph, shape
+from .graph import node_arg as _arg  # the short name reads better in the many rules below
+from .op_kinds import (CAST_OP_NAMES, COPY_OP_NAMES, DROPOUT_OP_NAMES, aten_packets, is_training_dropout, norm_node_kind,
+                       through_value_copies)
 
 _aten = torch.ops.aten
 
@@ -83,10 +89,11 @@ class NormCall:
 
 
 def norm_call(node: fx.Node) -> NormCall | None:
-    """Recognize a norm over trailing dims; fused-residual and offset variants are not norms here."""
-    if node.op != "call_function":
+    """Recognize a norm over trailing dims (a LayerNorm or RMSNorm by ``op_kinds.norm_node_kind``);
+    fused-residual and offset variants are not norms here."""
+    if norm_node_kind(node) not in ("LayerNorm", "RMSNorm"):
         return None
-    packet = getattr(node.target, "overloadpacket", None)
+    packet = node.target.overloadpacket
     if packet == _aten.layer_norm:
         return NormCall(node, node.args[0], _arg(node, 2, "weight"), _arg(node, 3, "bias"), _arg(node, 4, "eps", 1e-5),
                         False, node, len(node.args[1]))
@@ -205,12 +212,6 @@ def _schema_arguments(schema, node: fx.Node):
             yield argument, node.kwargs[argument.name]
 
 
-def _arg(node: fx.Node, index: int, name: str, default=None):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
 def _rank(node: fx.Node) -> int:
     return len(shape(node))
 
@@ -283,7 +284,7 @@ def _same_dim(node, dim, group):
 
 
 def _dropout(node, dim, group):
-    if _arg(node, 2, "train", False):
+    if is_training_dropout(node):
         return Break("dropout in training mode")
     return _same_dim(node, dim, group)
 
@@ -404,20 +405,11 @@ def _overwrites(node: fx.Node) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
-def _through_copies(node):
-    """The node a chain of value copies (clone, contiguous, alias, detach, eval dropout) reads."""
-    while isinstance(node, fx.Node) and node.op == "call_function" and node.args and (
-            getattr(node.target, "overloadpacket", None) in _COPY_OPS
-            or (getattr(node.target, "overloadpacket", None) in _DROPOUT_OPS and not _arg(node, 2, "train", False))):
-        node = node.args[0]
-    return node
-
-
 def _same_layout_value(a, b) -> bool:
     """Structural equality of two arguments, seen through copies: nodes of the same layout op on equal
     arguments, lists elementwise, literals by ==."""
     if isinstance(a, fx.Node) or isinstance(b, fx.Node):
-        a, b = _through_copies(a), _through_copies(b)
+        a, b = through_value_copies(a), through_value_copies(b)
         if a is b:
             return True
         if not (isinstance(a, fx.Node) and isinstance(b, fx.Node)) or a.op != "call_function" or a.target != b.target \
@@ -875,7 +867,7 @@ def _shift_same(node, operand, dims):
 
 
 def _shift_dropout(node, operand, dims):
-    return None if _arg(node, 2, "train", False) else _shift_same(node, operand, dims)
+    return None if is_training_dropout(node) else _shift_same(node, operand, dims)
 
 
 def _shift_add_sub(node, operand, dims):
@@ -1038,22 +1030,17 @@ def _shift_getitem(node, operand, dims):
 # --------------------------------------------------------------------------- the table
 
 
-def _packets(*names: str):
-    return [getattr(_aten, n) for n in names if hasattr(_aten, n)]
-
-
-_ZERO_OPS = set(_packets("zeros", "zeros_like", "new_zeros"))
+_ZERO_OPS = set(aten_packets("zeros", "zeros_like", "new_zeros"))
 # op -> index of its fill value: full(size, v), full_like(x, v), fill(x, v), new_full(x, size, v)
-_FULL_OPS = {**{p: 1 for p in _packets("full", "full_like", "fill")}, **{p: 2 for p in _packets("new_full")}}
+_FULL_OPS = {**{p: 1 for p in aten_packets("full", "full_like", "fill")}, **{p: 2 for p in aten_packets("new_full")}}
 
 # (aten op names, zero-mean rule, shift rule): the whole table, read top to bottom; an op listed twice
 # takes its last rules. The shift column (None: the op does not pass a shift) is read by the
 # closedness check: where a ones-vector shift that centering adds to an input comes out.
 _TABLE: list[tuple[tuple[str, ...], Callable[[fx.Node, int, int | None], Answer], Callable | None]] = [
     # value-preserving: copies, casts, eval dropout
-    (("clone", "contiguous", "alias", "_to_copy", "to", "detach", "lift_fresh_copy", "type_as", "positive"),
-     _same_dim, _shift_same),
-    (("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"), _dropout, _shift_dropout),
+    ((*COPY_OP_NAMES, *CAST_OP_NAMES), _same_dim, _shift_same),
+    (DROPOUT_OP_NAMES, _dropout, _shift_dropout),
     # arithmetic (in place: the same rule if nothing else reads the overwritten tensor)
     (("add", "sub"), _add_sub, _shift_add_sub), (("add_", "sub_"), _in_place(_add_sub), _shift_in_place(_shift_add_sub)),
     (("mul",), _mul, _shift_mul), (("mul_",), _in_place(_mul), _shift_in_place(_shift_mul)),
@@ -1082,35 +1069,33 @@ _TABLE: list[tuple[tuple[str, ...], Callable[[fx.Node, int, int | None], Answer]
     (("layer_norm",), _layer_norm_source, None),
 ]
 RULES: dict[object, Callable[[fx.Node, int, int | None], Answer]] = {
-    packet: rule for names, rule, _ in _TABLE for packet in _packets(*names)}
+    packet: rule for names, rule, _ in _TABLE for packet in aten_packets(*names)}
 RULES[operator.getitem] = _getitem
 RULES[_aten.convolution] = lambda n, d, g: _conv(n, d, g, transposed_index=6, groups_index=8)
 RULES.update(dict.fromkeys((*_ZERO_OPS, *_FULL_OPS), _zero_source))
 SHIFT_RULES: dict[object, Callable[[fx.Node, fx.Node, int], int | None]] = {
-    packet: shift for names, _, shift in _TABLE if shift is not None for packet in _packets(*names)}
+    packet: shift for names, _, shift in _TABLE if shift is not None for packet in aten_packets(*names)}
 SHIFT_RULES[operator.getitem] = _shift_getitem
 
-SHIFT_ADDITIVE = set(_packets("add", "sub", "add_", "sub_", "cat", "concat", "concatenate", "stack"))
+SHIFT_ADDITIVE = set(aten_packets("add", "sub", "add_", "sub_", "cat", "concat", "concatenate", "stack"))
 
 # rules that also answer for a block of dims (pure layout: copies, casts, reshapes, permutations; scaling by a number)
 BLOCK_RULES = {_same_dim, _dropout, _view, _permute, _transpose, _t, _numpy_t, _layer_norm_source, _mul, _div}
 
 # ops that only read metadata (shape, dtype): a change of their input's values cannot reach them
-METADATA_OPS = set(_packets("_assert_tensor_metadata", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+METADATA_OPS = set(aten_packets("_assert_tensor_metadata", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
                             "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones",
                             "new_empty", "new_full"))
 # ops whose output is always new memory (never their input, never a view of it)
-_FRESH_OUTPUT_OPS = set(_packets(
+_FRESH_OUTPUT_OPS = set(aten_packets(
     "linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "conv1d", "conv2d", "conv3d", "convolution", "add", "sub",
     "mul", "div", "neg", "embedding", "layer_norm", "rms_norm", "gelu", "relu", "silu", "tanh", "softmax", "cat",
     "stack", "clone", "scaled_dot_product_attention"))
-# ops that copy their first input's values (eval dropout too, in _DROPOUT_OPS), and ops that only move values
-# (bitwise exact): what ``same_value`` sees through and compares
-_COPY_OPS = set(_packets("clone", "contiguous", "alias", "detach", "lift_fresh_copy", "positive"))
-_DROPOUT_OPS = set(_packets("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout"))
-_LAYOUT_OPS = set(_packets("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze",
+# ops that only move values (bitwise exact): what ``same_value`` compares, seeing through value copies
+# (``op_kinds.through_value_copies``)
+_LAYOUT_OPS = set(aten_packets("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze",
                            "permute", "transpose", "t", "expand", "slice", "select", "cat", "concat", "stack"))
 # ops whose result is a list consumed through getitem
-MULTI_OUTPUT_OPS = set(_packets(*_SPLIT_DIM_ARG))
+MULTI_OUTPUT_OPS = set(aten_packets(*_SPLIT_DIM_ARG))
 # op -> the argument read only for its shape (or dtype): ``expand_as(x, other)``, ``view_as(x, other)``
-_SHAPE_SOURCE_ARG = {p: 1 for p in _packets("expand_as", "view_as", "reshape_as", "type_as")}
+_SHAPE_SOURCE_ARG = {p: 1 for p in aten_packets("expand_as", "view_as", "reshape_as", "type_as")}

@@ -31,6 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from .._text import dtype_name, first_line
 from ..nn import RMSNorm
 from .errors import FoldVerificationError, failures_as_fold_error, model_name
 from .graph import eval_mode, split_example_calls
@@ -156,7 +157,7 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
         if judge_model_dtype:
             why = None if returned_why is None else f"in {dtype_name(model_dtype)}: {returned_why}"
             if why is None:
-                own_error_in_model_dtype = _own_error(ref_outputs, own_outputs, model_dtype, dtype)
+                own_error_in_model_dtype = outputs_own_error(ref_outputs, own_outputs, model_dtype, dtype)
                 bar, bar_rule = measured_tolerance(own_error_in_model_dtype, model_dtype,
                                                    multiple=MODEL_DTYPE_OWN_ERROR_MULTIPLE)
                 check = ModelDtypeCheck(dtype_name(model_dtype), own_rel, own_error_in_model_dtype, bar, bar_rule,
@@ -173,7 +174,7 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
             if low_outputs is None:
                 low = _cast_copy(original, stored_dtype)
                 low_outputs = [model_outputs(low, *cast_floats(run, stored_dtype)) for run in inputs]
-            stored_own = _own_error(ref_outputs, low_outputs, stored_dtype, dtype)
+            stored_own = outputs_own_error(ref_outputs, low_outputs, stored_dtype, dtype)
         tolerance, rule = measured_tolerance(stored_own, stored_dtype)
     else:
         tolerance, rule = 0.0, "not measured: the outputs could not be compared"
@@ -191,7 +192,7 @@ def _outputs_if_usable(reference: nn.Module, runs, own_outputs, dtype: torch.dty
     except Exception as err:  # noqa: BLE001  any failure of the model's own code in float64
         if own_outputs is None:
             raise
-        return None, f"it raises {type(err).__name__} in {dtype_name(dtype)}: {_first_line(err)}"
+        return None, f"it raises {type(err).__name__} in {dtype_name(dtype)}: {first_line(err, 200)}"
     for i, (ref, own) in enumerate(zip(ref_outputs, own_outputs or ())):
         for (name, r), (_, o) in zip(ref, own):
             if isinstance(r, Tensor) and isinstance(o, Tensor) and r.is_floating_point() and r.shape == o.shape:
@@ -200,10 +201,6 @@ def _outputs_if_usable(reference: nn.Module, runs, own_outputs, dtype: torch.dty
                     return None, (f"input {i}: {name} has {lost} inf/nan elements in {dtype_name(dtype)} that are "
                                   f"finite in {dtype_name(o.dtype)}")
     return ref_outputs, None
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [""])[0][:200]
 
 
 def _verify_in_own_dtype(original: nn.Module, folded: nn.Module, inputs, own_outputs, unusable: str, *,
@@ -243,7 +240,7 @@ def perturbed_own_error(model: nn.Module, runs, outputs, rounding_dtype: torch.d
             if t.is_floating_point():
                 signs = torch.randint(0, 2, t.shape, generator=generator).double() * 2 - 1
                 t.copy_((t.double() * (1 + eps * signs)).to(t.dtype))
-    return _own_error(outputs, [model_outputs(perturbed, *run) for run in runs], rounding_dtype, rounding_dtype)
+    return outputs_own_error(outputs, [model_outputs(perturbed, *run) for run in runs], rounding_dtype, rounding_dtype)
 
 
 def measured_tolerance(own: float, stored_dtype: torch.dtype, *, measured_as: str | None = None,
@@ -274,10 +271,10 @@ def own_error(model: nn.Module, inputs: list[tuple[tuple, dict]], low_dtype: tor
     reference = _cast_copy(model, dtype) if reference is None else reference
     low = _cast_copy(model, low_dtype)
     ref = [model_outputs(reference, *cast_floats(run, dtype)) for run in inputs]
-    return _own_error(ref, [model_outputs(low, *cast_floats(run, low_dtype)) for run in inputs], low_dtype, dtype)
+    return outputs_own_error(ref, [model_outputs(low, *cast_floats(run, low_dtype)) for run in inputs], low_dtype, dtype)
 
 
-def _own_error(ref_outputs, low_outputs, low_dtype: torch.dtype, dtype: torch.dtype) -> float:
+def outputs_own_error(ref_outputs, low_outputs, low_dtype: torch.dtype, dtype: torch.dtype) -> float:
     """Max :func:`rounding_error` of the low-precision outputs against the reference ones, per run."""
     worst = 0.0
     for ref, out in zip(ref_outputs, low_outputs):
@@ -403,11 +400,6 @@ def flatten_outputs(value, prefix: str = "out") -> list[tuple[str, object]]:
 
 def _is_plain_dataclass(value) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type) and type(value) not in pytree.SUPPORTED_NODES
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``float16`` for ``torch.float16``: how messages name a dtype."""
-    return str(dtype).replace("torch.", "")
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._text import dtype_name
 from ..fold import FoldVerificationError, fold_within, run_steps, verify
 from ..fold.pipeline import plan_fold, rms_norm_paths
 from ..fold.plan import FoldConfig
@@ -41,8 +42,8 @@ Step = Callable[[str], None]  # called with a description before each slow step 
 ApproximateStep = Callable[[list, bool], Any]
 
 
-def _noop(_: str) -> None:
-    pass
+def silent_step(_: str) -> None:
+    """The default ``step`` callback: says nothing."""
 
 
 def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
@@ -55,11 +56,11 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
     if not isinstance(config, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got {type(config).__name__}")
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
-    return DTYPES.get(str(name).replace("torch.", ""), torch.float32)
+    return DTYPES.get(dtype_name(name), torch.float32)
 
 
 def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, trust_remote_code: bool = False,
-                   keep=(), calls=(), step: Step = _noop) -> dict[str, Any]:
+                   keep=(), calls=(), step: Step = silent_step) -> dict[str, Any]:
     """The fold engine's per-norm analysis of a Hugging Face folder, planned as ``fold_folder`` plans it
     with the same ``fold_affine``, ``keep`` and ``calls``: the two reports agree on every norm."""
     step("loading")
@@ -75,7 +76,7 @@ def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, tr
 def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
                 dtype: str | None = None, overwrite: bool = False, trust_remote_code: bool = False,
                 calibration_file: str | os.PathLike | None = None, approximate: ApproximateStep | None = None,
-                keep=(), calls=(), step: Step = _noop) -> dict[str, Any]:
+                keep=(), calls=(), step: Step = silent_step) -> dict[str, Any]:
     """Fold a folder, verify in float64, and write OUT_DIR only if the verification passes.
 
     The model is folded in float32 (upcast from a half-precision checkpoint) and saved in
@@ -128,13 +129,13 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
             saved_check = {"ok": None, "skipped": "approximate fold: its replaced norms are judged by the cosine bar "
                                                   "on the calibration set, not by an exact bound"}
         else:
-            step(f"verifying the weights rounded to {_dtype_name(save_dtype)}")
+            step(f"verifying the weights rounded to {dtype_name(save_dtype)}")
             saved_check = check_rounded(model, folded, inputs, save_dtype, report.plan)
         layout = folded_layout(folded)
         step("saving")
         save_folded(folded, tmp, dtype=save_dtype,
                     normfold_only=not layout["stock_compatible"] or bool(approx and approx.num_approximate))
-        out = folder_report(report, layout, saved_dtype=_dtype_name(save_dtype), approximate=approx,
+        out = folder_report(report, layout, saved_dtype=dtype_name(save_dtype), approximate=approx,
                             model=describe_model(model, model_dir), fold_affine=fold_affine,
                             skipped_files=copy_side_files(model_dir, tmp))
         out["verification"]["saved_dtype_check"] = saved_check
@@ -161,13 +162,9 @@ def check_rounded(model, folded, example_inputs, save_dtype: torch.dtype, plan) 
     rounded = copy.deepcopy(folded).to(save_dtype).to(torch.float32)
     result = verify(model, rounded, example_inputs, stored_dtype=save_dtype, rms_norm_paths=rms_norm_paths(plan))
     if not result.ok:
-        raise FoldVerificationError(f"the folded weights rounded to {_dtype_name(save_dtype)} (what would be saved) "
+        raise FoldVerificationError(f"the folded weights rounded to {dtype_name(save_dtype)} (what would be saved) "
                                     f"differ from the original: {result}")
     return result.to_dict()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def _compared(model) -> str:
@@ -186,7 +183,7 @@ def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dt
 
 
 def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code: bool = False,
-                 step: Step = _noop) -> dict[str, Any]:
+                 step: Step = silent_step) -> dict[str, Any]:
     """Re-make a ``normfold.save_pretrained`` folder from its recipe: the original folded by
     ``normfold.fold`` (``recipe.stock_plan``: within what stock transformers loads, as
     :func:`fold_for_stock`) on normfold's example inputs, saved by ``normfold.save_pretrained``. A fold

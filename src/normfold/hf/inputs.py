@@ -12,7 +12,8 @@ from torch import nn
 
 from .._deps import require
 from .._progress import progress
-from .load import CheckpointError, _first_line, check_model_dir, model_class_for
+from .._text import first_line
+from .load import CheckpointError, check_model_dir, model_class_for
 
 
 # ---------------------------------------------------------------------------------- example inputs
@@ -146,7 +147,7 @@ def read_calibration_file(path: str | os.PathLike) -> list[str]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"calibration file {path} is not readable UTF-8 text: {_first_line(err)}") from err
+        raise CheckpointError(f"calibration file {path} is not readable UTF-8 text: {first_line(err)}") from err
     sentences = [line.strip() for line in lines if line.strip()]
     if not sentences:
         raise CheckpointError(f"calibration file {path} is empty: expected one sentence per line")
@@ -170,7 +171,7 @@ def load_tokenizer(model_dir: str | os.PathLike, *, trust_remote_code: bool = Fa
                                                                trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"no usable tokenizer in {path} (needed to tokenize the calibration file): "
-                              f"{_first_line(err)}") from err
+                              f"{first_line(err)}") from err
     if tokenizer is None or not callable(tokenizer):
         raise CheckpointError(f"no usable tokenizer in {path} (needed to tokenize the calibration file)")
     return tokenizer

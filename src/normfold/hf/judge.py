@@ -28,14 +28,16 @@ from typing import Any
 
 from torch import nn
 
+from .._text import first_line
 from ..fold import verify
+from ..fold.cosine_bar import DEFAULT_MIN_COSINE, check_cosine_bar
 from ..fold.errors import FoldError
-from .errors import CheckpointError, _first_line
+from .errors import CheckpointError
 from .folder import fold_folder, remake_saved
 from .inputs import example_inputs_for
 from .load import check_model_dir, load_config, load_model, model_class_for
 from .output_dir import REPORT_JSON
-from .recipe import DEFAULT_MIN_COSINE, CalibrationRecord, Recipe, file_sha256
+from .recipe import CalibrationRecord, Recipe, file_sha256
 from .report import seal_problems
 from .saved_weights import compare_weights
 from .saving import DTYPES, from_pretrained
@@ -75,8 +77,8 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
     made from (its SHA-256 is checked). ``stream_map_for`` gives a streamed rotation's stream map.
     """
     orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
-    if min_cosine is not None and not 0.0 < min_cosine <= 1.0:
-        raise ValueError(f"min_cosine must be in (0, 1], got {min_cosine}")
+    if min_cosine is not None:
+        check_cosine_bar(min_cosine)
     remake = remake or partial_remake_exact(trust_remote_code)
     report = read_report(folded_dir)
     problems = seal_problems(report, folded_dir)
@@ -103,7 +105,7 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
             expected = read_report(expected_dir)
         except (CheckpointError, FoldError, ValueError, TypeError, RuntimeError) as err:
             return _result(problems + [f"could not re-make the folder from the original with its recipe "
-                                       f"({describe(recipe)}): {_first_line(err)}"], recipe)
+                                       f"({describe(recipe)}): {first_line(err)}"], recipe)
         step("comparing every file and tensor with the re-made folder")
         files = compare_folders(expected_dir, folded_dir)
         problems += files["problems"] + compare_reports(expected, report)
@@ -113,7 +115,7 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
                                      stream_map_for=stream_map_for, calibration_file=calibration_file,
                                      min_cosine=min_cosine, trust_remote_code=trust_remote_code)
         except CheckpointError as err:  # the folder does not load (normfold.from_pretrained refuses it)
-            outputs = {"ok": False, "why": f"the folder does not load: {_first_line(err)}"}
+            outputs = {"ok": False, "why": f"the folder does not load: {first_line(err)}"}
     if not outputs["ok"]:
         problems.append(f"outputs: {outputs.get('why') or 'outside the tolerance'}")
     return _result(problems, recipe, files=files, outputs=outputs)
@@ -149,7 +151,7 @@ def read_report(folder: Path) -> dict[str, Any]:
     except FileNotFoundError as err:
         raise CheckpointError(f"{path} not found: {folder} is not a folder normfold wrote") from err
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path} is not a readable JSON report: {_first_line(err)}") from err
+        raise CheckpointError(f"{path} is not a readable JSON report: {first_line(err)}") from err
     if not isinstance(report, dict):
         raise CheckpointError(f"{path} must hold a JSON object, got {type(report).__name__}")
     return report
@@ -275,7 +277,7 @@ def _file_difference(expected: Path, actual: Path) -> str | None:
     try:
         want, got = json.loads(a), json.loads(b)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        return f"is not the JSON the fold writes: {_first_line(err)}"
+        return f"is not the JSON the fold writes: {first_line(err)}"
     if isinstance(want, dict) and isinstance(got, dict):
         want, got = ({k: v for k, v in d.items() if k != "transformers_version"} for d in (want, got))
     if want == got:

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from .._deps import require
-from .errors import CheckpointError, _first_line
+from .._text import first_line as _first_line  # the name its lines use
+from .errors import CheckpointError
 from .normfold_only import REAL_MODEL_TYPE_KEY, is_normfold_only, real_model_type
 from .weight_files import weight_source
 

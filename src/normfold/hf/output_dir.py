@@ -11,7 +11,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .load import CheckpointError, _first_line
+from .._text import first_line
+from .load import CheckpointError
 
 REPORT_JSON = "normfold_report.json"  # every folder normfold writes holds one: what marks a folder as replaceable
 
@@ -47,13 +48,13 @@ def check_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
         raise CheckpointError(f"output path exists and is not a folder: {out}")
     if not overwrite:
         raise CheckpointError(f"output folder exists: {out} (pass --overwrite to replace it)")
-    if not _replaceable(out):
+    if not replaceable(out):
         raise CheckpointError(f"refusing to replace {out}: it is not empty and holds no {REPORT_JSON}, so it is not "
                               "a normfold output (--overwrite only replaces those)")
     return out
 
 
-def _replaceable(folder: Path) -> bool:
+def replaceable(folder: Path) -> bool:
     """Whether ``--overwrite`` may replace ``folder``: a real folder, empty or a normfold output."""
     return (folder.is_dir() and not folder.is_symlink()
             and (not any(folder.iterdir()) or (folder / REPORT_JSON).is_file()))
@@ -100,7 +101,7 @@ def atomic_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
         remove_stale_temporaries(out)
         tmp, lock = _locked_temporary(out)
     except OSError as err:  # e.g. a read-only parent: a user error, said before any work
-        raise CheckpointError(f"cannot write a folder next to {out}: {_first_line(err)}") from err
+        raise CheckpointError(f"cannot write a folder next to {out}: {first_line(err)}") from err
     ours = os.lstat(tmp)
     try:
         os.chmod(tmp, 0o777 & ~_umask())
@@ -111,7 +112,7 @@ def atomic_output_dir(out_dir: str | os.PathLike, *, overwrite: bool = False,
             shutil.rmtree(tmp, ignore_errors=True)
         if disk_full_error(err) is not None:
             raise CheckpointError(f"no space left on device while writing {out}: free space or pick another -o "
-                                  f"(nothing was published; {_first_line(err)})") from err
+                                  f"(nothing was published; {first_line(err)})") from err
         raise
     finally:
         if lock is not None:
@@ -191,7 +192,7 @@ def _publish(tmp: Path, out: Path, *, overwrite: bool) -> None:
         try:
             check_output_dir(out, overwrite=overwrite)
         except CheckpointError as err:
-            raise CheckpointError(_changed(out, _first_line(err))) from None
+            raise CheckpointError(_changed(out, first_line(err))) from None
         if overwrite and os.path.lexists(out):  # an empty folder or a normfold output, as just checked
             try:
                 _replace(tmp, out)
@@ -262,7 +263,7 @@ def _replace(tmp: Path, out: Path) -> None:
     held = _try_lock(out, wait=True)
     try:
         if _exchange(tmp, out):  # one atomic step: a kill leaves the old or the new output at out
-            if not _replaceable(tmp):  # tmp now holds the old folder: swap it back
+            if not replaceable(tmp):  # tmp now holds the old folder: swap it back
                 try:
                     _exchange(tmp, out)
                 except OSError as err:  # out vanished meanwhile: the folder stays where it is, and we say where
@@ -279,7 +280,7 @@ def _replace(tmp: Path, out: Path) -> None:
             aside.rmdir()
             raise
         try:
-            if not _replaceable(old):
+            if not replaceable(old):
                 raise CheckpointError(_changed(out, _NOT_REPLACEABLE_NOW))
             _claim(tmp, out)
         except BaseException:
@@ -298,7 +299,7 @@ def _put_back(old: Path, out: Path) -> None:
     try:
         _rename_noreplace(old, out)
     except OSError as err:
-        if not _replaceable(old):
+        if not replaceable(old):
             raise CheckpointError(_changed(out, f"something was created there; the folder that was there is now "
                                                 f"{old}")) from err
         shutil.rmtree(old.parent, ignore_errors=True)

@@ -16,13 +16,13 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..fold.cosine_bar import is_cosine_bar
 from .errors import CheckpointError
 
 COMMANDS = ("fold", "rotate", "save_pretrained")
 ROTATION_METHODS = ("hadamard", "random", "pca")
 SEED_RANGE = (0, 2**63 - 1)  # what torch.Generator.manual_seed takes
 SAVED_DTYPES = ("float32", "float16", "bfloat16")
-DEFAULT_MIN_COSINE = 0.999  # the cosine bar approximate results are fitted to, and judged by, when nobody gives one
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class Recipe:
         if dtype is not None and dtype not in SAVED_DTYPES:
             raise CheckpointError(f"recipe.dtype must be null or one of {', '.join(SAVED_DTYPES)}, got {_show(dtype)}")
         min_cosine = data["approximate_min_cosine"]
-        if min_cosine is not None and (not is_finite_number(min_cosine) or not 0.0 < min_cosine <= 1.0):
+        if min_cosine is not None and not is_cosine_bar(min_cosine):
             raise CheckpointError(f"recipe.approximate_min_cosine must be null or a number in (0, 1], got "
                                   f"{_show(min_cosine)}")
         recipe = cls(command=command, streaming=_field(data, "streaming", bool, "recipe"),

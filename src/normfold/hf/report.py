@@ -7,18 +7,16 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
-from ..fold.report import FoldReport
+from ..fold.report import FoldReport, ReportSection
 from .load import CheckpointError
 from .output_dir import REPORT_JSON
 from .recipe import file_sha256
 from .weight_files import weight_source
 
-if TYPE_CHECKING:  # the lab's report type, for annotations only: hf never imports the lab
-    from ..lab.approximate import ApproximateReport
 
 
 def describe_model(model: nn.Module, model_dir: str | os.PathLike) -> dict[str, Any]:
@@ -28,7 +26,7 @@ def describe_model(model: nn.Module, model_dir: str | os.PathLike) -> dict[str, 
 
 
 def folder_report(fold_report: FoldReport | None, layout: dict[str, Any], *, saved_dtype: str,
-                  approximate: ApproximateReport | None = None, **sections: Any) -> dict[str, Any]:
+                  approximate: ReportSection | None = None, **sections: Any) -> dict[str, Any]:
     """``normfold_report.json`` of a folded folder, for every path that writes one (the in-memory and
     the streaming fold, ``normfold.save_pretrained``): the fold engine's report (norms, plan,
     verification; none for a fold of the caller's own), the ``layout`` ``from_pretrained`` rebuilds
@@ -43,7 +41,7 @@ def folder_report(fold_report: FoldReport | None, layout: dict[str, Any], *, sav
     return report
 
 
-def approximate_summary(approx: ApproximateReport, swapped: list[dict[str, Any]]) -> dict[str, Any]:
+def approximate_summary(approx: ReportSection, swapped: list[dict[str, Any]]) -> dict[str, Any]:
     """Report keys of an approximate fold; marks each ``swapped`` entry exact or approximate."""
     replaced = {e.path for e in approx.entries if e.status == "approximate"}
     for entry in swapped:

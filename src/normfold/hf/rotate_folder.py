@@ -16,13 +16,15 @@ import os
 from dataclasses import asdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from .._deps import require
+from .._text import dtype_name
+from ..fold.report import ReportSection
 from .card import write_model_card
-from .folder import Step, _noop
+from .folder import Step, silent_step
 from .inputs import calibration_batches, example_inputs_for, load_tokenizer, read_calibration_file
 from .load import check_model_dir, load_model
 from .output_dir import atomic_output_dir
@@ -33,13 +35,11 @@ from .side_files import copy_side_files
 from .streaming.publish import PlanAfterFold, fold_checkpoint
 from .streaming.rewrite import AfterFold
 
-if TYPE_CHECKING:  # the rotation's report type, for annotations only: hf never imports rotate
-    from ..rotate import RotationReport
 
 # The rotation, as the caller composes it (the CLI: normfold.rotate with the user's method, seed and
 # slice fraction): (model, example inputs, calibration calls or None) -> (rotated copy, its RotationReport);
 # the whole rotation proved equal in float64 (when sliced, before slicing)
-Rotate = Callable[[nn.Module, dict, "list[dict] | None"], "tuple[nn.Module, RotationReport]"]
+Rotate = Callable[[nn.Module, dict, "list[dict] | None"], "tuple[nn.Module, ReportSection]"]
 
 STOCK_WARNING = ("rotated: written for normfold.from_pretrained only (stock transformers refuses the folder: it "
                  "would rebuild the weightless RMSNorms as LayerNorms, which re-center the rotated residual stream, "
@@ -50,7 +50,7 @@ SLICED_WARNING = ("sliced: approximate, not exact; the whole rotation was proved
 
 def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rotate: Rotate, *,
                   calibration_file: str | os.PathLike | None = None, overwrite: bool = False,
-                  trust_remote_code: bool = False, step: Step = _noop) -> dict[str, Any]:
+                  trust_remote_code: bool = False, step: Step = silent_step) -> dict[str, Any]:
     """Rotate a folder's residual stream with ``rotate`` and write OUT_DIR only once it returned (its
     float64 proof passed); any refusal or failed proof raises and leaves no OUT_DIR.
 
@@ -81,7 +81,7 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
         save_folded(rotated, tmp, normfold_only=True)
         record = None if sentences is None else CalibrationRecord.of_file(calibration_file, len(sentences))
         sections = {} if record is None else {"calibration": {**asdict(record), "num_batches": len(calibration)}}
-        out = rotated_report(rotation, layout, saved_dtype=str(saved_dtype).replace("torch.", ""),
+        out = rotated_report(rotation, layout, saved_dtype=dtype_name(saved_dtype),
                              model=describe_model(model, model_dir), skipped_files=copy_side_files(model_dir, tmp),
                              **sections)
         slicing = rotation.slicing
@@ -95,7 +95,7 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
 
 
 def rotate_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, plan: PlanAfterFold, *,
-                      overwrite: bool = False, trust_remote_code: bool = False, step: Step = _noop) -> dict[str, Any]:
+                      overwrite: bool = False, trust_remote_code: bool = False, step: Step = silent_step) -> dict[str, Any]:
     """Rotate a safetensors checkpoint without loading it (sharded ones larger than memory): the
     streaming fold (:func:`normfold.hf.streaming.fold_checkpoint`) with the rotation ``plan`` (the CLI
     composes it from ``normfold.rotate.streaming.plan_rotation``) as its step after the fold: every
@@ -135,7 +135,7 @@ def takes_lm_labels(model: nn.Module) -> bool:
     return is_causal and "labels" in inspect.signature(type(model).forward).parameters
 
 
-def rotated_report(rotation: RotationReport, layout: dict[str, Any], *, saved_dtype: str,
+def rotated_report(rotation: ReportSection, layout: dict[str, Any], *, saved_dtype: str,
                    **sections: Any) -> dict[str, Any]:
     """The folder report of a rotated folder: the exact fold's report and layout (:func:`folder_report`),
     the rotation (method, seed, bases, slicing), the float64 proof of the whole rotation as

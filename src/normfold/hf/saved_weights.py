@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from .._progress import progress
+from .._text import dtype_name
 
 # Measured: tiny GPT-2 and BERT folded in fp32/fp16/bf16, re-derived with 1 and 2 threads and by the
 # streaming fold: every tensor bit-identical. What may still differ on another machine is the order
@@ -57,7 +58,7 @@ def tensor_difference(name: str, derived: Tensor, stored: Tensor) -> dict[str, A
                 "why": f"{name} has shape {tuple(stored.shape)}, the re-derived fold {tuple(derived.shape)}"}
     if stored.dtype != derived.dtype:
         return {**row, "ok": False, "max_abs_error": float("inf"), "max_ulps": float("inf"),
-                "why": f"{name} is stored as {_name(stored.dtype)}, the fold saves {_name(derived.dtype)}"}
+                "why": f"{name} is stored as {dtype_name(stored.dtype)}, the fold saves {dtype_name(derived.dtype)}"}
     same = stored == derived
     if stored.is_floating_point():
         same |= stored.isnan() & derived.isnan()
@@ -75,7 +76,7 @@ def tensor_difference(name: str, derived: Tensor, stored: Tensor) -> dict[str, A
                ok=bool((diff <= allowed_difference(derived, stored))[differing].all()))
     if not row["ok"]:
         row["why"] = (f"{name} differs from the fold re-derived from the original by up to {row['max_ulps']:.3g} "
-                      f"ulp of {_name(stored.dtype)} (max abs {row['max_abs_error']:.2e}; {row['num_differing']} "
+                      f"ulp of {dtype_name(stored.dtype)} (max abs {row['max_abs_error']:.2e}; {row['num_differing']} "
                       f"of {row['num_elements']} elements differ; allowed: {STORED_DTYPE_ULPS} ulp)")
     return row
 
@@ -118,6 +119,3 @@ def compare_weights(derived: Mapping[str, Tensor], stored_names: Iterable[str], 
 def _few(names: list[str], limit: int = 4) -> str:
     return ", ".join(names[:limit]) + (f" ... ({len(names)} in all)" if len(names) > limit else "")
 
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")

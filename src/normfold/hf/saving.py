@@ -32,10 +32,11 @@ from ..fold.transform import norm_like, untie_config
 from ..nn import RMSNorm
 from ..nn.resize import replace_parameter
 from .._deps import require
+from .._text import dtype_name, first_line
 from .card import write_model_card
-from .load import CheckpointError, _first_line, check_model_dir, load_model_and_info, resolve_model
+from .load import CheckpointError, check_model_dir, load_model_and_info, resolve_model
 from .normfold_only import mark_normfold_only
-from .output_dir import REPORT_JSON, _replaceable, atomic_output_dir
+from .output_dir import REPORT_JSON, replaceable, atomic_output_dir
 from .recipe import Recipe, is_finite_number
 from .report import folder_report, seal_problems, write_sealed_report
 from .side_files import copy_side_files
@@ -231,7 +232,7 @@ def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: tor
         raise TypeError(f"report must be the FoldReport of normfold.fold, got {type(report).__name__}")
     source = None if source_dir is None else check_model_dir(source_dir)
     record = folder_report(report, folded_layout(folded),
-                           saved_dtype=str(save_dtype or next(folded.parameters()).dtype).replace("torch.", ""),
+                           saved_dtype=dtype_name(save_dtype or next(folded.parameters()).dtype),
                            approximate=None if report is None else report.approximate)
     record["recipe"] = _saved_recipe(report, record, side_files=source is not None)
     if not record["stock_compatible"]:
@@ -267,8 +268,8 @@ def _storage_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """``dtype`` as one of :data:`DTYPES`, or ValueError naming the accepted ones."""
     if dtype is None or dtype in DTYPES.values():
         return dtype
-    if isinstance(dtype, str) and dtype.replace("torch.", "") in DTYPES:
-        return DTYPES[dtype.replace("torch.", "")]
+    if isinstance(dtype, str) and dtype_name(dtype) in DTYPES:
+        return DTYPES[dtype_name(dtype)]
     raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or None: as stored), got {dtype!r}")
 
 
@@ -366,7 +367,7 @@ class FoldedModelSaver:
         if not is_main_process:
             return
         out = Path(save_directory)
-        if overwrite and out.is_dir() and not out.is_symlink() and not _replaceable(out):
+        if overwrite and out.is_dir() and not out.is_symlink() and not replaceable(out):
             held = sorted(p.name for p in out.iterdir())
             raise CheckpointError(f"save_pretrained() of a model folded by normfold replaces a folder only when it "
                                   f"is empty or a normfold output, and {out} holds {', '.join(held[:4])}"
@@ -417,7 +418,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
             swap_in_rmsnorm(model, entry)
     except AttributeError as err:
         raise CheckpointError(f"{path / REPORT_JSON} names a module {type(model).__name__} does not have: "
-                              f"{_first_line(err)}") from err
+                              f"{first_line(err)}") from err
     stored = {name: (stored[key], key) for name, key in _stored_names(model, layout).items() if key in stored}
     missing = [e["name"] for e in layout["extra_parameters"] + layout["resized"] if e["name"] not in stored]
     if missing:
@@ -439,7 +440,7 @@ def _read_report(path: Path) -> dict[str, Any]:
     try:
         report = json.loads(report_file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{report_file} is not a normfold report: {_first_line(err)}") from err
+        raise CheckpointError(f"{report_file} is not a normfold report: {first_line(err)}") from err
     if not isinstance(report, dict):
         raise CheckpointError(f"{report_file} must hold a JSON object, got {type(report).__name__}")
     return report

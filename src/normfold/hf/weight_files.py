@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 from .._deps import require
+from .._text import first_line
 from . import normfold_only
-from .errors import CheckpointError, _first_line
+from .errors import CheckpointError
 from .side_files import WEIGHT_SUFFIXES
 
 SAFE_SINGLE, SAFE_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -133,7 +134,7 @@ def tensor_names(file: Path) -> list[str]:
                 return list(f.keys())
         return list(torch.load(file, map_location="meta", weights_only=True, mmap=True))
     except Exception as err:  # safetensors' own SafetensorError, unpickling errors
-        raise CheckpointError(f"corrupt weight file {file}: {_first_line(err)}") from err
+        raise CheckpointError(f"corrupt weight file {file}: {first_line(err)}") from err
 
 
 def read_tensor(file: Path, name: str) -> torch.Tensor:
@@ -165,7 +166,7 @@ def _weight_map(index: Path) -> dict[str, str]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{index} is not a weight index: {_first_line(err)}") from err
+        raise CheckpointError(f"{index} is not a weight index: {first_line(err)}") from err
     if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(k, str) for k in weight_map):
         raise CheckpointError(f"{index}: expected a non-empty \"weight_map\" object, got {weight_map!r:.80}")
     return weight_map

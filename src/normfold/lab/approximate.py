@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from .._progress import progress as progress_bar  # `progress` is approximate_fold's callback argument
+from ..fold.cosine_bar import DEFAULT_MIN_COSINE, check_cosine_bar
 from ..fold.plan import FoldConfig
 from ..fold.steps import StepContext, register_step
 from ..fold.transform import norm_like
@@ -333,7 +334,7 @@ def _find_producer(model: nn.Module, norm_path: str, order: list[str], batch, ou
 # --------------------------------------------------------------------------------------- the fold
 
 def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibration, *,
-                     min_cosine: float = 0.999, output_fn: OutputFn | None = None,
+                     min_cosine: float = DEFAULT_MIN_COSINE, output_fn: OutputFn | None = None,
                      candidates: Sequence[str] | None = None,
                      progress: Callable[[str], None] | None = None) -> tuple[nn.Module, ApproximateReport]:
     """Replace the LayerNorms still in ``folded_model`` by corrected RMSNorms while the model's
@@ -352,8 +353,7 @@ def approximate_fold(model: nn.Module, folded_model: nn.Module, report, calibrat
 
     Returns ``(approx_model, ApproximateReport)``.
     """
-    if not isinstance(min_cosine, (int, float)) or not 0.0 < min_cosine <= 1.0:
-        raise ValueError(f"min_cosine must be a number in (0, 1], got {min_cosine!r}")
+    check_cosine_bar(min_cosine)
     batches = as_batches(calibration)
     output_fn = output_fn or token_outputs
     say = progress or (lambda _message: None)

@@ -29,15 +29,16 @@ import operator
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+import torch
 from torch import fx, nn
 
 from ..fold.errors import FoldError
-from ..fold.graph import capture, module_path, op_name
+from ..fold.graph import capture, module_path, op_packet, owner_path
+from ..fold.op_kinds import LINEAR_PRODUCER_OPS, norm_node_kind, through_value_copies
 from ..nn.kinds import norm_modules
 
+_aten = torch.ops.aten
 _BATCH_SIZE_KEYS = ("per_device_train_batch_size", "train_batch_size", "micro_batch_size", "batch_size")
-_PASSTHROUGH = {"aten.dropout", "aten.clone", "aten.alias", "aten._to_copy", "aten.contiguous", "aten.feature_dropout"}
-_PRODUCER_OPS = {"aten.linear", "aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.convolution"}
 _FULLY_CENTERING = ("BatchNorm", "InstanceNorm")  # subtract a per-channel mean: any per-channel bias vanishes
 
 
@@ -53,51 +54,20 @@ class Finding:
         return f"[{self.severity}] {self.code}:{where} {self.message}"
 
 
-def _packet(node: fx.Node) -> str:
-    return op_name(node) if node.op == "call_function" else ""
-
-
-def _through(node):
-    """Skip ops that pass a tensor on unchanged in value (eval-mode dropout, copies)."""
-    while isinstance(node, fx.Node) and _packet(node) in _PASSTHROUGH and node.args:
-        node = node.args[0]
-    return node
-
-
-def _norm_node_kind(node: fx.Node) -> str | None:
-    name = _packet(node)
-    if name == "aten.layer_norm":
-        return "LayerNorm"
-    if name == "aten.rms_norm" or name == "normfold.norm_fwd":
-        return "RMSNorm" if name == "aten.rms_norm" or bool(node.args[6]) else "LayerNorm"
-    if "batch_norm" in name:
-        return "BatchNorm"
-    if name == "aten.instance_norm":
-        return "InstanceNorm"
-    if name == "aten.group_norm":
-        return "GroupNorm"
-    return None
-
-
 def _norm_output_source(node) -> fx.Node | None:
     """The norm node whose output ``node`` is (directly or as item 0 of a multi-output norm)."""
-    node = _through(node)
+    node = through_value_copies(node, casts=True)
     if not isinstance(node, fx.Node):
         return None
     if node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0:
         node = node.args[0]
-    return node if _norm_node_kind(node) else None
-
-
-def _param_owner(captured, node) -> str | None:
-    fqn = captured.param_fqn.get(node) if isinstance(node, fx.Node) else None
-    return fqn.rpartition(".")[0] if fqn else None
+    return node if norm_node_kind(node) else None
 
 
 def _norm_path(captured, node: fx.Node) -> str:
-    weight = node.args[2] if _packet(node) in ("aten.layer_norm", "aten.group_norm") and len(node.args) > 2 else (
+    weight = node.args[2] if op_packet(node) in (_aten.layer_norm, _aten.group_norm) and len(node.args) > 2 else (
         node.args[1] if len(node.args) > 1 else None)
-    return _param_owner(captured, weight) or module_path(node) or node.name
+    return owner_path(captured, weight) or module_path(node) or node.name
 
 
 def _structural(model: nn.Module, example_inputs) -> tuple[list[tuple[str, str, str, float]], list[str]]:
@@ -106,14 +76,14 @@ def _structural(model: nn.Module, example_inputs) -> tuple[list[tuple[str, str, 
     captured = capture(model, example_inputs)
     biased, post_ln = [], []
     for node in captured.graph.nodes:
-        kind = _norm_node_kind(node)
+        kind = norm_node_kind(node)
         if kind is None:
             continue
-        x = _through(node.args[0])
-        if isinstance(x, fx.Node) and _packet(x) in _PRODUCER_OPS and len(x.args) > 2 and x.args[2] is not None:
-            producer = _param_owner(captured, x.args[1]) or x.name
+        x = through_value_copies(node.args[0], casts=True)  # copies, casts, eval dropout
+        if isinstance(x, fx.Node) and op_packet(x) in LINEAR_PRODUCER_OPS and len(x.args) > 2 and x.args[2] is not None:
+            producer = owner_path(captured, x.args[1]) or x.name
             biased.append((_norm_path(captured, node), kind, producer))
-        if isinstance(x, fx.Node) and _packet(x) == "aten.add" and kind in ("LayerNorm", "RMSNorm"):
+        if isinstance(x, fx.Node) and op_packet(x) == _aten.add and kind in ("LayerNorm", "RMSNorm"):
             if any(_norm_output_source(a) is not None for a in x.args[:2]):
                 post_ln.append(_norm_path(captured, node))
     return biased, post_ln

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .reference import _norm_ref
+from .reference import norm_ref
 
 
 def norm_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None,
              eps: float, offset: float, is_rms: bool, out: Tensor | None = None,
              residual_out: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
     """(y, s, mean, rstd) for 2-D ``x``; see ``normfold.ops._library`` for the contract."""
-    y, s, mean, rstd = _norm_ref(x, weight, bias, residual, eps, offset, is_rms)
+    y, s, mean, rstd = norm_ref(x, weight, bias, residual, eps, offset, is_rms)
     if out is not None:
         y = out.copy_(y)
     s_stored = None

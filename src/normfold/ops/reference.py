@@ -41,8 +41,8 @@ def _row_stats(s: Tensor, eps: float, is_rms: bool) -> tuple[Tensor | None, Tens
     return mean, torch.rsqrt((s - mean.unsqueeze(-1)).square().mean(-1) + eps)
 
 
-def _norm_ref(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None, eps: float,
-              offset: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+def norm_ref(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None, eps: float,
+             offset: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
     """One reference for both norms: returns (y in x.dtype, s in the compute dtype, mean, rstd)."""
     s = _pre_norm_stream(x, residual)  # (..., N)
     mean, rstd = _row_stats(s, eps, is_rms)
@@ -61,7 +61,7 @@ def rms_norm_ref(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = 
 
     With ``residual`` returns ``(y, s)``; ``s`` in the input dtype.
     """
-    y, s, _, _ = _norm_ref(x, weight, bias, residual, eps, offset, is_rms=True)
+    y, s, _, _ = norm_ref(x, weight, bias, residual, eps, offset, is_rms=True)
     return (y, s.to(x.dtype)) if residual is not None else y
 
 
@@ -71,5 +71,5 @@ def layer_norm_ref(x: Tensor, weight: Tensor | None = None, bias: Tensor | None 
 
     The variance is the biased one (divide by N), as in ``torch.nn.LayerNorm``.
     """
-    y, s, _, _ = _norm_ref(x, weight, bias, residual, eps, offset, is_rms=False)
+    y, s, _, _ = norm_ref(x, weight, bias, residual, eps, offset, is_rms=False)
     return (y, s.to(x.dtype)) if residual is not None else y

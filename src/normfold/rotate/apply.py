@@ -23,7 +23,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..fold.math import compute_dtype
+from ..fold.math import weight_math_dtype
 from ..nn import RMSNorm
 from ..nn.resize import replace_parameter
 from .closure import Stream
@@ -34,7 +34,7 @@ def rotate_along(t: Tensor, dim: int, q: Tensor, scale: float = 1.0) -> Tensor:
     16-bit storage) and cast back once."""
     if not -t.dim() <= dim < t.dim() or t.shape[dim] != q.shape[0]:
         raise ValueError(f"dim {dim} of a tensor of shape {tuple(t.shape)} must have Q's {q.shape[0]} rows")
-    x = t.detach().to(compute_dtype(t))
+    x = t.detach().to(weight_math_dtype(t))
     rotated = (x.movedim(dim, -1) @ q.to(device=x.device, dtype=x.dtype)) * scale
     return rotated.movedim(-1, dim).to(t.dtype)
 

@@ -17,7 +17,8 @@ from torch import nn
 
 from ...fold.graph import parameter_aliases
 from ...fold.math import center
-from ...fold.verify import cast_floats, measured_tolerance, output_error, rounding_error, watch_rms_inputs
+from ...fold.verify import (cast_floats, flatten_outputs, measured_tolerance, output_error, outputs_own_error,
+                            watch_rms_inputs)
 from ..inputs import example_inputs_for
 from ..load import CheckpointError, check_model_dir, load_config, model_class_for
 from ..output_dir import REPORT_JSON
@@ -143,10 +144,9 @@ def _own_error(reference: list[torch.Tensor], original: nn.Module,
     """The original piece's own error in ``low_dtype``: ``original`` cast to it (in place, so no
     second copy is held; the float64 one is not used again) and ``run`` in it, against
     ``reference``, its float64 outputs, measured as every proof measures it
-    (:func:`normfold.fold.verify.rounding_error`)."""
+    (:func:`normfold.fold.verify.outputs_own_error`)."""
     low = run(original.to(low_dtype), low_dtype)
-    assert len(low) == len(reference), "the piece gave other outputs in the stored dtype"
-    return max((rounding_error(r, o, low_dtype) for r, o in zip(reference, low)), default=0.0)
+    return outputs_own_error([flatten_outputs(reference)], [flatten_outputs(low)], low_dtype, torch.float64)
 
 
 def _judged(error: float, own: float, stored: torch.dtype) -> dict[str, Any]:

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from ..._progress import progress
-from ..load import CheckpointError, _first_line, check_model_dir
+from ..._text import first_line
+from ..load import CheckpointError, check_model_dir
 from ..output_dir import REPORT_JSON
 from ..saving import DTYPES
 from .blocks import (Call, StreamMap, call_block, check_loaded_block, check_shell, compare_copies, first_output, hidden_states,
@@ -59,7 +60,7 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
                                    extra_parameters=[e["name"] for e in report.get("extra_parameters", [])])
     except Exception as err:  # a model that cannot run cut short: not proved, so not ok
         shell, calls = {"block": "model cut to its first block", "max_rel_error": math.nan, "ok": False, "keys": [],
-                        "problems": [f"could not run the model cut to one block per stack: {_first_line(err)}"]}, {}
+                        "problems": [f"could not run the model cut to one block per stack: {first_line(err)}"]}, {}
     orig, folded = Checkpoint(orig_dir), Checkpoint(folded_dir)
     problems, checks, covered, copies = list(shell["problems"]), [], set(shell["keys"]), 0
     for stack, (n, centered) in stacks.items():
@@ -116,7 +117,7 @@ def _check_stack(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, path
                     x = first_output(call_block(load_block(skeleton, orig, path), call, x))
         except Exception as err:  # e.g. a block that cannot run alone: not proved, so not ok
             later = [p for p in run if paths.index(p) > paths.index(path)]
-            problems.append(f"could not check {path}: {_first_line(err)}"
+            problems.append(f"could not check {path}: {first_line(err)}"
                             + (f" (so neither {', '.join(later)}, which read its output)" if later else ""))
             break
     return checks, problems, {k for path in paths for k in keys[path]}, copies

@@ -27,7 +27,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _norm_fwd_kernel(
+def norm_fwd_kernel(
     X, R, W, B, Y, S, MEAN, RSTD,  # pointers; R/W/B/S/MEAN unused when their flag is off
     M, N,
     eps, offset,
@@ -139,7 +139,7 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
-def _norm_bwd_row_sums_kernel(
+def norm_bwd_row_sums_kernel(
     DY, S, W, MEAN, RSTD, SUM_G_XHAT, SUM_G,
     N,
     offset,
@@ -176,7 +176,7 @@ def _norm_bwd_row_sums_kernel(
 
 
 @triton.jit
-def _norm_bwd_kernel(
+def norm_bwd_kernel(
     DY, DS, S, W, MEAN, RSTD, SUM_G_XHAT, SUM_G,  # inputs; DS/W/MEAN/SUM_* unused when off
     DX, DW_PARTIAL, DB_PARTIAL,  # outputs: dx (M, N), partials (programs along M, N) fp32
     M, N, rows_per_program,
@@ -192,7 +192,7 @@ def _norm_bwd_kernel(
     """dx for a group of rows (one column block of them) and that group's partial dw, db.
 
     Without ``ROW_SUMS_GIVEN`` the block holds whole rows and the row sums are computed here;
-    with it they come from ``_norm_bwd_row_sums_kernel`` and the grid also splits columns.
+    with it they come from ``norm_bwd_row_sums_kernel`` and the grid also splits columns.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)

@@ -12,7 +12,7 @@ import torch
 import triton
 from torch import Tensor
 
-from .kernels import _norm_bwd_kernel, _norm_bwd_row_sums_kernel, _norm_fwd_kernel
+from .kernels import norm_bwd_kernel, norm_bwd_row_sums_kernel, norm_fwd_kernel
 
 # Launch policy. These kernels are HBM-bound: what matters is how many bytes each SM has in
 # flight, i.e. (programs resident on an SM) × (elements a program loads at once), and programs
@@ -138,7 +138,7 @@ def norm_fwd(
 
     grid = (m if plan.looped else triton.cdiv(m, plan.block_m),)
     with _device_guard(x):
-        _norm_fwd_kernel[grid](
+        norm_fwd_kernel[grid](
             x, residual if residual is not None else x,
             weight.contiguous() if weight is not None else x,
             bias.contiguous() if bias is not None else x,
@@ -213,13 +213,13 @@ def norm_bwd(
         if plan.looped:
             sum_g_xhat = torch.empty(m, dtype=torch.float32, device=s.device)
             sum_g = torch.empty(m, dtype=torch.float32, device=s.device) if not is_rms else sum_g_xhat
-            _norm_bwd_row_sums_kernel[(m,)](
+            norm_bwd_row_sums_kernel[(m,)](
                 dy, s, w, mean_arg, rstd, sum_g_xhat, sum_g,
                 n, float(offset),
                 IS_RMS=is_rms, HAS_WEIGHT=weight is not None, BLOCK_N=plan.block_n,
                 num_warps=plan.num_warps,
             )
-        _norm_bwd_kernel[(programs_m, col_blocks)](
+        norm_bwd_kernel[(programs_m, col_blocks)](
             dy, ds if ds is not None else dy, s, w, mean_arg, rstd, sum_g_xhat, sum_g,
             dx, dw_partial if dw_partial is not None else dx, db_partial if db_partial is not None else dx,
             m, n, rows_per_program, float(offset),
