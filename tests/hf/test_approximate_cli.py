@@ -85,7 +85,8 @@ def test_approximate_fold_replaces_norms_and_from_pretrained_rebuilds_them(capsy
     approximate = {e["path"] for e in saved["swapped"] if e["approximate"]}
     assert len(approximate) == saved["num_approximate"] == report["num_approximate"]
     markdown = (out_dir / "normfold_report.md").read_text()
-    assert "NOT exact" in markdown and "RMSNorm (approximate)" in markdown
+    assert "NOT exact" in markdown and f"## Replaced approximately ({saved['num_approximate']}): NOT exact" in markdown
+    assert all(f"| `{path}` | cosine " in markdown for path in approximate)  # each replaced norm with its cosine
     copied = transformers.AutoTokenizer.from_pretrained(out_dir, local_files_only=True)  # the tokenizer came along
     assert copied("the cat sat")["input_ids"] == \
         transformers.AutoTokenizer.from_pretrained(bert_dir, local_files_only=True)("the cat sat")["input_ids"]
