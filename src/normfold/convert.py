@@ -31,6 +31,7 @@ from __future__ import annotations
 from torch import nn
 
 from .fold import FoldConfig, FoldReport
+from .fold.cosine_bar import DEFAULT_MIN_COSINE
 from .fold.steps import run_steps, step_for
 from .fuse import FuseConfig
 from .hf.saving import FoldedModelSaver, is_pretrained_model, stock_constraints
@@ -119,7 +120,7 @@ def _within_stock(model: nn.Module, config: FoldConfig) -> FoldConfig:
 
 def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompute: bool = True,
          fold_batchnorm: bool = True, verify: bool = True, stock_compatible: bool | None = None, fuse: bool = False,
-         approximate: bool = False, calibration=None, min_cosine: float = 0.999,
+         approximate: bool = False, calibration=None, min_cosine: float = DEFAULT_MIN_COSINE,
          output_fn=None, keep=()) -> tuple[nn.Module, FoldReport]:
     """Return ``(folded_copy, report)``: foldable LayerNorms become RMSNorms, outputs unchanged.
 

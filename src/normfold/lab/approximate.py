@@ -439,7 +439,7 @@ class ApproximateConfig:
     """
 
     calibration: object = field(repr=False)
-    min_cosine: float = 0.999
+    min_cosine: float = DEFAULT_MIN_COSINE
     output_fn: OutputFn | None = None
 
     def __post_init__(self) -> None:
@@ -447,9 +447,7 @@ class ApproximateConfig:
             raise ValueError("ApproximateConfig.calibration must be a batch or a list of batches "
                              "(inputs like example_inputs), got None")
         as_batches(self.calibration)  # TypeError / ValueError naming what a batch may be
-        if isinstance(self.min_cosine, bool) or not isinstance(self.min_cosine, (int, float)) \
-                or not 0.0 < self.min_cosine <= 1.0:
-            raise ValueError(f"ApproximateConfig.min_cosine must be a number in (0, 1], got {self.min_cosine!r}")
+        check_cosine_bar(self.min_cosine, "ApproximateConfig.min_cosine")
         if self.output_fn is not None and not callable(self.output_fn):
             raise TypeError(f"ApproximateConfig.output_fn must be None or a callable (model, batch) -> Tensor, "
                             f"got {type(self.output_fn).__name__}")
