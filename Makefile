@@ -23,22 +23,23 @@ N ?= 2000
 
 .PHONY: venv demo test wheel-check docs oldest-stack fuzz tamper-fuzz bench bench-e2e bench-onnx bench-fold-large default-model gpu-check gpu-e2e clean
 
-$(STAMP): pyproject.toml
+# The venv with torch first (TORCH_FROM), then normfold editable with the extras $(1); touches the stamp $@.
+define install_venv
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(TORCH_INSTALL)
-	$(PY) -m pip install -q -e ".[dev]"
-	touch $(STAMP)
+	$(PY) -m pip install -q -e ".[$(1)]"
+	touch $@
+endef
+
+$(STAMP): pyproject.toml
+	$(call install_venv,dev)
 
 venv: $(STAMP)
 
 # The demo needs only torch and the cli extra (transformers, safetensors, matplotlib, rich), not dev's.
 $(DEMO_STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(TORCH_INSTALL)
-	$(PY) -m pip install -q -e ".[cli]"
-	touch $(DEMO_STAMP)
+	$(call install_venv,cli)
 
 demo: $(DEMO_STAMP)
 	$(VENV)/bin/normfold demo
