@@ -6,7 +6,6 @@ verification figures and what was written), so the CLI, the report files and tes
 from __future__ import annotations
 
 import copy
-import json
 import os
 import warnings
 from collections.abc import Callable
@@ -22,7 +21,7 @@ from ..fold.plan import FoldConfig
 from .card import render_markdown, write_model_card
 from .inputs import (calibration_batches, example_calls_for, example_inputs_for, is_sentence_encoder, load_tokenizer,
                      read_calibration_file)
-from .load import CheckpointError, check_model_dir, load_model
+from .load import CheckpointError, check_model_dir, load_model, read_json_object
 from .output_dir import atomic_output_dir
 from .picture import draw_zero_mean_graph
 from .recipe import CalibrationRecord, Recipe
@@ -48,13 +47,7 @@ def silent_step(_: str) -> None:
 
 def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
     """The dtype the folder's config records (float32 when it says nothing)."""
-    path = model_dir / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} is not a readable JSON config: {exc}") from exc
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    config = read_json_object(model_dir / "config.json", "a readable JSON config")
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     return DTYPES.get(dtype_name(name), torch.float32)
 

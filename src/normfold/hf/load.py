@@ -96,13 +96,19 @@ def load_config(model_dir: str | os.PathLike, *, trust_remote_code: bool = False
 
 def _config_json(path: Path) -> dict[str, Any]:
     """``config.json`` as a dict; CheckpointError when it is not a readable JSON object."""
+    return read_json_object(path / "config.json", "a readable JSON config")
+
+
+def read_json_object(file: Path, what: str) -> dict[str, Any]:
+    """The JSON object in ``file``; CheckpointError saying ``file`` is not ``what`` when it cannot be
+    read or parsed, or holds something else than an object."""
     try:
-        config = json.loads((path / "config.json").read_text())
+        data = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"unsupported or unreadable config in {path}: {_first_line(err)}") from err
-    if not isinstance(config, dict):
-        raise CheckpointError(f"{path / 'config.json'} must hold a JSON object, got {type(config).__name__}")
-    return config
+        raise CheckpointError(f"{file} is not {what}: {_first_line(err)}") from err
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
 def model_class_for(config, *, trust_remote_code: bool = False) -> type:

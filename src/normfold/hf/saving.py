@@ -13,7 +13,6 @@ returns saves itself this way (:class:`FoldedModelSaver`: ``folded.save_pretrain
 from __future__ import annotations
 
 import copy
-import json
 import os
 import reprlib
 import sys
@@ -34,7 +33,7 @@ from ..nn.resize import replace_parameter
 from .._deps import require
 from .._text import dtype_name, first_line
 from .card import write_model_card
-from .load import CheckpointError, check_model_dir, load_model_and_info, resolve_model
+from .load import CheckpointError, check_model_dir, load_model_and_info, read_json_object, resolve_model
 from .normfold_only import mark_normfold_only
 from .output_dir import REPORT_JSON, replaceable, atomic_output_dir
 from .recipe import Recipe, is_finite_number
@@ -437,13 +436,7 @@ def _read_report(path: Path) -> dict[str, Any]:
     if not report_file.is_file():
         raise CheckpointError(f"no {REPORT_JSON} in {path}: not a folder written by `normfold fold` or "
                               "normfold.save_pretrained")
-    try:
-        report = json.loads(report_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{report_file} is not a normfold report: {first_line(err)}") from err
-    if not isinstance(report, dict):
-        raise CheckpointError(f"{report_file} must hold a JSON object, got {type(report).__name__}")
-    return report
+    return read_json_object(report_file, "a normfold report")
 
 
 def read_layout(report: Mapping[str, Any], where: Path | str = REPORT_JSON) -> dict[str, Any]:
