@@ -120,16 +120,22 @@ def _add_json(parser) -> None:
     parser.add_argument("--json", action="store_true", help="print only the JSON report on stdout (numbers in full)")
 
 
+def _add_plan_options(p, run) -> None:
+    """The options ``analyze`` and ``fold`` share after their own: ``--keep``, ``--call``, ``--json``,
+    ``--trust-remote-code``; ``run`` runs the command."""
+    _add_keep(p)
+    _add_call(p)
+    _add_json(p)
+    add_trust_remote_code(p)
+    p.set_defaults(run=run)
+
+
 def add_commands(subparsers) -> None:
     """Add ``analyze``, ``fold`` and ``demo`` to the ``normfold`` command's subparsers."""
     p = subparsers.add_parser("analyze", help="per-norm table: which LayerNorms can become RMSNorms")
     add_model_dir(p)
     _add_no_fold_affine(p)
-    _add_keep(p)
-    _add_call(p)
-    _add_json(p)
-    add_trust_remote_code(p)
-    p.set_defaults(run=_run_analyze)
+    _add_plan_options(p, _run_analyze)
 
     p = subparsers.add_parser("fold", help="fold, verify and write an equivalent RMSNorm model")
     add_model_dir(p, required=True)
@@ -152,11 +158,7 @@ def add_commands(subparsers) -> None:
     p.add_argument("--min-cosine", type=float, metavar="X",
                    help=f"lowest cosine similarity allowed between original and result outputs (default "
                         f"{DEFAULT_MIN_COSINE}); sentence encoders are compared on mean-pooled embeddings")
-    _add_keep(p)
-    _add_call(p)
-    _add_json(p)
-    add_trust_remote_code(p)
-    p.set_defaults(run=_run_fold)
+    _add_plan_options(p, _run_fold)
 
     p = subparsers.add_parser("demo", help="fold the bundled trained model and show the report")
     p.add_argument("-o", "--output", metavar="OUT_DIR",
