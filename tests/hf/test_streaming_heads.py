@@ -9,6 +9,8 @@ compared it with the original block γ/β included.
 """
 from __future__ import annotations
 
+import copy
+import json
 import shutil
 import warnings
 
@@ -19,6 +21,7 @@ import transformers
 import normfold
 from normfold.cli import main
 from normfold.hf.inputs import example_inputs_for
+from normfold.hf.output_dir import REPORT_JSON
 from normfold.hf.streaming import Checkpoint, fold_checkpoint, verify_by_blocks
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -121,3 +124,17 @@ def test_a_wrong_last_block_or_head_is_refused_by_the_float64_pieces(streamed, t
     pieces = {c["block"]: c for c in [ver["shell"], *ver["blocks"]]}
     assert not pieces[failing]["ok"], ver["why"]
     assert failing in ver["why"]
+
+
+def test_gamma_beta_said_to_leave_the_stack_from_a_block_other_than_its_last_is_refused(streamed):
+    """The argument (the last block's output without γ/β, the head reading it) holds for the last
+    block only: any other block's output is the stream the next one reads."""
+    _, src, out = streamed("bert")
+    report = json.loads((out / REPORT_JSON).read_text())
+    moved = copy.deepcopy(report)
+    for step in moved["plan"]["affine_fold"]:
+        for field in ("norm_path", "gamma_fqn", "beta_fqn"):
+            step[field] = step[field].replace("layer.1.", "layer.0.")
+    ver = verify_by_blocks(src, out, moved)
+    assert not ver["ok"]
+    assert ver["why"].startswith("float64 check failed: bert.encoder.layer.0.output.LayerNorm.bias: the fold moved")

@@ -67,6 +67,9 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
                         "problems": [f"could not run the model cut to one block per stack: {_first_line(err)}"]}, {}
     orig, folded = Checkpoint(orig_dir), Checkpoint(folded_dir)
     problems, checks, covered, copies = list(shell["problems"]), [], set(shell["keys"]), 0
+    problems += [f"{name}: the fold moved this γ/β out of {stack} from a block other than its last, whose output the "
+                 "next block reads: the pieces cannot prove that" for stack, names in moved.items() for name in names
+                 if not name.startswith(f"{stack}.{stacks[stack][0] - 1}.")]
     for stack, (n, centered) in stacks.items():
         step(f"checking the {n} blocks of {stack} in float64")
         stack_checks, stack_problems, stack_keys, stack_copies = _check_stack(
