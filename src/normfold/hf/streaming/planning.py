@@ -80,8 +80,8 @@ def _untie_what_stock_keeps_apart(plan: FoldPlan, skeleton: nn.Module, checkpoin
     added = []
     for names in sorted(shared_names(skeleton) - shared_names(stock), key=sorted):
         stored = [name for name in sorted(names) if name in checkpoint.meta]
-        if not stored:
-            raise CheckpointError(f"the checkpoint has no tensor for any of {', '.join(sorted(names))}")
+        if not stored:  # nothing to copy: the shell check names the missing tensor
+            continue
         for name in sorted(names - untied - {stored[0]}):
             if name not in checkpoint.meta:
                 module_path, _, attr = name.rpartition(".")
