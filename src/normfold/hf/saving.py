@@ -64,7 +64,7 @@ def stock_state_dict(folded: nn.Module, dtype: torch.dtype | None = None) -> dic
     with torch.device("meta"):
         stock = type(folded)._from_config(folded.config)
     stock_keys = {k: v.shape for k, v in stock.state_dict().items()}
-    state = _separate_what_stock_keeps_apart(folded.state_dict(), _shared_names(stock))
+    state = _separate_what_stock_keeps_apart(folded.state_dict(), shared_names(stock))
     norms = {s["path"]: s for s in swapped_norms(folded)}
     for key, shape in stock_keys.items():
         if key in state:
@@ -79,7 +79,7 @@ def stock_state_dict(folded: nn.Module, dtype: torch.dtype | None = None) -> dic
     return {k: v.contiguous() for k, v in state.items()}
 
 
-def _shared_names(model: nn.Module) -> set[frozenset[str]]:
+def shared_names(model: nn.Module) -> set[frozenset[str]]:
     """The groups of parameter names ``model`` ties to one tensor (input and output embeddings, BERT's
     ``cls.predictions.decoder.bias`` and ``cls.predictions.bias``)."""
     groups: dict[int, list[str]] = {}

@@ -32,9 +32,13 @@ from .planning import NORM_TYPES, meta_skeleton
 # "centered" when it holds a swapped norm; in the others the stream is the original's. Hence
 #   blocks: folded_block(P·x) = P·block(x) in a centered stack, folded_block(x) = block(x) in the
 #           others (where a kept norm's γ/β may have moved into the next layer); a block whose
-#           tensors all equal the original's is compared as a copy instead;
-#   shell:  the model cut to the first block of each stack gives the original's outputs, and the
-#           stream entering each stack is P·(the original's) or the original's;
+#           tensors all equal the original's is compared as a copy instead. Where a norm's γ/β moved
+#           out of the stack (a post-LN BERT's last output LayerNorm into the head), the block is
+#           compared with the original block without that affine: folded_block(x) = block₋γβ(x);
+#   shell:  the model cut to one block of each stack gives the original's outputs, and the
+#           stream entering each stack is P·(the original's) or the original's; the block is the
+#           first, or the last where γ/β moved out of the stack (so the tail reads, on both sides,
+#           the output it was folded for);
 #   copies: every other tensor equals the original's in the saved dtype.
 # Together: the stream enters every stack in its relation, each block keeps it, so the stack hands
 # the shell's tail (final norm, head) what it maps to the original output.
@@ -55,7 +59,7 @@ StreamMap = Callable[[torch.Tensor], torch.Tensor]  # the original's stream -> t
 def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, block_path: str, *,
                 swapped: list[dict[str, Any]] | None = None, centered: bool = True, call: Call | None = None,
                 x: torch.Tensor | None = None, stored_dtype: torch.dtype | None = None, batch: int = 2, seq: int = 16,
-                seed: int = 0, trust_remote_code: bool = False) -> dict[str, Any]:
+                seed: int = 0, trust_remote_code: bool = False, moved_affine: list[str] | None = None) -> dict[str, Any]:
     """Compare one residual block of a folded checkpoint with the original, in float64, loading
     only that block's tensors, and judge the error by the block's own error in ``stored_dtype``.
 
@@ -71,30 +75,42 @@ def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, bloc
     that dtype and run in it (x and the call's float tensors cast too) against float64; ``ok`` says
     whether the error is within it. Also returns the worst |mean|/rms of the RMSNorm inputs.
     ``swapped``: the report's swapped norms (default: read from ``folded_dir``'s report).
+    ``moved_affine``: the γ/β names of the block's norms whose affine the fold moved out of its stack
+    (default: read from the report's plan, :func:`affine_moved_out`); the block is compared with the
+    original without them.
     """
     orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
-    if swapped is None:
-        swapped = json.loads((folded_dir / REPORT_JSON).read_text())["swapped"]
+    if swapped is None or moved_affine is None:
+        report = json.loads((folded_dir / REPORT_JSON).read_text())
+        swapped = report["swapped"] if swapped is None else swapped
+        if moved_affine is None:
+            moved_affine = affine_moved_out(report.get("plan", {}).get("affine_fold", []), block_path.rpartition(".")[0])
     stored = stored_dtype or DTYPES[stored_dtype_name(folded_dir)]
     skeleton = meta_skeleton(orig_dir, trust_remote_code)
     if x is None:
         x = random_stream(skeleton, block_path, call, batch=batch, seq=seq, seed=seed)
     result, _ = check_loaded_block(skeleton, Checkpoint(orig_dir), Checkpoint(folded_dir), block_path, swapped,
-                             centered, call, x, stored)
+                             centered, call, x, stored, moved_affine=moved_affine)
     return result
 
 
 def check_loaded_block(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, block_path: str,
                  swapped: list[dict[str, Any]], centered: bool, call: Call | None, x: torch.Tensor,
-                 stored: torch.dtype, stream_map: StreamMap | None = None) -> tuple[dict[str, Any], torch.Tensor]:
+                 stored: torch.dtype, stream_map: StreamMap | None = None,
+                 moved_affine: list[str] = ()) -> tuple[dict[str, Any], torch.Tensor]:
     """:func:`check_block` on open checkpoints; also returns the original block's output on ``x``
     (the stream the next block reads). One block in float64 in memory at a time. ``stream_map``: the
-    folded model's stream is ``stream_map`` of the (centered) original's (a rotation: x·Q)."""
+    folded model's stream is ``stream_map`` of the (centered) original's (a rotation: x·Q).
+    ``moved_affine``: γ/β names whose affine moved out of the stack; those inside this block are
+    removed from the original block before it gives the reference (not the stream it returns)."""
     project = folded_stream(centered, stream_map)
     with torch.no_grad():
         original = load_block(skeleton, orig, block_path)
         stream = first_output(call_block(original, call, x))
-        ref = project(stream)
+        if _remove_affine(original, block_path, moved_affine):  # the reference: the block without that γ/β
+            ref = project(first_output(call_block(original, call, x)))
+        else:
+            ref = project(stream)
         own = _own_error([ref], original, lambda m, dt: [project(first_output(call_block(m, cast_floats(call, dt), x.to(dt))).double())],
                          stored)
         del original
@@ -105,6 +121,27 @@ def check_loaded_block(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint
     error = output_error(ref, out).error
     return {"block": block_path, "centered": centered, "max_rel_error": error, **_judged(error, own, stored),
             "max_input_mean_ratio": max(ratios) if ratios else None}, stream
+
+
+def _remove_affine(block: nn.Module, block_path: str, names: list[str]) -> bool:
+    """Drop from ``block`` the γ/β among ``names`` (full names) that it holds, as a norm without
+    that affine computes them (γ = 1, β = 0); whether it held any."""
+    prefix = block_path + "."
+    inside = [name[len(prefix):] for name in names if name.startswith(prefix)]
+    for name in inside:
+        owner_path, _, attr = name.rpartition(".")
+        setattr(block.get_submodule(owner_path), attr, None)
+    return bool(inside)
+
+
+def affine_moved_out(affine_folds: list[dict[str, Any]], stack: str) -> list[str]:
+    """The γ/β names of the norms of ``stack`` whose affine a plan's ``affine_fold`` entries (as the
+    report lists them) moved into a layer outside the stack: a post-LN BERT's last output LayerNorm
+    into its head. The folded stack then hands on its output without that γ/β."""
+    def inside(name: str) -> bool:
+        return name.startswith(stack + ".")
+    return sorted({name for step in affine_folds if inside(step["norm_path"]) and not inside(step["weight_fqn"])
+                   for name in (step["gamma_fqn"], step["beta_fqn"]) if name})
 
 
 def folded_stream(centered: bool, stream_map: StreamMap | None = None) -> StreamMap:
@@ -172,10 +209,13 @@ def call_block(block: nn.Module, call: Call | None, x: torch.Tensor):
 def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swapped: list[dict[str, Any]],
                 stacks: dict[str, bool], *, stored_dtype: torch.dtype | None = None, seed: int = 0,
                 trust_remote_code: bool = False, stream_map: StreamMap | None = None,
-                extra_parameters: list[str] = ()) -> tuple[dict[str, Any], dict[str, Call]]:
-    """Run the model cut to the first block of each stack (``stacks``: path -> centered) from both
-    folders in float64, one after the other, and compare every float output and, where each stack
-    starts, the folded stream with P·(the original's) (centered) or the original's.
+                extra_parameters: list[str] = (),
+                shell_blocks: dict[str, int] | None = None) -> tuple[dict[str, Any], dict[str, Call]]:
+    """Run the model cut to one block of each stack (``stacks``: path -> centered; the block
+    ``shell_blocks[stack]``, default the first) from both folders in float64, one after the other,
+    and compare every float output and, where each stack starts, the folded stream with
+    P·(the original's) (centered) or the original's. A stack whose norm's γ/β the fold moved into
+    the tail is cut to its last block: the tail then reads what it was folded for on both sides.
 
     This covers what no block check sees: the embeddings (and an embedding norm), the final norm
     and the head, tied or untied. The error is judged by the cut original's own error in
@@ -188,14 +228,15 @@ def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swap
     """
     orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
     stored = stored_dtype or DTYPES[stored_dtype_name(folded_dir)]
-    model, _ = _load_shell(orig_dir, [], list(stacks), trust_remote_code)
+    model, _ = _load_shell(orig_dir, [], list(stacks), trust_remote_code, shell_blocks=shell_blocks)
     inputs = example_inputs_for(model, seed=seed)
     ref, ref_calls = _run_shell(model, list(stacks), inputs)
     ref_seen = _shell_quantities(ref, ref_calls, stacks, stream_map)
     own = _own_error(ref_seen, model, lambda m, dt: _shell_quantities(*_run_shell(m, list(stacks), cast_floats(inputs, dt)),
                                                                        stacks, stream_map), stored)
     del model
-    model, keys = _load_shell(folded_dir, swapped, list(stacks), trust_remote_code, extra_parameters, normfold_only=True)
+    model, keys = _load_shell(folded_dir, swapped, list(stacks), trust_remote_code, extra_parameters, normfold_only=True,
+                              shell_blocks=shell_blocks)
     out, calls = _run_shell(model, list(stacks), inputs)
     del model
     problems = []
@@ -207,7 +248,8 @@ def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swap
     folded_seen = _shell_quantities(out, calls, {stack: False for stack in stacks} if stream_map else stacks)
     errors = [] if problems else [output_error(a, b).error for a, b in zip(ref_seen, folded_seen)]
     error = max(errors, default=math.nan)
-    result = {"block": "model cut to its first block" if stacks else "model", "max_rel_error": error,
+    cut = "model cut to its last block" if any((shell_blocks or {}).values()) else "model cut to its first block"
+    result = {"block": cut if stacks else "model", "max_rel_error": error,
               **_judged(error, own, stored), "outputs": len(out), "stack_entries": len(stacks), "problems": problems,
               "keys": sorted(keys)}
     return result, ref_calls
@@ -226,10 +268,12 @@ def _shell_quantities(outputs: list[torch.Tensor], calls: dict[str, Call], stack
 
 def _load_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str],
                 trust_remote_code: bool, extra_parameters: list[str] = (),
-                normfold_only: bool = False) -> tuple[nn.Module, set[str]]:
+                normfold_only: bool = False, shell_blocks: dict[str, int] | None = None) -> tuple[nn.Module, set[str]]:
     """``folder``'s model with ``num_hidden_layers`` = 1 (0 without ``stacks``) in float64, its
     tensors loaded from the checkpoint (the ``extra_parameters`` its class lacks registered where
-    their module is in the shell) and the RMSNorms swapped in; and the keys loaded."""
+    their module is in the shell) and the RMSNorms swapped in; and the keys loaded. The one block
+    of a stack holds the tensors and norms of its block ``shell_blocks[stack]`` (default 0)."""
+    shell_blocks = shell_blocks or {}
     config = load_config(folder, trust_remote_code=trust_remote_code, normfold_only=normfold_only)
     config.num_hidden_layers = 1 if stacks else 0
     cls = model_class_for(config, trust_remote_code=trust_remote_code)
@@ -238,7 +282,7 @@ def _load_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str],
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     state, keys = {}, set()
     for name in model.state_dict():
-        key = resolve_key(name, aliases, checkpoint)
+        key = resolve_key(_stored_path(name, shell_blocks), aliases, checkpoint)
         if key is None and name in params:
             raise CheckpointError(f"{folder} has no tensor for {name}")
         if key is not None:
@@ -246,15 +290,38 @@ def _load_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str],
             keys.add(key)
     model.load_state_dict(state, strict=False)
     for name in extra_parameters:
-        owner_path, _, attr = name.rpartition(".")
+        path = _shell_path(name, shell_blocks)
+        if path is None:  # of a block the shell does not hold
+            continue
+        owner_path, _, attr = path.rpartition(".")
         with contextlib.suppress(AttributeError):  # a module of a block the shell does not hold
             owner = model.get_submodule(owner_path)
             owner.register_parameter(attr, nn.Parameter(checkpoint.read(name).double(), requires_grad=False))
             keys.add(name)
     for entry in swapped:
+        path = _shell_path(entry["path"], shell_blocks)
         with contextlib.suppress(AttributeError):  # norms of blocks the shell does not hold
-            swap_in_rmsnorm(model, entry)
+            if path is not None:
+                swap_in_rmsnorm(model, {**entry, "path": path})
     return model, keys
+
+
+def _shell_path(path: str, shell_blocks: dict[str, int]) -> str | None:
+    """Where ``path`` lies in the model cut to block ``shell_blocks[stack]`` of each stack listed:
+    that block's paths move to block 0, other blocks' are not there (None)."""
+    for stack, i in shell_blocks.items():
+        if path.startswith(stack + "."):
+            block = f"{stack}.{i}."
+            return f"{stack}.0.{path[len(block):]}" if path.startswith(block) else None
+    return path
+
+
+def _stored_path(path: str, shell_blocks: dict[str, int]) -> str:
+    """The checkpoint's name for ``path`` of the cut model: block 0 of a listed stack is its block ``shell_blocks[stack]``."""
+    for stack, i in shell_blocks.items():
+        if path.startswith(f"{stack}.0."):
+            return f"{stack}.{i}.{path[len(stack) + 3:]}"
+    return path
 
 
 def _run_shell(model: nn.Module, stacks: list[str],

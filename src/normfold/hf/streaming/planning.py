@@ -2,6 +2,7 @@
 is never touched, only the norms' γ/β read from the files, then the fold engine's analysis."""
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
@@ -10,12 +11,12 @@ from torch import nn
 
 from ...fold.graph import parameter_aliases
 from ...fold.pipeline import plan_fold
-from ...fold.plan import FoldConfig
+from ...fold.plan import FoldConfig, FoldPlan, UntieStep
 from ...fold.report import FoldReport
 from ...nn.kinds import GROUP_NORM_TYPES, LAYER_NORM_TYPES, RMS_NORM_TYPES
 from ..inputs import example_inputs_for
 from ..load import CheckpointError, load_config, model_class_for
-from ..saving import stock_constraints
+from ..saving import shared_names, stock_constraints
 from .checkpoint import TORCH_DTYPES, Checkpoint, resolve_key
 
 # The norm modules of a skeleton whose parameters the analysis reads (and where a block check finds
@@ -34,7 +35,10 @@ def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remo
     norms' γ/β are real), and the checkpoint. ``stock_loadable=False`` (a rotated folder, which only
     ``normfold.from_pretrained`` loads): the plan may create parameters the class lacks (GPT-2's
     ``lm_head.bias``, so that the final norm loses its γ/β), as ``normfold.fold`` does; it still
-    keeps every module (streaming rewrites tensors, never modules).
+    keeps every module (streaming rewrites tensors, never modules). When the plan unties the word
+    embeddings, every other name the skeleton shares with a stored tensor and the stock class built
+    from the untied config keeps apart (BERT's ``cls.predictions.decoder.bias``) gets its own copy
+    (:func:`_untie_what_stock_keeps_apart`).
     """
     config = load_config(model_dir, trust_remote_code=trust_remote_code)
     cls = model_class_for(config, trust_remote_code=trust_remote_code)
@@ -49,7 +53,40 @@ def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remo
     constraints = stock_constraints(skeleton, stored_dtype or dtype, FoldConfig(fold_affine=fold_affine))
     if not stock_loadable:
         constraints = dataclasses.replace(constraints, loadable_keys=None)
-    return plan_fold(skeleton, example_inputs_for(skeleton), constraints), skeleton, checkpoint
+    report = plan_fold(skeleton, example_inputs_for(skeleton), constraints)
+    if report.plan.untie:
+        report.plan = _untie_what_stock_keeps_apart(report.plan, skeleton, checkpoint)
+    return report, skeleton, checkpoint
+
+
+def untied_config(config):
+    """A copy of ``config`` with the word embeddings untied: the folder's config once the plan gives
+    the output embedding its own tensor."""
+    config = copy.deepcopy(config)
+    config.tie_word_embeddings = False
+    return config
+
+
+def _untie_what_stock_keeps_apart(plan: FoldPlan, skeleton: nn.Module, checkpoint: Checkpoint) -> FoldPlan:
+    """``plan`` with an untie step for every name the skeleton ties to a stored tensor but the stock
+    class, built from the untied config, keeps apart, and that the checkpoint does not store. Untying
+    the word embeddings makes transformers stop tying BERT's ``cls.predictions.decoder.bias`` to
+    ``cls.predictions.bias`` too; the checkpoint stores that bias once, so a stock load would draw
+    the other name at random (the in-memory fold stores each: ``saving.stock_state_dict``). The copy
+    is of the original tensor, as every untie step's."""
+    with torch.device("meta"):
+        stock = type(skeleton)._from_config(untied_config(skeleton.config))
+    untied = {step.fqn for step in plan.untie}
+    added = []
+    for names in sorted(shared_names(skeleton) - shared_names(stock), key=sorted):
+        stored = [name for name in sorted(names) if name in checkpoint.meta]
+        if not stored:  # nothing to copy: the shell check names the missing tensor
+            continue
+        for name in sorted(names - untied - {stored[0]}):
+            if name not in checkpoint.meta:
+                module_path, _, attr = name.rpartition(".")
+                added.append(UntieStep(module_path, attr, source_fqn=stored[0]))
+    return dataclasses.replace(plan, untie=[*plan.untie, *added])
 
 
 def _load_norm_parameters(skeleton: nn.Module, checkpoint: Checkpoint) -> None:

@@ -27,7 +27,7 @@ from ..saving import DTYPES, stock_parameter_shapes
 from ..side_files import copy_side_files
 from ..weight_files import SAFE_INDEX as INDEX
 from .checkpoint import stored_dtype_name, write_safetensors
-from .planning import plan_for_checkpoint
+from .planning import plan_for_checkpoint, untied_config
 from .rewrite import AfterFold, CheckpointRewrite, Prefetcher
 from .verification import failure_summary, verify_by_blocks
 
@@ -139,7 +139,7 @@ def _write_config(config, folder: Path, *, untied: bool, dtype: torch.dtype | No
     """The checkpoint's config, untied where the fold gave the output embedding its own tensor, and
     recording the saved dtype."""
     if untied:
-        config.tie_word_embeddings = False
+        config = untied_config(config)
     if dtype is not None:
         config.dtype = dtype
     config.save_pretrained(folder)

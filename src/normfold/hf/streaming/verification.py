@@ -17,8 +17,8 @@ from ..._text import first_line
 from ..load import CheckpointError, check_model_dir
 from ..output_dir import REPORT_JSON
 from ..saving import DTYPES
-from .blocks import (Call, StreamMap, call_block, check_loaded_block, check_shell, compare_copies, first_output, hidden_states,
-                     load_block, random_stream, stacks_of)
+from .blocks import (Call, StreamMap, affine_moved_out, call_block, check_loaded_block, check_shell, compare_copies,
+                     first_output, hidden_states, load_block, random_stream, stacks_of)
 from .checkpoint import Checkpoint, stored_dtype_name
 from .planning import meta_skeleton
 
@@ -53,21 +53,29 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
     swapped = report["swapped"]
     skeleton = meta_skeleton(orig_dir, trust_remote_code)
     stacks = stacks_of(skeleton, swapped)
+    # γ/β the fold moved out of a stack (into the head): its blocks are compared without them, the shell holds its last block
+    affine_folds = report.get("plan", {}).get("affine_fold", [])
+    moved = {stack: affine_moved_out(affine_folds, stack) for stack in stacks}
+    shell_blocks = {stack: n - 1 for stack, (n, _) in stacks.items() if moved[stack]}
     step("checking the embeddings, final norm and head in float64")
     try:
         shell, calls = check_shell(orig_dir, folded_dir, swapped, {s: c for s, (_, c) in stacks.items()},
                                    stored_dtype=stored, trust_remote_code=trust_remote_code, stream_map=stream_map,
-                                   extra_parameters=[e["name"] for e in report.get("extra_parameters", [])])
+                                   extra_parameters=[e["name"] for e in report.get("extra_parameters", [])],
+                                   shell_blocks=shell_blocks)
     except Exception as err:  # a model that cannot run cut short: not proved, so not ok
         shell, calls = {"block": "model cut to its first block", "max_rel_error": math.nan, "ok": False, "keys": [],
                         "problems": [f"could not run the model cut to one block per stack: {first_line(err)}"]}, {}
     orig, folded = Checkpoint(orig_dir), Checkpoint(folded_dir)
     problems, checks, covered, copies = list(shell["problems"]), [], set(shell["keys"]), 0
+    problems += [f"{name}: the fold moved this γ/β out of {stack} from a block other than its last, whose output the "
+                 "next block reads: the pieces cannot prove that" for stack, names in moved.items() for name in names
+                 if not name.startswith(f"{stack}.{stacks[stack][0] - 1}.")]
     for stack, (n, centered) in stacks.items():
         step(f"checking the {n} blocks of {stack} in float64")
         stack_checks, stack_problems, stack_keys, stack_copies = _check_stack(
             skeleton, orig, folded, [f"{stack}.{i}" for i in range(n)], centered, calls.get(stack), swapped, stored,
-            stream_map)
+            stream_map, moved[stack])
         checks += stack_checks
         problems += stack_problems
         covered |= stack_keys
@@ -94,11 +102,13 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
 
 def _check_stack(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, paths: list[str], centered: bool,
                  call: Call | None, swapped: list[dict[str, Any]], stored: torch.dtype,
-                 stream_map: StreamMap | None = None) -> tuple[list[dict[str, Any]], list[str], set[str], int]:
+                 stream_map: StreamMap | None = None,
+                 moved_affine: list[str] = ()) -> tuple[list[dict[str, Any]], list[str], set[str], int]:
     """Every block of one stack (``paths``, in order) on the original's stream: each block whose
     tensors changed (every block of a centered stack) is checked, one that is a copy of the original
     only run to carry the stream on. Returns the checks, the problems, the checkpoint keys the blocks
-    hold and how many of them were compared as copies."""
+    hold and how many of them were compared as copies. ``moved_affine``: the γ/β names whose affine
+    the fold moved out of the stack (each block is compared with the original without those it holds)."""
     keys = {path: sorted(k for k in orig.meta.keys() | folded.meta.keys() if k.startswith(path + "."))
             for path in paths}
     run = [path for path in paths if centered or stream_map or compare_copies(orig, folded, keys[path])]
@@ -110,7 +120,7 @@ def _check_stack(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, path
         try:
             if path in run:
                 result, x = check_loaded_block(skeleton, orig, folded, path, swapped, centered, call, x, stored,
-                                               stream_map)
+                                               stream_map, moved_affine)
                 checks.append(result)
             else:  # a copy: only the stream the next block reads is needed
                 with torch.no_grad():
