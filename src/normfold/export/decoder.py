@@ -27,7 +27,7 @@ __all__ = ["KV_CACHE_MODEL_TYPES", "PAST_AXIS", "TOTAL_AXIS", "DecoderWithCache"
 
 # the architectures whose cache is one (key, value) pair of (batch, heads, positions, head_dim) per layer
 # in a DynamicCache, checked by tests/export/test_kv_cache.py
-KV_CACHE_MODEL_TYPES = ("gpt2",)
+KV_CACHE_MODEL_TYPES = ("gpt2", "opt", "bloom")
 PAST_AXIS, TOTAL_AXIS = "past_sequence", "total_sequence"
 
 
@@ -37,7 +37,7 @@ def check_decoder(model: nn.Module) -> None:
     can_generate = getattr(model, "can_generate", None)
     if model_type not in KV_CACHE_MODEL_TYPES or not callable(can_generate) or not can_generate():
         raise ValueError(f"kv_cache=True exports a transformers causal LM of type {', '.join(KV_CACHE_MODEL_TYPES)} "
-                         f"(e.g. GPT2LMHeadModel); got {type(model).__name__}"
+                         f"(GPT2LMHeadModel, OPTForCausalLM, BloomForCausalLM); got {type(model).__name__}"
                          + (f" (model_type {model_type!r})" if model_type else ""))
 
 
