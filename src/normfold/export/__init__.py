@@ -11,10 +11,10 @@ generation with them in ONNX Runtime. Needs the ``onnx`` extra: ``pip install 'n
 """
 from __future__ import annotations
 
-from .decoder import KV_CACHE_MODEL_TYPES, generate_greedy_ort
+from .decoder import KV_CACHE_MODEL_TYPES, check_decoder, generate_greedy_ort
 from .pipeline import BATCH_AXIS, SEQUENCE_AXIS, OnnxExportReport, export_onnx, require_onnx_extra
 from .translations import (DEFAULT_OPSET, LAYER_NORM_NODE_TYPES, RMS_NODE_TYPES, TARGETS, check_target,
                            onnx_translations)
 
-__all__ = ["export_onnx", "generate_greedy_ort", "KV_CACHE_MODEL_TYPES", "OnnxExportReport", "require_onnx_extra", "onnx_translations", "check_target", "TARGETS", "DEFAULT_OPSET",
+__all__ = ["export_onnx", "generate_greedy_ort", "KV_CACHE_MODEL_TYPES", "check_decoder", "OnnxExportReport", "require_onnx_extra", "onnx_translations", "check_target", "TARGETS", "DEFAULT_OPSET",
            "RMS_NODE_TYPES", "LAYER_NORM_NODE_TYPES", "BATCH_AXIS", "SEQUENCE_AXIS"]
