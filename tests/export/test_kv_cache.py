@@ -97,6 +97,14 @@ def test_tiny_decoder_batch_of_two_left_padded_generates_the_same_greedy_tokens(
     assert torch.equal(_generate_ort(model, tmp_path / "model.onnx", ids, mask, 8), want)
 
 
+def test_an_example_whose_batch_equals_its_length_exports_and_generates_at_other_sizes(tmp_path):
+    model = _tiny("gpt2")
+    export_onnx(model, {"input_ids": torch.arange(1, 17).view(4, 4)}, tmp_path / "model.onnx", kv_cache=True)
+    ids, mask = torch.tensor([[5, 6, 7, 8, 9], [1, 1, 3, 4, 5]]), torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
+    assert torch.equal(_generate_ort(model, tmp_path / "model.onnx", ids, mask, 4),
+                       _generate_pytorch(model, ids, mask, 4))
+
+
 def test_the_cache_changes_the_logits_so_generation_compares_it(tmp_path):
     """A cache the graph ignored would still pass a one-call check: the next token's logits after the
     prompt's cache differ from those after an empty cache."""
@@ -139,9 +147,16 @@ def test_what_cannot_be_exported_with_a_cache_is_refused_before_any_work(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_example_without_token_ids_is_refused_and_nothing_is_written(tmp_path):
-    with pytest.raises(ValueError, match=r"needs example input_ids: .*got shape \(1, 1\)"):
-        export_onnx(_tiny("gpt2"), {"input_ids": torch.tensor([[1]])}, tmp_path / "m.onnx", kv_cache=True)
+@pytest.mark.parametrize("example, match", [
+    ({"input_ids": torch.tensor([[1]])}, r"needs example input_ids: .*got shape \(1, 1\)"),
+    ({"input_ids": torch.rand(1, 3)}, r"needs example input_ids: integer token ids .*got shape \(1, 3\) torch.float32"),
+    ({"attention_mask": torch.ones(1, 3)}, r"needs example input_ids: .*got NoneType"),
+    ({"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 2)},
+     r"attention_mask in input_ids' shape \(1, 3\); got shape \(1, 2\)"),
+])
+def test_example_without_token_ids_is_refused_and_nothing_is_written(tmp_path, example, match):
+    with pytest.raises(ValueError, match=match):
+        export_onnx(_tiny("gpt2"), example, tmp_path / "m.onnx", kv_cache=True)
     assert list(tmp_path.iterdir()) == []
 
 

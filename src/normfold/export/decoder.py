@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .._deps import require
+from ..fold.graph import eval_mode
 
 __all__ = ["KV_CACHE_MODEL_TYPES", "PAST_AXIS", "TOTAL_AXIS", "DecoderWithCache", "check_decoder", "ExportCalls",
            "cache_calls", "position_ids_from_mask", "generate_greedy_ort"]
@@ -53,13 +54,14 @@ class DecoderWithCache(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.config = model.config  # errors name the model by its type (fold.errors.model_name)
         self.takes_position_ids = _takes_position_ids(model)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None,
                 past_key_values: list[Tensor]) -> dict[str, Tensor]:
         cache_utils = require("transformers.cache_utils")
         pairs = [(past_key_values[i], past_key_values[i + 1]) for i in range(0, len(past_key_values), 2)]
-        cache = cache_utils.DynamicCache(ddp_cache_data=pairs, config=self.model.config)
+        cache = cache_utils.DynamicCache(ddp_cache_data=pairs, config=self.config)
         extra = {"position_ids": position_ids} if self.takes_position_ids else {}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True, **extra)
         result = {"logits": out.logits}
@@ -90,7 +92,8 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 def cache_calls(decoder: DecoderWithCache, example: dict) -> ExportCalls:
     """The calls that export and prove ``decoder`` from a causal LM's example (``input_ids``, optional
     ``attention_mask``; other keys such as ``use_cache`` are ignored): the prompt with an empty cache, and
-    new tokens after the prompt's cache (lengths kept apart from the batch so no two dynamic axes coincide).
+    new tokens after the prompt's cache (as many as neither the batch nor the prompt, so the traced sizes
+    tell the axes apart).
     """
     ids = example.get("input_ids")
     if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.is_floating_point() or ids.shape[1] < 2:
@@ -99,11 +102,15 @@ def cache_calls(decoder: DecoderWithCache, example: dict) -> ExportCalls:
                          f"got {got}")
     mask = example.get("attention_mask")
     mask = torch.ones_like(ids) if mask is None else mask
+    if not isinstance(mask, Tensor) or mask.shape != ids.shape:
+        got = f"shape {tuple(mask.shape)}" if isinstance(mask, Tensor) else type(mask).__name__
+        raise ValueError(f"kv_cache=True needs the example attention_mask in input_ids' shape {tuple(ids.shape)}; "
+                         f"got {got}")
     batch, length = ids.shape
-    with torch.no_grad():
+    with eval_mode(decoder), torch.no_grad():
         prompt = _call(decoder, ids, mask, _empty_cache(decoder, ids, mask))
         past = list(decoder(*prompt[0]).values())[1:]
-    new = next(n for n in range(2, batch + length + 4) if len({batch, length, n, length + n}) == 4)
+    new = next(n for n in range(2, batch + length + 4) if n not in (batch, length) and length + n != batch)
     new_ids = ids.repeat(1, new)[:, :new].flip(1)
     traced = _call(decoder, new_ids, torch.cat([mask, torch.ones_like(new_ids)], dim=1), past)
     past_names = [f"past_key_values.{i // 2}.{'key' if i % 2 == 0 else 'value'}" for i in range(len(past))]

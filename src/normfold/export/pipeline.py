@@ -120,15 +120,11 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
     args, kwargs = split_example_inputs(example_inputs)
     require_onnx_extra()
 
-    if kv_cache:
-        model = DecoderWithCache(model)
-        original = None if original is None else DecoderWithCache(original)
+    if kv_cache:  # the models with their cache as flat tensors
+        model, original = (None if m is None else DecoderWithCache(m) for m in (model, original))
     reference = original if original is not None else model
-    if kv_cache:
-        with eval_mode(reference):
-            plan = cache_calls(reference, {**dict(zip(("input_ids", "attention_mask"), args)), **kwargs})
-    else:
-        plan = _plain_calls(model, args, kwargs, dynamic)
+    plan = cache_calls(reference, {**dict(zip(("input_ids", "attention_mask"), args)), **kwargs}) if kv_cache \
+        else _plain_calls(model, args, kwargs, dynamic)
     with contextlib.ExitStack() as stack:
         staged = stack.enter_context(_staging(path))
         norm_calls = _export(model, plan, staged, target, opset)
