@@ -160,7 +160,7 @@ def test_example_without_token_ids_is_refused_and_nothing_is_written(tmp_path, e
     assert list(tmp_path.iterdir()) == []
 
 
-def test_generation_refuses_a_graph_without_a_cache_and_a_bad_token_count(tmp_path):
+def test_generation_refuses_a_graph_without_a_cache_a_bad_token_count_and_bad_ids(tmp_path):
     model = _tiny("gpt2")
     example = {"input_ids": torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]]), "use_cache": False}
     export_onnx(model, example, tmp_path / "plain.onnx")  # exported without its cache
@@ -169,3 +169,8 @@ def test_generation_refuses_a_graph_without_a_cache_and_a_bad_token_count(tmp_pa
         generate_greedy_ort(session, torch.tensor([[1, 2]]), 3)
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 1, got 0"):
         generate_greedy_ort(session, torch.tensor([[1, 2]]), 0)
+    cached = tmp_path / "cached.onnx"
+    export_onnx(model, example, cached, kv_cache=True)
+    with pytest.raises(ValueError, match=r"input_ids must be integer token ids of shape \(batch, sequence\), got "
+                                         r"shape \(2,\) torch.int64"):
+        generate_greedy_ort(onnxruntime.InferenceSession(str(cached)), torch.tensor([1, 2]), 3)

@@ -153,8 +153,10 @@ def generate_greedy_ort(session, input_ids: Tensor, max_new_tokens: int, *, atte
     if "input_ids" not in inputs or not past_names:
         raise ValueError(f"the session is not a decoder exported with its KV cache: its inputs are "
                          f"{', '.join(inputs)} (expected input_ids, attention_mask, past_key_values.{{i}}.key/value)")
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be (batch, sequence), got shape {tuple(input_ids.shape)}")
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        got = f"shape {tuple(input_ids.shape)} {input_ids.dtype}" if isinstance(input_ids, Tensor) else \
+            type(input_ids).__name__
+        raise ValueError(f"input_ids must be integer token ids of shape (batch, sequence), got {got}")
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
     if mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask must have input_ids' shape {tuple(input_ids.shape)}, got {tuple(mask.shape)}")
@@ -183,8 +185,11 @@ def generate_greedy_ort(session, input_ids: Tensor, max_new_tokens: int, *, atte
 def _empty_past(value_info, batch: int):
     """A zero-length cache tensor for one ``past_key_values`` input (heads and head_dim from its shape)."""
     numpy = require("numpy")
-    dtype = {"tensor(float)": numpy.float32, "tensor(double)": numpy.float64,
-             "tensor(float16)": numpy.float16}[value_info.type]
+    dtypes = {"tensor(float)": numpy.float32, "tensor(double)": numpy.float64, "tensor(float16)": numpy.float16}
+    if value_info.type not in dtypes:  # numpy has no bfloat16
+        raise ValueError(f"generate_greedy_ort feeds caches of type {', '.join(dtypes)}; {value_info.name} is "
+                         f"{value_info.type}")
+    dtype = dtypes[value_info.type]
     _, heads, _, head_dim = value_info.shape
     return numpy.zeros((batch, heads, 0, head_dim), dtype=dtype)
 
