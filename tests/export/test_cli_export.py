@@ -46,3 +46,34 @@ def test_an_opset_the_target_cannot_use_is_a_usage_error_before_loading(capsys, 
     assert main(["export", str(missing), "-o", str(out), "--target", "onnx", "--opset", "20"]) == EXIT_USAGE
     assert "must be >= 23" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_kv_cache_writes_both_files_with_the_cache_and_they_generate_the_same_tokens(capsys, tmp_path, tiny_dirs):
+    import torch
+
+    from normfold.export import generate_greedy_ort
+
+    out = tmp_path / "onnx"
+    assert main(["export", str(tiny_dirs["gpt2"]), "-o", str(out), "--kv-cache", "--json"]) == EXIT_OK
+    report = json.loads(capsys.readouterr().out)
+    onnx = report["onnx"]
+    assert report["kv_cache"] is True and onnx["error"] <= onnx["tolerance"]
+    assert onnx["input_names"][:4] == ["input_ids", "attention_mask", "position_ids", "past_key_values.0.key"]
+    assert onnx["output_names"][:3] == ["logits", "present.0.key", "present.0.value"]
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    folded, original = (generate_greedy_ort(onnxruntime.InferenceSession(str(out / name)), ids, 6)
+                        for name in ("model.onnx", "original.onnx"))
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel.from_pretrained(tiny_dirs["gpt2"]).eval()
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+                              eos_token_id=None)
+    assert folded.shape == (1, 11) and torch.equal(folded, want) and torch.equal(original, want)
+
+
+def test_kv_cache_for_a_model_that_is_not_a_supported_decoder_is_a_usage_error_before_folding(capsys, tmp_path,
+                                                                                             tiny_dirs):
+    out = tmp_path / "onnx"
+    assert main(["export", str(tiny_dirs["bert"]), "-o", str(out), "--kv-cache"]) == EXIT_USAGE
+    assert "kv_cache=True exports a transformers causal LM of type gpt2, opt, bloom" in capsys.readouterr().err
+    assert not out.exists()

@@ -5,7 +5,8 @@ own RMS kernels, prove it in ONNX Runtime against the original, and write a fold
     OUT/config.json       the original's config           OUT/normfold_report.json   opset, targets, the proof's figures
 
 (plus ``*.onnx.data`` external data for models over 2 GB, and the folder's tokenizer and other side
-files). Composed here: hf loads, the top level folds, ``normfold.export`` exports and proves.
+files). ``--kv-cache``: both files take and return a decoder's KV cache (optimum's names), for a
+generation loop in ONNX Runtime (``normfold.export.generate_greedy_ort``). Composed here: hf loads, the top level folds, ``normfold.export`` exports and proves.
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import json
 from pathlib import Path
 
 from ..convert import fold
-from ..export import DEFAULT_OPSET, TARGETS, check_target, export_onnx, require_onnx_extra
+from ..export import (DEFAULT_OPSET, KV_CACHE_MODEL_TYPES, TARGETS, check_decoder, check_target, export_onnx,
+                      require_onnx_extra)
 from ..hf.inputs import example_inputs_for
 from ..hf.load import load_model
 from ..hf.output_dir import REPORT_JSON, atomic_output_dir
@@ -34,17 +36,20 @@ def _run_export(args) -> int:
     with output.steps(not args.json) as step:
         step("loading")
         model = load_model(source, trust_remote_code=args.trust_remote_code)
+        if args.kv_cache:  # before the fold's work
+            check_decoder(model)
         inputs = example_inputs_for(model)
         step("folding" + (" and fusing" if args.fuse else ""))
         # stock_compatible=False: the ONNX file, not transformers' classes, runs the result
         folded, fold_report = fold(model, inputs, fuse=args.fuse, stock_compatible=False)
-        step(f"exporting to ONNX (target {args.target}) and proving it in ONNX Runtime")
+        step(f"exporting to ONNX (target {args.target}{', with the KV cache' if args.kv_cache else ''}) "
+             "and proving it in ONNX Runtime")
         with atomic_output_dir(args.output, overwrite=args.overwrite, protect=(source,)) as tmp:
             report = export_onnx(folded, inputs, tmp / MODEL_FILE, original=model, original_path=tmp / ORIGINAL_FILE,
-                                 target=args.target, opset=args.opset)
+                                 target=args.target, opset=args.opset, kv_cache=args.kv_cache)
             model.config.to_json_file(tmp / CONFIG_FILE)
             skipped = copy_side_files(source, tmp)
-            summary = _summary(source, report.to_dict(), args.fuse, fold_report, skipped)
+            summary = _summary(source, report.to_dict(), args.fuse, args.kv_cache, fold_report, skipped)
             (tmp / REPORT_JSON).write_text(json.dumps(summary, indent=2) + "\n")
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -60,11 +65,12 @@ def _run_export(args) -> int:
     return EXIT_OK
 
 
-def _summary(source, onnx: dict, fuse: bool, fold_report, skipped: list) -> dict:
+def _summary(source, onnx: dict, fuse: bool, kv_cache: bool, fold_report, skipped: list) -> dict:
     """normfold_report.json: what was exported, how, and the proof (paths relative to the folder)."""
     for key in ("path", "original_path"):
         onnx[key] = Path(onnx[key]).name
-    return {"kind": "onnx_export", "model": str(source), "fuse": fuse, "num_norms": fold_report.num_norms,
+    return {"kind": "onnx_export", "model": str(source), "fuse": fuse, "kv_cache": kv_cache,
+            "num_norms": fold_report.num_norms,
             "num_folded": fold_report.num_foldable, "onnx": onnx, "skipped_files": skipped}
 
 
@@ -86,6 +92,10 @@ def add_commands(subparsers) -> None:
     p.add_argument("--opset", type=int, metavar="N",
                    help=f"ONNX opset (default {DEFAULT_OPSET['onnxruntime']} for onnxruntime, "
                         f"{DEFAULT_OPSET['onnx']} for onnx)")
+    p.add_argument("--kv-cache", action="store_true",
+                   help="decoders: the KV cache as graph inputs past_key_values.{i}.key/value and outputs "
+                        f"present.{{i}}.key/value (optimum's names), for generation in ONNX Runtime; model types "
+                        f"{', '.join(KV_CACHE_MODEL_TYPES)}")
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT_DIR if it is empty or an earlier normfold output, once the new one is proved")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

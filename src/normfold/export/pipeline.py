@@ -6,7 +6,9 @@ original model, or the model itself) must be at most 2 · e_own + u, where e_own
 original exported the same way (torch's stock export, run in ONNX Runtime) against the same float64
 reference, and u the dtype's unit roundoff. Without an original model, e_own is the model's own error
 in PyTorch in its dtype. Two calls are compared: the example, and one at other sizes on every dynamic
-axis (twice the batch, one position fewer), so the dynamic axes are proved too.
+axis (twice the batch, one position fewer), so the dynamic axes are proved too. A decoder exported with
+its KV cache (``kv_cache=True``, ``decoder.py``) is proved on the prompt with an empty cache and on new
+tokens after the prompt's cache.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from ..fold.graph import eval_mode, split_example_inputs
 from ..fold.verify import (OWN_ERROR_MULTIPLE, cast_floats, dtype_name, flatten_outputs, fresh_inputs_like,
                            measured_tolerance, output_error, own_error, rounding_error)
 from . import runtime
+from .decoder import DecoderWithCache, ExportCalls, cache_calls, check_decoder
 from .translations import LAYER_NORM_NODE_TYPES, RMS_NODE_TYPES, check_target, onnx_translations
 
 __all__ = ["export_onnx", "OnnxExportReport", "require_onnx_extra", "BATCH_AXIS", "SEQUENCE_AXIS"]
@@ -75,7 +78,8 @@ class OnnxExportReport:
 
 def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, original: nn.Module | None = None,
                 original_path: str | os.PathLike | None = None, target: str = "onnxruntime", opset: int | None = None,
-                dynamic: bool = True, overwrite: bool = False, threads: int = 1) -> OnnxExportReport:
+                dynamic: bool = True, overwrite: bool = False, threads: int = 1,
+                kv_cache: bool = False) -> OnnxExportReport:
     """Export ``model`` (folded, fused or any model with normfold norms) to ONNX at ``path``, proved.
 
     ``example_inputs``: a tuple of positional or a dict of keyword arguments. ``target``:
@@ -86,6 +90,11 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
     reference and e_own are then the original's (its stock export is written to ``original_path`` if
     given). Nothing is written unless the proof passes (FoldVerificationError); existing files are
     replaced only with ``overwrite``. Models over 2 GB get external data (``<name>.data``).
+
+    ``kv_cache=True`` (a transformers causal LM of a type in ``KV_CACHE_MODEL_TYPES``; ``example_inputs``
+    its ``input_ids`` and optional ``attention_mask``): the graph takes and returns the KV cache with
+    optimum's names (``past_key_values.{i}.key`` / ``present.{i}.key``, ``normfold.export.decoder``), so
+    :func:`~normfold.export.generate_greedy_ort` generates with it.
     """
     for name, m in (("model", model), ("original", original)):
         if m is not None and not isinstance(m, nn.Module):
@@ -95,6 +104,14 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
         raise ValueError(f"threads must be an int >= 1, got {threads!r}")
     if original_path is not None and original is None:
         raise ValueError("original_path needs original= (the model whose stock export it is)")
+    if not isinstance(kv_cache, bool):
+        raise TypeError(f"kv_cache must be a bool, got {type(kv_cache).__name__}")
+    if kv_cache:
+        if not dynamic:
+            raise ValueError("kv_cache=True needs dynamic=True: the cache grows by one position a call")
+        for m in (model, original):
+            if m is not None:
+                check_decoder(m)
     path = _check_destination(path, overwrite)
     if original_path is not None:
         original_path = _check_destination(original_path, overwrite)
@@ -103,17 +120,20 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
     args, kwargs = split_example_inputs(example_inputs)
     require_onnx_extra()
 
-    calls = [(args, kwargs), _other_sizes(args, kwargs, dynamic)]
+    if kv_cache:  # the models with their cache as flat tensors
+        model, original = (None if m is None else DecoderWithCache(m) for m in (model, original))
     reference = original if original is not None else model
+    plan = cache_calls(reference, {**dict(zip(("input_ids", "attention_mask"), args)), **kwargs}) if kv_cache \
+        else _plain_calls(model, args, kwargs, dynamic)
     with contextlib.ExitStack() as stack:
         staged = stack.enter_context(_staging(path))
-        norm_calls = _export(model, args, kwargs, staged, target, opset, dynamic)
+        norm_calls = _export(model, plan, staged, target, opset)
         staged_original = None
         if original is not None:
             staged_original = stack.enter_context(_staging(original_path)) if original_path else \
                 staged.with_name(f"original-{staged.name}")
-            _export(original, args, kwargs, staged_original, target, opset, dynamic)
-        proof = _prove(model, reference, staged, staged_original, calls, threads)
+            _export(original, plan, staged_original, target, opset)
+        proof = _prove(model, reference, staged, staged_original, plan.calls, threads)
         counts = _norm_counts(staged, threads)
         original_counts = None if staged_original is None else _norm_counts(staged_original, threads)
         sess = runtime.session(staged, threads=threads)
@@ -123,11 +143,10 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
         _publish(staged, path, overwrite)
         if original_path is not None:
             _publish(staged_original, original_path, overwrite)
-    axes = [_dynamic_axes(t) if dynamic else {} for t in runtime.call_tensors(args, kwargs)]
     return OnnxExportReport(
         path=str(path), original_path=None if original_path is None else str(original_path), target=target,
         opset=opset, input_names=input_names, output_names=output_names,
-        dynamic_axes={n: a for n, a in zip(input_names, axes) if a}, **proof, norm_calls=norm_calls, node_counts=counts,
+        dynamic_axes={n: a for n, a in zip(input_names, plan.axes) if a}, **proof, norm_calls=norm_calls, node_counts=counts,
         original_node_counts=original_counts, external_data=external, versions=_versions())
 
 
@@ -155,12 +174,21 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, An
             for name, value in bound.arguments.items()}
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, file: Path, target: str, opset: int,
-            dynamic: bool) -> dict[str, int]:
-    """``torch.onnx.export(dynamo=True)`` of the call into ``file``, normfold's norms through
+def _plain_calls(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> ExportCalls:
+    """A model exported as called: the example traced, proved on it and at other sizes; dynamic axes
+    from :func:`_dynamic_axes`."""
+    tensors = runtime.call_tensors(args, kwargs)
+    return ExportCalls(traced=(args, kwargs), calls=[(args, kwargs), _other_sizes(args, kwargs, dynamic)],
+                       axes=[_dynamic_axes(t) if dynamic else {} for t in tensors],
+                       dynamic_shapes=_dynamic_shapes(model, args, kwargs) if dynamic else None, input_names=None)
+
+
+def _export(model: nn.Module, plan: ExportCalls, file: Path, target: str, opset: int) -> dict[str, int]:
+    """``torch.onnx.export(dynamo=True)`` of ``plan``'s traced call into ``file``, normfold's norms through
     :func:`onnx_translations` (an original without them is torch's stock export); FoldError naming what
     failed. Returns the norm calls of the exported program (:func:`_norm_calls`)."""
     table = onnx_translations(target, opset)
+    args, kwargs = plan.traced
     try:
         with eval_mode(model), torch.no_grad(), warnings.catch_warnings():
             # the exporter names the axes only when every argument is a tensor (and warns when two inputs
@@ -170,12 +198,12 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, file: Path, target: str
             program = torch.onnx.export(model, args, kwargs=kwargs, dynamo=True, opset_version=opset,
                                         custom_translation_table=table, verbose=False, optimize=True,
                                         output_names=_output_names(model, args, kwargs),
-                                        dynamic_shapes=_dynamic_shapes(model, args, kwargs) if dynamic else None)
+                                        input_names=plan.input_names, dynamic_shapes=plan.dynamic_shapes)
     except Exception as err:  # noqa: BLE001  torch's exporter raises many kinds; the user needs its innermost reason
         raise FoldError(f"torch.onnx.export could not export {model_name(model)} (opset {opset}): "
                         f"{_export_failure(err)}") from err
-    if dynamic:
-        _name_axes(program.model, [_dynamic_axes(t) for t in runtime.call_tensors(args, kwargs)])
+    if plan.dynamic_shapes is not None:
+        _name_axes(program.model, plan.axes)
     program.save(file)
     return _norm_calls(program.exported_program.graph)
 
