@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from .._deps import require
+from .._text import first_line
 from ..fold.errors import FoldError, FoldVerificationError, model_name
 from ..fold.graph import eval_mode, split_example_inputs
 from ..fold.verify import (OWN_ERROR_MULTIPLE, cast_floats, dtype_name, flatten_outputs, fresh_inputs_like,
@@ -235,9 +236,9 @@ def _export_failure(err: BaseException) -> str:
     node, seen = None, err
     while seen.__cause__ is not None:
         if "Error when translating node" in str(seen):
-            node = str(seen).splitlines()[0]
+            node = first_line(seen)
         seen = seen.__cause__
-    innermost = (str(seen).strip().splitlines() or [type(seen).__name__])[0]
+    innermost = first_line(seen)
     return innermost if node is None else f"{node}: {innermost}"
 
 

@@ -241,7 +241,7 @@ def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swap
     del model
     problems = []
     if not ref or len(ref) != len(out) or any(a.shape != b.shape for a, b in zip(ref, out)):
-        problems.append(f"the model cut to its first blocks gave {len(ref)} float outputs, the folded one {len(out)} "
+        problems.append(f"the model cut to one block per stack gave {len(ref)} float outputs, the folded one {len(out)} "
                         "(expected the same number and shapes, at least one)")
     problems += [f"the stream entering {stack} was not seen (its first block was never called)"
                  for stack in stacks if stack not in ref_calls or stack not in calls]

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..._deps import require
+from ..._text import first_line
 from ..load import CheckpointError
 from ..weight_files import stored_tensors, weight_source
 
@@ -46,7 +47,7 @@ class Checkpoint:
                         sl = f.get_slice(key)
                         self.meta[key] = (sl.get_dtype(), list(sl.get_shape()))
             except Exception as err:  # SafetensorError for a corrupt header
-                raise CheckpointError(f"corrupt safetensors file {folder / name}: {str(err).splitlines()[0]}") from err
+                raise CheckpointError(f"corrupt safetensors file {folder / name}: {first_line(err)}") from err
             self.files[name] = keys
         self.bytes_read = 0
         self.read_seconds = 0.0

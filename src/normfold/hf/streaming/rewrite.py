@@ -119,7 +119,7 @@ class CheckpointRewrite:
 
     def compute(self, key: str) -> dict[str, torch.Tensor]:
         """New values for every key of ``key``'s group, in their output dtypes (the math runs in
-        ``fold.math.compute_dtype`` on slices of at most :data:`_CHUNK` elements, rounding once per step)."""
+        ``fold.math.weight_math_dtype`` on slices of at most :data:`_CHUNK` elements, rounding once per step)."""
         if key not in self.group_of:
             return {key: self._cast(key, self.checkpoint.read(key))}
         group = self.group_of[key]

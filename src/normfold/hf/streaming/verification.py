@@ -147,7 +147,7 @@ def _closest_to_bound(pieces: list[dict[str, Any]]) -> dict[str, Any]:
 def _tolerance_rule(pieces: list[dict[str, Any]]) -> str:
     """The verification's rule in words, with the numbers of the piece closest to its bound."""
     closest = _closest_to_bound(pieces)
-    text = "each piece (the model cut to its first blocks, each block run) within its own tolerance"
+    text = "each piece (the model cut to one block per stack, each block run) within its own tolerance"
     if "tolerance_rule" not in closest:
         return f"{text}; {closest['block']} was not measured"
     return (f"{text}; closest to its bound: {closest['block']}, error {closest['max_rel_error']:.1e}, tolerance "
