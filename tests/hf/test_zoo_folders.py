@@ -215,14 +215,14 @@ def test_a_forward_without_any_known_input_is_refused_naming_the_inputs():
 
 # ------------------------------------------------------------------------- the command's last boundary
 
-def _fail_unexpectedly(model):
+def _fail_unexpectedly(*_args):
     raise RuntimeError("value cannot be converted to type float without overflow\n  second line")
 
 
 @pytest.mark.parametrize("command", ["analyze", "fold"])
 def test_an_unexpected_engine_error_is_one_line_with_exit_2_naming_the_command(tiny_dirs, tmp_path, monkeypatch,
                                                                                 capsys, command):
-    monkeypatch.setattr("normfold.hf.folder.example_inputs_for", _fail_unexpectedly)
+    monkeypatch.setattr("normfold.hf.folder.example_calls_for", _fail_unexpectedly)
     argv = [command, str(tiny_dirs["gpt2"])] + (["-o", str(tmp_path / "out")] if command == "fold" else [])
     assert main(argv) == 2
     err = capsys.readouterr().err

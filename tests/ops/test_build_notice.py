@@ -35,7 +35,8 @@ def test_first_build_prints_one_notice_with_elapsed_time_on_stderr(stub_build, m
     out, err = capsys.readouterr()
     lines = err.splitlines()
     assert stub_build and out == ""
-    assert lines[0].startswith("normfold: building the C++ CPU kernel (once; cached in ") and lines[0].endswith(" ...")
+    assert lines[0].startswith("normfold: building the C++ CPU kernel once, in ") and lines[0].endswith(" ...")
+    assert "(1-2 minutes; later runs load it)" in lines[0]  # where, and about how long
     assert "done in " in lines[1] and lines[1].endswith(" s") and len(lines) == 2
 
 
