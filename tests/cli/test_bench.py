@@ -76,7 +76,7 @@ def test_bench_says_how_long_it_takes_before_and_after_on_stderr(capsys, monkeyp
     code, out, err = _run(capsys, "bench", tiny_dirs["gpt2"], *_QUICK, "--out", tmp_path / "out")
     lines = err.splitlines()
     assert code == EXIT_OK and "normfold:" not in out
-    assert lines[0] == "normfold: timing gpt2: --quick, about a minute on 2 CPU cores for a small model ..."
+    assert lines[0] == "normfold: timing gpt2: --quick, 10 s to a minute on 2 CPU cores for a small model ..."
     assert lines[1].startswith("normfold: timing gpt2: ") and " done in " in lines[1] and len(lines) == 2
     assert main(["bench", "--help"]) == EXIT_OK
     assert "a few seconds" not in capsys.readouterr().out

@@ -46,9 +46,10 @@ def _run_bench(args) -> int:
     return EXIT_OK
 
 
-# what a --quick run of the bundled model took on 2 loaded CPU cores (issue 30: 53 s), most of it the fold,
-# its float64 proof and the profiler pass rather than the timed rounds
-QUICK_TIME = "about a minute on 2 CPU cores"
+# what a --quick run of the bundled model takes on 2 CPU cores once the C++ kernel is built: 11 s end to end
+# on an idle machine (2026-12-02), 53 s on a loaded one (issue 30); most of it the fold, its float64 proof
+# and the profiler pass rather than the timed rounds
+QUICK_TIME = "10 s to a minute on 2 CPU cores"
 
 
 def _how_long(args) -> str:
