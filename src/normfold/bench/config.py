@@ -44,6 +44,3 @@ class BenchConfig:
 
 
 QUICK = BenchConfig(batches=(1,), seqs=(1, 16), prefill=8, rounds=5, warmup=1, bootstrap=200, profile_iters=2)
-
-
-QUICK = BenchConfig(batches=(1,), seqs=(1, 16), prefill=8, rounds=5, warmup=1, bootstrap=200, profile_iters=2)

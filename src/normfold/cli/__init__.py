@@ -33,7 +33,7 @@ import torch
 
 from .. import __version__
 from .._options import dash_options
-from .._text import first_line as _first_line  # the name its lines use
+from .._text import first_line
 from ..fold import FoldError, FoldVerificationError
 from ..hf.load import CheckpointError
 from ..hf.output_dir import disk_full_error
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"normfold: verification failed: {err}", file=sys.stderr)
         return EXIT_VERIFY_FAILED
     except _USER_ERRORS as err:
-        print(f"normfold: error: {_first_line(err)}", file=sys.stderr)
+        print(f"normfold: error: {first_line(err)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         on_interrupt = getattr(args, "on_interrupt", None)  # a command that writes as it goes says what it left
@@ -156,8 +156,8 @@ def _unexpected(err: Exception, command: str) -> str:
         path = getattr(full, "filename", None)
         return f"no space left on device{f' while writing {path}' if path else ''}: free space or write elsewhere"
     if isinstance(err, OSError):  # the machine, not the model (a vanished file): what the system said
-        return f"{_first_line(err)} ({TRACEBACK_ENV}=1 shows the traceback)"
-    return (f"{command} cannot handle this model: {type(err).__name__}: {_first_line(err)} "
+        return f"{first_line(err)} ({TRACEBACK_ENV}=1 shows the traceback)"
+    return (f"{command} cannot handle this model: {type(err).__name__}: {first_line(err)} "
             f"(not a known refusal; {TRACEBACK_ENV}=1 shows the traceback)")
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .._deps import require
-from .._text import first_line as _first_line  # the name its lines use
+from .._text import first_line
 from .errors import CheckpointError
 from .normfold_only import REAL_MODEL_TYPE_KEY, is_normfold_only, real_model_type
 from .weight_files import weight_source
@@ -53,7 +53,7 @@ def resolve_model(name: str | os.PathLike, revision: str | None = None) -> Path:
     except (OSError, ValueError) as err:  # not cached offline, no such repo or revision, no network, a bad id
         where = "in the hub cache (offline)" if offline else "on the hub or in its cache"
         at = "" if revision is None else f" at revision {revision!r}"
-        raise CheckpointError(f"model {str(name)!r}{at} is neither a folder nor {where}: {_first_line(err)}") from err
+        raise CheckpointError(f"model {str(name)!r}{at} is neither a folder nor {where}: {first_line(err)}") from err
     return check_model_dir(folder)
 
 
@@ -85,13 +85,13 @@ def load_config(model_dir: str | os.PathLike, *, trust_remote_code: bool = False
         try:
             config = transformers.AutoConfig.for_model(real_model_type(raw, path / "config.json"), **fields)
         except (ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(f"unsupported or unreadable config in {path}: {_first_line(err)}") from err
+            raise CheckpointError(f"unsupported or unreadable config in {path}: {first_line(err)}") from err
         config.transformers_weights = weight_source(path).entry  # what transformers then loads
         return config
     try:
         return transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"unsupported or unreadable config in {path}: {_first_line(err)}") from err
+        raise CheckpointError(f"unsupported or unreadable config in {path}: {first_line(err)}") from err
 
 
 def _config_json(path: Path) -> dict[str, Any]:
@@ -105,7 +105,7 @@ def read_json_object(file: Path, what: str) -> dict[str, Any]:
     try:
         data = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{file} is not {what}: {_first_line(err)}") from err
+        raise CheckpointError(f"{file} is not {what}: {first_line(err)}") from err
     if not isinstance(data, dict):
         raise CheckpointError(f"{file} must hold a JSON object, got {type(data).__name__}")
     return data
@@ -173,7 +173,7 @@ def load_model_and_info(model_dir: str | os.PathLike, *, dtype: torch.dtype = to
                                           dtype=dtype, attn_implementation="eager", output_loading_info=True,
                                           ignore_mismatched_sizes=ignore_mismatched_sizes)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, NotImplementedError) as err:
-        raise CheckpointError(f"could not load the weights in {path}: {_first_line(err)}") from err
+        raise CheckpointError(f"could not load the weights in {path}: {first_line(err)}") from err
     finally:
         logging.set_verbosity(verbosity)
     return model.eval(), info
@@ -194,9 +194,9 @@ def _check_weight_files(path: Path) -> None:
                 with safe_open(file, framework="pt") as f:
                     f.keys()
             except Exception as err:  # safetensors raises its own SafetensorError for corrupt headers
-                raise CheckpointError(f"corrupt safetensors file {file}: {_first_line(err)}") from err
+                raise CheckpointError(f"corrupt safetensors file {file}: {first_line(err)}") from err
             continue
         try:  # transformers loads .bin with torch.load(weights_only=True); say so rather than trust it silently
             torch.load(file, map_location="meta", weights_only=True, mmap=True)
         except Exception as err:
-            raise CheckpointError(f"{file} is not a weights-only torch checkpoint: {_first_line(err)}") from err
+            raise CheckpointError(f"{file} is not a weights-only torch checkpoint: {first_line(err)}") from err
