@@ -17,7 +17,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "normfold"
 
 # the layers that see everything: the package's top level, its composition module and the command line
-TOP = {"normfold", "convert", "cli", "__main__"}
+TOP = {"normfold", "convert", "folders", "cli", "__main__"}
 
 # leaf modules every layer may use: optional-dependency imports, progress output, the command lines'
 # option spelling, the wording of exceptions and dtypes

@@ -31,6 +31,7 @@ _LAZY = {
     # Hugging Face folders
     "from_pretrained": "normfold.hf",
     "save_pretrained": "normfold.hf",
+    "verify_folder": "normfold.folders",
     # training
     "cbwc_": "normfold.train.cbwc",
     # faster folded models

@@ -6,13 +6,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..fold.cosine_bar import is_cosine_bar
+from ..fold.cosine_bar import DEFAULT_MIN_COSINE, is_cosine_bar
+from ..folders import approximate_config
 from ..hf.folder import analyze_folder, fold_folder
 from ..hf.load import default_model_path
 from ..hf.streaming import fold_checkpoint, is_sharded
 from . import _output as output
 from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_model_dir, add_trust_remote_code, model_dir
-from .approximate import DEFAULT_MIN_COSINE, approximate_config
 
 _JSON_KEYS = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype",
               "streaming", "num_approximate", "calibration_min_cosine", "approximate", "skipped_files",

@@ -1,24 +1,19 @@
 """``normfold rotate DIR -o OUT``: rotate a folder's residual stream (``normfold.rotate``, proved in
-float64) and write the result atomically, composed here: hf loads and saves, ``rotate`` rotates
-(hf never imports rotate). ``--method pca --calibration FILE [--slice F]`` takes the basis from the
+float64) and write the result atomically: hf loads and saves, ``rotate`` rotates (hf never imports
+rotate: :mod:`normfold.folders` composes them). ``--method pca --calibration FILE [--slice F]`` takes the basis from the
 calibration text and may slice it (SliceGPT): the whole rotation is proved first, the sliced model is
 measured (cosine, loss) and ``normfold verify`` measures it again, never calling it exact."""
 from __future__ import annotations
 
-import copy
 import json
-import math
 from pathlib import Path
 
-
-from ..hf.inputs import load_tokenizer
+from ..folders import rotation_step, streaming_rotation_step
 from ..hf.load import load_config
-from ..hf.rotate_folder import calibration_calls, rotate_checkpoint, rotate_folder, rotation_after_fold
-from ..hf.recipe import SEED_RANGE, Recipe
+from ..hf.rotate_folder import rotate_checkpoint, rotate_folder
+from ..hf.recipe import SEED_RANGE
 from ..hf.streaming import is_sharded
-from ..rotate import OptionNames, check_rotate_options, kept_directions, rotate
-from ..rotate.calibration import output_agreement
-from ..rotate.streaming import plan_rotation, stream_rotation
+from ..rotate import OptionNames, check_rotate_options, kept_directions
 from . import _output as output
 from ._common import EXIT_OK, UsageError, add_model_dir, add_trust_remote_code, model_dir
 
@@ -53,34 +48,6 @@ def _run_rotate(args) -> int:
     output.warn(report["stock_warning"])
     output.warn_skipped_files(report)
     return EXIT_OK
-
-
-def rotation_step(method: str, seed: int, slice_fraction: float):
-    """hf's ``Rotate``: normfold.rotate with this method, seed and slice fraction (the command's, or a
-    recipe's when ``normfold verify`` re-makes a folder)."""
-    def run(model, example, calibration):
-        return rotate(model, example, method=method, seed=seed, calibration=calibration, slice_fraction=slice_fraction)
-    return run
-
-
-def streaming_rotation_step(method: str, seed: int):
-    """hf's ``PlanAfterFold`` for a checkpoint rewritten tensor by tensor: the data-free rotation
-    (``rotate.streaming.plan_rotation``) with this method and seed."""
-    def plan(skeleton, fold_report, example):
-        rotation = plan_rotation(skeleton, fold_report, example, method=method, seed=seed)
-        return rotation_after_fold(rotation.report.to_dict(), rotation.along, rotation.rotate_tensor,
-                                   rotation.rotate_stream)
-    return plan
-
-
-def stream_map_for(recipe: Recipe):
-    """For ``normfold verify`` of a streamed rotated folder: x ↦ x·Q with the Q its recipe's method and
-    seed give again (the width is the model's; a recipe naming another rotation re-makes another folder)."""
-    rotation = recipe.rotation
-
-    def rotate_stream(x):
-        return stream_rotation(rotation.method, rotation.seed, int(x.shape[-1])).rotate_stream(x)
-    return rotate_stream
 
 
 def _slicing_line(slicing: dict, streams: list[dict]) -> str:
@@ -125,22 +92,6 @@ def _check_heads_keep_directions(source: Path, fraction: float, trust_remote_cod
         raise UsageError(f"--slice {fraction} keeps {kept} of the {width} directions of the residual stream, fewer "
                          f"than the model's {heads} attention heads (at least one each): use a fraction of at most "
                          f"{1 - heads / width:.4f}")
-
-
-def measure_sliced(original, loaded, tokenizer_dir: Path, sentences: list[str], bar: float, *,
-                   trust_remote_code: bool = False) -> dict:
-    """A sliced folder measured against the original on the calibration ``sentences`` in float64 (its
-    whole rotation is proved exactly when the folder is re-made; the slicing is approximate): ``ok``
-    when the lowest output cosine keeps ``bar``, the verifying person's (never the folder's)."""
-    calls = calibration_calls(original, load_tokenizer(tokenizer_dir, trust_remote_code=trust_remote_code), sentences)
-    agreement = output_agreement(copy.deepcopy(original).double(), copy.deepcopy(loaded).double(),
-                                 [((), call) for call in calls])
-    ok = math.isfinite(agreement.min_cosine) and agreement.min_cosine >= bar
-    return {"ok": ok, "kind": "sliced rotation (approximate)", "min_cosine": agreement.min_cosine,
-            "mean_cosine": agreement.mean_cosine, "promised_min_cosine": bar, "losses": agreement.losses,
-            "num_inputs": len(sentences), "num_rows": None, "compared": "output rows (float64)",
-            "why": None if ok else (f"the lowest output cosine {agreement.min_cosine!r} is below the bar {bar!r} on "
-                                    f"the {len(sentences)} calibration sentences")}
 
 
 def add_commands(subparsers) -> None:

@@ -1,6 +1,5 @@
-"""``normfold verify ORIG FOLDED``: judge a folder against its original (``normfold.hf.judge``), with
-the steps hf cannot compose itself (the approximate fold from the lab, rotations from ``rotate``)
-composed here. Exit 0 means: this folder, as transformers and normfold load it, is what normfold makes
+"""``normfold verify ORIG FOLDED``: judge a folder against its original (:func:`normfold.verify_folder`,
+which composes the steps hf cannot compose itself). Exit 0 means: this folder, as transformers and normfold load it, is what normfold makes
 from ORIG; approximate results also keep the cosine bar given here (``--min-cosine``, default 0.999)
 on the calibration text given here (``--calibration``, the file the folder was made from)."""
 from __future__ import annotations
@@ -10,16 +9,9 @@ import sys
 from pathlib import Path
 
 from ..fold.cosine_bar import DEFAULT_MIN_COSINE, is_cosine_bar
-from ..hf.folder import fold_folder
-from ..hf.judge import partial_remake_exact, verify_folders
-from ..hf.load import resolve_model
-from ..hf.recipe import Recipe
-from ..hf.inputs import read_calibration_file
-from ..hf.rotate_folder import rotate_checkpoint, rotate_folder
+from ..folders import verify_folder
 from . import _output as output
 from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_trust_remote_code
-from .approximate import approximate_config, measure_approximate
-from .rotate import measure_sliced, rotation_step, stream_map_for, streaming_rotation_step
 
 
 def _run_verify(args) -> int:
@@ -27,12 +19,9 @@ def _run_verify(args) -> int:
         raise UsageError(f"--min-cosine must be in (0, 1], got {args.min_cosine}")
     if args.calibration is not None and not Path(args.calibration).is_file():
         raise UsageError(f"--calibration: file not found: {args.calibration}")
-    trust = args.trust_remote_code
-    orig_dir, folded_dir = resolve_model(args.orig_dir, args.revision), resolve_model(args.folded_dir)
     with output.steps(not args.json) as step:
-        ver = verify_folders(orig_dir, folded_dir, remake=_remake(trust), measure=_measure(trust),
-                             stream_map_for=stream_map_for, calibration_file=args.calibration,
-                             min_cosine=args.min_cosine, trust_remote_code=trust, step=step)
+        ver = verify_folder(args.orig_dir, args.folded_dir, revision=args.revision, calibration_file=args.calibration,
+                            min_cosine=args.min_cosine, trust_remote_code=args.trust_remote_code, step=step)
     if args.json:
         print(json.dumps({"verification": ver}, indent=2, default=str))
     else:
@@ -41,36 +30,6 @@ def _run_verify(args) -> int:
         more = f" (and {len(ver['problems']) - 1} more problem(s) above)" if len(ver["problems"]) > 1 else ""
         print(f"normfold: verification failed: {ver['why']}{more}", file=sys.stderr)
     return EXIT_OK if ver["ok"] else EXIT_VERIFY_FAILED
-
-
-def _remake(trust_remote_code: bool):
-    """The judge's ``Remake``: hf's own for exact folds, the approximate fold and rotations composed here."""
-    exact = partial_remake_exact(trust_remote_code)
-
-    def remake(orig_dir: Path, out: Path, recipe: Recipe, calibration_file: str | None, step) -> dict:
-        if recipe.approximate_min_cosine is not None:
-            return fold_folder(orig_dir, out, fold_affine=recipe.fold_affine, dtype=recipe.dtype, calls=recipe.calls,
-                               calibration_file=calibration_file,
-                               approximate=approximate_config(recipe.approximate_min_cosine),
-                               trust_remote_code=trust_remote_code, step=step)
-        rotation = recipe.rotation
-        if rotation is not None and recipe.streaming:
-            return rotate_checkpoint(orig_dir, out, streaming_rotation_step(rotation.method, rotation.seed),
-                                     trust_remote_code=trust_remote_code, step=step)
-        if rotation is not None:
-            return rotate_folder(orig_dir, out, rotation_step(rotation.method, rotation.seed, rotation.slice_fraction),
-                                 calibration_file=calibration_file, trust_remote_code=trust_remote_code, step=step)
-        return exact(orig_dir, out, recipe, calibration_file, step)
-    return remake
-
-
-def _measure(trust_remote_code: bool):
-    """The judge's ``MeasurePromise``: the cosine of an approximate fold or a sliced rotation."""
-    def measure(original, loaded, orig_dir: Path, calibration_file: Path, bar: float, recipe: Recipe) -> dict:
-        sentences = read_calibration_file(calibration_file)
-        how = measure_sliced if recipe.rotation is not None else measure_approximate
-        return how(original, loaded, orig_dir, sentences, bar, trust_remote_code=trust_remote_code)
-    return measure
 
 
 def _print(ver: dict) -> None:

@@ -34,7 +34,7 @@ PICTURE = "normfold_zero_mean_graph.png"
 
 Step = Callable[[str], None]  # called with a description before each slow step (for progress bars)
 
-# The approximate fold, as the caller configures it (the CLI: normfold.cli.approximate): hf reads and tokenizes
+# The approximate fold, as the caller configures it (normfold.folders.approximate_config): hf reads and tokenizes
 # the calibration file, builds the step's config from the batches and runs it through the registry of steps
 # (normfold.fold.steps) after the exact fold; it never imports the lab (docs/CONTRIBUTING.md):
 # (calibration batches, sentence_encoder) -> the step's config (normfold.lab.ApproximateConfig)
