@@ -182,7 +182,7 @@ def test_an_approximate_folder_whose_report_was_edited_fails_the_seal_or_the_rem
     code, _, err = _run(capsys, "verify", bert_dir, out_dir, *options)
     assert code == EXIT_VERIFY_FAILED
     assert "normfold_report.json differs from the report of the re-made folder at calibration_min_cosine (1.0" in err
-    for key in ("recipe", "files", "digest"):  # an older normfold's report: nothing to re-make the folder from
+    for key in ("recipe", "files", "digest"):  # a report stripped of its seal and recipe: nothing to re-make the folder from
         del saved[key]
     (out_dir / "normfold_report.json").write_text(json.dumps(saved))
     code, out, err = _run(capsys, "verify", bert_dir, out_dir, *options, "--json")

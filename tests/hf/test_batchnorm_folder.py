@@ -143,7 +143,7 @@ def test_a_half_precision_folder_keeps_its_batchnorm_when_the_identity_cannot_be
 
 
 def test_a_report_whose_plan_lacks_the_batchnorm_section_is_not_the_remade_one(tiny_dirs, tmp_path):
-    """A plan as an older normfold wrote it (no batchnorm section), sealed again: the re-made report has one."""
+    """A plan lacking its batchnorm section, sealed again: the re-made report has one."""
     fold_folder(tiny_dirs["gpt2"], tmp_path / "out")
     sealing.reseal(tmp_path / "out", lambda report: report["plan"].pop("batchnorm"))
     verified = normfold.hf.verify_folders(tiny_dirs["gpt2"], tmp_path / "out")

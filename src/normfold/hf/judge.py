@@ -38,7 +38,7 @@ from .inputs import example_inputs_for
 from .load import check_model_dir, load_config, load_model, model_class_for
 from .output_dir import REPORT_JSON
 from .recipe import CalibrationRecord, Recipe, file_sha256
-from .report import seal_problems
+from .report import read_folder_report, seal_problems
 from .saved_weights import compare_weights
 from .saving import DTYPES, from_pretrained
 from .streaming import fold_checkpoint, verify_by_blocks
@@ -80,12 +80,12 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
     if min_cosine is not None:
         check_cosine_bar(min_cosine)
     remake = remake or partial_remake_exact(trust_remote_code)
-    report = read_report(folded_dir)
+    report = read_folder_report(folded_dir)
     problems = seal_problems(report, folded_dir)
     try:
         if "recipe" not in report or report["recipe"] is None:
-            raise CheckpointError("it records no recipe (written by an older normfold, or a fold that cannot be "
-                                  "re-made: approximate folds made in Python, save_pretrained without the report)")
+            raise CheckpointError("it records no recipe (a fold that cannot be re-made: approximate folds made in "
+                                  "Python, save_pretrained without the report)")
         recipe = Recipe.from_dict(report["recipe"])
     except CheckpointError as err:
         return _result(problems + [f"{REPORT_JSON}: {err}"], None)
@@ -102,7 +102,7 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
         step(f"re-making the folder from the original ({describe(recipe)})")
         try:
             remake(orig_dir, expected_dir, recipe, None if calibration_file is None else str(calibration_file), step)
-            expected = read_report(expected_dir)
+            expected = read_folder_report(expected_dir)
         except (CheckpointError, FoldError, ValueError, TypeError, RuntimeError) as err:
             return _result(problems + [f"could not re-make the folder from the original with its recipe "
                                        f"({describe(recipe)}): {first_line(err)}"], recipe)
@@ -141,20 +141,6 @@ def describe(recipe: Recipe) -> str:
 def is_approximate(recipe: Recipe) -> bool:
     """Whether a recipe's result is approximate (judged by a cosine bar, not an exact bound)."""
     return recipe.approximate_min_cosine is not None or bool(recipe.rotation and recipe.rotation.slice_fraction)
-
-
-def read_report(folder: Path) -> dict[str, Any]:
-    """The folder's ``normfold_report.json``; CheckpointError when it is missing or not a JSON object."""
-    path = folder / REPORT_JSON
-    try:
-        report = json.loads(path.read_text())
-    except FileNotFoundError as err:
-        raise CheckpointError(f"{path} not found: {folder} is not a folder normfold wrote") from err
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"{path} is not a readable JSON report: {first_line(err)}") from err
-    if not isinstance(report, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, got {type(report).__name__}")
-    return report
 
 
 def _other_model_problem(report: dict[str, Any], orig_dir: Path, trust_remote_code: bool) -> str | None:

@@ -12,11 +12,29 @@ from typing import Any
 from torch import nn
 
 from ..fold.report import FoldReport, ReportSection
-from .load import CheckpointError
+from .load import CheckpointError, read_json_object
 from .output_dir import REPORT_JSON
 from .recipe import file_sha256
 from .weight_files import weight_source
 
+# The version of normfold_report.json's layout. Readers accept this one only: a report of another schema
+# is refused with both numbers (fold again), never read by guessing. Raise it when a key changes meaning.
+REPORT_SCHEMA = 1
+
+
+def read_folder_report(folder: Path) -> dict[str, Any]:
+    """The folder's ``normfold_report.json``, the one reader of it: CheckpointError when it is missing,
+    not a JSON object, or of another :data:`REPORT_SCHEMA`."""
+    path = Path(folder) / REPORT_JSON
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: {folder} is not a folder normfold wrote (with `normfold fold`, "
+                              "`normfold rotate` or normfold.save_pretrained)")
+    report = read_json_object(path, "a normfold report")
+    schema = report.get("schema_version")
+    if schema != REPORT_SCHEMA:
+        raise CheckpointError(f"{path} has report schema {schema!r}; this normfold reads schema {REPORT_SCHEMA}: "
+                              "fold the original again with this normfold")
+    return report
 
 
 def describe_model(model: nn.Module, model_dir: str | os.PathLike) -> dict[str, Any]:
@@ -34,7 +52,7 @@ def folder_report(fold_report: FoldReport | None, layout: dict[str, Any], *, sav
     ``approximate`` fold's keys (:func:`approximate_summary`), and the caller's further ``sections``
     (``model``: :func:`describe_model`; ``fold_affine``, which re-deriving the weights needs;
     ``skipped_files``; ``streaming`` figures)."""
-    report = {} if fold_report is None else fold_report.to_dict()
+    report = {"schema_version": REPORT_SCHEMA, **({} if fold_report is None else fold_report.to_dict())}
     report.update(**layout, saved_dtype=saved_dtype, **sections)
     if approximate is not None:
         report.update(approximate_summary(approximate, report["swapped"]))
@@ -126,7 +144,7 @@ def report_digest(report: dict[str, Any]) -> str:
 def seal_problems(report: dict[str, Any], folder: Path) -> list[str]:
     """Why ``report`` (read from ``folder``) is not as normfold sealed it; empty when it is."""
     if "digest" not in report:
-        return ["normfold_report.json carries no digest (written by an older normfold, or edited): fold again"]
+        return ["normfold_report.json carries no digest (it was edited): fold again"]
     if report["digest"] != report_digest(report):
         return ["normfold_report.json was changed after normfold wrote it (its digest does not match its content)"]
     files = report.get("files")

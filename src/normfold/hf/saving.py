@@ -33,11 +33,11 @@ from ..nn.resize import replace_parameter
 from .._deps import require
 from .._text import dtype_name, first_line
 from .card import write_model_card
-from .load import CheckpointError, check_model_dir, load_model_and_info, read_json_object, resolve_model
+from .load import CheckpointError, check_model_dir, load_model_and_info, resolve_model
 from .normfold_only import mark_normfold_only
 from .output_dir import REPORT_JSON, replaceable, atomic_output_dir
 from .recipe import Recipe, is_finite_number
-from .report import folder_report, seal_problems, write_sealed_report
+from .report import folder_report, read_folder_report, seal_problems, write_sealed_report
 from .side_files import copy_side_files
 from .weight_files import read_tensor, stored_tensors, weight_source
 
@@ -397,7 +397,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     (:func:`normfold.hf.load.resolve_model`: the hub cache and ``HF_HUB_OFFLINE`` honoured).
     """
     path = check_model_dir(resolve_model(path, revision))
-    report = _read_report(path)
+    report = read_folder_report(path)
     broken = seal_problems(report, path)
     if broken:
         raise CheckpointError(f"{path} is not as normfold wrote it: {broken[0]}. Its report describes other weights, "
@@ -429,14 +429,6 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
         _restore_resized(model, entry, stored)
     _check_load(info, layout, path)
     return model
-
-
-def _read_report(path: Path) -> dict[str, Any]:
-    report_file = path / REPORT_JSON
-    if not report_file.is_file():
-        raise CheckpointError(f"no {REPORT_JSON} in {path}: not a folder written by `normfold fold` or "
-                              "normfold.save_pretrained")
-    return read_json_object(report_file, "a normfold report")
 
 
 def read_layout(report: Mapping[str, Any], where: Path | str = REPORT_JSON) -> dict[str, Any]:

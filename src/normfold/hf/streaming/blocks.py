@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import os
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from ...fold.verify import (cast_floats, flatten_outputs, measured_tolerance, ou
                             watch_rms_inputs)
 from ..inputs import example_inputs_for
 from ..load import CheckpointError, check_model_dir, load_config, model_class_for
-from ..output_dir import REPORT_JSON
+from ..report import read_folder_report
 from ..saving import DTYPES, swap_in_rmsnorm
 from .checkpoint import Checkpoint, resolve_key, stored_dtype_name
 from .planning import NORM_TYPES, meta_skeleton
@@ -81,7 +80,7 @@ def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, bloc
     """
     orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
     if swapped is None or moved_affine is None:
-        report = json.loads((folded_dir / REPORT_JSON).read_text())
+        report = read_folder_report(folded_dir)
         swapped = report["swapped"] if swapped is None else swapped
         if moved_affine is None:
             moved_affine = affine_moved_out(report.get("plan", {}).get("affine_fold", []), block_path.rpartition(".")[0])

@@ -3,7 +3,6 @@ stack the fold touched (:mod:`.blocks`), every other tensor as a copy. (``normfo
 re-makes the folder and compares every stored tensor: :mod:`normfold.hf.judge`.)"""
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from torch import nn
 from ..._progress import progress
 from ..._text import first_line
 from ..load import CheckpointError, check_model_dir
-from ..output_dir import REPORT_JSON
+from ..report import read_folder_report
 from ..saving import DTYPES
 from .blocks import (Call, StreamMap, affine_moved_out, call_block, check_loaded_block, check_shell, compare_copies,
                      first_output, hidden_states, load_block, random_stream, stacks_of)
@@ -45,7 +44,7 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
     """
     orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
     if report is None:
-        report = json.loads((folded_dir / REPORT_JSON).read_text())
+        report = read_folder_report(folded_dir)
     stored_name = dtype or stored_dtype_name(folded_dir)
     if stored_name not in DTYPES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPES)}, got {stored_name!r}")
