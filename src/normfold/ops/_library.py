@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _cpu, _reference_backend
 from ._checks import check_out_overlap
+from .reference import compute_dtype
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _warned: set[str] = set()
@@ -82,10 +83,6 @@ def select_backend(x: Tensor, residual: Tensor | None = None) -> ModuleType:
     return backend if backend is not None else _reference_backend
 
 
-def _stat_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
     """``t``, or an empty tensor of ``like``'s dtype and device standing for None."""
     return like.new_empty(0) if t is None else t
@@ -110,7 +107,7 @@ norm_fwd = torch.library.custom_op("normfold::norm_fwd", _norm_fwd_impl, mutates
 @norm_fwd.register_fake
 def _(x, weight, bias, residual, eps, offset, is_rms):
     m = x.shape[0]
-    stat = _stat_dtype(x)
+    stat = compute_dtype(x)
     s = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
     mean = x.new_empty(0 if is_rms else m, dtype=stat)
     return x.new_empty(x.shape), s, mean, x.new_empty(m, dtype=stat)
