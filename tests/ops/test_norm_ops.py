@@ -540,6 +540,27 @@ def test_traced_op_path_and_eager_path_agree():
     assert y.equal(y_eager) and s.equal(s_eager)
 
 
+@pytest.mark.parametrize("case", ["float64", "float32, C++ entry off"])
+def test_training_calls_off_the_cpp_entry_record_the_ops_one_autograd(case, monkeypatch):
+    """Eager calls under autograd that the C++ CPU entry does not take (float64, CUDA, the reference
+    fallback) are recorded by the registered op's autograd (``register_autograd``), the same as
+    compiled and exported calls: no second Python autograd.Function. Gradients match the oracle."""
+    from normfold.ops import functional
+
+    dtype = torch.float64 if case == "float64" else torch.float32
+    if case != "float64":
+        monkeypatch.setattr(functional, "_eager_cpu_shortcut", False)
+    x, w, b, r = (_leaf(t) for t in _make((12, 40), dtype, with_residual=True))  # 2-D: no view after the op
+    y, s = rms_norm(x, w, b, residual=r, offset=0.5)
+    assert "normfold_norm_fwd" in y.grad_fn.name() and "normfold_norm_fwd" in s.grad_fn.name()
+    got = torch.autograd.grad((y.square().sum() + s.sum()), (x, w, b, r))
+    leaves64 = [_leaf(t, torch.float64) for t in (x, w, b, r)]
+    y64, s64 = rms_norm_ref(leaves64[0], leaves64[1], leaves64[2], residual=leaves64[3], offset=0.5)
+    want = torch.autograd.grad((y64.square().sum() + s64.sum()), leaves64)
+    for g, g64 in zip(got, want):
+        torch.testing.assert_close(g.double(), g64, rtol=1e-4, atol=1e-5)
+
+
 def test_backend_selection_by_dtype():
     x = torch.randn(2, 8)
     expected_cpu = _cpu if _cpu.kernel_available() else _reference_backend

@@ -1,4 +1,7 @@
-"""Argument validation shared by every norm entry point, run before any buffer is allocated."""
+"""The norm ops' argument contract: every refusal and its message, checked here once, before any buffer
+is allocated (``functional._norm``; the out= overlap rule inside the op, where the buffers are known).
+The backends assume it: the C++ CPU entry declines (returns None for) whatever it does not take so that
+these checks raise, and the kernels only guard their own invariants."""
 from __future__ import annotations
 
 import math

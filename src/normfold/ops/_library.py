@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import _cpu, _reference_backend
 from ._checks import check_out_overlap
+from .reference import compute_dtype
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _warned: set[str] = set()
@@ -82,10 +83,6 @@ def select_backend(x: Tensor, residual: Tensor | None = None) -> ModuleType:
     return backend if backend is not None else _reference_backend
 
 
-def _stat_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def _or_empty(t: Tensor | None, like: Tensor) -> Tensor:
     """``t``, or an empty tensor of ``like``'s dtype and device standing for None."""
     return like.new_empty(0) if t is None else t
@@ -96,16 +93,11 @@ def _none_if_empty(t: Tensor) -> Tensor | None:
 
 
 # ---------------------------------------------------------------- forward
-def _run_fwd(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None, eps: float,
-             offset: float, is_rms: bool) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor]:
-    """The chosen backend's forward on contiguous inputs: (y, s | None, mean | None, rstd)."""
-    x, residual = x.contiguous(), None if residual is None else residual.contiguous()
-    return select_backend(x, residual).norm_fwd(x, weight, bias, residual, eps, offset, is_rms)
-
-
 def _norm_fwd_impl(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor],
                    eps: float, offset: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    y, s, mean, rstd = _run_fwd(x, weight, bias, residual, eps, offset, is_rms)
+    """The chosen backend's forward on contiguous inputs; absent s and mean as empty tensors."""
+    x, residual = x.contiguous(), None if residual is None else residual.contiguous()
+    y, s, mean, rstd = select_backend(x, residual).norm_fwd(x, weight, bias, residual, eps, offset, is_rms)
     return y, _or_empty(s, x), _or_empty(mean, rstd), rstd
 
 
@@ -115,7 +107,7 @@ norm_fwd = torch.library.custom_op("normfold::norm_fwd", _norm_fwd_impl, mutates
 @norm_fwd.register_fake
 def _(x, weight, bias, residual, eps, offset, is_rms):
     m = x.shape[0]
-    stat = _stat_dtype(x)
+    stat = compute_dtype(x)
     s = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
     mean = x.new_empty(0 if is_rms else m, dtype=stat)
     return x.new_empty(x.shape), s, mean, x.new_empty(m, dtype=stat)
@@ -154,25 +146,23 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.residual_dtype = None if residual is None else residual.dtype
 
 
-def _backward_via(bwd):
-    """The autograd backward of norm_fwd, calling ``bwd`` (the op, or its eager implementation)."""
-
-    def backward(ctx, dy, ds, _dmean, _drstd):
-        s, weight, mean, rstd = ctx.saved_tensors
-        has_residual = ctx.residual_dtype is not None
-        if dy is None:  # only the returned residual stream was used
-            dy = torch.zeros_like(s)
-        dx, dweight, dbias = bwd(dy, ds if has_residual else None, s, weight, _none_if_empty(mean), rstd,
-                                 ctx.offset, ctx.is_rms, ctx.bias_dtype is not None)
-        dresidual = dx.to(ctx.residual_dtype) if has_residual else None
-        return (dx, dweight if weight is not None else None,
-                dbias.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None,
-                dresidual, None, None, None)
-
-    return backward
+def _backward(ctx, dy, ds, _dmean, _drstd):
+    """norm_fwd's autograd backward, through the norm_bwd op (so traced backwards show it too)."""
+    s, weight, mean, rstd = ctx.saved_tensors
+    has_residual = ctx.residual_dtype is not None
+    if dy is None:  # only the returned residual stream was used
+        dy = torch.zeros_like(s)
+    dx, dweight, dbias = norm_bwd(dy, ds if has_residual else None, s, weight, _none_if_empty(mean), rstd,
+                                  ctx.offset, ctx.is_rms, ctx.bias_dtype is not None)
+    dresidual = dx.to(ctx.residual_dtype) if has_residual else None
+    return (dx, dweight if weight is not None else None,
+            dbias.to(ctx.bias_dtype) if ctx.bias_dtype is not None else None,
+            dresidual, None, None, None)
 
 
-norm_fwd.register_autograd(_backward_via(norm_bwd), setup_context=_setup_context)
+# The one autograd definition of a norm for every backend (the C++ CPU entry records the same
+# kernels' backward, see functional.py).
+norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---------------------------------------------------------------- forward into given buffers
@@ -203,36 +193,24 @@ def _(x, weight, bias, residual, eps, offset, is_rms, out, residual_out):
 
 
 # ---------------------------------------------------------------- entry point
-class _EagerNorm(torch.autograd.Function):
-    """norm_fwd's autograd for eager calls, without the custom-op dispatch round trip.
-
-    ``forward`` takes ``ctx`` itself: a separate ``setup_context`` would make every ``apply``
-    bind arguments through ``inspect.signature`` (~25 µs).
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, residual, eps, offset, is_rms):
-        output = _norm_fwd_impl(x, weight, bias, residual, eps, offset, is_rms)
-        _setup_context(ctx, (x, weight, bias, residual, eps, offset, is_rms), output)
-        ctx.set_materialize_grads(False)  # no zero tensors for the unused mean / rstd / s grads
-        return output
-
-    backward = staticmethod(_backward_via(_norm_bwd_impl))
-
-
-# Under torch.compile (not export), calls up to this many elements are written as plain math (the
-# reference) that Inductor fuses with its neighbours (the residual add, the consumer's input): a
-# compiled graph would otherwise call the opaque op through the dispatcher and its Python
-# implementation, ~17 µs a call, more than the whole norm at decode sizes ((1..32, N)), and keep
-# its input and output in memory. Measured on the compiled, folded bundled model at batch 8 ×
-# 128 (131K elements a norm): 1.01-1.02× the original inlined, 0.89-0.98× through the op; at
-# GPT-2's 786K both are even (1.01 / 1.00). Larger calls keep the op: alone, the fused kernel
-# beats Inductor's loop 2-5× (benchmarks/results/bench_norm.md, "compiled RMSNorm").
+# The compile-time heuristic; its reasons are in ``_inline_for_compile``'s docstring (its one description).
 _COMPILE_INLINE_MAX_ELEMENTS = 1 << 18
 
 
 def _inline_for_compile(x: Tensor) -> bool:
-    """True while torch.compile (not torch.export) traces a small 2-D ``x`` with static shape."""
+    """True while torch.compile (not torch.export) traces a small 2-D ``x`` with static shape.
+
+    Such a call is written as plain math (the reference's, ``_reference_backend.norm_fwd``) that
+    Inductor fuses with its neighbours (the residual add, the consumer's input); autograd
+    differentiates that math. Through the opaque op a compiled graph would call the dispatcher and
+    the op's Python implementation, ~17 µs a call, more than the whole norm at decode sizes
+    ((1..32, N)), and keep its input and output in memory. Measured on the compiled, folded bundled
+    model at batch 8 × 128 (131K elements a norm): 1.01-1.02× the original inlined, 0.89-0.98×
+    through the op; at GPT-2's 786K both are even (1.01 / 1.00). Larger calls, dynamic shapes,
+    ``out=`` and torch.export keep the op: alone, the fused kernel beats Inductor's loop 2-5×
+    (benchmarks/results/bench_norm.md, "compiled RMSNorm"), and an exported graph shows one
+    ``normfold::norm_fwd`` per norm (what the ONNX translation and the fold's graph read).
+    """
     exporting = getattr(torch.compiler, "is_exporting", lambda: False)
     if not torch.compiler.is_compiling() or exporting():
         return False
@@ -241,9 +219,13 @@ def _inline_for_compile(x: Tensor) -> bool:
 
 
 def _plain_eager(x: Tensor) -> bool:
-    """True outside torch.compile / export / jit.trace / any dispatch mode: the backend may be called directly."""
+    """True outside torch.compile / export / jit.trace / any dispatch mode: nothing records the call."""
     return (type(x) is Tensor and not torch.compiler.is_compiling() and not torch.jit.is_tracing()
             and _get_current_dispatch_mode() is None)
+
+
+def _records_autograd(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 _LEGACY_ONNX_EXPORT = (
@@ -255,27 +237,23 @@ _LEGACY_ONNX_EXPORT = (
 def norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None, eps: float,
          offset: float, is_rms: bool, out: Tensor | None = None,
          residual_out: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
-    """(y, s) for 2-D ``x`` (s is None without residual); arguments already checked.
+    """(y, s) for 2-D ``x`` (s is None without residual); arguments already checked (``_checks``).
 
-    Traced code (torch.compile, torch.export, dispatch modes) goes through the registered ops,
-    except small static shapes under torch.compile, which become plain math for Inductor;
-    plain eager calls skip their dispatch overhead (~20 µs a call, as much as the kernel itself
-    at (1024, 384)) and run the same implementations directly.
+    Every call is the registered op (``norm_fwd``, or ``norm_fwd_out`` for ``out=``), with its one
+    autograd (``register_autograd`` above), except in two ways that keep its definition:
+    small static shapes under torch.compile become plain math (``_inline_for_compile``), and
+    an eager call that nothing records (no trace, no dispatch mode, no autograd) runs the op's
+    implementation itself, without the dispatcher's ~20 µs (a CUDA decode step's norm costs less).
     """
     if torch.jit.is_tracing() and torch.onnx.is_in_onnx_export():
         raise NotImplementedError(_LEGACY_ONNX_EXPORT)
-    eager = _plain_eager(x)
-    if not eager and out is None and _inline_for_compile(x):
+    if out is None and _inline_for_compile(x):
         y, s, _, _ = _reference_backend.norm_fwd(x, weight, bias, residual, eps, offset, is_rms)
         return y, s
-    if out is not None:
-        (_norm_fwd_out_impl if eager else norm_fwd_out)(x, weight, bias, residual, eps, offset, is_rms, out,
-                                                          residual_out)
+    unrecorded = _plain_eager(x) and not _records_autograd(x, weight, bias, residual)
+    if out is not None:  # check_out refused autograd
+        (_norm_fwd_out_impl if unrecorded else norm_fwd_out)(x, weight, bias, residual, eps, offset, is_rms, out,
+                                                               residual_out)
         return out, residual_out
-    if not eager:
-        y, s, _, _ = norm_fwd(x, weight, bias, residual, eps, offset, is_rms)
-    elif torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, residual)):
-        y, s, _, _ = _EagerNorm.apply(x, weight, bias, residual, eps, offset, is_rms)
-    else:
-        y, s, _, _ = _run_fwd(x, weight, bias, residual, eps, offset, is_rms)
+    y, s, _, _ = (_norm_fwd_impl if unrecorded else norm_fwd)(x, weight, bias, residual, eps, offset, is_rms)
     return y, (s if residual is not None else None)

@@ -1,7 +1,22 @@
-"""Public functional norms, routed through the ``normfold::norm_fwd`` custom ops.
+"""Public functional norms: where every norm call enters, and the one route it takes.
 
-The ops see 2-D (M, N) row-major tensors; here the leading dimensions are flattened and
-non-contiguous inputs made contiguous, after every argument has been checked.
+The modules (``nn.RMSNorm``, ``nn.FusedAddRMSNorm``, ``nn.LayerNorm``) and fused forwards
+(``fuse/runtime.py``) call ``rms_norm`` / ``layer_norm``, never a backend or a ``torch.ops.normfold``
+op. A call goes through three stages, each in one place:
+
+1. ``_norm`` offers an eager CPU call to the C++ kernel's entry (``norm_fwd_eager``, in
+   ``ops/csrc/norm_cpu.cpp``): one C++ call that takes only plain calls (plain CPU tensors of a
+   kernel dtype, Python floats, nothing tracing, no dispatch mode, vmap or forward-mode AD) and
+   runs the kernel; under autograd it records the same kernels' backward in C++
+   (``EagerNormFunction``, what ``_library``'s autograd does, without a Python autograd.Function,
+   whose apply costs as much as the kernel at (2048, 144)). It raises for no argument: it returns
+   None for anything it does not take, and the call goes on.
+2. The argument contract, ``_checks.check_norm_args`` / ``check_out``: every refusal and its message
+   (the backends only guard their own invariants). Leading dimensions are then flattened.
+3. ``_library.norm``: the registered op ``normfold::norm_fwd`` (``norm_fwd_out`` for ``out=``) with
+   its one autograd, on the backend ``_library.select_backend`` picks (C++ on CPU, Triton on CUDA,
+   the reference for float64, mixed dtypes or a missing backend). Small static shapes under
+   torch.compile are the op's math inlined for Inductor (the heuristic: ``_library._inline_for_compile``).
 """
 from __future__ import annotations
 
@@ -12,17 +27,15 @@ from torch.compiler import is_compiling
 from . import _cpu, _library
 from ._checks import check_norm_args, check_out
 
-# False routes every call through the registered ops and ``_library.select_backend`` (tests that
-# substitute a backend switch the shortcut off).
+# False skips stage 1, so every call reaches ``_library.select_backend`` (tests that substitute a
+# backend switch it off).
 _eager_cpu_shortcut = True
 
 
 def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, residual: Tensor | None,
           offset: float, out: Tensor | None, is_rms: bool) -> Tensor | tuple[Tensor, Tensor]:
-    # Eager CPU calls: one C++ call checks that everything is plain and runs the kernel (~2 µs
-    # instead of ~8 µs of Python around it; what a batch-1 decode step is made of); under autograd
-    # it records the kernels' backward in C++ (training's route, without a Python autograd.Function).
-    # None means "not plain": the full path below checks, raises, traces or records autograd.
+    # Stage 1 (module docstring): ~2 µs instead of ~8 µs of Python around the kernel, what a batch-1
+    # decode step is made of. None means "not plain": the stages below check, raise, trace or record.
     kernel = _cpu._module  # None until the first full-path call has built / loaded it
     if kernel is not None and _eager_cpu_shortcut and not is_compiling():
         result = kernel.norm_fwd_eager(x, weight, bias, residual, eps, offset, is_rms, out)

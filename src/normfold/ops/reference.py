@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
+def compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype every backend computes a norm's statistics in: float64 for float64 ``x``, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
@@ -23,7 +24,7 @@ def _pre_norm_stream(x: Tensor, residual: Tensor | None) -> Tensor:
     The add runs in the compute dtype and is rounded once to x's dtype: the norm normalizes
     exactly the s it returns, so a backward that sees only the stored s stays consistent.
     """
-    s = x.to(_compute_dtype(x))
+    s = x.to(compute_dtype(x))
     if residual is not None:
         s = (s + residual.to(s.dtype)).to(x.dtype).to(s.dtype)
     return s
