@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .._deps import require
-from ..engine.graph import eval_mode
+from ..fold.graph import eval_mode
 
 __all__ = ["KV_CACHE_MODEL_TYPES", "PAST_AXIS", "TOTAL_AXIS", "DecoderWithCache", "check_decoder", "ExportCalls",
            "cache_calls", "position_ids_from_mask", "generate_greedy_ort"]

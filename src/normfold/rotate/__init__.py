@@ -4,7 +4,7 @@
     rotated, report = normfold.rotate(model, example_inputs, method="pca", calibration=calls,
                                       slice_fraction=0.2)                            # SliceGPT-style
 
-Steps: the exact fold (``normfold.engine.fold``: norms → RMSNorm, γ/β into the readers), the graph
+Steps: the exact fold (``normfold.fold.fold``: norms → RMSNorm, γ/β into the readers), the graph
 check that the stream is closed under rotation (``closure``), the basis (``hadamard``,
 ``orthogonal``; PCA from ``calibration``), the rotation in float64 cast back once (``apply``), and
 the float64 proof against the original, as for a fold (or, when sliced, the cosine on the
@@ -24,13 +24,13 @@ import torch
 from torch import Tensor, nn
 
 from .._progress import notice
-from ..engine import fold as fold_engine
-from ..engine.errors import FoldError
-from ..engine.graph import capture, example_calls, split_example_calls
-from ..engine.transform import apply_plan
-from ..engine.report import FoldReport, VerifyResult
-from ..engine.steps import StepContext, register_step, run_steps
-from ..engine.verify import FOLD_TOLERANCE, verify
+from ..fold import fold as fold_engine
+from ..fold.errors import FoldError
+from ..fold.graph import capture, example_calls, split_example_calls
+from ..fold.transform import apply_plan
+from ..fold.report import FoldReport, VerifyResult
+from ..fold.steps import StepContext, register_step, run_steps
+from ..fold.verify import FOLD_TOLERANCE, verify
 from .apply import apply_rotation, rotate_along
 from .calibration import OutputAgreement, output_agreement, run_error, stream_second_moments
 from .closure import Stream, StreamTensor, find_streams

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from ..engine.analysis import effective_users, Walker
-from ..engine.errors import FoldError
-from ..engine.graph import Captured, describe, module_stack, shape
-from ..engine.graph import op_packet as _packet
-from ..engine.report import FoldReport
-from ..engine.rules import METADATA_OPS, Need, NormCall, Requires, Source, classify, make_need, norm_call
+from ..fold.analysis import effective_users, Walker
+from ..fold.errors import FoldError
+from ..fold.graph import Captured, describe, module_stack, shape
+from ..fold.graph import op_packet as _packet
+from ..fold.report import FoldReport
+from ..fold.rules import METADATA_OPS, Need, NormCall, Requires, Source, classify, make_need, norm_call
 from ..nn.kinds import RMS_NORM_TYPES
 
 _aten = torch.ops.aten

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from ..engine.report import FoldReport, VerifyResult
+from ..fold.report import FoldReport, VerifyResult
 from .calibration import OutputAgreement
 from .closure import Stream
 

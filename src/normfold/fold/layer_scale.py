@@ -5,13 +5,13 @@ BEiT, DINOv2, data2vec-vision and ConvNeXt scale each residual branch by a learn
     t = γ ⊙ (W h + b) = (diag(γ)·W) h + γ ⊙ b,
 
 so W ← diag(γ)·W, b ← γ ⊙ b and γ ← 1 leave every output unchanged
-(``normfold.engine.math.scale_output_channels``). The multiply then passes a zero-mean input through
+(``normfold.fold.math.scale_output_channels``). The multiply then passes a zero-mean input through
 unchanged, which the rules table cannot know from the graph (γ varies along the features): the
 analysis walks through a mergeable multiply to the producer, whose weight the fold then centers.
 A merge is planned only where a folded norm's zero-mean graph runs through it; a layer scale whose
 γ or whose producer's output has another reader is refused, with the reason the analysis reports.
 
-Like the BatchNorm merge (``normfold.engine.batchnorm``), the plan's step names only parameters.
+Like the BatchNorm merge (``normfold.fold.batchnorm``), the plan's step names only parameters.
 """
 from __future__ import annotations
 

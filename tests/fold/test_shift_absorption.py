@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import normfold
-from normfold.engine.graph import capture
-from normfold.engine.rules import shift_passes
+from normfold.fold.graph import capture
+from normfold.fold.rules import shift_passes
 
 B, T, C, V = 2, 5, 8, 11  # batch, tokens, features, vocabulary
 

@@ -16,12 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from normfold.engine import FoldPlan, fold
-from normfold.engine.pipeline import apply_fold
+from normfold.fold import FoldPlan, fold
+from normfold.fold.pipeline import apply_fold
 from normfold.nn import RMSNorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the zoo's randomiser, as tests/fuse does
-from engine.conftest import _randomize_constant_parameters  # noqa: E402
+from fold.conftest import _randomize_constant_parameters  # noqa: E402
 
 DIM = 16
 

@@ -69,7 +69,7 @@ def fold(model: nn.Module, example_inputs, *, fold_affine: bool = True, precompu
 def fold_within(model: nn.Module, example_inputs, config: FoldConfig) -> tuple[nn.Module, FoldReport]:
     """:func:`fold` with every option of ``config``, among them what the caller's loader can load
     (``FoldConfig.for_stock_checkpoint``: what a stock Hugging Face class loads): the step
-    :func:`~normfold.engine.steps.run_steps` runs for a ``FoldConfig``, alone."""
+    :func:`~normfold.fold.steps.run_steps` runs for a ``FoldConfig``, alone."""
     folded, sections = run_steps(model, example_inputs, [config])
     return folded, sections[FoldConfig]
 

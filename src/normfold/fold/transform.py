@@ -1,5 +1,5 @@
 """Apply a FoldPlan to a model (in place: callers pass a copy): the plan executor
-(``normfold.engine.executor``) over the model's parameters, and the module surgery it needs (the one
+(``normfold.fold.executor``) over the model's parameters, and the module surgery it needs (the one
 norm swap, untying a config)."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .plan import FoldPlan, SwapStep
 
 def apply_plan(model: nn.Module, plan: FoldPlan) -> nn.Module:
     """Merge BatchNorms and layer scales, untie, precompute, center, fold affines, swap norms — in that
-    order (see ``normfold.engine.plan``)."""
+    order (see ``normfold.fold.plan``)."""
     run(plan.steps(), ModuleStore(model))
     if plan.untie:
         untie_config(model)

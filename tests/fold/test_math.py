@@ -1,7 +1,7 @@
 """fold.math's measure of how far a norm input is from zero-mean (shared by verify and inspect)."""
 import torch
 
-from normfold.engine.math import mean_over_rms
+from normfold.fold.math import mean_over_rms
 
 
 def test_mean_over_rms_is_zero_for_zero_mean_rows_and_one_for_constant_rows():

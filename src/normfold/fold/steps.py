@@ -13,7 +13,7 @@ through :func:`run_steps`.
 The runner checks that every config names a registered step and the model and example inputs
 (once), before any work; runs the handlers in order, each on the previous one's output (never
 modifying the model it was given); and proves every exact step's section through the one
-:func:`~normfold.engine.verify.prove_or_raise` (``FoldVerificationError``, built from the
+:func:`~normfold.fold.verify.prove_or_raise` (``FoldVerificationError``, built from the
 verification's reason), unless its config says ``verify=False``.
 """
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Step:
     """A registered step. ``proof``: what a failed proof of its section says (the section holds a
     ``verification``); None for a step that is not exact (it measures, and proves nothing).
     ``section``: the name its report section is filed under (``report.fuse``, ...);
-    ``section_type``: that section's class (a :class:`~normfold.engine.report.ReportSection`)."""
+    ``section_type``: that section's class (a :class:`~normfold.fold.report.ReportSection`)."""
 
     config_type: type
     handler: Handler

@@ -10,8 +10,8 @@ from torch import nn
 
 import normfold
 from normfold import FoldConfig
-from normfold.engine import PlanConstraints
-from normfold.engine import fold as engine_fold
+from normfold.fold import PlanConstraints
+from normfold.fold import fold as engine_fold
 
 C = 8
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import normfold
-from normfold.engine.executor import run
-from normfold.engine.graph import parameter_aliases
-from normfold.engine.plan import FoldPlan
-from normfold.engine.transform import ModuleStore
+from normfold.fold.executor import run
+from normfold.fold.graph import parameter_aliases
+from normfold.fold.plan import FoldPlan
+from normfold.fold.transform import ModuleStore
 
 from test_batchnorm_plan import _model as linear_batchnorm_model
 from test_layer_scale import LayerScaleBlocks

@@ -1,9 +1,9 @@
-"""One rule for a cosine bar (``normfold.engine.cosine_bar``), read by every place that takes ``min_cosine``."""
+"""One rule for a cosine bar (``normfold.fold.cosine_bar``), read by every place that takes ``min_cosine``."""
 import math
 
 import pytest
 
-from normfold.engine.cosine_bar import DEFAULT_MIN_COSINE, check_cosine_bar, is_cosine_bar
+from normfold.fold.cosine_bar import DEFAULT_MIN_COSINE, check_cosine_bar, is_cosine_bar
 
 
 @pytest.mark.parametrize("value", [1, 1.0, 0.5, 1e-12, DEFAULT_MIN_COSINE])

@@ -51,7 +51,7 @@ class ModelDtypeCheck:
     where the original in that dtype is finite (``fold``, ``fuse_residual_norms``, ``rotate``, ``convert``)."""
 
     dtype: str
-    error: float                   # the returned model's error (the metric of normfold.engine.verify.output_error)
+    error: float                   # the returned model's error (the metric of normfold.fold.verify.output_error)
     own_error: float               # the original's own error in `dtype` against its float64 self
     tolerance: float
     tolerance_rule: str
@@ -71,7 +71,7 @@ class ModelDtypeCheck:
 class VerifyResult:
     """Output differences between an original and a folded model.
 
-    The errors are those of :func:`normfold.engine.verify.output_error`: per output, the largest
+    The errors are those of :func:`normfold.fold.verify.output_error`: per output, the largest
     |a − b| / (typical |a| + |a|) over its ordinary elements (typical: the output's median magnitude),
     inf where the two hold different kinds of value (inf, nan, a finfo extreme such as a mask's
     ``finfo.min``, or an ordinary number) at the same place.
@@ -142,7 +142,7 @@ class FoldReport:
     traced_calls: list[dict] = field(default_factory=list)  # per example call: argument name -> what it was
     constraints: FoldConfig | None = None  # what the plan was made within: the options, a loader's limits
     # the sections the steps after the fold filed (normfold.convert), by the name each registered
-    # (normfold.engine.steps.register_step, which also holds each section's type): "fuse", "approximate", ...
+    # (normfold.fold.steps.register_step, which also holds each section's type): "fuse", "approximate", ...
     sections: dict[str, ReportSection] = field(default_factory=dict)
 
     @property

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import normfold
-from normfold.engine import FoldError, FoldPlan, FoldReport, FoldVerificationError, VerifyResult
-from normfold.engine.math import center, fold_affine_into_consumer
-from normfold.engine.transform import apply_plan
+from normfold.fold import FoldError, FoldPlan, FoldReport, FoldVerificationError, VerifyResult
+from normfold.fold.math import center, fold_affine_into_consumer
+from normfold.fold.transform import apply_plan
 
 B, T, C, V = 2, 6, 8, 13  # batch, tokens, features, vocab
 
@@ -138,7 +138,7 @@ def test_verify_on_identical_models_is_exact():
 
 
 def test_fold_raises_and_returns_nothing_when_the_transform_is_wrong(monkeypatch):
-    from normfold.engine import transform
+    from normfold.fold import transform
 
     real = transform.apply_plan
 

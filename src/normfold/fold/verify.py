@@ -50,7 +50,7 @@ OWN_ERROR_MULTIPLE = 2.0
 # A model run in its own dtype, against the original in float64 (the model a step returns) or in
 # that dtype (the fallback check): besides the transform, its error holds its own rounding, an
 # independent rounding of the same function, so its ratio to the original's own error spreads
-# around 1. Measured (the 11 models of tests/engine's zoo in fp32/bf16/fp16, folded, and fused from
+# around 1. Measured (the 11 models of tests/fold's zoo in fp32/bf16/fp16, folded, and fused from
 # their LayerNorms): a correct result is 0.73-2.34x (the largest: a fused post-LN BERT in float32);
 # the fallback's correct float32 folds of tiny GPT-2, OPT, BLOOM, ViT, BERT, Phi are up to 2.2x its
 # estimate; a float32 fold whose weights were rounded to bfloat16 is 1e4-5e4x; an overflow to inf

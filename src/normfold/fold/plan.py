@@ -1,10 +1,10 @@
 """FoldPlan: what the transform does, in terms of parameter FQNs and module paths only.
 
 A plan is plain data (JSON round-trip via ``to_dict`` / ``from_dict``), run by one executor
-(``normfold.engine.executor``) over a model copy (``normfold.engine.transform.apply_plan``) or, step by
+(``normfold.fold.executor``) over a model copy (``normfold.fold.transform.apply_plan``) or, step by
 step, over the tensors of a checkpoint that does not fit in memory: every step declares the tensors
 it ``reads()``, ``writes()`` and ``creates()`` (by parameter FQN), and its math is a pure function
-in ``normfold.engine.math``. Steps apply in this order (``FoldPlan.steps()``):
+in ``normfold.fold.math``. Steps apply in this order (``FoldPlan.steps()``):
 
 0. ``batchnorm``: an eval-mode BatchNorm merges into the Linear/Conv before it,
    (W, b) ← ``math.fold_batchnorm_into_producer(W, b, μ, σ², γ, β, eps)`` (``b`` is a new zero bias
@@ -36,7 +36,7 @@ class Step:
     """What every step declares, by tensor name: what it ``reads`` (the values before the step),
     ``writes`` (changes or creates) and ``creates`` (new name -> (the tensor it is shaped from, the
     dim of that tensor giving its length, or None for its whole shape)). The executor
-    (``normfold.engine.executor``) and a checkpoint's store work from these alone."""
+    (``normfold.fold.executor``) and a checkpoint's store work from these alone."""
 
     def reads(self) -> tuple[str, ...]:
         raise NotImplementedError

@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import normfold
-from normfold.engine import FoldVerificationError
-from normfold.engine.verify import OWN_ERROR_MULTIPLE, flatten_outputs, measured_tolerance, output_error
+from normfold.fold import FoldVerificationError
+from normfold.fold.verify import OWN_ERROR_MULTIPLE, flatten_outputs, measured_tolerance, output_error
 
 C = 8
 
@@ -110,7 +110,7 @@ def test_outputs_of_different_structure_fail_with_a_reason(a, b, message):
 
 
 def test_fold_refuses_a_wrong_transform_of_a_model_returning_a_dataclass(monkeypatch):
-    from normfold.engine import transform
+    from normfold.fold import transform
 
     real = transform.apply_plan
 

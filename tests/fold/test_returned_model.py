@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 import normfold
-from normfold.engine import FoldError, FoldVerificationError
-from normfold.engine.verify import MODEL_DTYPE_OWN_ERROR_MULTIPLE
+from normfold.fold import FoldError, FoldVerificationError
+from normfold.fold.verify import MODEL_DTYPE_OWN_ERROR_MULTIPLE
 
 C = 8
 
@@ -60,7 +60,7 @@ def test_a_correct_fold_is_judged_in_the_models_dtype_and_passes(dtype):
 def test_a_fold_wrong_only_in_the_models_dtype_is_refused_naming_the_worst_element(monkeypatch):
     # the float64 proof applies the plan to a float64 copy, exact here; the returned float32 model has
     # its weights rounded to bfloat16 on the way. Before: that model came back with ok=True
-    from normfold.engine import transform
+    from normfold.fold import transform
 
     real = transform.apply_plan
 
@@ -82,7 +82,7 @@ def test_a_fold_wrong_only_in_the_models_dtype_is_refused_naming_the_worst_eleme
 def test_a_float64_model_is_judged_as_returned_not_as_rebuilt(monkeypatch):
     # a float64 model's proof rebuilt the fold on its own float64 copy: a returned model that differs
     # from that rebuild came back. Now the returned model itself is compared
-    from normfold.engine import transform
+    from normfold.fold import transform
 
     real, calls = transform.apply_plan, []
 

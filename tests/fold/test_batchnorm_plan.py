@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 import normfold
-from normfold.engine.math import identity_batchnorm_variance
-from normfold.engine.pipeline import plan_fold
-from normfold.engine.plan import BatchNormFoldStep, FoldPlan, PlanConstraints
-from normfold.engine.transform import apply_plan
+from normfold.fold.math import identity_batchnorm_variance
+from normfold.fold.pipeline import plan_fold
+from normfold.fold.plan import BatchNormFoldStep, FoldPlan, PlanConstraints
+from normfold.fold.transform import apply_plan
 
 
 class LinearBatchNormLayerNorm(nn.Module):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import normfold
-from normfold.engine.transform import apply_plan
+from normfold.fold.transform import apply_plan
 
 B, T, C, H = 2, 5, 8, 2  # batch, tokens, features, heads
 D = C // H               # head dim
@@ -192,7 +192,7 @@ class Scaled(nn.Module):
         elif self.how == "per_row":
             h = h * x.square().mean(-1, keepdim=True)  # (B, T, 1): one scale per row
         elif self.how == "vector":  # (C,): a different scale per feature, not right after the Linear
-            h = (2.0 * h) * self.gain  # (a layer scale there would merge into it: tests/engine/test_layer_scale.py)
+            h = (2.0 * h) * self.gain  # (a layer scale there would merge into it: tests/fold/test_layer_scale.py)
         return self.norm(h)
 
 
@@ -541,7 +541,7 @@ def test_an_op_missing_from_the_table_breaks():
 def test_every_rule_key_is_an_aten_packet_or_getitem():
     import operator
 
-    from normfold.engine.rules import RULES
+    from normfold.fold.rules import RULES
     for key in RULES:
         assert key is operator.getitem or str(key).startswith("aten."), key
 

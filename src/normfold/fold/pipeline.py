@@ -5,8 +5,8 @@ the streaming fold of sharded checkpoints all run these functions.
     folded = apply_fold(model, report.plan)              # a new model
     report.verification = prove_fold(model, folded, calls, report.plan)   # float64, FOLD_TOLERANCE
 
-:func:`fold_step` runs the three as the registered step of a :class:`~normfold.engine.plan.FoldConfig`
-(``normfold.engine.steps``: the runner raises ``FoldVerificationError`` when the proof fails);
+:func:`fold_step` runs the three as the registered step of a :class:`~normfold.fold.plan.FoldConfig`
+(``normfold.fold.steps``: the runner raises ``FoldVerificationError`` when the proof fails);
 applying refuses a plan that overflows the model's dtype (``FoldError`` naming the tensor), and the
 proof judges the returned model in its own dtype besides the float64 transform. What a caller's
 checkpoint can load (no new parameters outside its keys, every module kept) is part of the

@@ -491,7 +491,7 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
                      affine_kept: Mapping[str, str] = _NOTHING) -> tuple[list[NormEntry], FoldPlan, list[str]]:
     """Norm entries, the fold plan and the untied parameters for a captured model, within ``constraints``
     (its ``fold_affine``, ``precompute`` and ``loadable_keys``; BatchNorms are planned before, in
-    ``normfold.engine.batchnorm``).
+    ``normfold.fold.batchnorm``).
 
     ``kept``: norm path -> reason, norms that stay LayerNorms whatever this trace says;
     ``affine_kept``: norm path -> reason, norms whose γ/β stay (``analyze_calls`` sets both).

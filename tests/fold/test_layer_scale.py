@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from normfold.engine import fold
-from normfold.engine.math import scale_output_channels
-from normfold.engine.pipeline import apply_fold
+from normfold.fold import fold
+from normfold.fold.math import scale_output_channels
+from normfold.fold.pipeline import apply_fold
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the zoo's randomiser, as tests/fuse does
-from engine.conftest import _randomize_constant_parameters  # noqa: E402
+from fold.conftest import _randomize_constant_parameters  # noqa: E402
 
 DIM = 16
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import normfold
-from normfold.engine import FoldReport
+from normfold.fold import FoldReport
 
 from tiny_models import tiny_gpt2
 
@@ -120,7 +120,7 @@ def test_exact_fold_reports_no_approximate_norms():
     ({"approximate": True, "calibration": [(torch.randn(2, 5, 8),)], "min_cosine": 0}, "min_cosine"),
 ])
 def test_approximate_options_are_checked_before_any_work(kwargs, message, monkeypatch):
-    from normfold.engine import graph
+    from normfold.fold import graph
 
     monkeypatch.setattr(graph, "capture", lambda *a, **k: pytest.fail("captured before checking options"))
     with pytest.raises(ValueError, match=message):
@@ -198,7 +198,7 @@ def test_the_folder_path_proves_on_a_short_example_that_still_mixes_tokens():
 def test_a_corrupted_fold_of_gpt2_fails_its_proof_on_the_short_example(monkeypatch):
     """The cheap proof is still a proof: one centering step left out of the transform (of the returned
     fold and of the float64 one alike) is caught on the folder path's short example inputs."""
-    from normfold.engine import FoldVerificationError, transform
+    from normfold.fold import FoldVerificationError, transform
     from normfold.hf.inputs import example_inputs_for
 
     model = _tiny_gpt2()

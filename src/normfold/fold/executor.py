@@ -1,8 +1,8 @@
 """The one executor of fold plans: each step declares the tensors it reads, writes and creates
-(``normfold.engine.plan``), and its kernel here applies the pure math of ``normfold.engine.math``
+(``normfold.fold.plan``), and its kernel here applies the pure math of ``normfold.fold.math``
 through a store, so a step is written once for every place a plan runs:
 
-- the module store (``normfold.engine.transform.ModuleStore``): a model's parameters and buffers by
+- the module store (``normfold.fold.transform.ModuleStore``): a model's parameters and buffers by
   fully-qualified name, changed in place; swapping a norm and removing a merged BatchNorm are
   module surgery there (``apply_plan``: the in-memory fold, the folder fold, rotation's plan);
 - the checkpoint store (``normfold.hf.streaming.rewrite``): one group of checkpoint keys at a time,
@@ -16,7 +16,7 @@ dtype; None runs them on whole tensors.
 A new plan step is three edits: its dataclass in ``plan.py`` (fields, ``reads``/``writes``/``creates``,
 a section in ``_STEP_TYPES`` at its place in the order), its math in ``math.py``, and its kernel in
 :data:`_KERNELS` here; both stores then run it (a checkpoint store groups keys and sizes created
-tensors from the declarations alone: ``tests/engine/test_executor.py`` checks a kernel keeps to them).
+tensors from the declarations alone: ``tests/fold/test_executor.py`` checks a kernel keeps to them).
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
-"""The kinds of graph ops every walk shares (``normfold.engine.op_kinds``), read on real export graphs."""
+"""The kinds of graph ops every walk shares (``normfold.fold.op_kinds``), read on real export graphs."""
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from normfold.engine.batchnorm import plan_batchnorms
-from normfold.engine.graph import capture, op_name
-from normfold.engine.op_kinds import norm_node_kind, passes_values_on, through_value_copies
+from normfold.fold.batchnorm import plan_batchnorms
+from normfold.fold.graph import capture, op_name
+from normfold.fold.op_kinds import norm_node_kind, passes_values_on, through_value_copies
 
 
 class Copies(nn.Module):

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import normfold
-from normfold.engine.plan import SwapStep
-from normfold.engine.transform import norm_like, swap_norm, untie_config
+from normfold.fold.plan import SwapStep
+from normfold.fold.transform import norm_like, swap_norm, untie_config
 from normfold.nn import RMSNorm
 from normfold.train.model import GPT, GPTConfig
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch import nn
 
-from normfold.engine import analyze, fold
-from normfold.engine import FoldError, FoldPlan, transform
-from normfold.engine.pipeline import prove_fold
-from normfold.engine.verify import fresh_inputs_like, verify
+from normfold.fold import analyze, fold
+from normfold.fold import FoldError, FoldPlan, transform
+from normfold.fold.pipeline import prove_fold
+from normfold.fold.verify import fresh_inputs_like, verify
 
 C = 8
 

@@ -5,7 +5,7 @@ In eval mode BatchNorm is a fixed per-channel affine map,
     BN(y) = γ · (y − μ_run) / sqrt(σ²_run + ε) + β = s · y + (β − s · μ_run),   s = γ / sqrt(σ²_run + ε),
 
 so with y = W x + b it folds exactly into the producer: W' = s · W (scaling each output channel),
-b' = s · (b − μ_run) + β (``normfold.engine.math.fold_batchnorm_into_producer``), and the BatchNorm
+b' = s · (b − μ_run) + β (``normfold.fold.math.fold_batchnorm_into_producer``), and the BatchNorm
 becomes ``Identity``. The steps are the first section of the ``FoldPlan`` (``apply_plan`` runs them
 first); the LayerNorm analysis then runs on the model with its BatchNorms merged.
 
@@ -16,7 +16,7 @@ or bias is shared with another module, a transposed convolution, a BatchNorm tha
 Linear/Conv directly, and one that not every example call runs the same way.
 
 Like torch.fx's ``fuse`` but every skipped match is reported with its reason; the pairs are found
-in the ``torch.export`` graph (``normfold.engine.graph.capture``).
+in the ``torch.export`` graph (``normfold.fold.graph.capture``).
 """
 from __future__ import annotations
 
