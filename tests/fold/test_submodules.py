@@ -142,3 +142,10 @@ def test_longformer_which_export_cannot_capture_folds_its_embedding_norm_through
     assert next(e for e in report.norms if e.path == "embeddings.LayerNorm").foldable
     assert report.verification.ok and report.verification.max_rel_error < 1e-12
     assert isinstance(folded.embeddings.LayerNorm, normfold.RMSNorm)
+
+
+def test_several_example_calls_fold_through_submodules_what_every_call_proves():
+    model = _non_trivial(Branching())
+    folded, report = normfold.fold(model, [(_x(),), (-_x(),)])  # one merged graph per call, analysed together
+    assert report.captured_through == ["a", "b"] and len(report.traced_calls) == 2
+    assert all(e.foldable for e in report.norms) and report.verification.ok
