@@ -76,7 +76,7 @@ def capture_submodules(model: nn.Module, calls: list, whole_model_error: str) ->
     if not found:
         return None
     aliases = parameter_aliases(model)
-    graphs = [_merged(model, [(seq, path, ep) for path, per_call in found.items() for seq, ep in per_call[i]], aliases)
+    graphs = [_merged([(seq, path, ep) for path, per_call in found.items() for seq, ep in per_call[i]], aliases)
               for i in range(len(calls))]
     uncaptured = tuple((path, kind) for path, _, kind in norm_modules(model)
                        if kind in ("LayerNorm", "RMSNorm") and path in recording.ran
@@ -174,7 +174,7 @@ def _export_each(module: nn.Module, path: str, inputs) -> list[list[tuple[int, t
 
 # --------------------------------------------------------------------------- one graph per call
 
-def _merged(model: nn.Module, parts: list[tuple[int, str, torch.export.ExportedProgram]],
+def _merged(parts: list[tuple[int, str, torch.export.ExportedProgram]],
             aliases: dict[str, tuple[str, ...]]) -> Captured:
     """The exported graphs of one call, in the order the call ran them, as one graph with the root's
     names: parameters and buffers one placeholder per name, each part's inputs its own placeholders,
