@@ -53,6 +53,8 @@ def print_norm_table(report: dict) -> None:
                   "[yellow]no: LayerNorm kept[/yellow]")
         table.add_row(r["path"], result, "folded into next layer" if r["affine_folded"] else "kept", r["reason"])
     console().print(table)
+    if report.get("capture_line"):  # torch.export could not capture the whole model
+        console().print(report["capture_line"], markup=False, highlight=False)
 
 
 _FIGURES = {  # verification figure -> how the table names it (a figure the result lacks is not shown)

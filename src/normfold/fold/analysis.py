@@ -77,6 +77,9 @@ class Walker:
         elif need.node in self.layer_scales:  # γ ⊙ x is x once γ merged into x's producer (same shape)
             scale = self.layer_scales[need.node]
             answer = Requires((make_need(scale.input, need.dim, need.group),)) if scale.step else Break(scale.refused)
+        elif need.node in self.captured.inputs_from:  # a submodule's recorded input: its producer is not in the graph
+            answer = Break(f"an input of {self.captured.inputs_from[need.node]}, computed outside the submodules "
+                           "torch.export captured: not known to be zero-mean")
         else:
             answer = classify(need.node, need.dim, need.group, self.captured)
         if isinstance(answer, Break):

@@ -91,6 +91,9 @@ class Captured:
     param_fqn: dict[fx.Node, str]          # placeholder -> parameter FQN
     buffer_fqn: dict[fx.Node, str]         # placeholder -> buffer FQN
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # FQN -> every FQN of the same tensor
+    # placeholder -> the path of the submodule whose recorded input it is (``fold.submodules``: a value
+    # computed outside the graph, so nothing is known about its mean); empty for a whole-model capture
+    inputs_from: dict[fx.Node, str] = field(default_factory=dict)
 
 
 def check_model_and_inputs(model: nn.Module, example_inputs) -> list:
@@ -110,20 +113,26 @@ def capture(model: nn.Module, example_inputs) -> Captured:
     """``torch.export`` the model in eval mode (non-strict) and index its placeholders."""
     args, kwargs = split_example_inputs(example_inputs)
     _require_module(model)
+    ep = export_call(model, args, kwargs)
+    sig = ep.graph_signature
+    by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    param_fqn = {by_name[name]: fqn for name, fqn in sig.inputs_to_parameters.items()}
+    buffer_fqn = {by_name[name]: fqn for name, fqn in sig.inputs_to_buffers.items()}
+    return Captured(ep.graph, param_fqn, buffer_fqn, parameter_aliases(model))
+
+
+def export_call(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    """``torch.export`` of one call of ``model`` in eval mode (non-strict), without gradients;
+    ``FoldError`` with export's own first line when it cannot capture it."""
     with eval_mode(model), torch.no_grad():
         try:
-            ep = torch.export.export(model, args, kwargs, strict=False)
+            return torch.export.export(model, args, kwargs, strict=False)
         except Exception as exc:  # export raises many exception types; all mean "cannot capture"
             raise FoldError(
                 f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: "
                 f"{first_line(exc)}. Try other example inputs "
                 "(e.g. use_cache=False for Hugging Face models), or fold a submodule that export can capture."
             ) from exc
-    sig = ep.graph_signature
-    by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-    param_fqn = {by_name[name]: fqn for name, fqn in sig.inputs_to_parameters.items()}
-    buffer_fqn = {by_name[name]: fqn for name, fqn in sig.inputs_to_buffers.items()}
-    return Captured(ep.graph, param_fqn, buffer_fqn, parameter_aliases(model))
 
 
 def parameter_aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -147,6 +156,12 @@ def module_stack(node: fx.Node) -> list[tuple[str, str]]:
     """[(module path, qualified class name)] from outermost to innermost."""
     stack = node.meta.get("nn_module_stack") or {}
     return [(_clean_path(p), t if isinstance(t, str) else f"{t.__module__}.{t.__qualname__}") for p, t in stack.values()]
+
+
+def path_in_root(submodule: str, path: str) -> str:
+    """The path, from the root, of what a graph exported from ``submodule`` records at ``path``."""
+    path = _clean_path(path)
+    return f"{submodule}.{path}" if submodule and path else submodule or path
 
 
 def _clean_path(path: str) -> str:

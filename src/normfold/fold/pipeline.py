@@ -23,11 +23,12 @@ from torch import nn
 from .analysis import analyze_calls
 from .batchnorm import has_batchnorms, plan_batchnorms
 from .errors import FoldError, failures_as_fold_error, model_name
-from .graph import capture, check_model_and_inputs, describe_call, split_example_inputs
+from .graph import check_model_and_inputs, describe_call, split_example_inputs
 from .plan import (AffineFoldStep, BatchNormFoldStep, CenterStep, FoldConfig, FoldPlan, LayerScaleStep,
                    PrecomputeStep)
-from .report import FoldReport, VerifyResult
+from .report import FoldReport, NormEntry, VerifyResult
 from .steps import StepContext
+from .submodules import capture_calls
 from . import transform  # looked up at call time: tests substitute a broken apply_plan
 from .verify import FOLD_TOLERANCE, dtype_name, verify
 
@@ -48,19 +49,26 @@ def plan_calls(model: nn.Module, calls: list, constraints: FoldConfig) -> FoldRe
 
 
 def _plan(model: nn.Module, calls: list, constraints: FoldConfig) -> FoldReport:
+    captured = capture_calls(model, calls)
     bn_steps, bn_entries = [], []
     if constraints.fold_batchnorm and has_batchnorms(model):
-        bn_steps, bn_entries = plan_batchnorms(model, [capture(model, call) for call in calls], constraints)
+        bn_steps, bn_entries = plan_batchnorms(model, captured.graphs, constraints)
     base = model
     if bn_steps:  # analysed with the BatchNorms gone: an identity BatchNorm kept for a loader computes the same
         merged = FoldPlan(batchnorm=[_dropping_module(s) for s in bn_steps])
         base = transform.apply_plan(copy.deepcopy(model), merged)
-    entries, plan, untied = analyze_calls(base, [capture(base, call) for call in calls], constraints)
+        captured = capture_calls(base, calls)
+    entries, plan, untied = analyze_calls(base, captured.graphs, constraints)
+    entries += [NormEntry(path, kind, False, False, _UNCAPTURED) for path, kind in captured.uncaptured_norms]
     plan = FoldPlan(batchnorm=bn_steps, layer_scale=plan.layer_scale, center=plan.center, untie=plan.untie, precompute=plan.precompute,
                     affine_fold=plan.affine_fold, swap=plan.swap)
     return FoldReport(entries, plan, untied, batchnorms=bn_entries,
                       traced_calls=[describe_call(model, *split_example_inputs(call)) for call in calls],
-                      constraints=constraints)
+                      constraints=constraints, captured_through=list(captured.submodules),
+                      whole_model_capture_error=captured.whole_model_error)
+
+
+_UNCAPTURED = "kept: outside every submodule torch.export could capture (the whole model it could not)"
 
 
 def _dropping_module(step):

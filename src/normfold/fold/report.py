@@ -144,6 +144,10 @@ class FoldReport:
     # the sections the steps after the fold filed (normfold.convert), by the name each registered
     # (normfold.fold.steps.register_step, which also holds each section's type): "fuse", "approximate", ...
     sections: dict[str, ReportSection] = field(default_factory=dict)
+    # the submodules analysed when torch.export could not capture the whole model (normfold.fold.submodules),
+    # and export's reason; empty and None when the whole model was captured
+    captured_through: list[str] = field(default_factory=list)
+    whole_model_capture_error: str | None = None
 
     @property
     def fuse(self):
@@ -163,6 +167,14 @@ class FoldReport:
         return (f"exact for {which} and for calls that take the same path through the model (same arguments "
                 "given, same branches); another call (e.g. inputs_embeds instead of input_ids, or "
                 "output_hidden_states=True) may differ: pass every kind of call as a list of example inputs")
+
+    @property
+    def capture_line(self) -> str | None:
+        """``captured through submodules: a, b (...)``, None when the whole model was captured."""
+        if not self.captured_through:
+            return None
+        return (f"captured through submodules: {', '.join(self.captured_through)} (torch.export could not capture "
+                f"the whole model: {self.whole_model_capture_error}; the proof runs the whole model)")
 
     @property
     def num_norms(self) -> int:
@@ -200,6 +212,9 @@ class FoldReport:
             **{name: section.to_dict() for name, section in self.sections.items()},
             "traced_calls": [dict(call) for call in self.traced_calls],
             "exactness_scope": self.exactness_scope if self.traced_calls else None,
+            "captured_through": list(self.captured_through),
+            "whole_model_capture_error": self.whole_model_capture_error,
+            "capture_line": self.capture_line,
         }
 
     def __str__(self) -> str:
@@ -216,6 +231,8 @@ class FoldReport:
             lines.append(f"traced call {i}: " + ", ".join(f"{k}={v}" for k, v in call.items()))
         if self.traced_calls:
             lines.append(self.exactness_scope)
+        if self.capture_line:
+            lines.append(self.capture_line)
         for e in self.batchnorms:
             lines.append(f"BatchNorm {e.path}: {'folded' if e.folded else 'kept'} ({e.reason})")
         if self.verification is not None:

@@ -140,9 +140,14 @@ def _scope_lines(report: dict[str, Any]) -> list[str]:
     lines = ["", "## What the fold is exact for", ""]
     lines += [f"- traced call {i}: " + ", ".join(f"`{name}` = {what}" for name, what in call.items())
               for i, call in enumerate(calls)]
-    if report.get("exactness_scope"):
-        lines += ["", report["exactness_scope"][0].upper() + report["exactness_scope"][1:] + "."]
+    for key in ("exactness_scope", "capture_line"):  # what it is exact for; the submodules analysed, if not the whole
+        if report.get(key):
+            lines += ["", _sentence(report[key])]
     return lines
+
+
+def _sentence(text: str) -> str:
+    return text[0].upper() + text[1:] + "."
 
 
 def _approximate_warning_lines(report: dict[str, Any]) -> list[str]:

@@ -23,14 +23,18 @@ from .load import CheckpointError, check_model_dir, model_class_for
 # runs the original and the fold three times each in float64 (and in the model's dtype).
 EXAMPLE_BATCH = 2
 EXAMPLE_LENGTH = 4
+_BOX_SCALE = 1000  # document models' box coordinates run 0..1000 (LayoutLM) unless their config says otherwise
 
 
 def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = EXAMPLE_LENGTH, *,
                        seed: int = 0) -> dict[str, Any]:
     """Keyword inputs for one forward pass, built from the model's modality and config: token ids
     (+ attention mask) for text, pixel values for vision, waveforms (``input_values``) or log-mel
-    features (``input_features``) for audio, ids and pixels together for two-tower models (CLIP,
-    SigLIP); decoder ids for encoder-decoders and ``use_cache=False``.
+    features (``input_features``) for audio, ids and pixels together wherever the forward takes both
+    (CLIP, SigLIP, GIT, UDOP), led by one image token per image feature for a model that merges them
+    into its text (LLaVA, PaliGemma: counted by its own ``get_image_features``, given a model); ordered
+    boxes per token for document models (``bbox``), region features and positions for LXMERT;
+    decoder ids for encoder-decoders and ``use_cache=False``.
 
     Deterministic (seeded); the values are random: folding is exact for any input.
     """
@@ -48,18 +52,25 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
         inputs["input_values"] = _waveform(getattr(config, "audio_config", None) or config, batch, seq, gen)
     elif "input_features" in params:
         inputs["input_features"] = _log_mel_features(getattr(config, "audio_config", None) or config, batch, gen)
-    two_towers = "pixel_values" in inputs and getattr(config, "text_config", None) is not None
-    if "input_ids" in params and (not inputs or two_towers):
-        ids = _token_ids(config.get_text_config(), batch, seq, gen)
+    if "input_ids" in params and "input_values" not in inputs and "input_features" not in inputs:
+        ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels: text and image (CLIP, GIT, LayoutLMv3)
+        if isinstance(model_or_config, nn.Module) and "pixel_values" in inputs:
+            ids = _with_image_tokens(model_or_config, ids, inputs["pixel_values"])
         inputs["input_ids"] = ids
         if "attention_mask" in params:
             inputs["attention_mask"] = torch.ones_like(ids)
+        if "bbox" in params:  # document models: one box per token
+            inputs["bbox"] = _boxes(*ids.shape, getattr(config, "max_2d_position_embeddings", _BOX_SCALE + 1) - 1, gen)
+    if "visual_feats" in params and "visual_pos" in params and hasattr(config, "visual_feat_dim"):
+        inputs["visual_feats"] = torch.randn(batch, seq, config.visual_feat_dim, generator=gen)  # LXMERT's regions
+        inputs["visual_pos"] = _boxes(batch, seq, _BOX_SCALE, gen) / _BOX_SCALE  # normalized to [0, 1]
     if not inputs:
         raise CheckpointError(f"cannot build example inputs for {type(config).__name__}: its forward takes none of "
                               f"input_ids, pixel_values, input_values, input_features")
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         inputs["decoder_input_ids"] = _token_ids(config.get_text_config(decoder=True), batch, seq, gen)
-    if "use_cache" in params:
+    takes_more = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())  # LLaVA passes **kwargs on
+    if "use_cache" in params or (takes_more and hasattr(config.get_text_config(), "use_cache")):
         inputs["use_cache"] = False  # no KV cache objects in the captured graph
     return inputs
 
@@ -116,6 +127,36 @@ def _pixel_values(vision_config, batch: int, gen: torch.Generator) -> torch.Tens
     size = getattr(vision_config, "image_size", None) or 224
     h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
     return torch.randn(batch, getattr(vision_config, "num_channels", 3), h, w, generator=gen)
+
+
+def _with_image_tokens(model: nn.Module, ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+    """``ids`` led by one image token per image feature, for a model that merges image features into
+    its text at the positions of ``config.image_token_id`` (LLaVA, PaliGemma): as many per row as its
+    own ``get_image_features`` gives each image. ``ids`` unchanged for any other model."""
+    token = getattr(model.config, "image_token_id", None)
+    if not isinstance(token, int) or not hasattr(model, "get_image_features"):
+        return ids
+    try:
+        with torch.no_grad():
+            found = model.get_image_features(pixel_values=pixel_values)
+    except Exception:  # noqa: BLE001  the model's own code, whatever it raises: plain text ids, as before
+        return ids
+    features = getattr(found, "pooler_output", None)
+    features = found if features is None else features  # a ModelOutput's projected features, or the tensor itself
+    parts = features if isinstance(features, (list, tuple)) else [features]
+    if not all(isinstance(f, torch.Tensor) and f.dim() >= 2 for f in parts):
+        return ids
+    total = sum(f.numel() // f.shape[-1] for f in parts)  # feature vectors over the whole batch
+    if total % ids.shape[0]:
+        return ids
+    text = ids.masked_fill(ids == token, 1 if token == 0 else 0)  # no image token among the text
+    return torch.cat([torch.full((ids.shape[0], total // ids.shape[0]), token, dtype=ids.dtype), text], dim=1)
+
+
+def _boxes(batch: int, count: int, bound: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, N, 4) integer boxes (x0, y0, x1, y1) in [0, bound], with x0 <= x1 and y0 <= y1."""
+    corners = torch.randint(0, bound + 1, (batch, count, 2, 2), generator=gen)  # two (x, y) corners per box
+    return torch.cat([corners.min(dim=2).values, corners.max(dim=2).values], dim=-1)
 
 
 def _waveform(audio_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
