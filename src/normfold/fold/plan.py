@@ -262,6 +262,8 @@ class FoldConfig:
     parameter names: no step may create a parameter outside them. ``keep_modules_in``: when set,
     the loader needs every module's keys, stored in that dtype: a merged BatchNorm stays as an exact
     identity there, or is kept when it cannot be exact (see :meth:`for_stock_checkpoint`).
+    ``untie_for_affine``: a γ may fold into a linear layer whose weight is a tied name (a tied output
+    head), which then gets its own copy (said in the report's ``untied``); the rotation needs that.
     ``keep``: fnmatch patterns of norm module paths (``"transformer.h.0.*"``) the plan leaves as
     they are: neither swapped nor their γ/β moved, nor their producers centered for them.
     """
@@ -274,6 +276,7 @@ class FoldConfig:
     loadable_keys: frozenset[str] | None = None
     keep_modules_in: torch.dtype | None = None
     keep: tuple[str, ...] = ()
+    untie_for_affine: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep", keep_patterns(self.keep, "keep"))
@@ -303,7 +306,7 @@ class FoldConfig:
         return self.loadable_keys is None or fqn in self.loadable_keys
 
 
-_FLAGS = ("fold_affine", "precompute", "fold_batchnorm", "verify")
+_FLAGS = ("fold_affine", "precompute", "fold_batchnorm", "verify", "untie_for_affine")
 
 
 def _require_bool(name: str, value) -> None:
