@@ -2,21 +2,25 @@
 into the readers (a tied head untied for it, and said), the residual stream rotated (embeddings,
 attention and MLP input and output projections, Phi-3's fused qkv_proj / gate_up_proj, the head),
 exact in float64 on fresh inputs of another shape against the norms' math written by the test; Q
-orthogonal and not the identity. Gemma's (1 + w) and OLMo2's post-norms are refused with the reason."""
+orthogonal and not the identity; Gemma's (1 + w) moves into the readers as (1 + w). An (offset + γ)
+that stays in its norm, and OLMo2's norms, are refused with the reason."""
 from __future__ import annotations
 
 import copy
 
 import pytest
 import torch
+from torch import nn
 
 import normfold
 from normfold import FoldError
 from normfold.rotate.apply import apply_rotation
 from normfold.fold.pipeline import apply_fold
+from normfold.nn import RMSNorm
 from tiny_models import rms_norm_math, tiny_rms_lm
 
-FAMILIES = [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("mistral", {}), ("qwen2", {}), ("phi3", {})]
+FAMILIES = [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("mistral", {}), ("qwen2", {}), ("phi3", {}),
+            ("gemma", {})]  # Gemma: (1 + w) norms, a tied head
 
 
 def _ids(batch: int, seq: int, seed: int) -> dict:
@@ -29,7 +33,7 @@ def _logits(model, call):
         return model(**call).logits
 
 
-@pytest.mark.parametrize("family, overrides", FAMILIES, ids=["llama", "llama-tied", "mistral", "qwen2", "phi3"])
+@pytest.mark.parametrize("family, overrides", FAMILIES, ids=["llama", "llama-tied", "mistral", "qwen2", "phi3", "gemma"])
 def test_rms_family_rotates_exactly_in_float64_on_inputs_of_another_shape(family, overrides):
     model = tiny_rms_lm(family, **overrides)
     rotated, report = normfold.rotate(model, _ids(2, 7, 0))
@@ -46,7 +50,7 @@ def test_rms_family_rotates_exactly_in_float64_on_inputs_of_another_shape(family
         assert any(name in fqn and role == "reader" for fqn, role in roles.items()), name
     for name in ("embed_tokens", "o_proj", "down_proj"):
         assert any(name in fqn and role == "writer" for fqn, role in roles.items()), name
-    if overrides.get("tie_word_embeddings"):  # untied only because γ of model.norm folds into the head
+    if model.config.tie_word_embeddings:  # untied only because γ of model.norm folds into the head
         assert report.fold.untied == ["lm_head.weight (copy of model.embed_tokens.weight, to take model.norm's γ)"]
         assert rotated.lm_head.weight is not rotated.model.embed_tokens.weight
     else:
@@ -61,9 +65,22 @@ def test_rms_family_rotates_exactly_in_float64_on_inputs_of_another_shape(family
     assert torch.allclose(_logits(rotated, call), _logits(model, call), atol=1e-5)
 
 
-def test_gemma_one_plus_w_is_refused_naming_the_norm():
-    with pytest.raises(FoldError, match=r"input_layernorm scales by \(1 \+ γ\) \(Gemma's RMSNorm\)"):
-        normfold.rotate(tiny_rms_lm("gemma"), _ids(2, 7, 0))
+class _OffsetNormReadByARelu(nn.Module):
+    """An RMSNorm scaling by (1 + γ) whose output a ReLU reads: its γ cannot move, so it stays."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm, self.head = nn.Embedding(10, 8), RMSNorm(8, offset=1.0), nn.Linear(8, 3)
+        with torch.no_grad():
+            self.norm.weight.uniform_(-0.5, 0.5)
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.norm(self.embed(ids))))
+
+
+def test_an_offset_gamma_that_stays_in_its_norm_is_refused_naming_the_norm():
+    with pytest.raises(FoldError, match=r"norm scales by \(1 \+ γ\) \(Gemma's RMSNorm\), which stays in the norm"):
+        normfold.rotate(_OffsetNormReadByARelu().eval(), (torch.tensor([[1, 2, 3]]),))
 
 
 def test_olmo2_is_refused_with_the_reason():

@@ -528,7 +528,7 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
         elif norm.foldable:
             n_producers = len({fqn for fqn, _, _ in norm.params})
             norm.reason = f"input zero-mean: centered {n_producers} producer{'s' * (n_producers != 1)}"
-    untie_offers = _untie_offers(captured, plan.untie) if constraints.untie_for_affine else {}
+    untie_offers = _untie_offers(captured, plan.untie) if constraints.move_every_gamma else {}
     for norm in norms:
         if norm.module is None or norm.precompute is not None:
             continue
@@ -558,7 +558,7 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
 def _untie_offers(captured: Captured, untie: list[UntieStep]) -> dict[str, UntieStep]:
     """Name -> the untie step giving it its own copy, for every later name of a tied parameter (a tied
     output head: ``lm_head.weight`` of ``embed_tokens.weight``) not untied already: a γ may fold into
-    such a copy (``FoldConfig.untie_for_affine``); only those it folds into are untied."""
+    such a copy (``FoldConfig.move_every_gamma``); only those it folds into are untied."""
     done = {u.fqn for u in untie}
     offers = {}
     for names in captured.aliases.values():

@@ -130,7 +130,7 @@ def rotate_step(model: nn.Module, calls: list, config: RotateConfig,
     prove (when sliced: of the whole rotation, before slicing)."""
     method, slice_fraction, calibration_calls = config.method, config.slice_fraction, list(config.calibration or ())
     # proved below, with the rotation; a γ read by a tied head folds into its own copy (untied, in the report)
-    folded, fold_report = fold_within(model, calls, FoldConfig(verify=False, untie_for_affine=True))
+    folded, fold_report = fold_within(model, calls, FoldConfig(verify=False, move_every_gamma=True))
     streams = closed_streams(folded, calls, fold_report)
     if slice_fraction > 0:
         _check_sliceable(streams, slice_fraction)

@@ -52,7 +52,7 @@ def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remo
     _load_norm_parameters(skeleton, checkpoint)
     constraints = stock_constraints(skeleton, stored_dtype or dtype, FoldConfig(fold_affine=fold_affine))
     if not stock_loadable:  # a rotated folder: a tied head may also be untied to take the final norm's γ
-        constraints = dataclasses.replace(constraints, loadable_keys=None, untie_for_affine=True)
+        constraints = dataclasses.replace(constraints, loadable_keys=None, move_every_gamma=True)
     report = plan_fold(skeleton, example_inputs_for(skeleton), constraints)
     if report.plan.untie:
         report.plan = _untie_what_stock_keeps_apart(report.plan, skeleton, checkpoint)
