@@ -71,3 +71,16 @@ def rms_norm_math(model, dtype=torch.float64):
             eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
             reference.set_submodule(path, Math(module.weight, eps, 1.0 if name == "GemmaRMSNorm" else 0.0))
     return reference
+
+
+def lm_call(batch: int, seq: int, seed: int) -> dict:
+    """A causal LM call of seeded token ids (above the tiny configs' special tokens), without a cache."""
+    generator = torch.Generator().manual_seed(seed)
+    return {"input_ids": torch.randint(3, TINY_RMS["vocab_size"], (batch, seq), generator=generator),
+            "use_cache": False}
+
+
+def lm_logits(model, call: dict):
+    """``model(**call).logits`` without gradients."""
+    with torch.no_grad():
+        return model(**call).logits

@@ -16,28 +16,18 @@ from torch import nn
 from normfold.fold import fold
 from normfold.fold.pipeline import apply_fold
 from normfold.nn import RMSNorm
-from tiny_models import rms_norm_math, tiny_rms_lm
+from tiny_models import lm_call, lm_logits, rms_norm_math, tiny_rms_lm
 
 FORMS = {"llama": "times γ after the cast back", "mistral": "times γ after the cast back",
          "qwen2": "times γ after the cast back", "phi3": "times γ after the cast back",
          "gemma": "times (1 + γ) in float32", "olmo2": "times γ in float32"}
 
 
-def _ids(batch: int, seq: int, seed: int) -> dict:
-    generator = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(3, 96, (batch, seq), generator=generator), "use_cache": False}
-
-
-def _logits(model, call):
-    with torch.no_grad():
-        return model(**call).logits
-
-
 @pytest.mark.parametrize("family", sorted(FORMS))
 def test_rmsnorm_classes_become_normfold_rmsnorms_saying_their_form(family):
     model = tiny_rms_lm(family)
     classes = {path: type(m).__name__ for path, m in model.named_modules() if type(m).__name__.endswith("RMSNorm")}
-    folded, report = fold(model, _ids(2, 7, 0))
+    folded, report = fold(model, lm_call(2, 7, 0))
     entries = {e.path: e for e in report.norms}
     for path, name in classes.items():
         new = folded.get_submodule(path)
@@ -47,12 +37,12 @@ def test_rmsnorm_classes_become_normfold_rmsnorms_saying_their_form(family):
         assert new.offset == (1.0 if family == "gemma" else 0.0)
     assert report.verification.ok and report.verification.model_dtype_check is not None
     # fresh inputs of another shape: the plan applied in float64 against the RMSNorm math without casts
-    call = _ids(3, 5, 1)
-    expected = _logits(rms_norm_math(model), call)
-    got = _logits(apply_fold(copy.deepcopy(model).double(), report.plan), call)
+    call = lm_call(3, 5, 1)
+    expected = lm_logits(rms_norm_math(model), call)
+    got = lm_logits(apply_fold(copy.deepcopy(model).double(), report.plan), call)
     assert (got - expected).abs().max().item() <= 1e-12 * expected.abs().max().item()
     # the original as it is (float32 casts inside), in float32: within rounding, not exact
-    assert torch.allclose(_logits(folded.float(), call).double(), _logits(model, call).double(), atol=1e-5)
+    assert torch.allclose(lm_logits(folded.float(), call).double(), lm_logits(model, call).double(), atol=1e-5)
 
 
 class _Base(nn.Module):

@@ -17,26 +17,16 @@ from normfold import FoldError
 from normfold.rotate.apply import apply_rotation
 from normfold.fold.pipeline import apply_fold
 from normfold.nn import RMSNorm
-from tiny_models import rms_norm_math, tiny_rms_lm
+from tiny_models import lm_call, lm_logits, rms_norm_math, tiny_rms_lm
 
 FAMILIES = [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("mistral", {}), ("qwen2", {}), ("phi3", {}),
             ("gemma", {})]  # Gemma: (1 + w) norms, a tied head
 
 
-def _ids(batch: int, seq: int, seed: int) -> dict:
-    generator = torch.Generator().manual_seed(seed)
-    return {"input_ids": torch.randint(3, 96, (batch, seq), generator=generator), "use_cache": False}
-
-
-def _logits(model, call):
-    with torch.no_grad():
-        return model(**call).logits
-
-
 @pytest.mark.parametrize("family, overrides", FAMILIES, ids=["llama", "llama-tied", "mistral", "qwen2", "phi3", "gemma"])
 def test_rms_family_rotates_exactly_in_float64_on_inputs_of_another_shape(family, overrides):
     model = tiny_rms_lm(family, **overrides)
-    rotated, report = normfold.rotate(model, _ids(2, 7, 0))
+    rotated, report = normfold.rotate(model, lm_call(2, 7, 0))
     assert report.verification.ok and report.exact and len(report.streams) == 1
     (stream,) = report.streams
     q = stream.basis
@@ -56,13 +46,13 @@ def test_rms_family_rotates_exactly_in_float64_on_inputs_of_another_shape(family
     else:
         assert report.fold.untied == []
     # fresh inputs of another shape: the fold and rotation in float64 against the RMSNorm math without casts
-    call = _ids(3, 5, 1)
+    call = lm_call(3, 5, 1)
     exact = apply_rotation(apply_fold(copy.deepcopy(model).double(), report.fold.plan), [s.stream for s in report.streams],
                            [s.basis for s in report.streams])
-    expected = _logits(rms_norm_math(model), call)
-    assert (_logits(exact, call) - expected).abs().max().item() <= 1e-12 * expected.abs().max().item()
+    expected = lm_logits(rms_norm_math(model), call)
+    assert (lm_logits(exact, call) - expected).abs().max().item() <= 1e-12 * expected.abs().max().item()
     # and the rotated model as returned, in float32, against the original as it is
-    assert torch.allclose(_logits(rotated, call), _logits(model, call), atol=1e-5)
+    assert torch.allclose(lm_logits(rotated, call), lm_logits(model, call), atol=1e-5)
 
 
 class _OffsetNormReadByARelu(nn.Module):
@@ -85,4 +75,4 @@ def test_an_offset_gamma_that_stays_in_its_norm_is_refused_naming_the_norm():
 
 def test_olmo2_is_refused_with_the_reason():
     with pytest.raises(FoldError, match="not closed under rotation"):
-        normfold.rotate(tiny_rms_lm("olmo2"), _ids(2, 7, 0))
+        normfold.rotate(tiny_rms_lm("olmo2"), lm_call(2, 7, 0))

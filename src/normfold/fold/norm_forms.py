@@ -223,7 +223,7 @@ def rms_form(captured: Captured, path: str) -> RMSForm | str:
     t, inverse, eps = statistic
     root = _through_casts(t, used, nodes)
     normalized = next((u for u in inverse.users if op_packet(u) == _aten.mul and len(u.args) == 2
-                       and _through_casts(next(a for a in u.args if a is not inverse), set(), nodes) is root), None)
+                       and _through_casts(_other_operand(u, inverse), set(), nodes) is root), None)
     if normalized is None:
         return f"computes {_op_list(nodes)}: its rsqrt(mean(x², -1) + eps) does not multiply its input"
     used.add(normalized)
@@ -273,6 +273,11 @@ def _squared(node: fx.Node) -> fx.Node | None:
     return None
 
 
+def _other_operand(node: fx.Node, operand: fx.Node):
+    """The argument of the binary op ``node`` that is not ``operand`` (``operand`` itself for x·x)."""
+    return node.args[1] if node.args[0] is operand else node.args[0]
+
+
 def _single_user(node: fx.Node) -> fx.Node | None:
     users = [u for u in node.users if op_packet(u) not in METADATA_OPS]
     return users[0] if len(users) == 1 else None
@@ -300,8 +305,7 @@ def _weight_chain(start: fx.Node, path: str, captured: Captured, used: set[fx.No
         if op_packet(user) in CAST_OPS and user.args[0] is current:
             cast_seen = True
         elif op_packet(user) == _aten.mul and len(user.args) == 2 and weight is None:
-            other = user.args[1] if user.args[0] is current else user.args[0]
-            gamma = _gamma(other, path, captured, used, inside)
+            gamma = _gamma(_other_operand(user, current), path, captured, used, inside)
             if isinstance(gamma, str):
                 return gamma
             (weight, offset), after_cast = gamma, cast_seen
