@@ -67,6 +67,17 @@ class ShiftedRMSNorm(_Base):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight + 0.5
 
 
+class BufferedRMSNorm(_Base):
+    """Computes an RMSNorm but holds a buffer besides γ, which a swap to normfold's RMSNorm would drop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale_history", torch.ones(3))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
 class _Model(nn.Module):
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
@@ -80,6 +91,7 @@ class _Model(nn.Module):
     (MeanNotSquaredRMSNorm(), "takes the mean of aten.linear, not of a square"),
     (EpsOutsideRMSNorm(), "adds eps outside the square root"),
     (ShiftedRMSNorm(), "computes aten.add on x·rsqrt(mean(x², -1) + eps)"),
+    (BufferedRMSNorm(), "holds scale_history besides γ, which normfold's RMSNorm would drop"),
 ])
 def test_look_alikes_that_compute_something_else_are_kept_with_the_reason(norm, why):
     model = _Model(norm).eval()

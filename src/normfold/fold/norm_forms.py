@@ -196,6 +196,9 @@ def recognized_rms_norms(model: nn.Module, captures: list[Captured]) -> Recogniz
             continue
         forms = {rms_form(captured, path) for captured in captures if module_nodes(captured, path)}
         form = forms.pop() if len(forms) == 1 else "computes different things in different example calls"
+        others = [n for n, _ in (*module.named_parameters(), *module.named_buffers()) if n != "weight"]
+        if not isinstance(form, str) and others:  # normfold's RMSNorm would drop them
+            form = f"holds {', '.join(others)} besides γ, which normfold's RMSNorm would drop"
         name = type(module).__name__
         if isinstance(form, str):
             if named:
@@ -230,7 +233,7 @@ def rms_form(captured: Captured, path: str) -> RMSForm | str:
     output = _weight_chain(normalized, path, captured, used, nodes)
     if isinstance(output, str):
         return output
-    end, weight, offset, after_cast = output
+    weight, offset, after_cast = output
     extra = [n for n in nodes if n not in used]
     if extra:
         return f"computes {_op_list(extra)} besides x·rsqrt(mean(x², -1) + eps)·γ, not an RMSNorm of its input alone"
@@ -293,12 +296,12 @@ def _through_casts(node, used: set[fx.Node], inside: list[fx.Node]):
 
 def _weight_chain(start: fx.Node, path: str, captured: Captured, used: set[fx.Node], inside: list[fx.Node]):
     """From the normalized tensor to the module's output through casts and at most one multiply by γ
-    (or γ + c): (output, γ's name or None, c, whether γ multiplies after a cast), or why not."""
+    (or γ + c): (γ's name or None, c, whether γ multiplies after a cast), or why not."""
     current, weight, offset, after_cast, cast_seen = start, None, 0.0, False, False
     while True:
         users = [u for u in current.users if op_packet(u) not in METADATA_OPS and u in inside]
         if not users:
-            return current, weight, offset, after_cast
+            return weight, offset, after_cast
         if len(users) > 1:
             return f"reads x·rsqrt(mean(x², -1) + eps) in {len(users)} ops ({_op_list(users)})"
         user = users[0]
