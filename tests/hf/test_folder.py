@@ -147,22 +147,22 @@ def test_a_layernorm_kept_with_its_affine_moved_saves_as_gamma_one_beta_zero(tmp
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["in memory", "streamed"])
-def test_a_model_without_layernorms_is_refused_as_nothing_to_fold(tmp_path, capsys, stream):
-    """Llama's own RMSNorm class is no LayerNorm: `normfold fold` says there is nothing to fold (exit 2,
-    one line) and writes nothing (it failed in the report picture before)."""
+def test_a_llama_folder_folds_the_gammas_of_its_recognised_rmsnorms(tmp_path, capsys, stream):
+    """Llama's own RMSNorm class is recognised from its traced ops (issue 32): `normfold fold` moves each
+    γ into the next layers and writes the folder, proved (it said "nothing to fold" before, exit 2)."""
     transformers = pytest.importorskip("transformers")
-    from normfold.cli import EXIT_USAGE, main
+    from normfold.cli import EXIT_OK, main
 
     config = transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
     transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
     capsys.readouterr()  # transformers' own progress bar while saving the original
     args = ["fold", str(tmp_path / "llama"), "-o", str(tmp_path / "out")] + (["--stream"] if stream else [])
-    assert main(args) == EXIT_USAGE
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["normfold: error: nothing to fold: LlamaForCausalLM has no LayerNorm (or other norm module "
-                   "normfold recognises), so no folded folder is written"]
-    assert not (tmp_path / "out").exists()
+    assert main(args) == EXIT_OK
+    report = json.loads((tmp_path / "out" / "normfold_report.json").read_text())
+    assert report["verification"]["ok"] and len(report["norms"]) == 3
+    assert all(n["reason"].startswith("LlamaRMSNorm recognised as an RMSNorm") and n["affine_folded"]
+               for n in report["norms"])
 
 
 def test_a_trainer_checkpoint_folder_folds_its_bin_weights_and_never_reads_training_args_bin(tiny_dirs, tmp_path):

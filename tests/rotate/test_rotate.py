@@ -96,9 +96,10 @@ def test_llama_with_torch_rmsnorms_rotates_exactly_its_gammas_moved_into_the_rea
     _assert_exact_on_another_shape(model, rotated, _fresh_decoder_call())
 
 
-def test_llama_with_its_own_rmsnorm_class_is_refused_naming_the_class():
-    with pytest.raises(FoldError, match="the graph shows no norm op .*LlamaRMSNorm modules"):
-        normfold.rotate(_llama(torch_norms=False), _fresh_decoder_call(2, 8))
+def test_llama_with_its_own_rmsnorm_class_rotates_once_the_fold_recognises_the_class():
+    rotated, report = normfold.rotate(_llama(torch_norms=False), _fresh_decoder_call(2, 8))
+    assert len(report.streams[0].stream.norms) == 5 and report.verification.ok
+    assert all("LlamaRMSNorm recognised as an RMSNorm" in e.reason for e in report.fold.norms)
 
 
 def test_rotated_bundled_model_generates_the_same_greedy_bytes_with_its_kv_cache():

@@ -7,6 +7,8 @@ planning constraints forbid new parameters. Anything else keeps the affine, with
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import fx, nn
 
@@ -52,6 +54,9 @@ def affine_steps(norm: AnalyzedNorm, model: nn.Module, captured: Captured, untie
         return [], f"γ/β span {call.num_dims} dims {tuple(norm.module.normalized_shape)}, not one feature dim"
     if call.is_rms and (call.eps is None or not isinstance(norm.module, RMS_NORM_TYPES)):
         return [], "RMSNorm without an explicit eps"
+    if call.offset and not constraints.move_every_gamma:
+        return [], (f"it scales by ({call.offset:g} + γ), whose stored γ a stock reload would read as 1 once moved "
+                    "(normfold.rotate moves it)")
     gamma_fqn = single_use_param(call.weight, captured) if call.weight is not None else None
     beta_fqn = single_use_param(call.bias, captured) if call.bias is not None else None
     if (call.weight is not None and gamma_fqn is None) or (call.bias is not None and beta_fqn is None):
@@ -73,7 +78,7 @@ def affine_steps(norm: AnalyzedNorm, model: nn.Module, captured: Captured, untie
             if isinstance(step, str):
                 return [], step
             steps.append(step)
-    return steps, ""
+    return [replace(step, gamma_offset=call.offset) for step in steps], ""
 
 
 def _consumer_step(norm, user, x, gamma_fqn, beta_fqn, model, captured, untied, constraints: PlanConstraints):

@@ -531,10 +531,11 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
         elif norm.foldable:
             n_producers = len({fqn for fqn, _, _ in norm.params})
             norm.reason = f"input zero-mean: centered {n_producers} producer{'s' * (n_producers != 1)}"
+    untie_offers = _untie_offers(captured, plan.untie) if constraints.move_every_gamma else {}
     for norm in norms:
         if norm.module is None or norm.precompute is not None:
             continue
-        untied_names = frozenset(f"{u.module_path}.{u.attr}" for u in plan.untie)
+        untied_names = frozenset(f"{u.module_path}.{u.attr}" for u in plan.untie) | frozenset(untie_offers)
         affine, why = (affine_steps(norm, model, captured, untied_names, constraints) if constraints.fold_affine
                        else ([], ""))
         if affine and norm.path in affine_kept:
@@ -546,10 +547,29 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
             norm.reason += f"; affine kept: {why}"
         if norm.foldable or affine:
             plan.swap.append(_swap_step(norm, "RMSNorm" if norm.foldable or norm.kind == "RMSNorm" else "LayerNorm"))
+    for step in plan.affine_fold:  # the tied names γ folded into: untied, said in the report
+        offer = untie_offers.pop(step.weight_fqn, None)
+        if offer is not None:
+            plan.untie.append(offer)
+            untied.append(f"{offer.fqn} (copy of {offer.source_fqn}, to take {step.norm_path}'s γ)")
     entries = [NormEntry(n.path, n.kind, n.foldable, bool(n.affine), n.reason,
                          tuple(sorted({fqn for fqn, _, _ in n.params})) if n.foldable else (),
                          n.blocking_path) for n in norms]
     return entries, plan, untied
+
+
+def _untie_offers(captured: Captured, untie: list[UntieStep]) -> dict[str, UntieStep]:
+    """Name -> the untie step giving it its own copy, for every later name of a tied parameter (a tied
+    output head: ``lm_head.weight`` of ``embed_tokens.weight``) not untied already: a γ may fold into
+    such a copy (``FoldConfig.move_every_gamma``); only those it folds into are untied."""
+    done = {u.fqn for u in untie}
+    offers = {}
+    for names in captured.aliases.values():
+        for name in names[1:]:
+            if name not in done:
+                path, _, attr = name.rpartition(".")
+                offers[name] = UntieStep(path, attr, names[0])
+    return offers
 
 
 def _merged_layer_scales(layer_scales: Mapping[fx.Node, LayerScale], foldable: list[AnalyzedNorm]) -> list:

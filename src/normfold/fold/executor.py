@@ -144,7 +144,8 @@ def _fold_affine(step: AffineFoldStep, store: TensorStore) -> None:
     for part in _slices(weight, step.in_dim, store.chunk):
         n = part.shape[out_axis]
         bias_part = None if bias is None else bias.narrow(0, start, n)
-        new_weight, new_bias = fold_affine_into_consumer(part, bias_part, gamma, beta, step.in_dim)
+        new_weight, new_bias = fold_affine_into_consumer(part, bias_part, gamma, beta, step.in_dim,
+                                                         gamma_offset=step.gamma_offset)
         part.copy_(new_weight)
         if bias_part is not None:
             bias_part.copy_(new_bias)

@@ -32,12 +32,13 @@ def center(t: Tensor, dim: int, group: int | None = None) -> Tensor:
 
 
 def fold_affine_into_consumer(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta: Tensor | None,
-                              in_dim: int) -> tuple[Tensor, Tensor | None]:
+                              in_dim: int, *, gamma_offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
     """Move a norm's affine (γ, β) into the linear map that reads the norm's output.
 
     y = W·(γ⊙x̂ + β) + b = (W·diag(γ))·x̂ + (b + W·β). ``in_dim`` is the axis of the 2-D ``weight``
     that meets the norm's features: 1 for ``nn.Linear`` (out, in), 0 for (in, out) layouts such as
     Hugging Face's Conv1D. Returns (W', b'); b' is None only when bias and β are both None.
+    ``gamma_offset``: the norm scales by (gamma_offset + γ) (Gemma's 1 + w), added in the math dtype.
     """
     if weight.dim() != 2 or in_dim not in (0, 1):
         raise ValueError(f"weight must be 2-D and in_dim 0 or 1, got {weight.dim()}-D and in_dim={in_dim}")
@@ -55,7 +56,7 @@ def fold_affine_into_consumer(weight: Tensor, bias: Tensor | None, gamma: Tensor
         shift = beta.detach().to(dtype) @ w_io  # βᵀW: (out,)
         new_b = shift if new_b is None else new_b + shift
     if gamma is not None:
-        w_io = w_io * gamma.detach().to(dtype)[:, None]  # diag(γ)·W in (in, out) layout
+        w_io = w_io * (gamma.detach().to(dtype) + gamma_offset)[:, None]  # diag(c + γ)·W in (in, out) layout
     new_w = w_io if in_dim == 0 else w_io.t()
     out_dtype = bias.dtype if bias is not None else weight.dtype
     return new_w.to(weight.dtype).contiguous(), None if new_b is None else new_b.to(out_dtype)

@@ -10,19 +10,31 @@ Nemotron's ``LayerNorm1P`` (``weight + 1``: offset 1) and a parameter-free modul
 offset once x is zero-mean. Anything else the module runs (a permute to normalize channels-first
 data as ConvNeXt's norm does, a cast to float32 around the norm, arithmetic on its input or output)
 makes it another function, and the module is kept with a reason naming those ops.
+
+RMSNorms written out as elementwise ops (Llama's ``LlamaRMSNorm``, Gemma's with (1 + w), ...) are
+recognised the same way, from what they compute (:func:`rms_form`): x / √(mean(x², -1) + eps),
+optionally inside a cast to float32 and back, times γ or (offset + γ), before or after the cast
+back. Such a module becomes normfold's ``RMSNorm`` (:func:`recognized_rms_norms`), whose float64
+run is the module's math without the casts (:func:`without_downcasts` runs the original so).
 """
 from __future__ import annotations
 
+import functools
 import numbers
 import operator
 import weakref
 from dataclasses import dataclass
 
 import torch
-from torch import fx
+from torch import fx, nn
+from torch.overrides import TorchFunctionMode
 
-from .graph import Captured, module_stack, op_name, op_packet, per_graph
-from .rules import METADATA_OPS, NormCall
+from .._text import dtype_name
+from ..nn.kinds import LAYER_NORM_TYPES, RMS_NORM_TYPES, norm_kind
+from .graph import Captured, module_stack, op_name, op_packet, per_graph, shape
+from .op_kinds import CAST_OPS
+from .plan import SwapStep
+from .rules import METADATA_OPS, NormCall, norm_call
 
 _aten = torch.ops.aten
 
@@ -132,3 +144,242 @@ def _what(node, captured: Captured) -> str:
     if isinstance(node, fx.Node):
         return captured.param_fqn.get(node) or captured.buffer_fqn.get(node) or f"computed by {op_name(node) or node.op}"
     return repr(node)
+
+
+# --------------------------------------------------------------------------- RMSNorms written out as ops
+
+@dataclass(frozen=True)
+class RMSForm:
+    """y = x / √(mean(x², -1) + eps) · (offset + γ), as a module spells it in elementwise ops: ``cast``
+    the dtype its statistics are computed in when it casts its input first (None: no cast), and
+    whether γ multiplies after the cast back to the input's dtype (Llama) or before it (Gemma, OLMo2)."""
+
+    weight_fqn: str | None
+    offset: float
+    eps: float
+    width: int
+    cast: str | None = None
+    weight_after_cast: bool = False
+
+    def describe(self) -> str:
+        """"x·rsqrt(mean(x², -1) + 1e-06) in float32, times γ after the cast back": the form in words."""
+        gamma = "" if self.weight_fqn is None else (f", times ({self.offset:g} + γ)" if self.offset else ", times γ")
+        if self.cast is None:
+            return f"x·rsqrt(mean(x², -1) + {self.eps:g}){gamma}"
+        where = " after the cast back" if self.weight_after_cast else f" in {self.cast}"
+        return f"x·rsqrt(mean(x², -1) + {self.eps:g}) in {self.cast}{gamma}{where if gamma else ''}"
+
+
+@dataclass(frozen=True)
+class RecognizedNorms:
+    """RMSNorm modules written out as ops: the swaps making them normfold ``RMSNorm``\\ s, and per path
+    what was recognised (``swaps``) or why a module named like a norm is kept (the others)."""
+
+    swaps: tuple[SwapStep, ...]
+    reasons: dict[str, str]
+
+
+def recognized_rms_norms(model: nn.Module, captures: list[Captured]) -> RecognizedNorms:
+    """Every leaf module that is not a torch / normfold norm and computes an RMSNorm of its input in
+    every traced call (:func:`rms_form`, the same form in each), as a swap to normfold's ``RMSNorm``;
+    a module whose class is named like an RMSNorm (``nn.kinds.norm_kind``) but computes something
+    else is kept, with the reason."""
+    swaps, reasons = [], {}
+    for path, module in model.named_modules():
+        if list(module.children()) or isinstance(module, (*RMS_NORM_TYPES, *LAYER_NORM_TYPES)):
+            continue
+        ran = [module_nodes(captured, path) for captured in captures]
+        if not any(ran) or any(norm_call(n) is not None for nodes in ran for n in nodes):
+            continue  # not run, or it calls a norm op the analysis reads itself
+        named = norm_kind(module) == "RMSNorm"
+        if not named and not any(op_packet(n) == _aten.mean for nodes in ran for n in nodes):
+            continue
+        forms = {rms_form(captured, path) for captured in captures if module_nodes(captured, path)}
+        form = forms.pop() if len(forms) == 1 else "computes different things in different example calls"
+        others = [n for n, _ in (*module.named_parameters(), *module.named_buffers()) if n != "weight"]
+        if not isinstance(form, str) and others:  # normfold's RMSNorm would drop them
+            form = f"holds {', '.join(others)} besides γ, which normfold's RMSNorm would drop"
+        name = type(module).__name__
+        if isinstance(form, str):
+            if named:
+                reasons[path] = f"kept: {name} {form}"
+            continue
+        swaps.append(SwapStep(path, "RMSNorm", form.width, form.eps, elementwise_affine=form.weight_fqn is not None,
+                              bias=False, offset=form.offset))
+        reasons[path] = f"{name} recognised as an RMSNorm from its traced ops: {form.describe()}"
+    return RecognizedNorms(tuple(swaps), reasons)
+
+
+def rms_form(captured: Captured, path: str) -> RMSForm | str:
+    """What the module at ``path`` computes when it is an RMSNorm written out as ops, or why it is not
+    one (a predicate: "computes ..."). Every op it runs must belong to the form: the statistic
+    mean(t², -1) of its input t (through casts), + eps (a number), rsqrt, t times that, then casts
+    and one multiply by γ or by (γ + c), γ its own parameter named ``weight``."""
+    nodes = [n for n in module_nodes(captured, path) if op_packet(n) not in METADATA_OPS]
+    means = [n for n in nodes if op_packet(n) == _aten.mean]
+    if len(means) != 1:
+        return f"computes {_op_list(nodes)}, not one x·rsqrt(mean(x², -1) + eps)"
+    used: set[fx.Node] = set()
+    statistic = _rms_statistic(means[0], used)
+    if isinstance(statistic, str):
+        return statistic
+    t, inverse, eps = statistic
+    root = _through_casts(t, used, nodes)
+    normalized = next((u for u in inverse.users if op_packet(u) == _aten.mul and len(u.args) == 2
+                       and _through_casts(_other_operand(u, inverse), set(), nodes) is root), None)
+    if normalized is None:
+        return f"computes {_op_list(nodes)}: its rsqrt(mean(x², -1) + eps) does not multiply its input"
+    used.add(normalized)
+    output = _weight_chain(normalized, path, captured, used, nodes)
+    if isinstance(output, str):
+        return output
+    weight, offset, after_cast = output
+    extra = [n for n in nodes if n not in used]
+    if extra:
+        return f"computes {_op_list(extra)} besides x·rsqrt(mean(x², -1) + eps)·γ, not an RMSNorm of its input alone"
+    dtype = _traced_dtype(t)
+    cast = None if t is root else (dtype_name(dtype) if dtype is not None else "another dtype")
+    return RMSForm(weight, offset, eps, int(shape(root)[-1]), cast, after_cast and cast is not None)
+
+
+def _rms_statistic(mean: fx.Node, used: set[fx.Node]) -> tuple[fx.Node, fx.Node, float] | str:
+    """(t, rsqrt(mean(t², -1) + eps), eps) from the mean node, or why it is not that statistic."""
+    square = mean.args[0]
+    dims = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
+    keepdim = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    rank = len(shape(square) or ())
+    if list(dims or ()) not in ([-1], [rank - 1]) or not keepdim:
+        return f"takes a mean over dims {dims} (keepdim={keepdim}), not over its last dim"
+    t = _squared(square)
+    if t is None:
+        return f"takes the mean of {op_name(square) or square.op}, not of a square"
+    add = _single_user(mean)
+    if op_packet(add) == _aten.sqrt:
+        return "adds eps outside the square root (x / (√mean(x²) + eps)), which normfold's RMSNorm does not compute"
+    if op_packet(add) != _aten.add or len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1 \
+            or not isinstance(add.args[1], numbers.Real) or isinstance(add.args[1], bool) or add.args[0] is not mean:
+        return f"computes {op_name(add) if add is not None else 'nothing'} after mean(x², -1), not + eps (a number)"
+    inverse = _single_user(add)
+    if op_packet(inverse) != _aten.rsqrt:
+        return f"computes {op_name(inverse) if inverse is not None else 'nothing'} of mean(x², -1) + eps, not rsqrt"
+    used.update((mean, square, add, inverse))
+    return t, inverse, float(add.args[1])
+
+
+def _squared(node: fx.Node) -> fx.Node | None:
+    """t when ``node`` is t², spelled pow(t, 2) or t·t."""
+    packet = op_packet(node)
+    if packet == _aten.pow and len(node.args) == 2 and node.args[1] == 2:
+        return node.args[0]
+    if packet == _aten.mul and len(node.args) == 2 and node.args[0] is node.args[1]:
+        return node.args[0]
+    return None
+
+
+def _other_operand(node: fx.Node, operand: fx.Node):
+    """The argument of the binary op ``node`` that is not ``operand`` (``operand`` itself for x·x)."""
+    return node.args[1] if node.args[0] is operand else node.args[0]
+
+
+def _single_user(node: fx.Node) -> fx.Node | None:
+    users = [u for u in node.users if op_packet(u) not in METADATA_OPS]
+    return users[0] if len(users) == 1 else None
+
+
+def _through_casts(node, used: set[fx.Node], inside: list[fx.Node]):
+    """The tensor ``node`` casts, through the module's own cast ops (recorded in ``used``)."""
+    while isinstance(node, fx.Node) and node in inside and op_packet(node) in CAST_OPS:
+        used.add(node)
+        node = node.args[0]
+    return node
+
+
+def _weight_chain(start: fx.Node, path: str, captured: Captured, used: set[fx.Node], inside: list[fx.Node]):
+    """From the normalized tensor to the module's output through casts and at most one multiply by γ
+    (or γ + c): (γ's name or None, c, whether γ multiplies after a cast), or why not."""
+    current, weight, offset, after_cast, cast_seen = start, None, 0.0, False, False
+    while True:
+        users = [u for u in current.users if op_packet(u) not in METADATA_OPS and u in inside]
+        if not users:
+            return weight, offset, after_cast
+        if len(users) > 1:
+            return f"reads x·rsqrt(mean(x², -1) + eps) in {len(users)} ops ({_op_list(users)})"
+        user = users[0]
+        if op_packet(user) in CAST_OPS and user.args[0] is current:
+            cast_seen = True
+        elif op_packet(user) == _aten.mul and len(user.args) == 2 and weight is None:
+            gamma = _gamma(_other_operand(user, current), path, captured, used, inside)
+            if isinstance(gamma, str):
+                return gamma
+            (weight, offset), after_cast = gamma, cast_seen
+        else:
+            return f"computes {op_name(user) or user.op} on x·rsqrt(mean(x², -1) + eps), not a cast or a scale by γ"
+        used.add(user)
+        current = user
+
+
+def _gamma(node, path: str, captured: Captured, used: set[fx.Node], inside: list[fx.Node]) -> tuple[str, float] | str:
+    """(γ's name, c) when ``node`` is γ or γ + c (γ through casts), γ the module's parameter ``weight``."""
+    offset = 0.0
+    if isinstance(node, fx.Node) and op_packet(node) == _aten.add and node in inside:
+        terms = [a for a in node.args if not isinstance(a, fx.Node)]
+        if len(node.args) != 2 or len(terms) != 1 or not isinstance(terms[0], numbers.Real) \
+                or isinstance(terms[0], bool) or node.kwargs.get("alpha", 1) != 1:
+            return f"scales by {op_name(node)} of γ, not by γ plus a number"
+        used.add(node)
+        offset = float(terms[0])
+        node = next(a for a in node.args if isinstance(a, fx.Node))
+    fqn = _own_param(_through_casts(node, used, inside), path, captured)
+    if fqn is None:
+        return f"scales by {_what(node, captured)}, not by a parameter of its own"
+    if fqn.rpartition(".")[2] != "weight":
+        return f"holds γ as {fqn}; normfold's RMSNorm holds it as weight"
+    return fqn, offset
+
+
+def _traced_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype of a traced node's value (None when the trace did not record one)."""
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return getattr(value, "dtype", None)
+
+
+def _op_list(nodes: list[fx.Node]) -> str:
+    names = [op_name(n) or n.op for n in nodes[:6]]
+    return " → ".join(names) + (" → ..." if len(nodes) > 6 else "")
+
+
+# --------------------------------------------------------------------------- the float64 reference
+
+_CAST_METHODS = frozenset({torch.Tensor.to, torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16,
+                           torch.Tensor.type_as, torch.Tensor.type})
+
+
+class _NoDowncast(TorchFunctionMode):
+    """Tensor casts from float64 to a lower floating dtype return the float64 tensor itself."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        source = args[0] if args else None
+        if (func in _CAST_METHODS and isinstance(source, torch.Tensor) and source.dtype == torch.float64
+                and isinstance(out, torch.Tensor) and out.is_floating_point() and out.dtype != torch.float64
+                and out.device == source.device):
+            return source
+        return out
+
+
+def _run_without_downcasts(forward, *args, **kwargs):
+    with _NoDowncast():
+        return forward(*args, **kwargs)
+
+
+def without_downcasts(model: nn.Module, paths) -> nn.Module:
+    """``model`` (in place: the float64 copy a proof runs) with the modules at ``paths`` running their own
+    code without casting float64 down (their ``x.to(torch.float32)`` keeps float64): the original's math
+    with the casts removed, which is what a float64 proof of a float32-cast norm compares against (the
+    cast is the one thing a float64 run cannot reproduce; the model's own dtype is checked against the
+    original as it is)."""
+    for path in paths:
+        module = model.get_submodule(path)
+        if not isinstance(module, (*RMS_NORM_TYPES, *LAYER_NORM_TYPES)):  # torch's and normfold's do not cast
+            module.forward = functools.partial(_run_without_downcasts, module.forward)
+    return model

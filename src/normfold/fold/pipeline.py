@@ -24,6 +24,7 @@ from .analysis import analyze_calls
 from .batchnorm import has_batchnorms, plan_batchnorms
 from .errors import FoldError, failures_as_fold_error, model_name
 from .graph import check_model_and_inputs, describe_call, split_example_inputs
+from .norm_forms import recognized_rms_norms, without_downcasts
 from .plan import (AffineFoldStep, BatchNormFoldStep, CenterStep, FoldConfig, FoldPlan, LayerScaleStep,
                    PrecomputeStep)
 from .report import FoldReport, NormEntry, VerifyResult
@@ -58,10 +59,17 @@ def _plan(model: nn.Module, calls: list, constraints: FoldConfig) -> FoldReport:
         merged = FoldPlan(batchnorm=[_dropping_module(s) for s in bn_steps])
         base = transform.apply_plan(copy.deepcopy(model), merged)
         captured = capture_calls(base, calls)
+    recognized = recognized_rms_norms(base, captured.graphs)
+    if recognized.swaps:  # RMSNorms written out as ops: analysed as the normfold RMSNorms they become
+        base = transform.apply_plan(base if bn_steps else copy.deepcopy(model), FoldPlan(swap=list(recognized.swaps)))
+        captured = capture_calls(base, calls)
     entries, plan, untied = analyze_calls(base, captured.graphs, constraints)
     entries += [NormEntry(path, kind, False, False, _UNCAPTURED) for path, kind in captured.uncaptured_norms]
+    entries = _with_recognized(entries, recognized.reasons)
+    replaced = {step.path for step in plan.swap}  # a later swap of the same norm (its γ folded) replaces the first
     plan = FoldPlan(batchnorm=bn_steps, layer_scale=plan.layer_scale, center=plan.center, untie=plan.untie, precompute=plan.precompute,
-                    affine_fold=plan.affine_fold, swap=plan.swap)
+                    affine_fold=plan.affine_fold,
+                    swap=[s for s in recognized.swaps if s.path not in replaced] + plan.swap)
     return FoldReport(entries, plan, untied, batchnorms=bn_entries,
                       traced_calls=[describe_call(model, *split_example_inputs(call)) for call in calls],
                       constraints=constraints, captured_through=list(captured.submodules),
@@ -69,6 +77,14 @@ def _plan(model: nn.Module, calls: list, constraints: FoldConfig) -> FoldReport:
 
 
 _UNCAPTURED = "kept: outside every submodule torch.export could capture (the whole model it could not)"
+
+
+def _with_recognized(entries: list[NormEntry], reasons: dict[str, str]) -> list[NormEntry]:
+    """The analysis' entries with what was recognised in each RMSNorm written out as ops, and an entry
+    for each module named like an RMSNorm that was kept (with why)."""
+    known = {e.path for e in entries}
+    kept = [NormEntry(path, "RMSNorm", False, False, reason) for path, reason in reasons.items() if path not in known]
+    return [replace(e, reason=f"{reasons[e.path]}; {e.reason}") if e.path in reasons else e for e in entries] + kept
 
 
 def _dropping_module(step):
@@ -152,7 +168,16 @@ def prove_fold(model: nn.Module, folded: nn.Module, example_inputs, plan: FoldPl
     and ``folded`` itself, the model returned, in its own dtype against the original
     (``judge_model_dtype``: the measured tolerance, no inf/nan where the original is finite)."""
     return verify(model, folded, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=rms_norm_paths(plan),
-                  exact_transform=lambda exact: transform.apply_plan(exact, plan), judge_model_dtype=True)
+                  exact_transform=lambda exact: transform.apply_plan(exact, plan), judge_model_dtype=True,
+                  reference_transform=float64_reference(plan))
+
+
+def float64_reference(plan: FoldPlan):
+    """What a float64 proof runs the original as: its norms that become RMSNorms run their own code
+    without casting float64 down (``norm_forms.without_downcasts``: an RMSNorm written out in float32
+    is compared as its math, not as float32 rounding)."""
+    paths = rms_norm_paths(plan)
+    return lambda reference: without_downcasts(reference, paths)
 
 
 def fold_step(model: nn.Module, calls: list, config: FoldConfig, context: StepContext) -> tuple[nn.Module, FoldReport]:

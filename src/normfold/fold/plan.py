@@ -154,7 +154,8 @@ class PrecomputeStep(Step):
 
 @dataclass(frozen=True)
 class AffineFoldStep(Step):
-    """Fold norm ``norm_path``'s γ/β into the consumer weight ``weight_fqn`` (γ meets W along ``in_dim``)."""
+    """Fold norm ``norm_path``'s γ/β into the consumer weight ``weight_fqn`` ((gamma_offset + γ) meets W
+    along ``in_dim``)."""
 
     norm_path: str
     gamma_fqn: str | None
@@ -163,6 +164,7 @@ class AffineFoldStep(Step):
     in_dim: int
     bias_fqn: str
     create_bias: bool = False   # the consumer has no bias to take W·β: register one
+    gamma_offset: float = 0.0   # the norm scales by (gamma_offset + γ) (Gemma's 1 + w): that moves into W
 
     def reads(self) -> tuple[str, ...]:
         return _names(self.weight_fqn, None if self.create_bias else self.bias_fqn, self.gamma_fqn, self.beta_fqn)
@@ -262,6 +264,10 @@ class FoldConfig:
     parameter names: no step may create a parameter outside them. ``keep_modules_in``: when set,
     the loader needs every module's keys, stored in that dtype: a merged BatchNorm stays as an exact
     identity there, or is kept when it cannot be exact (see :meth:`for_stock_checkpoint`).
+    ``move_every_gamma``: every γ a rotation needs moved moves: into a linear layer whose weight is a
+    tied name (a tied output head, which then gets its own copy, said in the report's ``untied``), and
+    an RMSNorm's (offset + γ) (Gemma's 1 + w), which leaves a folder stock transformers would rebuild
+    as another model (its norm's stored weight reads as γ = 1); ``normfold.rotate`` sets it.
     ``keep``: fnmatch patterns of norm module paths (``"transformer.h.0.*"``) the plan leaves as
     they are: neither swapped nor their γ/β moved, nor their producers centered for them.
     """
@@ -274,6 +280,7 @@ class FoldConfig:
     loadable_keys: frozenset[str] | None = None
     keep_modules_in: torch.dtype | None = None
     keep: tuple[str, ...] = ()
+    move_every_gamma: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "keep", keep_patterns(self.keep, "keep"))
@@ -303,7 +310,7 @@ class FoldConfig:
         return self.loadable_keys is None or fqn in self.loadable_keys
 
 
-_FLAGS = ("fold_affine", "precompute", "fold_batchnorm", "verify")
+_FLAGS = ("fold_affine", "precompute", "fold_batchnorm", "verify", "move_every_gamma")
 
 
 def _require_bool(name: str, value) -> None:

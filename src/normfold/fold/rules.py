@@ -86,11 +86,12 @@ class NormCall:
     is_rms: bool
     output: fx.Node | None     # the node holding the normalized output
     num_dims: int              # number of trailing dims normalized
+    offset: float = 0.0        # the norm scales by (offset + weight): normfold's RMSNorm(offset=1), Gemma's
 
 
 def norm_call(node: fx.Node) -> NormCall | None:
     """Recognize a norm over trailing dims (a LayerNorm or RMSNorm by ``op_kinds.norm_node_kind``);
-    fused-residual and offset variants are not norms here."""
+    fused-residual variants are not norms here."""
     if norm_node_kind(node) not in ("LayerNorm", "RMSNorm"):
         return None
     packet = node.target.overloadpacket
@@ -102,10 +103,10 @@ def norm_call(node: fx.Node) -> NormCall | None:
                         len(node.args[1]))
     if str(packet) == "normfold.norm_fwd":  # (x, weight, bias, residual, eps, offset, is_rms) -> (y, s, mean, rstd)
         x, weight, bias, residual, eps, offset, is_rms = node.args[:7]
-        if residual is not None or offset != 0:
+        if residual is not None:
             return None
         output = next((u for u in node.users if u.target is operator.getitem and u.args[1] == 0), None)
-        return NormCall(node, x, weight, bias, eps, bool(is_rms), output, 1)
+        return NormCall(node, x, weight, bias, eps, bool(is_rms), output, 1, float(offset))
     return None
 
 

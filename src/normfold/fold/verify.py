@@ -62,7 +62,8 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
            num_random: int = 2, tolerance: float | None = None, seed: int = 0, rms_norm_paths=None,
            folded_exact: nn.Module | None = None, stored_dtype: torch.dtype | None = None,
            exact_transform: Callable[[nn.Module], nn.Module] | None = None,
-           judge_model_dtype: bool = False) -> VerifyResult:
+           judge_model_dtype: bool = False,
+           reference_transform: Callable[[nn.Module], nn.Module] | None = None) -> VerifyResult:
     """Compare outputs on the example call(s) and ``num_random`` fresh inputs of the same shapes each
     (:func:`fresh_inputs_like`: the example's integers permuted, its floats perturbed).
 
@@ -93,6 +94,10 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
     tolerance measured the same way from the original's own error, estimated as the change of its
     outputs when every weight moves by one unit in the last place (:func:`perturbed_own_error`);
     the result's ``compared_in`` and ``fallback`` say so.
+
+    ``reference_transform``: applied (in place) to the float64 copy of ``original`` before it runs,
+    e.g. ``norm_forms.without_downcasts`` (the original's math without its float32 casts); the
+    model-dtype check always compares against ``original`` as it is.
     """
     calls = split_example_calls(example_inputs)
     if num_random < 0:
@@ -106,7 +111,8 @@ def verify(original: nn.Module, folded: nn.Module, example_inputs, *, dtype: tor
     with failures_as_fold_error(model_name(original), "verifying (running both models)"):
         return _verify(original, folded, calls, dtype=dtype, num_random=num_random, tolerance=tolerance, seed=seed,
                        rms_norm_paths=rms_norm_paths, folded_exact=folded_exact, stored_dtype=stored_dtype,
-                       exact_transform=exact_transform, judge_model_dtype=judge_model_dtype)
+                       exact_transform=exact_transform, judge_model_dtype=judge_model_dtype,
+                       reference_transform=reference_transform)
 
 
 def prove_or_raise(result: VerifyResult, what: str, context: str = "") -> VerifyResult:
@@ -119,7 +125,7 @@ def prove_or_raise(result: VerifyResult, what: str, context: str = "") -> Verify
 
 
 def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_norm_paths, folded_exact,
-            stored_dtype, exact_transform, judge_model_dtype) -> VerifyResult:
+            stored_dtype, exact_transform, judge_model_dtype, reference_transform) -> VerifyResult:
     """:func:`verify` once its arguments are checked."""
     generator = torch.Generator().manual_seed(seed)
     inputs = [run for call in calls for run in [call] + [fresh_inputs_like(call, generator) for _ in range(num_random)]]
@@ -131,6 +137,8 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
 
     # Each model runs once per input: the original's outputs are recorded before its copy is folded.
     reference = _cast_copy(original, dtype)
+    if reference_transform is not None:
+        reference = reference_transform(reference)
     ref_outputs, unusable = _outputs_if_usable(reference, runs, own_outputs, dtype)
     if unusable is not None:
         del reference

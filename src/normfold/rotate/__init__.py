@@ -24,9 +24,11 @@ import torch
 from torch import Tensor, nn
 
 from .._progress import notice
-from ..fold import fold as fold_engine
+from ..fold import fold_within
 from ..fold.errors import FoldError
 from ..fold.graph import capture, example_calls, split_example_calls
+from ..fold.pipeline import float64_reference
+from ..fold.plan import FoldConfig
 from ..fold.transform import apply_plan
 from ..fold.report import FoldReport, VerifyResult
 from ..fold.steps import StepContext, register_step, run_steps
@@ -127,7 +129,8 @@ def rotate_step(model: nn.Module, calls: list, config: RotateConfig,
     original) folded and rotated, with ``report.verification`` against ``model`` for the runner to
     prove (when sliced: of the whole rotation, before slicing)."""
     method, slice_fraction, calibration_calls = config.method, config.slice_fraction, list(config.calibration or ())
-    folded, fold_report = fold_engine(model, calls, verify=False)  # proved below, with the rotation
+    # proved below, with the rotation; a γ read by a tied head folds into its own copy (untied, in the report)
+    folded, fold_report = fold_within(model, calls, FoldConfig(verify=False, move_every_gamma=True))
     streams = closed_streams(folded, calls, fold_report)
     if slice_fraction > 0:
         _check_sliceable(streams, slice_fraction)
@@ -139,7 +142,7 @@ def rotate_step(model: nn.Module, calls: list, config: RotateConfig,
     if all(k == stream.width for k, stream in zip(kept, streams)):
         qs = [r.basis for r in rotations]
         rotated = apply_rotation(folded, streams, qs)  # our own copy: rotated in place
-        report.verification = _proof(model, rotated, apply_rotation(folded64, streams, qs), calls)
+        report.verification = _proof(model, rotated, apply_rotation(folded64, streams, qs), calls, fold_report)
         return rotated, report
     return _slice(model, folded, folded64, calls, report, kept, energies, calibration_calls, slice_fraction)
 
@@ -151,7 +154,7 @@ def _slice(model, folded, folded64, example_inputs, report: RotationReport, kept
     reference = copy.deepcopy(model).to(torch.float64)
     streams = [r.stream for r in report.streams]
     whole = apply_rotation(copy.deepcopy(folded64), streams, [r.basis for r in report.streams])
-    report.verification = _proof(reference, whole, whole, example_inputs)
+    report.verification = _proof(reference, whole, whole, example_inputs, report.fold)
     del whole
     report.streams = [_sliced(r, k, e) for r, k, e in zip(report.streams, kept, energies)]
     qs = [r.basis for r in report.streams]
@@ -173,12 +176,15 @@ def _check_runs_sliced(sliced64: nn.Module, call, kept: list[int]) -> None:
                         "slice_fraction=0, or a model whose layers take their sizes from their config") from error
 
 
-def _proof(original: nn.Module, rotated: nn.Module, rotated64: nn.Module, example_inputs) -> VerifyResult:
-    """The float64 comparison, as for a fold (FOLD_TOLERANCE), and the rotated model as returned judged
-    in its own dtype: the verification the runner proves (``FoldVerificationError``)."""
+def _proof(original: nn.Module, rotated: nn.Module, rotated64: nn.Module, example_inputs,
+           fold_report: FoldReport) -> VerifyResult:
+    """The float64 comparison, as for a fold (FOLD_TOLERANCE, the original run as the fold's proof runs
+    it), and the rotated model as returned judged in its own dtype: the verification the runner proves
+    (``FoldVerificationError``)."""
     with notice("rotate: proving the rotated model equal to the original in float64"):
         return verify(original, rotated, example_inputs, tolerance=FOLD_TOLERANCE, rms_norm_paths=[],
-                      folded_exact=rotated64, judge_model_dtype=True)
+                      folded_exact=rotated64, judge_model_dtype=True,
+                      reference_transform=float64_reference(fold_report.plan))
 
 
 def closed_streams(folded: nn.Module, calls: list, fold_report: FoldReport) -> list[Stream]:

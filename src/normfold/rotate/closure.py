@@ -69,6 +69,7 @@ def find_streams(model: nn.Module, captured: Captured, fold_report: FoldReport |
     the fold kept."""
     reasons = {e.path: e.reason for e in fold_report.norms} if fold_report is not None else {}
     calls = [(node, call) for node in captured.graph.nodes if (call := norm_call(node)) is not None]
+    _check_no_offset_norms(model)
     if not calls:
         raise FoldError(f"cannot rotate: the graph shows no norm op (layer_norm, rms_norm, normfold's norm), so there "
                         f"is no normalized residual stream to rotate{_unrecognized_norms(model)}")
@@ -83,6 +84,18 @@ def find_streams(model: nn.Module, captured: Captured, fold_report: FoldReport |
             raise _blocked(f"{path} reads {' <- '.join(result.blocking_path)}: {result.broken.reason}")
         roots[root] = (path, call)
     return [_stream(walker, captured, members) for members in _components(walker, roots)]
+
+
+def _check_no_offset_norms(model: nn.Module) -> None:
+    """``FoldError`` for an RMSNorm scaling by (offset + γ) (Gemma's (1 + w)): that γ stays in the norm
+    (the fold moves a parameter γ into the readers, not offset + γ), and RMSNorm(x·Q)·(1 + γ) ≠
+    (RMSNorm(x)·(1 + γ))·Q."""
+    for path, module in model.named_modules():
+        offset = getattr(module, "offset", 0.0) if isinstance(module, RMS_NORM_TYPES) else 0.0
+        if offset and module.weight is not None:
+            raise _blocked(f"{path} scales by ({offset:g} + γ) (Gemma's RMSNorm), which stays in the norm: the fold "
+                           f"moves a parameter γ into the layers that read it, not ({offset:g} + γ), and "
+                           f"RMSNorm(x·Q)·({offset:g} + γ) ≠ (RMSNorm(x)·({offset:g} + γ))·Q")
 
 
 def _unrecognized_norms(model: nn.Module) -> str:

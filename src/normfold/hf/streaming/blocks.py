@@ -343,19 +343,23 @@ def _run_shell(model: nn.Module, stacks: list[str],
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()], calls
 
 
-def stacks_of(skeleton: nn.Module, swapped: list[dict[str, Any]]) -> dict[str, tuple[int, bool]]:
-    """Stack path -> (number of blocks, centered), for each outermost ModuleList holding a norm;
-    centered when it holds a swapped norm."""
+def stacks_of(skeleton: nn.Module, swapped: list[dict[str, Any]],
+              centered_fqns: list[str] | None = None) -> dict[str, tuple[int, bool]]:
+    """Stack path -> (number of blocks, centered), for each outermost ModuleList holding a norm (a
+    norm type, or a module the fold swapped: an RMSNorm written out as ops); centered when it holds a
+    swapped norm and (``centered_fqns``: the plan's centered tensors, when given) one of its tensors is
+    centered (a recognised RMSNorm swapped for normfold's centers nothing)."""
     swapped_paths = [entry["path"] for entry in swapped]
     stacks: dict[str, tuple[int, bool]] = {}
     for path, module in skeleton.named_modules():
-        if not isinstance(module, NORM_TYPES):
+        if not isinstance(module, NORM_TYPES) and path not in swapped_paths:
             continue
         parts = path.split(".")
         for i in range(1, len(parts)):
             stack = ".".join(parts[:i])
             if isinstance(skeleton.get_submodule(stack), nn.ModuleList):
-                centered = any(p.startswith(stack + ".") for p in swapped_paths)
+                centered = any(p.startswith(stack + ".") for p in swapped_paths) and (
+                    centered_fqns is None or any(fqn.startswith(stack + ".") for fqn in centered_fqns))
                 stacks[stack] = (len(skeleton.get_submodule(stack)), centered)
                 break
     return stacks

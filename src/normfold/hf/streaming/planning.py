@@ -34,8 +34,8 @@ def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remo
     own; ``normfold.hf.saving.stock_constraints``), the model built on uninitialised storage (only its
     norms' γ/β are real), and the checkpoint. ``stock_loadable=False`` (a rotated folder, which only
     ``normfold.from_pretrained`` loads): the plan may create parameters the class lacks (GPT-2's
-    ``lm_head.bias``, so that the final norm loses its γ/β), as ``normfold.fold`` does; it still
-    keeps every module (streaming rewrites tensors, never modules). When the plan unties the word
+    ``lm_head.bias``, so that the final norm loses its γ/β) and untie a tied head to fold a γ into it,
+    as ``normfold.rotate`` does; it still keeps every module (streaming rewrites tensors, never modules). When the plan unties the word
     embeddings, every other name the skeleton shares with a stored tensor and the stock class built
     from the untied config keeps apart (BERT's ``cls.predictions.decoder.bias``) gets its own copy
     (:func:`_untie_what_stock_keeps_apart`).
@@ -51,8 +51,8 @@ def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remo
     skeleton.tie_weights()  # to_empty gives tied parameters separate storage; the analysis must see the tie
     _load_norm_parameters(skeleton, checkpoint)
     constraints = stock_constraints(skeleton, stored_dtype or dtype, FoldConfig(fold_affine=fold_affine))
-    if not stock_loadable:
-        constraints = dataclasses.replace(constraints, loadable_keys=None)
+    if not stock_loadable:  # a rotated folder: a tied head may also be untied to take the final norm's γ
+        constraints = dataclasses.replace(constraints, loadable_keys=None, move_every_gamma=True)
     report = plan_fold(skeleton, example_inputs_for(skeleton), constraints)
     if report.plan.untie:
         report.plan = _untie_what_stock_keeps_apart(report.plan, skeleton, checkpoint)

@@ -51,7 +51,7 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
     stored = DTYPES[stored_name]
     swapped = report["swapped"]
     skeleton = meta_skeleton(orig_dir, trust_remote_code)
-    stacks = stacks_of(skeleton, swapped)
+    stacks = stacks_of(skeleton, swapped, [c["fqn"] for c in report.get("plan", {}).get("center", [])])
     # γ/β the fold moved out of a stack (into the head): its blocks are compared without them, the shell holds its last block
     affine_folds = report.get("plan", {}).get("affine_fold", [])
     moved = {stack: affine_moved_out(affine_folds, stack) for stack in stacks}
