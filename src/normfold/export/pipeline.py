@@ -94,7 +94,10 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
     axes named ``batch`` / ``sequence``. ``original``: the model ``model`` was made from; the proof's
     reference and e_own are then the original's (its stock export is written to ``original_path`` if
     given). Nothing is written unless the proof passes (FoldVerificationError); existing files are
-    replaced only with ``overwrite``. Models over 2 GB get external data (``<name>.data``).
+    replaced only with ``overwrite``. Models over 2 GB get external data (``<name>.data``). The export (not
+    the original's stock file) goes through :mod:`normfold.export.graph_passes` first: norms off normfold's
+    2-D views, residual adds into ``SkipSimplifiedLayerNormalization`` (``report.graph_passes``). Fold
+    the model with :func:`fold_config_for_export` to keep a β out of a new vocabulary-wide bias.
 
     ``kv_cache=True`` (a transformers causal LM of a type in ``KV_CACHE_MODEL_TYPES``; ``example_inputs``
     its ``input_ids`` and optional ``attention_mask``): the graph takes and returns the KV cache with
