@@ -39,3 +39,15 @@ def test_a_plot_with_a_clipped_row_is_still_written(quick_rows, tmp_path):
     noisy = quick_rows[0]
     noisy.ratio_ci = {c: (low, 70.0) for c, (low, _) in noisy.ratio_ci.items()}
     assert plot_rows(quick_rows, tmp_path / "noisy.png").stat().st_size > 0
+
+
+def test_a_point_estimate_outside_its_interval_is_still_plotted(tmp_path):
+    """With a few rounds the median ratio can lie outside its bootstrap interval: no error bar on that
+    side, rather than matplotlib's "yerr must not contain negative values"."""
+    pytest.importorskip("matplotlib")
+    from normfold.bench.results import BenchRow
+
+    row = BenchRow(model="gpt2", mode="fp32 1t", batch=1, seq=1, kind="decode")
+    row.ratio = {"control": 0.98, "folded": 1.20, "fused": 0.90}
+    row.ratio_ci = {"control": (0.95, 1.02), "folded": (0.90, 1.10), "fused": (0.95, 1.05)}
+    assert plot_rows([row], tmp_path / "outside.png").stat().st_size > 0

@@ -163,7 +163,8 @@ def plot_rows(rows: list[BenchRow], path):
         xs = [i + (k - (len(shown) - 1) / 2) * width for i in range(len(rows))]
         ys = [min(max(r.ratio[c], low), high) for r in rows]
         cis = [(min(max(r.ratio_ci[c][0], low), high), min(max(r.ratio_ci[c][1], low), high)) for r in rows]
-        err = [[y - ci[0] for y, ci in zip(ys, cis)], [ci[1] - y for y, ci in zip(ys, cis)]]
+        # a point estimate outside its bootstrap interval (a few rounds) gets no bar on that side
+        err = [[max(y - ci[0], 0.0) for y, ci in zip(ys, cis)], [max(ci[1] - y, 0.0) for y, ci in zip(ys, cis)]]
         # bars grow from 1 (no change) so that a few percent either way is visible
         ax.bar(xs, [y - 1 for y in ys], width, bottom=1.0, yerr=err, capsize=2, color=colors[c],
                label="control (A/A copy)" if c == "control" else c)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..convert import fold
+from ..convert import FuseConfig, convert
 from ..export import (DEFAULT_OPSET, KV_CACHE_MODEL_TYPES, TARGETS, check_decoder, check_target, export_onnx,
-                      require_onnx_extra)
+                      fold_config_for_export, require_onnx_extra)
 from ..hf.inputs import example_inputs_for
 from ..hf.load import load_model
 from ..hf.output_dir import REPORT_JSON, atomic_output_dir
@@ -40,8 +40,8 @@ def _run_export(args) -> int:
             check_decoder(model)
         inputs = example_inputs_for(model)
         step("folding" + (" and fusing" if args.fuse else ""))
-        # stock_compatible=False: the ONNX file, not transformers' classes, runs the result
-        folded, fold_report = fold(model, inputs, fuse=args.fuse, stock_compatible=False)
+        folded, fold_report = convert(model, inputs, fold=fold_config_for_export(model),
+                                      fuse=FuseConfig() if args.fuse else None)
         step(f"exporting to ONNX (target {args.target}{', with the KV cache' if args.kv_cache else ''}) "
              "and proving it in ONNX Runtime")
         with atomic_output_dir(args.output, overwrite=args.overwrite, protect=(source,)) as tmp:

@@ -31,13 +31,14 @@ from .._deps import require
 from .._text import first_line
 from ..fold.errors import FoldError, FoldVerificationError, model_name
 from ..fold.graph import eval_mode, split_example_inputs
+from ..fold.plan import FoldConfig
 from ..fold.verify import (OWN_ERROR_MULTIPLE, cast_floats, dtype_name, flatten_outputs, fresh_inputs_like,
                            measured_tolerance, output_error, own_error, rounding_error)
-from . import runtime
+from . import graph_passes, runtime
 from .decoder import DecoderWithCache, ExportCalls, cache_calls, check_decoder
 from .translations import LAYER_NORM_NODE_TYPES, RMS_NODE_TYPES, check_target, onnx_translations
 
-__all__ = ["export_onnx", "OnnxExportReport", "require_onnx_extra", "BATCH_AXIS", "SEQUENCE_AXIS"]
+__all__ = ["export_onnx", "fold_config_for_export", "OnnxExportReport", "require_onnx_extra", "BATCH_AXIS", "SEQUENCE_AXIS"]
 
 BATCH_AXIS, SEQUENCE_AXIS = "batch", "sequence"
 _TMP_MARK = ".normfold-onnx-tmp-"
@@ -50,7 +51,9 @@ class OnnxExportReport:
     ``norm_calls``: normfold's norm calls in the program torch exported, by form (``rms``,
     ``rms_residual``, ``layer_norm``, ``layer_norm_residual``); ``node_counts`` /
     ``original_node_counts``: the norm nodes of the graph ONNX Runtime runs (after its optimizer) for
-    the export and the original's; ``dynamic_axes``: per graph input, dim -> name."""
+    the export and the original's; ``graph_passes``: what :func:`graph_passes.optimize_exported` did to
+    the export (norms moved off 2-D views, residual adds fused); ``dynamic_axes``: per graph input,
+    dim -> name."""
 
     path: str
     original_path: str | None
@@ -67,6 +70,7 @@ class OnnxExportReport:
     norm_calls: dict[str, int]
     node_counts: dict[str, int]
     original_node_counts: dict[str, int] | None
+    graph_passes: dict[str, int]
     external_data: bool
     versions: dict[str, str]
 
@@ -90,7 +94,10 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
     axes named ``batch`` / ``sequence``. ``original``: the model ``model`` was made from; the proof's
     reference and e_own are then the original's (its stock export is written to ``original_path`` if
     given). Nothing is written unless the proof passes (FoldVerificationError); existing files are
-    replaced only with ``overwrite``. Models over 2 GB get external data (``<name>.data``).
+    replaced only with ``overwrite``. Models over 2 GB get external data (``<name>.data``). The export (not
+    the original's stock file) goes through :mod:`normfold.export.graph_passes` first: norms off normfold's
+    2-D views, residual adds into ``SkipSimplifiedLayerNormalization`` (``report.graph_passes``). Fold
+    the model with :func:`fold_config_for_export` to keep a β out of a new vocabulary-wide bias.
 
     ``kv_cache=True`` (a transformers causal LM of a type in ``KV_CACHE_MODEL_TYPES``; ``example_inputs``
     its ``input_ids`` and optional ``attention_mask``): the graph takes and returns the KV cache with
@@ -128,12 +135,12 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
         else _plain_calls(model, args, kwargs, dynamic)
     with contextlib.ExitStack() as stack:
         staged = stack.enter_context(_staging(path))
-        norm_calls = _export(model, plan, staged, target, opset)
+        norm_calls, passes = _export(model, plan, staged, target, opset, fuse_graph=True)
         staged_original = None
         if original is not None:
             staged_original = stack.enter_context(_staging(original_path)) if original_path else \
                 staged.with_name(f"original-{staged.name}")
-            _export(original, plan, staged_original, target, opset)
+            _export(original, plan, staged_original, target, opset, fuse_graph=False)
         proof = _prove(model, reference, staged, staged_original, plan.calls, threads)
         counts = _norm_counts(staged, threads)
         original_counts = None if staged_original is None else _norm_counts(staged_original, threads)
@@ -148,7 +155,16 @@ def export_onnx(model: nn.Module, example_inputs, path: str | os.PathLike, *, or
         path=str(path), original_path=None if original_path is None else str(original_path), target=target,
         opset=opset, input_names=input_names, output_names=output_names,
         dynamic_axes={n: a for n, a in zip(input_names, plan.axes) if a}, **proof, norm_calls=norm_calls, node_counts=counts,
-        original_node_counts=original_counts, external_data=external, versions=_versions())
+        original_node_counts=original_counts, graph_passes=passes, external_data=external, versions=_versions())
+
+
+def fold_config_for_export(model: nn.Module) -> FoldConfig:
+    """The exact fold's options for a model to export: the whole plan (``stock_compatible=False``: the ONNX
+    file, not a transformers class, runs it) without creating a parameter the model lacks. A γ/β with no
+    bias to go into stays in its RMSNorm: ln_f's β folded into a new ``lm_head.bias`` would add a
+    vocabulary-wide ``Add`` to every call (6 of 214 ms of a 128-token GPT-2 prefill in ONNX Runtime's
+    profile), the RMSNorm's bias a width-wide one."""
+    return FoldConfig(stock_compatible=False, loadable_keys=frozenset(model.state_dict()))
 
 
 def require_onnx_extra() -> None:
@@ -184,10 +200,12 @@ def _plain_calls(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool) -> 
                        dynamic_shapes=_dynamic_shapes(model, args, kwargs) if dynamic else None, input_names=None)
 
 
-def _export(model: nn.Module, plan: ExportCalls, file: Path, target: str, opset: int) -> dict[str, int]:
+def _export(model: nn.Module, plan: ExportCalls, file: Path, target: str, opset: int,
+            fuse_graph: bool) -> tuple[dict[str, int], dict[str, int]]:
     """``torch.onnx.export(dynamo=True)`` of ``plan``'s traced call into ``file``, normfold's norms through
-    :func:`onnx_translations` (an original without them is torch's stock export); FoldError naming what
-    failed. Returns the norm calls of the exported program (:func:`_norm_calls`)."""
+    :func:`onnx_translations` (an original without them is torch's stock export), and with ``fuse_graph``
+    :func:`graph_passes.optimize_exported` (the original stays stock); FoldError naming what failed.
+    Returns the norm calls of the exported program (:func:`_norm_calls`) and what the passes did."""
     table = onnx_translations(target, opset)
     args, kwargs = plan.traced
     try:
@@ -205,8 +223,9 @@ def _export(model: nn.Module, plan: ExportCalls, file: Path, target: str, opset:
                         f"{_export_failure(err)}") from err
     if plan.dynamic_shapes is not None:
         _name_axes(program.model, plan.axes)
+    passes = graph_passes.optimize_exported(program.model, target) if fuse_graph else {}
     program.save(file)
-    return _norm_calls(program.exported_program.graph)
+    return _norm_calls(program.exported_program.graph), passes
 
 
 def _norm_calls(graph) -> dict[str, int]:
