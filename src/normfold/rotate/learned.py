@@ -7,7 +7,7 @@ manifold (orthogonal matrices) against the quantized model's loss; here each str
     Q(M) = Q₀ · (I − A/2)⁻¹ (I + A/2),   A = M − Mᵀ,
 
 the Cayley transform of a skew-symmetric A times the start Q₀ (the seeded randomised Hadamard
-basis). For every real M the Cayley factor is orthogonal (A skew ⇒ (I + A/2) and (I − A/2)⁻¹
+basis, or its seeded Haar fallback at a width no Hadamard construction here reaches). For every real M the Cayley factor is orthogonal (A skew ⇒ (I + A/2) and (I − A/2)⁻¹
 commute and (I − A/2)ᵀ = I + A/2), so Q(M) never leaves the manifold, and M = 0 gives Q₀ exactly.
 M (zero at the start) is trained by Adam: "Cayley-parametrised Adam", which reaches every rotation
 near Q₀ (all but those with eigenvalue −1 relative to it) with an unconstrained optimiser, where
@@ -118,8 +118,9 @@ def learn_rotations(folded: nn.Module, streams: list[Stream], starts: list[Tenso
     model = copy.deepcopy(folded).float()
     chosen = selected_layers(model, config.quantize)  # ValueError before any work
     objective = _Objective(model, streams, chosen, config.quantize, calls)
-    ms = [torch.zeros(q.shape, dtype=torch.float32, requires_grad=True) for q in starts]
-    q0 = [q.to(torch.float32) for q in starts]
+    device = next(model.parameters()).device
+    ms = [torch.zeros(q.shape, dtype=torch.float32, device=device, requires_grad=True) for q in starts]
+    q0 = [q.to(device=device, dtype=torch.float32) for q in starts]
     optimiser = torch.optim.Adam(ms, lr=config.lr)
     with torch.no_grad():
         start_loss = objective.mean(q0)
@@ -130,10 +131,10 @@ def learn_rotations(folded: nn.Module, streams: list[Stream], starts: list[Tenso
         loss.backward()
         optimiser.step()
         step_losses.append(loss.item())
-    learned, repaired = zip(*(nearest_orthogonal(q.to(torch.float64) @ cayley(m.detach().to(torch.float64)))
+    learned, repaired = zip(*(nearest_orthogonal(q.to(torch.float64) @ cayley(m.detach().cpu().to(torch.float64)))
                               for q, m in zip(starts, ms)))
     with torch.no_grad():
-        end_loss = objective.mean([q.to(torch.float32) for q in learned])
+        end_loss = objective.mean([q.to(device=device, dtype=torch.float32) for q in learned])
     return list(learned), LearningReport(config, start_seed, len(calls), [_shapes(c) for c in calls],
                                          _calls_sha256(calls), objective.name, start_loss, end_loss, step_losses,
                                          any(repaired))
