@@ -170,9 +170,9 @@ def validation_windows(splits: TokenSplits, count: int) -> tuple[Tensor, Tensor]
     return x, y
 
 
-def calibration_ids(splits: TokenSplits, calls: int, batch: int) -> list[Tensor]:
-    """Seeded random training windows for the PCA basis (never validation text)."""
-    generator = torch.Generator().manual_seed(1234)
+def calibration_ids(splits: TokenSplits, calls: int, batch: int, seed: int = 1234) -> list[Tensor]:
+    """Seeded random training windows for calibration (never validation text)."""
+    generator = torch.Generator().manual_seed(seed)
     return [splits.batch("train", batch, generator)[0] for _ in range(calls)]
 
 

@@ -31,7 +31,8 @@ ONLY = {
     "fold": {"ops", "nn"},  # the engine
     # the steps built on the exact fold: fusion, rotation and the lab (lab and hf never import each other)
     "fuse": {"ops", "nn", "fold"},
-    "rotate": {"ops", "nn", "fold"},
+    "quantize": {"ops", "nn", "fold"},  # fake quantization, and what a learned rotation is trained for
+    "rotate": {"ops", "nn", "fold", "quantize"},
     "lab": {"ops", "nn", "fold"},
     "hf": {"ops", "nn", "fold"},
     "train": {"ops", "nn", "fold"},  # CBWC and the GPT harness: the engine's CheckpointError, never hf

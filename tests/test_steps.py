@@ -99,7 +99,7 @@ def test_a_config_type_takes_one_handler(registry):
 
 def test_an_unknown_config_is_a_type_error_naming_the_registered_configs_before_any_work():
     with pytest.raises(TypeError, match=r"registered configs \(FoldConfig, FuseConfig, ApproximateConfig, "
-                                        r"BatchNormConfig, RotateConfig\), got Scale"):
+                                        r"BatchNormConfig, QuantizeConfig, RotateConfig\), got Scale"):
         convert(MustNotRun().eval(), _x(), FuseConfig(), Scale())
     with pytest.raises(TypeError, match="got dict"):
         run_steps(MustNotRun().eval(), _x(), [{"fold_affine": True}])
@@ -115,7 +115,7 @@ def test_a_step_twice_or_a_late_fold_is_refused_before_any_work(configs, match):
 
 
 def test_configs_are_checked_when_built_before_any_step_runs():
-    with pytest.raises(ValueError, match=r"method must be one of \('hadamard', 'random', 'pca'\), got 'quarot'"):
+    with pytest.raises(ValueError, match=r"method must be one of \('hadamard', 'random', 'pca', 'learned'\), got 'quarot'"):
         RotateConfig(method="quarot")
     with pytest.raises(TypeError, match="BatchNormConfig.verify must be a bool, got int"):
         BatchNormConfig(verify=1)

@@ -21,8 +21,9 @@ from .ops import layer_norm, rms_norm
 # Imported eagerly (torch only): the function ``fold`` must shadow the subpackage ``normfold.fold``
 # (the engine, whose exact ``fold`` it wraps) and the function ``convert`` the module ``normfold.convert``.
 from .fold import FoldError, FoldPlan, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze, verify
-from .convert import ApproximateConfig, FoldConfig, FuseConfig, RotateConfig, convert, fold
-from .rotate import RotationReport, rotate  # the function shadows the subpackage, as fold does
+from .convert import ApproximateConfig, FoldConfig, FuseConfig, QuantizeConfig, RotateConfig, convert, fold
+from .rotate import LearnConfig, RotationReport, rotate  # the function shadows the subpackage, as fold does
+from .quantize import QuantizeReport, quantize  # likewise
 
 __version__ = "0.1.0"
 
@@ -52,7 +53,7 @@ __all__ = [
     "ops", "nn", "rms_norm", "layer_norm", "RMSNorm", "FusedAddRMSNorm",
     "analyze", "fold", "verify", "FoldPlan", "FoldReport", "NormEntry", "VerifyResult", "FoldError", "FoldVerificationError",
     "convert", "FoldConfig", "FuseConfig", "ApproximateConfig", "RotateConfig",
-    "rotate", "RotationReport",
+    "rotate", "RotationReport", "LearnConfig", "quantize", "QuantizeConfig", "QuantizeReport",
     *_LAZY, *_LAZY_MODULES,
 ]
 

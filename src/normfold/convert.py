@@ -21,6 +21,8 @@ output, and files each step's section in the one ``FoldReport``:
   calibration batches. **Outputs change**; ``report.approximate`` measures by how much.
 - :class:`RotateConfig` (``normfold.rotate``): the residual stream rotated, proved equal
   (``report.sections["rotation"]``).
+- :class:`QuantizeConfig` (``normfold.quantize``): linear layers fake-quantized. **Outputs change**;
+  ``report.sections["quantization"]`` gives the loss before and after when the calls return one.
 
 This module and the CLI are the only places that import every layer: the engine (``normfold.fold``)
 knows nothing of fusion or of the lab (``docs/CONTRIBUTING.md``, dependency rules). ``normfold.fold``
@@ -36,9 +38,10 @@ from .fold.steps import run_steps, step_for
 from .fuse import FuseConfig
 from .hf.saving import FoldedModelSaver, is_pretrained_model, stock_constraints
 from .lab.approximate import ApproximateConfig
+from .quantize import QuantizeConfig
 from .rotate import RotateConfig
 
-__all__ = ["convert", "fold", "FoldConfig", "FuseConfig", "ApproximateConfig", "RotateConfig"]
+__all__ = ["convert", "fold", "FoldConfig", "FuseConfig", "ApproximateConfig", "RotateConfig", "QuantizeConfig"]
 
 
 def _require_bool(owner: str, name: str, value) -> None:

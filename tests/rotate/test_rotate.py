@@ -238,7 +238,7 @@ class _MustNotRun(nn.Module):
     ({"slice_fraction": 0.2}, ValueError, "needs method='pca'"),
     ({"method": "pca"}, ValueError, "method='pca' needs calibration"),
     ({"calibration": ((torch.zeros(1, 4),),)}, ValueError, "calibration is used only by method='pca'"),
-    ({"method": "quarot"}, ValueError, r"method must be one of \('hadamard', 'random', 'pca'\), got 'quarot'"),
+    ({"method": "quarot"}, ValueError, r"method must be one of \('hadamard', 'random', 'pca', 'learned'\), got 'quarot'"),
     ({"seed": 1.5}, TypeError, "seed must be an int"),
     ({"method": "pca", "calibration": "text"}, TypeError, "tuple of positional arguments"),
 ])

@@ -3,10 +3,12 @@
     rotated, report = normfold.rotate(model, example_inputs)                       # randomised Hadamard
     rotated, report = normfold.rotate(model, example_inputs, method="pca", calibration=calls,
                                       slice_fraction=0.2)                            # SliceGPT-style
+    rotated, report = normfold.rotate(model, example_inputs, method="learned", calibration=calls,
+                                      learning=LearnConfig(quantize=QuantizeConfig(weight_bits=4)))  # SpinQuant-style
 
 Steps: the exact fold (``normfold.fold.fold``: norms → RMSNorm, γ/β into the readers), the graph
 check that the stream is closed under rotation (``closure``), the basis (``hadamard``,
-``orthogonal``; PCA from ``calibration``), the rotation in float64 cast back once (``apply``), and
+``orthogonal``; PCA from ``calibration``; learned for a quantized model from ``learned``), the rotation in float64 cast back once (``apply``), and
 the float64 proof against the original, as for a fold (or, when sliced, the cosine on the
 calibration calls). ``streaming`` states a data-free rotation per tensor, from a model's structure
 alone, for checkpoints rewritten one tensor at a time (``normfold rotate`` on sharded folders).
@@ -37,10 +39,12 @@ from .apply import apply_rotation, rotate_along
 from .calibration import OutputAgreement, output_agreement, run_error, stream_second_moments
 from .closure import Stream, StreamTensor, find_streams
 from .hadamard import randomized_hadamard
+from .learned import LearnConfig, LearningReport, learn_rotations
 from .orthogonal import haar_orthogonal, orthogonality_error, pca_basis
 from .report import RotationReport, SliceReport, StreamRotation
 
-METHODS = ("hadamard", "random", "pca")
+METHODS = ("hadamard", "random", "pca", "learned")
+CALIBRATED_METHODS = ("pca", "learned")  # the methods that read calibration calls
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: calibration holds tensors
@@ -50,17 +54,28 @@ class RotateConfig:
     ``method``: "hadamard" (randomised Hadamard diag(±1)·H/√d, seeded; a width no Hadamard
     construction here reaches gets a seeded Haar matrix, said in the report), "random" (seeded
     Haar), "pca" (eigenvectors of the stream's second moment on ``calibration``: a call or a list
-    of calls, like ``example_inputs``, kept as ``(args, kwargs)`` pairs). ``slice_fraction`` in
-    [0, 1), with "pca": drop that share of the stream's directions, the least used (SliceGPT).
+    of calls, like ``example_inputs``, kept as ``(args, kwargs)`` pairs), "learned" (the randomised
+    Hadamard basis of ``seed`` trained on ``calibration`` to minimise the loss of the model quantized
+    as ``learning`` says: :mod:`normfold.rotate.learned`; ``learning`` None: ``LearnConfig()``).
+    ``slice_fraction`` in [0, 1), with "pca": drop that share of the stream's directions, the least
+    used (SliceGPT).
     """
 
     method: str = "hadamard"
     seed: int = 0
     calibration: object = field(default=None, repr=False)
     slice_fraction: float = 0.0
+    learning: LearnConfig | None = None
 
     def __post_init__(self) -> None:
         check_rotate_options(self.method, self.seed, self.slice_fraction, self.calibration is not None, API_OPTIONS)
+        if self.learning is not None and self.method != "learned":
+            raise ValueError(f"learning is used only by method='learned', got method={self.method!r}: leave it out, "
+                             "or use method='learned'")
+        if self.learning is not None and not isinstance(self.learning, LearnConfig):
+            raise TypeError(f"learning must be a LearnConfig, got {type(self.learning).__name__}")
+        if self.method == "learned" and self.learning is None:
+            object.__setattr__(self, "learning", LearnConfig())
         if self.calibration is not None:
             object.__setattr__(self, "calibration", tuple(split_example_calls(example_calls(self.calibration))))
 
@@ -96,19 +111,22 @@ def check_rotate_options(method, seed, slice_fraction, has_calibration: bool, na
     if slice_fraction > 0 and method != "pca":
         raise ValueError(f"slicing keeps the stream's most used directions, so it needs {pca} (with "
                          f"{names.calibration}), got {names.method(method)}")
-    if method != "pca" and has_calibration:
-        raise ValueError(f"{names.calibration} is used only by {pca} (to find the stream's principal directions), "
-                         f"got {names.method(method)}: leave it out, or use {pca}")
+    if method not in CALIBRATED_METHODS and has_calibration:
+        raise ValueError(f"{names.calibration} is used only by {pca} (to find the stream's principal directions) and "
+                         f"by learned rotations, got {names.method(method)}: leave it out, or use {pca}")
     if method == "pca" and not has_calibration:
         raise ValueError(f"{pca} needs {names.calibration_needed}")
+    if method == "learned" and not has_calibration:
+        raise ValueError(f"{names.method(method)} needs {names.calibration}: a call or a list of calls on which the "
+                         "quantized model's loss is minimised")
 
 
 def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: int = 0, calibration=None,
-           slice_fraction: float = 0.0) -> tuple[nn.Module, RotationReport]:
+           slice_fraction: float = 0.0, learning: LearnConfig | None = None) -> tuple[nn.Module, RotationReport]:
     """``(rotated copy, report)``: the model folded exactly, then its residual stream rotated by an
     orthogonal Q (writers W ↦ Qᵀ·W, readers W ↦ W·Q), the same function, proved in float64.
 
-    ``method``, ``seed``, ``calibration``, ``slice_fraction``: see :class:`RotateConfig`; with
+    ``method``, ``seed``, ``calibration``, ``slice_fraction``, ``learning``: see :class:`RotateConfig`; with
     ``slice_fraction`` > 0 the result is approximate, and the report gives its cosine (and any loss
     the model returns) on the calibration calls. The step a ``RotateConfig`` names, alone.
 
@@ -118,7 +136,8 @@ def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: 
     own dtype within the tolerance measured from the original's own error there (nothing returned), and
     ValueError / TypeError for bad arguments, before any work.
     """
-    config = RotateConfig(method=method, seed=seed, calibration=calibration, slice_fraction=slice_fraction)
+    config = RotateConfig(method=method, seed=seed, calibration=calibration, slice_fraction=slice_fraction,
+                          learning=learning)
     rotated, sections = run_steps(model, example_inputs, [config])
     return rotated, sections[RotateConfig]
 
@@ -136,8 +155,14 @@ def rotate_step(model: nn.Module, calls: list, config: RotateConfig,
         _check_sliceable(streams, slice_fraction)
     folded64 = apply_plan(copy.deepcopy(model).to(torch.float64), fold_report.plan)  # the fold, exact
     moments = stream_second_moments(folded64, streams, calibration_calls) if method == "pca" else None
-    rotations, energies = bases(streams, method, config.seed, moments)
-    report = RotationReport(method, config.seed, fold_report, rotations)
+    rotations, energies = bases(streams, "hadamard" if method == "learned" else method, config.seed, moments)
+    learning = None
+    if method == "learned":  # the Hadamard basis is the start
+        qs, learning = learn_rotations(folded, streams, [r.basis for r in rotations], calibration_calls,
+                                       config.learning, config.seed)
+        how = f"learned for {config.learning.quantize.scheme} ({config.learning.steps} Cayley-Adam steps) from the "
+        rotations = [_rotation(r.stream, q, how + r.how) for r, q in zip(rotations, qs)]
+    report = RotationReport(method, config.seed, fold_report, rotations, learning=learning)
     kept = [kept_directions(stream.width, slice_fraction) for stream in streams]
     if all(k == stream.width for k, stream in zip(kept, streams)):
         qs = [r.basis for r in rotations]
@@ -258,6 +283,6 @@ register_step(RotateConfig, rotate_step, section="rotation", section_type=Rotati
               proof="rotated model differs from the original")
 
 
-__all__ = ["rotate", "RotateConfig", "check_rotate_options", "OptionNames", "API_OPTIONS", "RotationReport",
+__all__ = ["rotate", "RotateConfig", "LearnConfig", "LearningReport", "check_rotate_options", "OptionNames", "API_OPTIONS", "RotationReport",
            "StreamRotation", "SliceReport", "Stream", "StreamTensor", "OutputAgreement",
-           "rotate_along", "kept_directions", "bases", "METHODS"]
+           "rotate_along", "kept_directions", "bases", "METHODS", "CALIBRATED_METHODS"]

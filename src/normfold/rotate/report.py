@@ -8,6 +8,7 @@ from torch import Tensor
 from ..fold.report import FoldReport, VerifyResult
 from .calibration import OutputAgreement
 from .closure import Stream
+from .learned import LearningReport
 
 
 @dataclass
@@ -46,7 +47,8 @@ class SliceReport:
 class RotationReport:
     """``fold``: the exact fold that came first; ``streams``: each rotated stream; ``verification``:
     the float64 proof of the rotated model against the original (when sliced: of the whole rotation
-    the slicing then cut); ``slicing``: what slicing cost on the calibration calls."""
+    the slicing then cut); ``slicing``: what slicing cost on the calibration calls; ``learning``: how a
+    learned basis was trained (``method="learned"``)."""
 
     method: str
     seed: int
@@ -54,6 +56,7 @@ class RotationReport:
     streams: list[StreamRotation]
     verification: VerifyResult | None = None
     slicing: SliceReport | None = None
+    learning: LearningReport | None = None
 
     @property
     def exact(self) -> bool:
@@ -63,7 +66,8 @@ class RotationReport:
         return {"method": self.method, "seed": self.seed, "exact": self.exact,
                 "streams": [s.to_dict() for s in self.streams],
                 "verification": None if self.verification is None else self.verification.to_dict(),
-                "slicing": None if self.slicing is None else self.slicing.to_dict()}
+                "slicing": None if self.slicing is None else self.slicing.to_dict(),
+                "learning": None if self.learning is None else self.learning.to_dict()}
 
     def __str__(self) -> str:
         lines = [f"rotate ({self.method}, seed {self.seed}): {len(self.streams)} residual "
@@ -73,6 +77,8 @@ class RotationReport:
             lines.append(f"  width {width}: {len(s.stream.norms)} RMSNorms, {len(s.stream.tensors)} tensors rotated; "
                          f"{s.how}; max|QᵀQ − I| {s.orthogonality_error:.1e}, max|Q − I| {s.identity_distance:.2f}"
                          + ("" if s.kept_energy is None else f"; kept energy {s.kept_energy:.4f}"))
+        if self.learning is not None:
+            lines.append(str(self.learning))
         if self.verification is not None:
             lines.append(("the whole rotation, before slicing: " if self.slicing is not None else "")
                          + str(self.verification))
