@@ -24,7 +24,7 @@ from .analysis import analyze_calls
 from .batchnorm import has_batchnorms, plan_batchnorms
 from .errors import FoldError, failures_as_fold_error, model_name
 from .graph import capture, check_model_and_inputs, describe_call, split_example_inputs
-from .plan import (AffineFoldStep, BatchNormFoldStep, CenterStep, FoldConfig, FoldPlan, LayerScaleStep,
+from .plan import (AffineFoldStep, BatchNormFoldStep, CenterGroupsStep, CenterStep, FoldConfig, FoldPlan, LayerScaleStep,
                    PrecomputeStep)
 from .report import FoldReport, VerifyResult
 from .steps import StepContext
@@ -56,8 +56,7 @@ def _plan(model: nn.Module, calls: list, constraints: FoldConfig) -> FoldReport:
         merged = FoldPlan(batchnorm=[_dropping_module(s) for s in bn_steps])
         base = transform.apply_plan(copy.deepcopy(model), merged)
     entries, plan, untied = analyze_calls(base, [capture(base, call) for call in calls], constraints)
-    plan = FoldPlan(batchnorm=bn_steps, layer_scale=plan.layer_scale, center=plan.center, untie=plan.untie, precompute=plan.precompute,
-                    affine_fold=plan.affine_fold, swap=plan.swap)
+    plan = replace(plan, batchnorm=bn_steps)
     return FoldReport(entries, plan, untied, batchnorms=bn_entries,
                       traced_calls=[describe_call(model, *split_example_inputs(call)) for call in calls],
                       constraints=constraints)
@@ -117,7 +116,8 @@ def _floating_tensors(model: nn.Module):
 
 def _steps_writing(plan: FoldPlan, name: str) -> list:
     """The plan's steps that write the tensor ``name``."""
-    return [step for section in (plan.batchnorm, plan.layer_scale, plan.precompute, plan.center, plan.affine_fold)
+    return [step for section in (plan.batchnorm, plan.layer_scale, plan.precompute, plan.center, plan.center_groups,
+                                 plan.affine_fold)
             for step in section if name in (getattr(step, field) for field in _WRITES[type(step)][0])]
 
 
@@ -133,6 +133,7 @@ _WRITES = {  # step type -> (the fields naming what it writes, what it did to su
     LayerScaleStep: (("weight_fqn", "bias_fqn"), lambda s: f"merging the layer scale {s.scale_fqn} into it", None),
     PrecomputeStep: (("table_fqn",), lambda s: f"baking {s.norm_path} into its rows", "precompute"),
     CenterStep: (("fqn",), lambda s: "centering it", None),
+    CenterGroupsStep: (("fqn",), lambda s: f"centering {len(s.groups)} groups of it", None),
     AffineFoldStep: (("weight_fqn", "bias_fqn"), lambda s: f"folding {s.norm_path}'s γ/β into it", "fold_affine"),
 }
 

@@ -48,11 +48,13 @@ class Need(NamedTuple):
     ``dim`` may also be a sorted tuple of dims, with group None: zero-mean jointly over that block
     (features split and permuted by layout ops, e.g. (H, D) → (D, H) before a merge back to C).
     Only layout rules (and scaling by a number) accept blocks; every other op breaks on them.
+    ``part``: only a part of ``node`` must be (``Part``, asked by ``classify_part``; None: all of it).
     """
 
     node: fx.Node
     dim: int | tuple[int, ...]
     group: int | None
+    part: Part | None = None
 
 
 @dataclass(frozen=True)
@@ -1099,3 +1101,138 @@ _LAYOUT_OPS = set(aten_packets("view", "reshape", "_unsafe_view", "flatten", "un
 MULTI_OUTPUT_OPS = set(aten_packets(*_SPLIT_DIM_ARG))
 # op -> the argument read only for its shape (or dtype): ``expand_as(x, other)``, ``view_as(x, other)``
 _SHAPE_SOURCE_ARG = {p: 1 for p in aten_packets("expand_as", "view_as", "reshape_as", "type_as")}
+
+
+# --------------------------------------------------------------------------- partial needs
+#
+# A norm may read only a part of a tensor: q = qkv.view(B, T, H, 3, D)[..., 0, :] reads the q rows of
+# a fused projection. The question is then asked of that part alone, so that only the output rows of
+# the fused weight that reach a norm are centered, per group (head), and the v rows stay as they are.
+# ``classify_part`` answers such questions for the ops that pick or move parts (selections, reshapes,
+# copies) and for the Linear that makes them; every other op is asked about the whole tensor
+# (``classify``), which requires more and is therefore never wrong. Which elements centering then
+# changes, and that no other reader sees them, the analysis checks (``analysis._FoldingSet``).
+
+
+class Part(NamedTuple):
+    """The part of a node a Need asks about: along the need's own dim, only the groups (of the
+    need's ``group`` elements) numbered in ``groups`` (None: every group); along other dims, only
+    the indices in ``where`` ((dim, indices) pairs, sorted by dim)."""
+
+    groups: frozenset[int] | None
+    where: tuple[tuple[int, frozenset[int]], ...]
+
+
+def part_need(node: fx.Node, dim: int, group: int | None, groups, where) -> Need:
+    """A canonical Need for a part: no Part when it covers the whole node."""
+    need = make_need(node, dim, group)
+    n_groups = shape(node)[dim] // (need.group or shape(node)[dim])
+    groups = None if groups is None or set(groups) >= set(range(n_groups)) else frozenset(groups)
+    where = tuple(sorted((d, frozenset(s)) for d, s in dict(where).items()
+                         if not set(s) >= set(range(shape(node)[d]))))
+    return need if groups is None and not where else need._replace(part=Part(groups, where))
+
+
+def classify_part(need: Need, captured: Captured) -> Answer | None:
+    """The answer for a question about a part of ``need.node``, or for a whole-node question that
+    a selection turns into one about a part of its input; None where no rule knows parts (the
+    caller then asks about the whole node with ``classify``)."""
+    node, dim, group = need.node, need.dim, need.group
+    if node.op != "call_function" or isinstance(dim, tuple) or shape(node) is None \
+            or written_through_a_view(node) is not None:
+        return None
+    groups, where = (need.part.groups, dict(need.part.where)) if need.part is not None else (None, {})
+    rule = RULES.get(getattr(node.target, "overloadpacket", node.target))
+    if rule in (_same_dim, _dropout) and not is_training_dropout(node) and isinstance(node.args[0], fx.Node):
+        return Requires((part_need(node.args[0], dim, group, groups, where),))
+    if rule is _select:
+        return _select_part(node, dim, group, groups, where)
+    if rule is _slice:
+        return _slice_part(node, dim, group, groups, where)
+    if rule is _getitem:
+        return _split_part(node, dim, group, groups, where)
+    if need.part is None:
+        return None
+    if rule is _view:
+        return _view_part(node, dim, group, groups, where)
+    if rule is _linear and groups is not None and dim == _rank(node) - 1:
+        w, b = node.args[1], _arg(node, 2, "bias")  # output groups g of x·Wᵀ + b are rows g of W and b
+        return Requires(tuple(part_need(p, 0, group, groups, ()) for p in (w, b) if p is not None))
+    return None
+
+
+def _picked(x: fx.Node, out_dim: int, ds: int, group, groups, where, indices: list[int], keep_dim: bool) -> Requires:
+    """The need on ``x`` of an op that reads ``indices`` of its dim ``ds`` (another dim than the
+    asked one): the output dims map back past ``ds`` (dropped by a select), and a part along ``ds``
+    maps each output index to the input index it reads."""
+    back = (lambda d: d) if keep_dim else (lambda d: d if d < ds else d + 1)
+    moved = {back(d): s for d, s in where.items() if keep_dim is False or d != ds}
+    moved[ds] = frozenset(indices[i] for i in where[ds]) if keep_dim and ds in where else frozenset(indices)
+    return Requires((part_need(x, back(out_dim), group, groups, moved),))
+
+
+def _select_part(node, dim, group, groups, where):
+    x = node.args[0]
+    ds = node.args[1] % _rank(x)
+    return _picked(x, dim, ds, group, groups, where, [node.args[2] % shape(x)[ds]], keep_dim=False)
+
+
+def _slice_part(node, dim, group, groups, where):
+    x = node.args[0]
+    ds = _arg(node, 1, "dim", 0) % _rank(x)
+    if ds == dim:
+        return None
+    total = shape(x)[ds]
+    start, stop, step = (_arg(node, i, name, default) for i, name, default in
+                         ((2, "start", 0), (3, "end", total), (4, "step", 1)))
+    return _picked(x, dim, ds, group, groups, where, list(range(total))[slice(start, stop, step)], keep_dim=True)
+
+
+def _split_part(node, dim, group, groups, where):
+    src, index = node.args
+    name = str(getattr(getattr(src, "target", None), "overloadpacket", "")).removeprefix("aten.")
+    if name not in _SPLIT_DIM_ARG:
+        return None
+    x = src.args[0]
+    ds = _arg(src, _SPLIT_DIM_ARG[name], "dim", 0) % _rank(x)
+    if name == "unbind":
+        return _picked(x, dim, ds, group, groups, where, [index], keep_dim=False)
+    if ds == dim:
+        return None
+    sizes = [int(v.shape[ds]) for v in src.meta["val"]]
+    start = sum(sizes[:index])
+    return _picked(x, dim, ds, group, groups, where, list(range(start, start + sizes[index])), keep_dim=True)
+
+
+def _view_part(node, dim, group, groups, where):
+    """A reshape that splits one input dim into (..., dim) with the asked dim innermost: the asked
+    part is a set of contiguous groups of that input dim (qkv (B, T, 3·H·D) viewed as (B, T, H, 3, D):
+    q's rows are the groups h·3 + 0 of D elements). Parts along dims the reshape keeps carry over;
+    parts along dims it merges otherwise are dropped (asking about more is never wrong)."""
+    x = node.args[0]
+    in_s, out_s = shape(x), shape(node)
+    blocks = view_groups(in_s, out_s)
+    ins, outs = next((i, o) for i, o in blocks if dim in o)
+    if len(ins) != 1 or dim != outs[-1] or groups is not None:
+        return None
+    k, g = ins[0], group or out_s[dim]
+    inner = [d for d in outs if d != dim]
+    if not any(d in where for d in inner):
+        return None  # nothing asked inside the block: the whole-node rule maps it
+    sizes = [out_s[d] for d in inner]
+    per_prefix = out_s[dim] // g
+    picked = [prefix * per_prefix + j for prefix in range(math.prod(sizes)) for j in range(per_prefix)
+              if all(i in where.get(d, range(out_s[d])) for d, i in zip(inner, _digits(prefix, sizes)))]
+    kept = {i_dims[0]: where[o_dims[0]] for i_dims, o_dims in blocks
+            if len(i_dims) == len(o_dims) == 1 and o_dims[0] in where and in_s[i_dims[0]] == out_s[o_dims[0]]
+            and o_dims[0] not in outs}
+    return Requires((part_need(x, k, g, picked, kept),))
+
+
+def _digits(flat: int, sizes: list[int]) -> list[int]:
+    """The multi-index of ``flat`` over ``sizes`` (row-major)."""
+    out = []
+    for size in reversed(sizes):
+        flat, digit = divmod(flat, size)
+        out.append(digit)
+    return out[::-1]
