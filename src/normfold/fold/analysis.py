@@ -40,7 +40,7 @@ from .op_kinds import CAST_OP_NAMES, COPY_OP_NAMES, aten_packets, passes_values_
 from .plan import CenterGroupsStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
 from .rules import (MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, cancelling_sum, classify, classify_part,
-                    live_nodes, make_need, norm_call, reads_only_shape, shift_is_additive, shift_passes)
+                    live_nodes, make_need, norm_call, reads_only_shape, rounding_cast, shift_is_additive, shift_passes)
 
 _aten = torch.ops.aten
 _NOTHING: Mapping[str, str] = MappingProxyType({})
@@ -477,6 +477,9 @@ def _shift_blocker(reader: fx.Node, changed: fx.Node, dims: tuple[int, ...], fol
             continue
         if user in folding.zero_mean_nodes:
             return _Failure(f"{describe(user)}, which a folding norm needs zero-mean", True)
+        rounding = rounding_cast(user, folding.captured)
+        if rounding is not None:  # LN(round(x + δ)) differs from LN(round(x)) by the rounding
+            return _Failure(f"{describe(user)}, where {rounding}", False)
         out_dims = shift_passes(user, operand, dims)
         if out_dims is None:
             return _Failure(f"{describe(user)}, which does not pass a ones-vector shift", False)
