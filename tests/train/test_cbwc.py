@@ -13,7 +13,7 @@ from torch.nn.utils import parametrize
 import normfold
 from normfold.cli import EXIT_OK, EXIT_USAGE, main
 from normfold.fold.math import center
-from normfold.fold.plan import AffineFoldStep, CenterStep, FoldPlan, SwapStep
+from normfold.fold.plan import AffineFoldStep, CenterGroupsStep, CenterStep, FoldPlan, SwapStep
 from normfold.fold.report import FoldReport
 from normfold.nn import RMSNorm
 from normfold.train import GPT, GPTConfig, resolve_config, train
@@ -316,6 +316,7 @@ def test_cbwc_refuses_a_second_application_and_bake_refuses_a_plain_model():
     (FoldPlan(swap=[SwapStep("transformer.ln_f", "LayerNorm", 16, 1e-5, False, False)]), "swaps to 'LayerNorm'"),
     (FoldPlan(center=[CenterStep("transformer.wpe.weight", 1, 5)]), "group must be a positive divisor"),
     (FoldPlan(center=[CenterStep("transformer.wpe.weight", 2)]), "dim must be in"),
+    (FoldPlan(center_groups=[CenterGroupsStep("transformer.wpe.weight", 1, 4, (0,))]), "only some groups"),
 ])
 def test_cbwc_refuses_plans_it_cannot_train_before_changing_anything(plan, match):
     model = GPT(GPTConfig(**TINY))

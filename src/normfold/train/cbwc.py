@@ -300,6 +300,9 @@ def cbwc_(model: nn.Module, example_inputs, *, report=None, allow_partial: bool 
     if plan.affine_fold:
         raise ValueError("cbwc_ needs a plan without affine folding (γ/β stay trainable): "
                          "analyze with fold_affine=False")
+    if plan.center_groups:
+        raise ValueError(f"cbwc_ trains whole centered tensors; the plan centers only some groups of "
+                         f"{plan.center_groups[0].fqn} (a fused projection whose other rows no norm reads)")
     _check_complete(report, allow_partial)
     # names that must keep seeing the uncentered tensor (the plan would untie them)
     keep_original = {f"{u.module_path}.{u.attr}".lstrip(".") for u in plan.untie}
