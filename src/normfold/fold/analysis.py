@@ -317,7 +317,7 @@ class _FoldingSet:
     zero_mean_nodes: frozenset          # nodes that a folding norm needs zero-mean
     changed: frozenset                  # nodes whose values centering may change (downstream of centered tensors)
     captured: Captured | None = None
-    parts: Mapping[str, tuple] = field(default_factory=dict)  # canonical tensor -> (dim, group, groups) centered (``centered_parts``)
+    parts: Mapping[str, tuple] = field(default_factory=dict)  # canonical tensor -> its (dim, group, groups) centered
     masks: dict = field(default_factory=dict, compare=False)  # node -> where it changes (``_changed_where``)
 
     @classmethod
@@ -353,7 +353,7 @@ class _FoldingSet:
 
     def _where(self, node: fx.Node) -> torch.Tensor | None:
         size = shape(node)
-        if size is None and node.target is not operator.getitem:
+        if size is None:
             return None
         if node not in self.changed:
             return torch.zeros(size, dtype=torch.bool)
@@ -363,13 +363,15 @@ class _FoldingSet:
             return torch.zeros(size, dtype=torch.bool)  # LN(x − m·1) = LN(x); a folded one is exactly the RMSNorm of it
         packet = _packet(node)
         if packet in _MASK_OPS:
-            inputs = [self._changed_where(a) if isinstance(a, fx.Node) else a for a in node.args]
-            if inputs[0] is None or any(isinstance(a, fx.Node) for a in node.kwargs.values()):
+            source = self._changed_where(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+            if source is None or packet in _VALUE_OPS:
+                return source
+            if node.all_input_nodes != [node.args[0]]:  # a size computed in the graph: not evaluated here
                 return None
-            return inputs[0] if packet in _VALUE_OPS else node.target(*inputs, **node.kwargs)
+            return node.target(source, *node.args[1:], **node.kwargs)
         if node.target is operator.getitem and _packet(node.args[0]) in MULTI_OUTPUT_OPS:
             split = node.args[0]
-            source = self._changed_where(split.args[0])
+            source = self._changed_where(split.args[0]) if split.all_input_nodes == [split.args[0]] else None
             return None if source is None else split.target(source, *split.args[1:], **split.kwargs)[node.args[1]]
         if packet == _aten.linear:  # output o changes where row o of W or b[o] does, for an unchanged input
             x, weight, bias = node.args[0], node.args[1], node_arg(node, 2, "bias")
