@@ -69,6 +69,9 @@ def test_qk_norms_after_a_fused_qkv_fold_exactly_by_centering_only_the_q_and_k_r
     folded, report = normfold.fold(model, inputs)  # proved in float64, or FoldVerificationError
     by_path = {e.path: e for e in report.norms}
     assert by_path["q_norm"].foldable and by_path["k_norm"].foldable, report
+    for path, slot in (("q_norm", 0), ("k_norm", 1)):  # the report says which groups reach which norm
+        groups = [h * 3 + slot for h in range(HEADS)]
+        assert f"qkv.weight groups {groups} of {D}" in by_path[path].reason, by_path[path].reason
     q_and_k = tuple(sorted(h * 3 + s for h in range(HEADS) for s in (0, 1)))
     assert sorted(report.plan.center_groups, key=lambda s: s.fqn) == [
         CenterGroupsStep("qkv.bias", 0, D, q_and_k), CenterGroupsStep("qkv.weight", 0, D, q_and_k)]

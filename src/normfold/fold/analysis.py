@@ -624,6 +624,10 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
         elif norm.foldable:
             n_producers = len({fqn for fqn, *_ in norm.params})
             norm.reason = f"input zero-mean: centered {n_producers} producer{'s' * (n_producers != 1)}"
+            parts = sorted((fqn, group, sorted(groups)) for fqn, _, group, groups in norm.params if groups is not None)
+            if parts:  # which output groups of a fused projection reach this norm
+                norm.reason += "; only the groups it reads: " + ", ".join(
+                    f"{fqn} groups {groups} of {group}" for fqn, group, groups in parts)
     for norm in norms:
         if norm.module is None or norm.precompute is not None:
             continue
