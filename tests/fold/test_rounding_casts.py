@@ -86,3 +86,17 @@ def test_a_cast_narrower_than_a_float32_model_rounds_too(narrow):
     torch.manual_seed(0)
     report = normfold.analyze(CastResize(cast=narrow), _inputs(torch.float32))
     assert f"rounds float32 to {str(narrow).removeprefix('torch.')}" in report.norms[0].reason, report.norms[0].reason
+
+
+def test_siglip2s_position_resize_in_float32_inside_a_float64_model_is_judged_by_the_analysis():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, num_channels=3, patch_size=4, num_patches=16)
+    torch.manual_seed(0)
+    model = transformers.Siglip2VisionModel(config).double().eval()
+    inputs = {"pixel_values": torch.randn(2, 12, 3 * 4 * 4, dtype=torch.float64),
+              "pixel_attention_mask": torch.ones(2, 12, dtype=torch.long), "spatial_shapes": torch.tensor([[3, 4], [3, 4]])}
+    report = normfold.analyze(model, inputs)
+    residual = [e for e in report.norms if e.path.startswith("encoder.") or e.path == "post_layernorm"]
+    assert len(residual) == 5 and not any(e.foldable for e in residual)
+    assert all("rounds float64 to float32" in e.reason and "at embeddings" in e.reason for e in residual), residual
