@@ -21,8 +21,9 @@ C, HEADS, D = 16, 2, 8
 class FusedQKV(nn.Module):
     """qkv = Linear(x).view(B, T, H, 3, D); per-head LayerNorms on q and k; attention; output Linear.
 
-    ``split``: how q, k, v are taken from the (H, 3, D) view: "select" (Persimmon's ``qkv[..., i, :]``)
-    or "unbind". ``leak_q``: the raw q rows are also returned, so centering them would show.
+    ``split``: how q, k, v are taken from the (H, 3, D) view: "select" (Persimmon's ``qkv[..., i, :]``),
+    "unbind", "split" (an (H, 3·D) view split along its last dim) or "merge_split" (the (H, 3, D) view
+    reshaped to (H, 3·D), then split). ``leak_q``: the raw q rows are also returned, so centering them would show.
     """
 
     def __init__(self, split: str = "select", leak_q: bool = False):
@@ -34,11 +35,16 @@ class FusedQKV(nn.Module):
 
     def forward(self, x):
         b, t, _ = x.shape
-        qkv = self.qkv(x).view(b, t, HEADS, 3, D)
+        fused = self.qkv(x)
+        qkv = fused.view(b, t, HEADS, 3, D)
         if self.split == "select":
             q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
-        else:
+        elif self.split == "unbind":
             q, k, v = qkv.unbind(3)
+        elif self.split == "split":  # each head's 3·D features split into q, k, v along the normalized dim
+            q, k, v = fused.view(b, t, HEADS, 3 * D).split(D, -1)
+        else:  # the same, from the (H, 3, D) view merged back
+            q, k, v = qkv.reshape(b, t, HEADS, 3 * D).split(D, -1)
         raw_q = q
         q, k = self.q_norm(q), self.k_norm(k)
         attention = torch.softmax(torch.einsum("bthd,bshd->bhts", q, k), -1)
@@ -63,7 +69,7 @@ def _rows(head: int, slot: int) -> slice:
     return slice(start, start + D)
 
 
-@pytest.mark.parametrize("split", ["select", "unbind"])
+@pytest.mark.parametrize("split", ["select", "unbind", "split", "merge_split"])
 def test_qk_norms_after_a_fused_qkv_fold_exactly_by_centering_only_the_q_and_k_rows(split):
     model, inputs = _model(split=split)
     folded, report = normfold.fold(model, inputs)  # proved in float64, or FoldVerificationError
