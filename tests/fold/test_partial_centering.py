@@ -93,8 +93,9 @@ def test_qk_norms_after_a_fused_qkv_fold_exactly_by_centering_only_the_q_and_k_r
     assert isinstance(folded.q_norm, normfold.nn.RMSNorm) and isinstance(folded.k_norm, normfold.nn.RMSNorm)
 
 
-def test_a_q_norm_whose_rows_are_also_read_elsewhere_is_refused_while_k_folds():
-    model, inputs = _model(leak_q=True)
+@pytest.mark.parametrize("split", ["select", "split"])
+def test_a_q_norm_whose_rows_are_also_read_elsewhere_is_refused_while_k_folds(split):
+    model, inputs = _model(split=split, leak_q=True)
     folded, report = normfold.fold(model, inputs)
     by_path = {e.path: e for e in report.norms}
     assert not by_path["q_norm"].foldable and "not closed" in by_path["q_norm"].reason, by_path["q_norm"].reason
