@@ -17,6 +17,7 @@ from normfold.fold.transform import ModuleStore
 
 from test_batchnorm_plan import _model as linear_batchnorm_model
 from test_layer_scale import LayerScaleBlocks
+from test_partial_centering import _model as fused_qkv_model
 
 
 class RecordingStore(ModuleStore):
@@ -50,7 +51,11 @@ def _tensors(model):
 
 def _planned(name, zoo):
     """(model, plan) with every kind of step between them: untie, center, affine fold (Conv1D) and swap
-    (GPT-2), a BatchNorm merge creating a bias, removed or kept as an identity, and layer scales."""
+    (GPT-2), a BatchNorm merge creating a bias, removed or kept as an identity, layer scales, and the
+    q/k rows of a fused QKV weight centered per head."""
+    if name == "fused_qkv":
+        model, inputs = fused_qkv_model()
+        return model, normfold.analyze(model, inputs).plan
     if name == "gpt2":
         model = zoo.model("gpt2")
         return model, normfold.analyze(model, zoo.inputs("gpt2", 0)).plan
@@ -71,7 +76,8 @@ def _planned(name, zoo):
 @pytest.mark.parametrize("name, kinds", [("gpt2", {"UntieStep", "CenterStep", "AffineFoldStep", "SwapStep"}),
                                          ("layer_scale", {"LayerScaleStep", "CenterStep"}),
                                          ("batchnorm_removed", {"BatchNormFoldStep", "CenterStep"}),
-                                         ("batchnorm_kept", {"BatchNormFoldStep"})])
+                                         ("batchnorm_kept", {"BatchNormFoldStep"}),
+                                         ("fused_qkv", {"CenterGroupsStep", "SwapStep"})])
 def test_each_step_touches_only_the_tensors_it_declares(zoo, name, kinds):
     model, plan = _planned(name, zoo)
     model = copy.deepcopy(model)

@@ -372,12 +372,12 @@ class FusedQKV(nn.Module):
 
 def test_a_split_part_folds_when_the_other_parts_are_unused():
     folded, report = fold_checked(FusedQKV(use_q=False), (_x(B, T, C),), {"norm": True})
-    assert report.plan.center[0].group == C
+    assert report.plan.center_groups[0].group == C and report.plan.center_groups[0].groups == (2,)  # v's rows only
 
 
-def test_a_split_part_is_not_closed_when_a_sibling_part_is_read():
-    _, report = fold_checked(FusedQKV(use_q=True), (_x(B, T, C),), {"norm": False})
-    assert report.norms[0].reason.startswith("not closed")
+def test_a_split_part_folds_when_a_sibling_part_is_read_since_only_its_rows_are_centered():
+    folded, report = fold_checked(FusedQKV(use_q=True), (_x(B, T, C),), {"norm": True})
+    assert report.plan.center_groups[0].groups == (2,) and not report.plan.center
 
 
 # --------------------------------------------------------------------------- closedness, sources

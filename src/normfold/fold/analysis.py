@@ -18,10 +18,11 @@ sees through (``op_kinds.py``) and what each op does to zero mean (``rules.py``)
 """
 from __future__ import annotations
 
+import operator
 import sys
 from fnmatch import fnmatchcase
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
@@ -31,15 +32,15 @@ from ..nn.kinds import LAYER_NORM_TYPES, RMS_NORM_TYPES
 from .affine import affine_steps
 from .analyzed_norm import AnalyzedNorm
 from .errors import FoldError, KeepPatternError
-from .graph import Captured, describe, module_path, module_stack, shape, single_use_param, use_alias
+from .graph import Captured, describe, module_path, module_stack, node_arg, shape, single_use_param, use_alias
 from .graph import op_packet as _packet  # the short name reads better in the walks below
 from .layer_scale import LayerScale, find_layer_scales
 from .norm_forms import traced_form
-from .op_kinds import passes_values_on
-from .plan import CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
+from .op_kinds import CAST_OP_NAMES, COPY_OP_NAMES, aten_packets, passes_values_on
+from .plan import CenterGroupsStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
-from .rules import (MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, cancelling_sum, classify, live_nodes,
-                    make_need, norm_call, reads_only_shape, shift_is_additive, shift_passes)
+from .rules import (MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, cancelling_sum, classify, classify_part,
+                    live_nodes, make_need, norm_call, reads_only_shape, rounding_cast, shift_is_additive, shift_passes)
 
 _aten = torch.ops.aten
 _NOTHING: Mapping[str, str] = MappingProxyType({})
@@ -52,7 +53,7 @@ class Walk:
     children: tuple[Need, ...] = ()
     broken: Break | None = None
     blocking_path: tuple[str, ...] = ()
-    params: frozenset = frozenset()   # {(fqn, dim, group)} of parameter sources below
+    params: frozenset = frozenset()   # {(fqn, dim, group, groups)} of parameter sources below (groups: ``Part.groups``)
     changed: bool = False             # centering changes this node's value
 
 
@@ -63,10 +64,11 @@ class Walker:
     along a whole dim commutes with any linear map of it)."""
 
     def __init__(self, captured: Captured, precomputed: frozenset = frozenset(),
-                 layer_scales: Mapping[fx.Node, LayerScale] = _NOTHING):
+                 layer_scales: Mapping[fx.Node, LayerScale] = _NOTHING, *, parts: bool = False):
         self.captured = captured
         self.precomputed = precomputed  # layer_norm nodes that become Identity (their table holds LN(W))
         self.layer_scales = layer_scales  # multiplies by a layer scale: the identity once merged, or refused
+        self.parts = parts  # ask about the parts a selection reads (``rules.classify_part``): the fold's, not rotate's
         self.memo: dict[Need, Walk] = {}
 
     def walk(self, need: Need) -> Walk:
@@ -81,11 +83,14 @@ class Walker:
             answer = Break(f"an input of {self.captured.inputs_from[need.node]}, computed outside the submodules "
                            "torch.export captured: not known to be zero-mean")
         else:
-            answer = classify(need.node, need.dim, need.group, self.captured)
+            answer = classify_part(need, self.captured) if self.parts else None
+            if answer is None:
+                answer = classify(need.node, need.dim, need.group, self.captured)
         if isinstance(answer, Break):
             entry = Walk(broken=answer, blocking_path=(describe(need.node),))
         elif isinstance(answer, Source):
-            params = frozenset({(answer.fqn, need.dim, need.group)}) if answer.kind == "parameter" else frozenset()
+            groups = need.part.groups if need.part is not None else None
+            params = frozenset({(answer.fqn, need.dim, need.group, groups)}) if answer.kind == "parameter" else frozenset()
             entry = Walk(params=params, changed=bool(params))
         else:
             entry = Walk(children=answer.needs)
@@ -314,6 +319,9 @@ class _FoldingSet:
     norm_paths: Mapping[fx.Node, str]   # norm op node -> path, for every norm that folds (or becomes Identity)
     zero_mean_nodes: frozenset          # nodes that a folding norm needs zero-mean
     changed: frozenset                  # nodes whose values centering may change (downstream of centered tensors)
+    captured: Captured | None = None
+    parts: Mapping[str, tuple] = field(default_factory=dict)  # canonical tensor -> its (dim, group, groups) centered
+    masks: dict = field(default_factory=dict, compare=False)  # node -> where it changes (``_changed_where``)
 
     @classmethod
     def of(cls, walker: Walker, active: list[AnalyzedNorm], captured: Captured) -> _FoldingSet:
@@ -326,7 +334,85 @@ class _FoldingSet:
                 changed.add(node)
                 stack.extend(effective_users(node))
         return cls({call.node: norm.path for norm in active for call in norm.calls},
-                   frozenset(need.node for need in graph_needs), frozenset(changed))
+                   frozenset(need.node for need in graph_needs), frozenset(changed), captured,
+                   centered_parts(active, captured))
+
+    def leaves_unchanged(self, node: fx.Node) -> bool:
+        """``node`` reads changed tensors only where centering changes nothing: v = qkv[..., 2, :] when
+        only the q and k rows of the fused weight are centered. Decided by running the op on masks of
+        where its inputs change (selections and reshapes move them exactly; a Linear changes the
+        output rows whose weight rows change, when its input does not change)."""
+        if _packet(node) not in _MASK_OPS and node.target is not operator.getitem:
+            return False
+        where = self._changed_where(node)
+        return where is not None and not bool(where.any())
+
+    def _changed_where(self, node) -> torch.Tensor | None:
+        """A boolean tensor of ``node``'s shape, True where centering may change its value; None where
+        that is not known (anywhere, then)."""
+        if node not in self.masks:
+            self.masks[node] = self._where(node)
+        return self.masks[node]
+
+    def _where(self, node: fx.Node) -> torch.Tensor | None:
+        size = shape(node)
+        if size is None:
+            return None
+        if node not in self.changed:
+            return torch.zeros(size, dtype=torch.bool)
+        if node in self.captured.param_fqn:
+            return _centered_where(size, self.parts.get(_canonical(self.captured.param_fqn[node], self.captured)))
+        if _is_layer_norm_output(node) and not {node_arg(node, 2, "weight"), node_arg(node, 3, "bias")} & self.changed:
+            return torch.zeros(size, dtype=torch.bool)  # LN(x − m·1) = LN(x); a folded one is exactly the RMSNorm of it
+        packet = _packet(node)
+        if packet in _MASK_OPS:
+            source = self._changed_where(node.args[0]) if isinstance(node.args[0], fx.Node) else None
+            if source is None or packet in _VALUE_OPS:
+                return source
+            if node.all_input_nodes != [node.args[0]]:  # a size computed in the graph: not evaluated here
+                return None
+            return node.target(source, *node.args[1:], **node.kwargs)
+        if node.target is operator.getitem and _packet(node.args[0]) in MULTI_OUTPUT_OPS:
+            split = node.args[0]
+            source = self._changed_where(split.args[0]) if split.all_input_nodes == [split.args[0]] else None
+            return None if source is None else split.target(source, *split.args[1:], **split.kwargs)[node.args[1]]
+        if packet == _aten.linear:  # output o changes where row o of W or b[o] does, for an unchanged input
+            x, weight, bias = node.args[0], node.args[1], node_arg(node, 2, "bias")
+            x_where, w_where = self._changed_where(x), self._changed_where(weight)
+            b_where = self._changed_where(bias) if bias is not None else torch.zeros(size[-1], dtype=torch.bool)
+            if x_where is None or x_where.any() or w_where is None or b_where is None:
+                return None
+            return (w_where.any(1) | b_where).expand(size)
+        return None
+
+
+def _is_layer_norm_output(node: fx.Node) -> bool:
+    """``node`` is the output of an aten LayerNorm over its last dim: what a change of its input does not
+    reach, when the closedness checks hold (a shift it absorbs, or the centering of a norm that folds)."""
+    call = norm_call(node)
+    return call is not None and call.output is node and not call.is_rms and call.num_dims == 1
+
+
+def _centered_where(size, part) -> torch.Tensor | None:
+    """Where a parameter of ``size`` changes when centered as ``part`` = (dim, group, groups)."""
+    if part is None:
+        return None
+    dim, group, groups = part
+    where = torch.zeros(size, dtype=torch.bool)
+    if groups is None:
+        return where.fill_(True)
+    index = [slice(None)] * len(size)
+    for g in groups:
+        index[dim] = slice(g * group, (g + 1) * group)
+        where[tuple(index)] = True
+    return where
+
+
+# ops whose output, run on a mask of where their input changes, says exactly where they change
+_MASK_OPS = frozenset(aten_packets("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze",
+                                   "permute", "transpose", "t", "expand", "slice", "select", *COPY_OP_NAMES,
+                                   *CAST_OP_NAMES))
+_VALUE_OPS = frozenset(aten_packets(*COPY_OP_NAMES, *CAST_OP_NAMES))  # the mask passes on as it is
 
 
 def _closedness_failure(walker: Walker, norm: AnalyzedNorm, parents, captured: Captured,
@@ -350,10 +436,14 @@ def _closedness_failure(walker: Walker, norm: AnalyzedNorm, parents, captured: C
                 continue
             what = captured.param_fqn.get(need.node) or describe(need.node)
             other = next((k for k, users in parents.items() if k.node is need.node and k != need and user in users), None)
+            if other is not None and (other.dim, other.group) == (need.dim, need.group):
+                continue  # it asks about another part of the same centering (the k rows beside the q rows)
             if other is not None:
                 return _Failure(f"conflict: {what} must be zero-mean along dim {need.dim} (group {need.group}) and "
                                 f"along dim {other.dim} (group {other.group}); no centering gives both",
                                 _whole_waits_for_grouped((need.dim, need.group), [(other.dim, other.group)]))
+            if folding.leaves_unchanged(user):
+                continue
             if user.op == "output":
                 return _Failure(f"not closed: {what} is a model output", False)
             unread = f"not closed: {what} also feeds {describe(user)}, which is not a norm input"
@@ -392,6 +482,9 @@ def _shift_blocker(reader: fx.Node, changed: fx.Node, dims: tuple[int, ...], fol
             continue
         if user in folding.zero_mean_nodes:
             return _Failure(f"{describe(user)}, which a folding norm needs zero-mean", True)
+        rounding = rounding_cast(user, folding.captured)
+        if rounding is not None:  # LN(round(x + δ)) differs from LN(round(x)) by the rounding
+            return _Failure(f"{describe(user)}, where {rounding}", False)
         out_dims = shift_passes(user, operand, dims)
         if out_dims is None:
             return _Failure(f"{describe(user)}, which does not pass a ones-vector shift", False)
@@ -469,9 +562,9 @@ def _conflict(norm: AnalyzedNorm, active: list[AnalyzedNorm], captured: Captured
     """A tensor centered along two different (dim, group)s cannot satisfy both requirements."""
     wanted: dict[str, set] = {}
     for other in active:
-        for fqn, dim, group in other.params:
+        for fqn, dim, group, _ in other.params:  # parts of one centering (groups of it) agree with each other
             wanted.setdefault(_canonical(fqn, captured), set()).add((dim, group))
-    for fqn, dim, group in norm.params:
+    for fqn, dim, group, _ in norm.params:
         ways = wanted[_canonical(fqn, captured)]
         if len(ways) > 1:
             return _Failure(f"conflict: {fqn} must be zero-mean along {sorted(ways, key=str)} for different norms",
@@ -511,7 +604,8 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
                 norm.forced_keep, norm.reason = True, kept[norm.path]
         precompute_untie = _find_precomputable(norms, captured) if constraints.precompute else []
         layer_scales = find_layer_scales(captured)
-        walker = Walker(captured, frozenset(n.calls[0].node for n in norms if n.precompute is not None), layer_scales)
+        walker = Walker(captured, frozenset(n.calls[0].node for n in norms if n.precompute is not None), layer_scales,
+                        parts=True)
         _walk_norms(walker, norms)
         parents = _close(walker, norms, captured)
     finally:
@@ -519,7 +613,9 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
     plan = FoldPlan()
     foldable = [n for n in norms if n.foldable]
     plan.layer_scale = _merged_layer_scales(layer_scales, foldable)
-    plan.center, plan.untie, untied = _centering_steps(foldable, parents, captured)
+    centers, plan.untie, untied = _centering_steps(foldable, parents, captured)
+    plan.center = [c for c in centers if isinstance(c, CenterStep)]
+    plan.center_groups = [c for c in centers if isinstance(c, CenterGroupsStep)]
     for step in precompute_untie:
         if step not in plan.untie:
             plan.untie.append(step)
@@ -529,8 +625,12 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
         if norm.precompute is not None:
             plan.swap.append(SwapStep(norm.path, "Identity", *_size_and_eps(norm), elementwise_affine=False, bias=False))
         elif norm.foldable:
-            n_producers = len({fqn for fqn, _, _ in norm.params})
+            n_producers = len({fqn for fqn, *_ in norm.params})
             norm.reason = f"input zero-mean: centered {n_producers} producer{'s' * (n_producers != 1)}"
+            parts = sorted((fqn, group, sorted(groups)) for fqn, _, group, groups in norm.params if groups is not None)
+            if parts:  # which output groups of a fused projection reach this norm
+                norm.reason += "; only the groups it reads: " + ", ".join(
+                    f"{fqn} groups {groups} of {group}" for fqn, group, groups in parts)
     untie_offers = _untie_offers(captured, plan.untie) if constraints.move_every_gamma else {}
     for norm in norms:
         if norm.module is None or norm.precompute is not None:
@@ -553,7 +653,7 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
             plan.untie.append(offer)
             untied.append(f"{offer.fqn} (copy of {offer.source_fqn}, to take {step.norm_path}'s γ)")
     entries = [NormEntry(n.path, n.kind, n.foldable, bool(n.affine), n.reason,
-                         tuple(sorted({fqn for fqn, _, _ in n.params})) if n.foldable else (),
+                         tuple(sorted({fqn for fqn, *_ in n.params})) if n.foldable else (),
                          n.blocking_path) for n in norms]
     return entries, plan, untied
 
@@ -600,25 +700,38 @@ def _swap_step(norm: AnalyzedNorm, to: str) -> SwapStep:
                     bias=bias and not folded, offset=offset)
 
 
+def centered_parts(norms: list[AnalyzedNorm], captured: Captured) -> dict[str, tuple[int, int | None, frozenset | None]]:
+    """Canonical tensor -> (dim, group, groups) its centering covers for ``norms``: the union of the
+    groups their needs ask for (None: every group, as soon as one asks for the whole tensor)."""
+    parts: dict[str, tuple[int, int | None, frozenset | None]] = {}
+    for norm in norms:
+        for fqn, dim, group, groups in norm.params:
+            canonical = _canonical(fqn, captured)
+            before = parts.get(canonical, (dim, group, frozenset()))[2]
+            parts[canonical] = (dim, group, None if before is None or groups is None else before | groups)
+    return parts
+
+
 def _centering_steps(foldable: list[AnalyzedNorm], parents, captured: Captured):
-    """One CenterStep per distinct tensor; UntieSteps for its names that must keep the original."""
-    by_tensor: dict[str, tuple[int, int | None]] = {}
+    """One CenterStep (or CenterGroupsStep, for the groups only some norms read) per distinct tensor;
+    UntieSteps for its names that must keep the original."""
     norm_of: dict[str, str] = {}  # canonical tensor -> a norm that centers it (for the error below)
     for norm in foldable:
-        for fqn, dim, group in norm.params:
-            by_tensor[_canonical(fqn, captured)] = (dim, group)
+        for fqn, *_ in norm.params:
             norm_of[_canonical(fqn, captured)] = norm.path
+    by_tensor = centered_parts(foldable, captured)
     centered_names = {use_alias(captured, need.node, user) for norm in foldable for need in norm.zero_mean_graph
                       if need.node in captured.param_fqn
                       for user in _with_readers_in_sums(parents.get(need, set()), need.node)}
     center, untie, untied = [], [], []
-    for canonical, (dim, group) in sorted(by_tensor.items()):
+    for canonical, (dim, group, groups) in sorted(by_tensor.items()):
         names = captured.aliases.get(canonical, (canonical,))
         kept = [n for n in names if n in centered_names]
         if not kept:  # e.g. a LayerNorm applied straight to a parameter: no use of it to center was recorded
             raise FoldError(f"norm {norm_of[canonical]}: planning the centering step: no use of parameter "
                             f"{canonical} inside its zero-mean graph was found, so it cannot be centered")
-        center.append(CenterStep(kept[0], dim, group))
+        center.append(CenterStep(kept[0], dim, group) if groups is None
+                      else CenterGroupsStep(kept[0], dim, group, tuple(sorted(groups))))
         for other in names:
             if other not in centered_names:
                 path, _, attr = other.rpartition(".")
@@ -686,7 +799,7 @@ def _restrict_to_agreement(results, kept: dict[str, str], affine_kept: dict[str,
             if j is not None:
                 affine_kept[path], grown = (f"its γ/β fold into different layers (or none) in example call {j} "
                                             "than in call 0"), True
-    centers = [set(plan.center) for _, plan in per_call]
+    centers = [set(plan.center) | set(plan.center_groups) for _, plan in per_call]
     if not grown and any(c != centers[0] for c in centers):  # not traced to one norm: keep them all
         for path in paths:
             if path not in kept and any(by_path.get(path) is not None and by_path[path].foldable
@@ -707,7 +820,7 @@ def _fold_disagreement(path: str, per_call) -> str | None:
             return f"kept: not foldable in example call {j}: {entry.reason}"
 
     def how(entry, plan):  # what folding this norm does to the weights in one call
-        centered = {c for c in plan.center if c.fqn in entry.producers}
+        centered = {c for c in (*plan.center, *plan.center_groups) if c.fqn in entry.producers}
         return entry.producers, centered, [p for p in plan.precompute if p.norm_path == path]
 
     first = how(entries[0], per_call[0][1])

@@ -27,9 +27,10 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .math import center, fold_affine_into_consumer, fold_batchnorm_into_producer, layer_norm_rows, scale_output_channels
-from .plan import (AffineFoldStep, BatchNormFoldStep, CenterStep, LayerScaleStep, PrecomputeStep, Step, SwapStep,
-                   UntieStep)
+from .math import (center, center_groups, fold_affine_into_consumer, fold_batchnorm_into_producer, layer_norm_rows,
+                   scale_output_channels)
+from .plan import (AffineFoldStep, BatchNormFoldStep, CenterGroupsStep, CenterStep, LayerScaleStep, PrecomputeStep, Step,
+                   SwapStep, UntieStep)
 
 
 class TensorStore(Protocol):
@@ -131,6 +132,12 @@ def _center(step: CenterStep, store: TensorStore) -> None:
         part.copy_(center(part, step.dim, step.group))
 
 
+def _center_groups(step: CenterGroupsStep, store: TensorStore) -> None:
+    """In place, slice by slice, as :func:`_center`."""
+    for part in _slices(store.read(step.fqn), step.dim, store.chunk):
+        part.copy_(center_groups(part, step.dim, step.group, step.groups))
+
+
 def _fold_affine(step: AffineFoldStep, store: TensorStore) -> None:
     """In place, by slices of output rows (a created bias starts at zero)."""
     weight = store.read(step.weight_fqn)
@@ -163,6 +170,7 @@ def _map(step: TensorMap, store: TensorStore) -> None:
 
 _KERNELS: dict[type, Callable] = {BatchNormFoldStep: _merge_batchnorm, LayerScaleStep: _merge_layer_scale,
                                   UntieStep: _untie, PrecomputeStep: _precompute, CenterStep: _center,
+                                  CenterGroupsStep: _center_groups,
                                   AffineFoldStep: _fold_affine, SwapStep: _swap, TensorMap: _map}
 
 

@@ -31,6 +31,26 @@ def center(t: Tensor, dim: int, group: int | None = None) -> Tensor:
     return centering.center(t.detach().to(weight_math_dtype(t)), dim, group).to(t.dtype)
 
 
+def center_groups(t: Tensor, dim: int, group: int, groups) -> Tensor:
+    """``t`` with the groups numbered ``groups`` (of ``group`` contiguous elements along ``dim``)
+    centered as :func:`center` centers them, and every other element as it was.
+
+    For a fused QKV weight (3·H·D, in) viewed as (H, 3, D) per output, the q and k rows of each head
+    are the groups h·3 + 0 and h·3 + 1 of D rows: centering them makes q and k zero-mean per head and
+    leaves v untouched.
+    """
+    dim = check_centering(t, dim, group)
+    count = t.shape[dim] // group if group else 0
+    picked = sorted(set(groups))
+    if group is None or not picked or picked[0] < 0 or picked[-1] >= count:
+        raise ValueError(f"groups must be numbers in [0, {count}) of groups of {group!r} elements along dim {dim}, "
+                         f"got {list(groups)!r:.80}")
+    rows = (torch.tensor(picked, device=t.device)[:, None] * group + torch.arange(group, device=t.device)).reshape(-1)
+    out = t.detach().clone()
+    out.index_copy_(dim, rows, center(t.detach().index_select(dim, rows), dim, group))
+    return out
+
+
 def fold_affine_into_consumer(weight: Tensor, bias: Tensor | None, gamma: Tensor | None, beta: Tensor | None,
                               in_dim: int, *, gamma_offset: float = 0.0) -> tuple[Tensor, Tensor | None]:
     """Move a norm's affine (γ, β) into the linear map that reads the norm's output.

@@ -25,7 +25,7 @@ from .batchnorm import has_batchnorms, plan_batchnorms
 from .errors import FoldError, failures_as_fold_error, model_name
 from .graph import check_model_and_inputs, describe_call, split_example_inputs
 from .norm_forms import recognized_rms_norms, without_downcasts
-from .plan import (AffineFoldStep, BatchNormFoldStep, CenterStep, FoldConfig, FoldPlan, LayerScaleStep,
+from .plan import (AffineFoldStep, BatchNormFoldStep, CenterGroupsStep, CenterStep, FoldConfig, FoldPlan, LayerScaleStep,
                    PrecomputeStep)
 from .report import FoldReport, NormEntry, VerifyResult
 from .steps import StepContext
@@ -67,9 +67,7 @@ def _plan(model: nn.Module, calls: list, constraints: FoldConfig) -> FoldReport:
     entries += [NormEntry(path, kind, False, False, _UNCAPTURED) for path, kind in captured.uncaptured_norms]
     entries = _with_recognized(entries, recognized.reasons)
     replaced = {step.path for step in plan.swap}  # a later swap of the same norm (its γ folded) replaces the first
-    plan = FoldPlan(batchnorm=bn_steps, layer_scale=plan.layer_scale, center=plan.center, untie=plan.untie, precompute=plan.precompute,
-                    affine_fold=plan.affine_fold,
-                    swap=[s for s in recognized.swaps if s.path not in replaced] + plan.swap)
+    plan = replace(plan, batchnorm=bn_steps, swap=[s for s in recognized.swaps if s.path not in replaced] + plan.swap)
     return FoldReport(entries, plan, untied, batchnorms=bn_entries,
                       traced_calls=[describe_call(model, *split_example_inputs(call)) for call in calls],
                       constraints=constraints, captured_through=list(captured.submodules),
@@ -141,7 +139,8 @@ def _floating_tensors(model: nn.Module):
 
 def _steps_writing(plan: FoldPlan, name: str) -> list:
     """The plan's steps that write the tensor ``name``."""
-    return [step for section in (plan.batchnorm, plan.layer_scale, plan.precompute, plan.center, plan.affine_fold)
+    return [step for section in (plan.batchnorm, plan.layer_scale, plan.precompute, plan.center, plan.center_groups,
+                                 plan.affine_fold)
             for step in section if name in (getattr(step, field) for field in _WRITES[type(step)][0])]
 
 
@@ -157,6 +156,7 @@ _WRITES = {  # step type -> (the fields naming what it writes, what it did to su
     LayerScaleStep: (("weight_fqn", "bias_fqn"), lambda s: f"merging the layer scale {s.scale_fqn} into it", None),
     PrecomputeStep: (("table_fqn",), lambda s: f"baking {s.norm_path} into its rows", "precompute"),
     CenterStep: (("fqn",), lambda s: "centering it", None),
+    CenterGroupsStep: (("fqn",), lambda s: f"centering {len(s.groups)} groups of it", None),
     AffineFoldStep: (("weight_fqn", "bias_fqn"), lambda s: f"folding {s.norm_path}'s γ/β into it", "fold_affine"),
 }
 

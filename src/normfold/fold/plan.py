@@ -19,6 +19,8 @@ in ``normfold.fold.math``. Steps apply in this order (``FoldPlan.steps()``):
 2. ``precompute``: an embedding table read only by one LayerNorm becomes that norm applied to its
    rows, ``math.layer_norm_rows(table, γ, β, eps)``; the norm becomes ``Identity`` (a swap step).
 3. ``center``: tensor ← ``math.center(tensor, dim, group)`` (after step 2 for precomputed tables).
+3b. ``center_groups``: tensor ← ``math.center_groups(tensor, dim, group, groups)``: only the groups
+   some norm reads (the q/k rows of a fused QKV weight, per head); the others keep their values.
 4. ``affine_fold``: (W, b) ← ``math.fold_affine_into_consumer(W, b, γ, β, in_dim)``; ``b`` is a new
    zero bias named ``bias_fqn`` when ``create_bias`` is true.
 5. ``swap``: the norm module at ``path`` becomes ``to`` (RMSNorm / LayerNorm / Identity) with ``eps``; when
@@ -104,6 +106,27 @@ class CenterStep(Step):
     fqn: str
     dim: int
     group: int | None = None
+
+    def reads(self) -> tuple[str, ...]:
+        return (self.fqn,)
+
+    def writes(self) -> tuple[str, ...]:
+        return (self.fqn,)
+
+
+@dataclass(frozen=True)
+class CenterGroupsStep(Step):
+    """Subtract the mean of ``fqn`` along ``dim`` per contiguous ``group`` elements, in the groups
+    numbered ``groups`` only; the others keep their values (the q and k rows of a fused QKV
+    projection, per head, whose v rows no norm reads)."""
+
+    fqn: str
+    dim: int
+    group: int
+    groups: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", tuple(self.groups))  # a list after a JSON round trip
 
     def reads(self) -> tuple[str, ...]:
         return (self.fqn,)
@@ -206,6 +229,7 @@ class FoldPlan:
     batchnorm: list[BatchNormFoldStep] = field(default_factory=list)
     layer_scale: list[LayerScaleStep] = field(default_factory=list)
     center: list[CenterStep] = field(default_factory=list)
+    center_groups: list[CenterGroupsStep] = field(default_factory=list)
     untie: list[UntieStep] = field(default_factory=list)
     precompute: list[PrecomputeStep] = field(default_factory=list)
     affine_fold: list[AffineFoldStep] = field(default_factory=list)
@@ -233,7 +257,8 @@ class FoldPlan:
 
 
 _STEP_TYPES = {"batchnorm": BatchNormFoldStep, "layer_scale": LayerScaleStep, "untie": UntieStep,
-               "precompute": PrecomputeStep, "center": CenterStep, "affine_fold": AffineFoldStep, "swap": SwapStep}
+               "precompute": PrecomputeStep, "center": CenterStep, "center_groups": CenterGroupsStep,
+               "affine_fold": AffineFoldStep, "swap": SwapStep}
 
 
 def _names(*fqns: str | None) -> tuple[str, ...]:

@@ -34,10 +34,11 @@ from typing import Callable, NamedTuple
 import torch
 from torch import fx
 
+from .._text import dtype_name
 from .graph import Captured, op_name, per_graph, shape
 from .graph import node_arg as _arg  # the short name reads better in the many rules below
-from .op_kinds import (CAST_OP_NAMES, COPY_OP_NAMES, DROPOUT_OP_NAMES, aten_packets, is_training_dropout, norm_node_kind,
-                       through_value_copies)
+from .op_kinds import (CAST_OP_NAMES, CAST_OPS, COPY_OP_NAMES, DROPOUT_OP_NAMES, aten_packets, is_training_dropout,
+                       norm_node_kind, through_value_copies)
 
 _aten = torch.ops.aten
 
@@ -48,11 +49,13 @@ class Need(NamedTuple):
     ``dim`` may also be a sorted tuple of dims, with group None: zero-mean jointly over that block
     (features split and permuted by layout ops, e.g. (H, D) → (D, H) before a merge back to C).
     Only layout rules (and scaling by a number) accept blocks; every other op breaks on them.
+    ``part``: only a part of ``node`` must be (``Part``, asked by ``classify_part``; None: all of it).
     """
 
     node: fx.Node
     dim: int | tuple[int, ...]
     group: int | None
+    part: Part | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,9 @@ def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> 
         return Break(f"{node.op} node {node.name} is not in the rules table")
     if shape(node) is None:
         return Break(f"{op_name(node)}: output shape unknown (dynamic shapes are not supported)")
+    rounding = rounding_cast(node, captured)
+    if rounding is not None:
+        return Break(rounding)
     key = getattr(node.target, "overloadpacket", node.target)
     rule = RULES.get(key)
     if rule is None:
@@ -1100,3 +1106,217 @@ _LAYOUT_OPS = set(aten_packets("view", "reshape", "_unsafe_view", "flatten", "un
 MULTI_OUTPUT_OPS = set(aten_packets(*_SPLIT_DIM_ARG))
 # op -> the argument read only for its shape (or dtype): ``expand_as(x, other)``, ``view_as(x, other)``
 _SHAPE_SOURCE_ARG = {p: 1 for p in aten_packets("expand_as", "view_as", "reshape_as", "type_as")}
+
+
+# --------------------------------------------------------------------------- partial needs
+#
+# A norm may read only a part of a tensor: q = qkv.view(B, T, H, 3, D)[..., 0, :] reads the q rows of
+# a fused projection. The question is then asked of that part alone, so that only the output rows of
+# the fused weight that reach a norm are centered, per group (head), and the v rows stay as they are.
+# ``classify_part`` answers such questions for the ops that pick or move parts (selections, reshapes,
+# copies) and for the Linear that makes them; every other op is asked about the whole tensor
+# (``classify``), which requires more and is therefore never wrong. Which elements centering then
+# changes, and that no other reader sees them, the analysis checks (``analysis._FoldingSet``).
+
+
+class Part(NamedTuple):
+    """The part of a node a Need asks about: along the need's own dim, only the groups (of the
+    need's ``group`` elements) numbered in ``groups`` (None: every group); along other dims, only
+    the indices in ``where`` ((dim, indices) pairs, sorted by dim)."""
+
+    groups: frozenset[int] | None
+    where: tuple[tuple[int, frozenset[int]], ...]
+
+
+def part_need(node: fx.Node, dim: int, group: int | None, groups, where) -> Need:
+    """A canonical Need for a part: no Part when it covers the whole node."""
+    need = make_need(node, dim, group)
+    n_groups = shape(node)[dim] // (need.group or shape(node)[dim])
+    groups = None if groups is None or set(groups) >= set(range(n_groups)) else frozenset(groups)
+    where = tuple(sorted((d, frozenset(s)) for d, s in dict(where).items()
+                         if not set(s) >= set(range(shape(node)[d]))))
+    return need if groups is None and not where else need._replace(part=Part(groups, where))
+
+
+def classify_part(need: Need, captured: Captured) -> Answer | None:
+    """The answer for a question about a part of ``need.node``, or for a whole-node question that
+    a selection turns into one about a part of its input; None where no rule knows parts (the
+    caller then asks about the whole node with ``classify``)."""
+    node, dim, group = need.node, need.dim, need.group
+    if node.op != "call_function" or isinstance(dim, tuple) or shape(node) is None \
+            or written_through_a_view(node) is not None:
+        return None
+    groups, where = (need.part.groups, dict(need.part.where)) if need.part is not None else (None, {})
+    rule = RULES.get(getattr(node.target, "overloadpacket", node.target))
+    if rounding_cast(node, captured) is not None:
+        return None  # ``classify`` refuses it
+    if rule in (_same_dim, _dropout) and not is_training_dropout(node) and isinstance(node.args[0], fx.Node):
+        return Requires((part_need(node.args[0], dim, group, groups, where),))
+    if rule is _select:
+        return _select_part(node, dim, group, groups, where)
+    if rule is _slice:
+        return _slice_part(node, dim, group, groups, where)
+    if rule is _getitem:
+        return _split_part(node, dim, group, groups, where)
+    if need.part is None:
+        return None
+    if rule is _view:
+        return _view_part(node, dim, group, groups, where)
+    if rule is _linear and groups is not None and dim == _rank(node) - 1:
+        w, b = node.args[1], _arg(node, 2, "bias")  # output groups g of x·Wᵀ + b are rows g of W and b
+        return Requires(tuple(part_need(p, 0, group, groups, ()) for p in (w, b) if p is not None))
+    return None
+
+
+def _picked(x: fx.Node, out_dim: int, ds: int, group, groups, where, indices: list[int], keep_dim: bool) -> Requires:
+    """The need on ``x`` of an op that reads ``indices`` of its dim ``ds`` (another dim than the
+    asked one): the output dims map back past ``ds`` (dropped by a select), and a part along ``ds``
+    maps each output index to the input index it reads."""
+    back = (lambda d: d) if keep_dim else (lambda d: d if d < ds else d + 1)
+    moved = {back(d): s for d, s in where.items() if keep_dim is False or d != ds}
+    moved[ds] = frozenset(indices[i] for i in where[ds]) if keep_dim and ds in where else frozenset(indices)
+    return Requires((part_need(x, back(out_dim), group, groups, moved),))
+
+
+def _select_part(node, dim, group, groups, where):
+    x = node.args[0]
+    ds = node.args[1] % _rank(x)
+    return _picked(x, dim, ds, group, groups, where, [node.args[2] % shape(x)[ds]], keep_dim=False)
+
+
+def _slice_part(node, dim, group, groups, where):
+    x = node.args[0]
+    ds = _arg(node, 1, "dim", 0) % _rank(x)
+    total = shape(x)[ds]
+    start, stop, step = (_arg(node, i, name, default) for i, name, default in
+                         ((2, "start", 0), (3, "end", total), (4, "step", 1)))
+    indices = list(range(total))[slice(start, stop, step)]
+    if ds == dim:
+        return _groups_of_part(x, dim, group, groups, where, indices) if step == 1 and indices else None
+    return _picked(x, dim, ds, group, groups, where, indices, keep_dim=True)
+
+
+def _groups_of_part(x: fx.Node, dim: int, group, groups, where, indices: list[int]) -> Requires | None:
+    """A contiguous part of the asked dim itself (``qkv.view(B, T, H, 3·D).split(D, -1)``'s q): its
+    groups (the whole part, or its groups of ``group``) as groups of that dim of ``x``, when they
+    align; None otherwise (the whole-node rule then decides)."""
+    start, length, total = indices[0], len(indices), shape(x)[dim]
+    g = group or length
+    if start % g or length % g or total % g:
+        return None
+    picked = [start // g + j for j in range(length // g) if groups is None or j in groups]
+    return Requires((part_need(x, dim, g, picked, where),))
+
+
+def _split_part(node, dim, group, groups, where):
+    src, index = node.args
+    name = str(getattr(getattr(src, "target", None), "overloadpacket", "")).removeprefix("aten.")
+    if name not in _SPLIT_DIM_ARG:
+        return None
+    x = src.args[0]
+    ds = _arg(src, _SPLIT_DIM_ARG[name], "dim", 0) % _rank(x)
+    if name == "unbind":
+        return _picked(x, dim, ds, group, groups, where, [index], keep_dim=False)
+    sizes = [int(v.shape[ds]) for v in src.meta["val"]]
+    start = sum(sizes[:index])
+    indices = list(range(start, start + sizes[index]))
+    if ds == dim:
+        return _groups_of_part(x, dim, group, groups, where, indices) if indices else None
+    return _picked(x, dim, ds, group, groups, where, indices, keep_dim=True)
+
+
+def _view_part(node, dim, group, groups, where):
+    """A reshape that splits one input dim into (..., dim) with the asked dim innermost: the asked
+    part is a set of contiguous groups of that input dim (qkv (B, T, 3·H·D) viewed as (B, T, H, 3, D):
+    q's rows are the groups h·3 + 0 of D elements; viewed as (B, T, H, 3·D), q is group 0 of each
+    head's 3·D, the groups h·3 + 0 again). Parts along dims the reshape keeps carry over;
+    parts along dims it merges otherwise are dropped (asking about more is never wrong)."""
+    x = node.args[0]
+    in_s, out_s = shape(x), shape(node)
+    blocks = view_groups(in_s, out_s)
+    ins, outs = next((i, o) for i, o in blocks if dim in o)
+    kept = {i_dims[0]: where[o_dims[0]] for i_dims, o_dims in blocks
+            if len(i_dims) == len(o_dims) == 1 and o_dims[0] in where and in_s[i_dims[0]] == out_s[o_dims[0]]
+            and o_dims[0] not in outs}
+    if len(outs) == 1 and len(ins) > 1 and groups is not None:
+        return _merged_view_part(x, list(ins), group or out_s[dim], groups, kept)
+    if len(ins) != 1 or dim != outs[-1]:
+        return None
+    k, g = ins[0], group or out_s[dim]
+    inner = [d for d in outs if d != dim]
+    if groups is None and not any(d in where for d in inner):
+        return None  # nothing asked inside the block: the whole-node rule maps it
+    sizes = [out_s[d] for d in inner]
+    per_prefix = out_s[dim] // g
+    picked = [prefix * per_prefix + j for prefix in range(math.prod(sizes)) for j in range(per_prefix)
+              if (groups is None or j in groups)
+              and all(i in where.get(d, range(out_s[d])) for d, i in zip(inner, _digits(prefix, sizes)))]
+    return Requires((part_need(x, k, g, picked, kept),))
+
+
+def _merged_view_part(x: fx.Node, ins: list[int], g: int, groups, kept: dict) -> Requires | None:
+    """Groups of ``g`` elements of an output dim that merges input dims ``ins`` ((H, 3, D) -> (H, 3·D):
+    group 0 of each head's 3·D is index 0 of the 3 dim), as a part of ``x``: when ``g`` divides the
+    innermost input dim and the groups are a product of indices along each merged dim (else None:
+    the whole-node rule decides)."""
+    in_s = shape(x)
+    k = ins[-1]
+    if in_s[k] % g:
+        return None
+    per, outer = in_s[k] // g, [in_s[d] for d in ins[:-1]]
+    digits = [(*_digits(group // per, outer), group % per) for group in groups]
+    along = [frozenset(d[i] for d in digits) for i in range(len(ins))]
+    if math.prod(len(a) for a in along) != len(set(digits)):
+        return None
+    return Requires((part_need(x, k, g, along[-1], {**kept, **dict(zip(ins[:-1], along[:-1]))}),))
+
+
+def _digits(flat: int, sizes: list[int]) -> list[int]:
+    """The multi-index of ``flat`` over ``sizes`` (row-major)."""
+    out = []
+    for size in reversed(sizes):
+        flat, digit = divmod(flat, size)
+        out.append(digit)
+    return out[::-1]
+
+
+# --------------------------------------------------------------------------- casts that round
+#
+# The fold is proved in float64 on a float64 copy of the model, where a cast the code writes as
+# ``.to(x.dtype)`` is the identity but a cast to a fixed narrower dtype (``weights @ flat.float()``
+# inside a float64 model) still rounds. Rounding does not commute with centering: round(P·x) is
+# zero-mean only up to the narrower dtype's unit roundoff, so a norm whose zero-mean input passes
+# through such a cast cannot be made an exact RMSNorm, and the analysis refuses it with that reason
+# (rather than letting the float64 proof fail). Which casts round is read from the trace: a cast to
+# a float dtype narrower than the cast's input and than every floating parameter of the model
+# cannot be "the model's dtype", so it is fixed in the code and rounds in the float64 proof too.
+# A model traced in float32 shows ``.float()`` as a float32 -> float32 no-op: fold it in float64
+# (``model.double()``) for the analysis to see that cast.
+
+_PARAMETER_DTYPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def rounding_cast(node: fx.Node, captured: Captured) -> str | None:
+    """Why the cast ``node`` rounds in the float64 proof (see above), or None for every other node."""
+    if getattr(node.target, "overloadpacket", None) not in CAST_OPS or not node.args:
+        return None
+    out, x = node.meta.get("val"), node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+    if not (isinstance(out, torch.Tensor) and isinstance(x, torch.Tensor)
+            and out.dtype.is_floating_point and x.dtype.is_floating_point):
+        return None
+    narrowest = per_graph(_PARAMETER_DTYPES, node.graph, lambda graph: _narrowest_parameter_dtype(captured))
+    if _unit_roundoff(out.dtype) <= max(_unit_roundoff(x.dtype), _unit_roundoff(narrowest or out.dtype)):
+        return None
+    return (f"{op_name(node)} rounds {dtype_name(x.dtype)} to {dtype_name(out.dtype)}, narrower than the model's "
+            f"{dtype_name(narrowest)} (a cast fixed in the code, which rounds in the float64 proof too): centering "
+            f"upstream makes the norm's input zero-mean only up to {dtype_name(out.dtype)}'s rounding, not exactly")
+
+
+def _narrowest_parameter_dtype(captured: Captured) -> torch.dtype | None:
+    dtypes = [v.dtype for p in captured.param_fqn if isinstance(v := p.meta.get("val"), torch.Tensor)
+              and v.dtype.is_floating_point]
+    return max(dtypes, key=_unit_roundoff, default=None)
+
+
+def _unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2

@@ -51,6 +51,7 @@ the LayerNorm run over all steps:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from typing import Iterator
 
@@ -280,6 +281,22 @@ def _check_complete(report: FoldReport, allow_partial: bool) -> None:
                            "(normfold train: --allow-partial-cbwc) to train with them kept")
 
 
+def _keeping_partly_centered_norms(report: FoldReport) -> FoldReport:
+    """The report with the norms whose producers the plan centers only in part (``center_groups``: the
+    q/k rows of a fused projection) kept as LayerNorms, their swaps and partial centerings dropped:
+    CBWC trains whole centered tensors. Dropping them keeps the rest exact (a norm kept as a
+    LayerNorm only absorbs more); ``_check_complete`` then names them."""
+    partial = {step.fqn for step in report.plan.center_groups}
+    if not partial:
+        return report
+    why = "kept for CBWC: centered only in part (some groups of a fused projection), CBWC trains whole tensors"
+    norms = [dataclasses.replace(e, foldable=False, reason=why, producers=()) if e.foldable and partial & set(e.producers)
+             else e for e in report.norms]
+    kept = {e.path for e in norms} - {e.path for e in norms if e.foldable}
+    plan = dataclasses.replace(report.plan, center_groups=[], swap=[s for s in report.plan.swap if s.path not in kept])
+    return dataclasses.replace(report, norms=norms, plan=plan)
+
+
 def cbwc_(model: nn.Module, example_inputs, *, report=None, allow_partial: bool = False):
     """Make ``model``'s foldable LayerNorms RMSNorms and keep their producers centered (in place).
 
@@ -300,6 +317,8 @@ def cbwc_(model: nn.Module, example_inputs, *, report=None, allow_partial: bool 
     if plan.affine_fold:
         raise ValueError("cbwc_ needs a plan without affine folding (γ/β stay trainable): "
                          "analyze with fold_affine=False")
+    report = _keeping_partly_centered_norms(report)
+    plan = report.plan
     _check_complete(report, allow_partial)
     # names that must keep seeing the uncentered tensor (the plan would untie them)
     keep_original = {f"{u.module_path}.{u.attr}".lstrip(".") for u in plan.untie}
