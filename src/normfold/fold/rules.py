@@ -34,10 +34,10 @@ from typing import Callable, NamedTuple
 import torch
 from torch import fx
 
-from .graph import Captured, op_name, per_graph, shape
+from .graph import Captured, op_name, op_packet, per_graph, shape
 from .graph import node_arg as _arg  # the short name reads better in the many rules below
 from .op_kinds import (CAST_OP_NAMES, COPY_OP_NAMES, DROPOUT_OP_NAMES, aten_packets, is_training_dropout, norm_node_kind,
-                       through_value_copies)
+                       passes_values_on, through_value_copies)
 
 _aten = torch.ops.aten
 
@@ -804,6 +804,157 @@ def _zero_source(node, dim, group):
     return Break(f"{op_name(node)} with a non-zero fill value")
 
 
+# --------------------------------------------------------------------------- ops that treat every feature alike
+#
+# Each op below moves, copies, averages or zeroes whole rows along the normalized dim, or permutes a
+# row's entries, with the same choice for every entry of the row (a mask or an index that is
+# constant along the dim, weights that do not depend on the channel). Such an op is linear in each
+# row and maps a row of ones to a row of ones (or to zeros), so it commutes with P: op(P·x) = P·op(x).
+
+
+def constant_along(value, out_rank: int, dim: int) -> bool:
+    """``value`` (a number, or a tensor broadcast right-aligned to rank ``out_rank``) holds one entry all
+    along ``dim``: a number, a size-1 or absent dim, or a broadcast (``expand``), cast or comparison of
+    values that are. Never a guess: anything else is False."""
+    if not isinstance(value, fx.Node):
+        return isinstance(value, (int, float, bool))
+    s = shape(value)
+    if s is None:
+        return False
+    d = dim - (out_rank - len(s))
+    if d < 0 or s[d] == 1:
+        return True
+    packet = op_packet(value)
+    if packet in _BROADCAST_OPS or passes_values_on(value, casts=True):
+        return constant_along(value.args[0], len(s), d)
+    if packet == _aten.unsqueeze:  # the new dim has size 1 (caught above); the others are the input's
+        new = value.args[1] % len(s)
+        return constant_along(value.args[0], len(s) - 1, d - (d > new))
+    if packet in _ELEMENTWISE_PREDICATES:  # eq(ids, k), ~mask, a & b: constant where every operand is
+        return all(constant_along(a, len(s), d) for a in value.args)
+    return False
+
+
+def _mask_varies(node, mask, dim) -> Break | None:
+    if constant_along(mask, _rank(node), dim):
+        return None
+    return Break(f"{op_name(node)} with a mask that varies along the normalized dim: it writes part of a row")
+
+
+def _masked_fill(node, dim, group):
+    """Rows of x or rows of zeros, chosen by a mask constant along the dim: P(0) = 0. A non-zero fill
+    value is a constant row (not zero-mean); a mask that varies along the dim fills part of a row."""
+    x, mask, value = node.args[0], node.args[1], _arg(node, 2, "value")
+    if not _is_zero_literal(value):
+        return Break(f"{op_name(node)} fills with {value.name if isinstance(value, fx.Node) else value!r}, "
+                     "not 0: a filled row is constant, not zero-mean")
+    return _mask_varies(node, mask, dim) or _collect(node, [_broadcast_operand(node, x, dim, group)])
+
+
+def _masked_scatter(node, dim, group):
+    """Rows of x, or the next rows of source where a whole-row mask is set (image features merged into
+    text embeddings). Source entries are taken in row-major order, so along the last dim a selected
+    row is a whole row of source when source's rows have the same length."""
+    x, mask, source = node.args[0], node.args[1], _arg(node, 2, "source")
+    if dim != _rank(node) - 1:
+        return Break(f"{op_name(node)} along a dim other than the last: its source is read in row-major order")
+    if shape(source)[-1] != shape(node)[-1]:
+        return Break(f"{op_name(node)}: source rows of {shape(source)[-1]} entries do not fill whole rows of "
+                     f"{shape(node)[-1]}")
+    return _mask_varies(node, mask, dim) or _collect(
+        node, [_broadcast_operand(node, x, dim, group), make_need(source, _rank(source) - 1, group)])
+
+
+def _index_put(node, dim, group):
+    """x with rows written (or, accumulating, added) at indices of the leading dims: each row is x's,
+    values', or a sum of them; values broadcast right-aligned, so their last dim is the row. Writing
+    along the last dim itself writes part of a row."""
+    x, indices, values = node.args[0], list(node.args[1]), _arg(node, 2, "values")
+    if dim != _rank(node) - 1 or _indexes_last_dim(indices, _rank(x)):
+        return Break(f"{op_name(node)} writes along the normalized dim (only writes of whole rows of the last dim keep "
+                     "rows zero-mean)")
+    return _collect(node, [make_need(x, dim, group), _broadcast_operand(node, values, dim, group)])
+
+
+def _indexes_last_dim(indices: list, rank: int) -> bool:
+    """An index list (None: a whole dim; a bool mask covers as many dims as it has) reaches the last dim."""
+    position = 0
+    for index in indices:
+        width = _rank(index) if index is not None and index.meta["val"].dtype == torch.bool else 1
+        if index is not None and position + width >= rank:
+            return True
+        position += width
+    return False
+
+
+def _index_copy(node, dim, group):
+    """Slices of x replaced by slices of source along another dim: each row is x's or source's."""
+    x, d, source = node.args[0], node.args[1] % _rank(node), _arg(node, 3, "source")
+    if d == dim:
+        return Break(f"{op_name(node)} copies entries along the normalized dim: it writes part of a row")
+    return Requires((make_need(x, dim, group), make_need(source, dim, group)))
+
+
+def _gather(node, dim, group):
+    """out[..., i, ..., k] = x[..., index[..., i, ..., k], ..., k] along another dim: a whole row of x
+    when the index is constant along the dim and as long as the row."""
+    x, d, index = node.args[0], node.args[1] % _rank(node), node.args[2]
+    if d == dim:
+        return Break(f"{op_name(node)} picks entries along the normalized dim")
+    if shape(index)[dim] != shape(x)[dim]:
+        return Break(f"{op_name(node)} keeps {shape(index)[dim]} of the {shape(x)[dim]} entries of each row")
+    if not constant_along(index, _rank(node), dim):
+        return Break(f"{op_name(node)} with an index that varies along the normalized dim: a row mixes entries "
+                     "of different rows")
+    return Requires((make_need(x, dim, group),))
+
+
+def _repeat_counts(node) -> list[int]:
+    """One count per output dim: ``repeat`` gives them all; ``tile`` pads missing leading ones with 1."""
+    counts = list(node.args[1])
+    return [1] * (_rank(node) - len(counts)) + counts
+
+
+def _repeat(node, dim, group):
+    """Copies of x side by side (``repeat``, ``tile``). Along another dim a row is a row of x. Along
+    the dim itself a row is [r, r, …, r] for a row r of x, whose mean is r's: centering x centers it
+    (per group when the groups do not straddle the copies). A new leading dim, or a dim of size 1
+    repeated, makes a constant row: not zero-mean."""
+    x = node.args[0]
+    new = _rank(node) - _rank(x)
+    if dim < new:
+        return Break(f"{op_name(node)} copies the tensor along a new normalized dim: a constant row")
+    n, count = shape(x)[dim - new], _repeat_counts(node)[dim]
+    if count != 1 and n == 1:
+        return Break(f"{op_name(node)} fills the normalized dim from a single entry: a constant row")
+    if count != 1 and group is not None and n % group and group % n:
+        return Break(f"{op_name(node)}: groups of {group} straddle the {count} copies of {n} entries")
+    return Requires((make_need(x, dim - new, None if group is not None and group % n == 0 else group),))
+
+
+def _roll(node, dim, group):
+    """A cyclic shift along some dims: along other dims it moves whole rows; along the dim it permutes
+    each row's entries, which keeps its mean (a group's, when the shift moves whole groups). With no
+    dims it rolls the flattened tensor, moving entries between rows."""
+    shifts, dims = node.args[1], _arg(node, 2, "dims", [])
+    shifts, dims = [shifts] if isinstance(shifts, int) else list(shifts), [dims] if isinstance(dims, int) else list(dims)
+    if not dims:
+        return Break(f"{op_name(node)} of the flattened tensor moves entries between rows")
+    for amount, d in zip(shifts, dims):
+        if d % _rank(node) == dim and group is not None and amount % group:
+            return Break(f"{op_name(node)} by {amount} along the normalized dim mixes its groups of {group}")
+    return Requires((make_need(node.args[0], dim, group),))
+
+
+def _spatial(node, dim, group):
+    """Upsampling and average pooling over the trailing spatial dims: out[n, c] = A·x[n, c] with the
+    same weights A for every channel (and batch entry), so centering over channels commutes with it.
+    Along a spatial dim the op mixes the entries of a row."""
+    if dim >= _rank(node) - _SPATIAL_DIMS[op_packet(node)]:
+        return Break(f"{op_name(node)} mixes entries along the normalized dim (a spatial dim)")
+    return Requires((make_need(node.args[0], dim, group),))
+
+
 # --------------------------------------------------------------------------- the shift column
 #
 # Centering a producer changes it from x to x − m·1 along a dim (m a per-row mean): a *ones-vector
@@ -1027,10 +1178,53 @@ def _shift_getitem(node, operand, dims):
     return {d if d < ds else d - 1 for d in dims if d != ds} if name == "unbind" else dims
 
 
+def _shift_masked(node, operand, dims):
+    """x + δ where the mask keeps x, the fill (or source) elsewhere: constant where δ and the mask are."""
+    if not _only_at(node, operand, 0):
+        return None
+    return {d for d in dims if constant_along(node.args[1], _rank(node), d)}
+
+
+def _shift_repeat(node, operand, dims):
+    """Copies of a constant run are constant, along the repeated dims too; new leading dims hold copies."""
+    if not _only_at(node, operand, 0):
+        return None
+    new = _rank(node) - _rank(operand)
+    return {d + new for d in dims} | set(range(new))
+
+
+def _shift_roll(node, operand, dims):
+    """A cyclic shift along some dims moves a constant run along them, still constant."""
+    return dims if _only_at(node, operand, 0) and _arg(node, 2, "dims", []) else None
+
+
+def _shift_spatial(node, operand, dims):
+    """The same weights for every channel: constant along the non-spatial dims where δ is (along a spatial
+    dim, padded pooling weights need not sum to 1)."""
+    if not _only_at(node, operand, 0):
+        return None
+    return {d for d in dims if d < _rank(node) - _SPATIAL_DIMS[op_packet(node)]}
+
+
 # --------------------------------------------------------------------------- the table
 
 
 _ZERO_OPS = set(aten_packets("zeros", "zeros_like", "new_zeros"))
+# upsampling and average pooling -> how many trailing (spatial) dims they act on
+_SPATIAL_OP_NAMES = {
+    **dict.fromkeys(("upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_linear1d", "avg_pool1d",
+                     "adaptive_avg_pool1d"), 1),
+    **dict.fromkeys(("upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
+                     "upsample_bicubic2d", "_upsample_bicubic2d_aa", "avg_pool2d", "adaptive_avg_pool2d",
+                     "_adaptive_avg_pool2d"), 2),
+    **dict.fromkeys(("upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_trilinear3d", "avg_pool3d",
+                     "adaptive_avg_pool3d", "_adaptive_avg_pool3d"), 3)}
+_SPATIAL_DIMS = {packet: k for name, k in _SPATIAL_OP_NAMES.items() for packet in aten_packets(name)}
+_BROADCAST_OPS = set(aten_packets("expand", "expand_as", "broadcast_to"))
+# elementwise ops on masks and indices (comparisons, logic): constant along a dim where every operand is
+_ELEMENTWISE_PREDICATES = set(aten_packets("eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and",
+                                           "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
+                                           "__and__", "__or__", "__invert__"))
 # op -> index of its fill value: full(size, v), full_like(x, v), fill(x, v), new_full(x, size, v)
 _FULL_OPS = {**{p: 1 for p in aten_packets("full", "full_like", "fill")}, **{p: 2 for p in aten_packets("new_full")}}
 
@@ -1067,6 +1261,15 @@ _TABLE: list[tuple[tuple[str, ...], Callable[[fx.Node, int, int | None], Answer]
     (("embedding",), _embedding, None),
     # sources (a LayerNorm absorbs a shift of its input: the closedness check decides that, not this column)
     (("layer_norm",), _layer_norm_source, None),
+    # ops that treat every feature alike: whole rows moved, copied, averaged or zeroed, or a row's entries permuted
+    (("masked_fill",), _masked_fill, _shift_masked), (("masked_fill_",), _in_place(_masked_fill), None),
+    (("masked_scatter",), _masked_scatter, _shift_masked), (("masked_scatter_",), _in_place(_masked_scatter), None),
+    (("index_put",), _index_put, None), (("index_put_",), _in_place(_index_put), None),
+    (("index_copy",), _index_copy, None), (("index_copy_",), _in_place(_index_copy), None),
+    (("gather",), _gather, None),
+    (("repeat", "tile"), _repeat, _shift_repeat),
+    (("roll",), _roll, _shift_roll),
+    (tuple(_SPATIAL_OP_NAMES), _spatial, _shift_spatial),
 ]
 RULES: dict[object, Callable[[fx.Node, int, int | None], Answer]] = {
     packet: rule for names, rule, _ in _TABLE for packet in aten_packets(*names)}
