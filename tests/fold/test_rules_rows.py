@@ -106,3 +106,94 @@ def test_writing_whole_rows_by_index_folds_with_both_producers_centered(how: str
 def test_writing_by_index_along_the_features_breaks(how: str, reason: str):
     _, report = fold_checked(IndexWrite(how), (_x(B, T, C), _x(B, 2, C, seed=1)), {"norm": False})
     assert reason in reason_of(report, "norm")
+
+
+class Moved(nn.Module):
+    """A projection whose rows are moved, copied or permuted by one op before a LayerNorm of ``width``."""
+
+    def __init__(self, how: str, width: int = C, out: int = C):
+        super().__init__()
+        self.how = how
+        self.proj = nn.Linear(C, out)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):  # (B, T, C)
+        h = self.proj(x)
+        order = torch.arange(T - 1, -1, -1)
+        if self.how == "gather tokens":
+            h = h.gather(1, order.view(1, T, 1).expand(B, T, C))
+        elif self.how == "gather features":
+            h = h.gather(2, torch.arange(C - 1, -1, -1).expand(B, T, C))
+        elif self.how == "gather varying index":
+            h = h.gather(1, torch.arange(B * T * C).view(B, T, C) % T)
+        elif self.how == "repeat tokens":
+            h = h.repeat(1, 2, 1)
+        elif self.how == "repeat features":
+            h = h.repeat(1, 1, 2)
+        elif self.how == "tile":
+            h = torch.tile(h, (2, 1))
+        elif self.how == "repeat a single entry":
+            h = h.repeat(1, 1, C)
+        elif self.how == "roll tokens":
+            h = h.roll(2, 1)
+        elif self.how == "roll features":
+            h = h.roll(3, -1)
+        elif self.how == "roll flattened":
+            h = h.roll(3)
+        return self.norm(h)
+
+
+@pytest.mark.parametrize("how, width", [
+    ("gather tokens", C), ("repeat tokens", C), ("repeat features", 2 * C), ("tile", C),
+    ("roll tokens", C), ("roll features", C)])
+def test_moving_copying_or_permuting_whole_rows_folds(how: str, width: int):
+    _, report = fold_checked(Moved(how, width), (_x(B, T, C),), {"norm": True})
+    assert report.norms[0].producers == ("proj.bias", "proj.weight")
+
+
+@pytest.mark.parametrize("how, out, reason", [
+    ("gather features", C, "aten.gather picks entries along the normalized dim"),
+    ("gather varying index", C, "aten.gather with an index that varies along the normalized dim"),
+    ("repeat a single entry", 1, "aten.repeat fills the normalized dim from a single entry: a constant row"),
+    ("roll flattened", C, "aten.roll of the flattened tensor moves entries between rows"),
+])
+def test_picking_entries_of_a_row_or_making_a_constant_row_breaks(how: str, out: int, reason: str):
+    _, report = fold_checked(Moved(how, out=out), (_x(B, T, C),), {"norm": False})
+    assert reason in reason_of(report, "norm")
+
+
+class Spatial(nn.Module):
+    """A 1x1 conv over channels, resampled or pooled over space, then a LayerNorm over the channels
+    (channels moved last) or, for the negative case, over the last spatial dim."""
+
+    def __init__(self, op, over_space: bool = False):
+        super().__init__()
+        self.op, self.over_space = op, over_space
+        self.conv = nn.Conv2d(C, C, 1)
+        self.norm = nn.LayerNorm(8 if over_space else C)
+
+    def forward(self, x):  # (B, C, 4, 4)
+        y = self.op(self.conv(x))
+        return self.norm(y if self.over_space else y.permute(0, 2, 3, 1))
+
+
+SPATIAL_OPS = {
+    "bilinear": lambda y: F.interpolate(y, scale_factor=2, mode="bilinear"),
+    "bicubic": lambda y: F.interpolate(y, scale_factor=2, mode="bicubic", align_corners=True),
+    "nearest": lambda y: F.interpolate(y, scale_factor=2, mode="nearest"),
+    "avg_pool2d": lambda y: F.avg_pool2d(y, 3, stride=1, padding=1),
+    "adaptive_avg_pool2d": lambda y: F.adaptive_avg_pool2d(y, 3),
+    "avg_pool1d": lambda y: F.avg_pool1d(y.flatten(2), 2).unflatten(2, (2, 4)),
+    "adaptive_avg_pool1d": lambda y: F.adaptive_avg_pool1d(y.flatten(2), 6).unflatten(2, (2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", SPATIAL_OPS)
+def test_upsampling_and_average_pooling_over_space_fold_over_channels(name: str):
+    _, report = fold_checked(Spatial(SPATIAL_OPS[name]), (_x(B, C, 4, 4),), {"norm": True})
+    assert report.norms[0].producers == ("conv.bias", "conv.weight")
+
+
+def test_upsampling_along_the_normalized_dim_breaks():
+    _, report = fold_checked(Spatial(SPATIAL_OPS["bilinear"], over_space=True), (_x(B, C, 4, 4),), {"norm": False})
+    assert "aten.upsample_bilinear2d mixes entries along the normalized dim (a spatial dim)" in reason_of(report, "norm")
