@@ -315,7 +315,8 @@ class _FoldingSet:
     @classmethod
     def of(cls, walker: Walker, active: list[AnalyzedNorm], captured: Captured) -> _FoldingSet:
         graph_needs = [need for norm in active for need in norm.zero_mean_graph]
-        centered = {need.node for need in graph_needs if need.node in captured.param_fqn and walker.memo[need].changed}
+        centered = {need.node for need in graph_needs
+                    if captured.centerable_fqn(need.node) is not None and walker.memo[need].changed}
         changed, stack = set(), list(centered)
         while stack:
             node = stack.pop()
@@ -586,7 +587,7 @@ def _centering_steps(foldable: list[AnalyzedNorm], parents, captured: Captured):
             by_tensor[_canonical(fqn, captured)] = (dim, group)
             norm_of[_canonical(fqn, captured)] = norm.path
     centered_names = {use_alias(captured, need.node, user) for norm in foldable for need in norm.zero_mean_graph
-                      if need.node in captured.param_fqn
+                      if captured.centerable_fqn(need.node) is not None
                       for user in _with_readers_in_sums(parents.get(need, set()), need.node)}
     center, untie, untied = [], [], []
     for canonical, (dim, group) in sorted(by_tensor.items()):

@@ -91,6 +91,17 @@ class Captured:
     param_fqn: dict[fx.Node, str]          # placeholder -> parameter FQN
     buffer_fqn: dict[fx.Node, str]         # placeholder -> buffer FQN
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # FQN -> every FQN of the same tensor
+    unsaved_buffers: frozenset[str] = frozenset()   # buffers outside the state dict (non-persistent): rebuilt at load
+    mutated_buffers: frozenset[str] = frozenset()   # buffers the forward writes: state, not constants
+
+    def centerable_fqn(self, node) -> str | None:
+        """The name under which ``node`` is stored with the weights, so a centered copy is what a reload
+        reads: a parameter's, or a buffer's that the state dict holds and the forward never writes
+        (a constant table, e.g. sinusoidal positions); None for anything else."""
+        if node in self.param_fqn:
+            return self.param_fqn[node]
+        fqn = self.buffer_fqn.get(node)
+        return fqn if fqn is not None and fqn not in self.unsaved_buffers | self.mutated_buffers else None
 
 
 def check_model_and_inputs(model: nn.Module, example_inputs) -> list:
@@ -123,7 +134,8 @@ def capture(model: nn.Module, example_inputs) -> Captured:
     by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     param_fqn = {by_name[name]: fqn for name, fqn in sig.inputs_to_parameters.items()}
     buffer_fqn = {by_name[name]: fqn for name, fqn in sig.inputs_to_buffers.items()}
-    return Captured(ep.graph, param_fqn, buffer_fqn, parameter_aliases(model))
+    return Captured(ep.graph, param_fqn, buffer_fqn, parameter_aliases(model), frozenset(sig.non_persistent_buffers),
+                    frozenset(sig.buffers_to_mutate.values()))
 
 
 def parameter_aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -214,7 +226,7 @@ def use_alias(captured: Captured, param: fx.Node, user: fx.Node) -> str:
     Export may feed every name of a tied tensor through one placeholder; the name whose owning
     module ran ``user`` is the one the user reads.
     """
-    fqn = captured.param_fqn[param]
+    fqn = captured.centerable_fqn(param)
     names = captured.aliases.get(fqn, (fqn,))
     if len(names) > 1:
         path = module_path(user)

@@ -128,12 +128,15 @@ def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> 
         return Break(f"written in place through a view by {op_name(writer)} (t[:, :k] = v): later readers "
                      "see what the write left, not what the op computed")
     if node.op == "placeholder":
-        if node in captured.param_fqn and isinstance(dim, tuple):
-            return Break(f"parameter {captured.param_fqn[node]} would be centered jointly over dims {dim}")
-        if node in captured.param_fqn:
-            return Source("parameter", captured.param_fqn[node])
         if node in captured.buffer_fqn:
-            return Break(f"buffer {captured.buffer_fqn[node]} cannot be centered")
+            refused = _buffer_refusal(captured, node)
+            if refused is not None:
+                return refused
+        fqn = captured.centerable_fqn(node)
+        if fqn is not None and isinstance(dim, tuple):
+            return Break(f"parameter {fqn} would be centered jointly over dims {dim}")
+        if fqn is not None:
+            return Source("parameter", fqn)
         return Break(f"model input {node.name} is not zero-mean by construction")
     if node.op != "call_function":  # get_attr constants and the like: not parameters, not centerable
         return Break(f"{node.op} node {node.name} is not in the rules table")
@@ -146,6 +149,18 @@ def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> 
     if isinstance(dim, tuple) and rule not in BLOCK_RULES:
         return Break(f"{op_name(node)} would need zero mean jointly over dims {dim} (only layout ops and scaling by a number allow that)")
     return rule(node, dim, group)
+
+
+def _buffer_refusal(captured: Captured, node: fx.Node) -> Break | None:
+    """A buffer is centered like a parameter when it is a constant saved with the weights (a persistent
+    buffer the forward never writes: a sinusoidal position table); else why not."""
+    fqn = captured.buffer_fqn[node]
+    if fqn in captured.unsaved_buffers:
+        return Break(f"buffer {fqn} is not saved with the weights (non-persistent: the model rebuilds it at load), "
+                     "so a centered copy would not survive a reload")
+    if fqn in captured.mutated_buffers or written_in_place(node) is not None:
+        return Break(f"buffer {fqn} is written by the forward: state, not a constant that centering could change once")
+    return None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -169,6 +184,20 @@ def written_through_a_view(node: fx.Node) -> fx.Node | None:
             for reader in tensor.users:
                 if reader is not writer and reader not in views and reader in live and order[reader] > order[writer]:
                     return writer
+    return None
+
+
+def written_in_place(node: fx.Node) -> fx.Node | None:
+    """An op that writes into ``node``'s memory, in place or through a view of it (by the ops'
+    schemas, as :func:`written_through_a_view`), or None."""
+    _, writes = _alias_tree(node)
+    if writes:
+        return writes[0][0]
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None) if user.op == "call_function" else None
+        if schema is not None and any(value is node and argument.alias_info is not None and argument.alias_info.is_write
+                                      for argument, value in _schema_arguments(schema, user)):
+            return user
     return None
 
 
