@@ -574,8 +574,10 @@ def _swap_step(norm: AnalyzedNorm, to: str) -> SwapStep:
     else:
         weight, bias, offset = norm.form.weight_fqn is not None, norm.form.bias_fqn is not None, norm.form.offset
     assert not (folded and offset), "γ read as γ + offset is never folded into a consumer"
+    permute = norm.form.permute if norm.form is not None else ()
+    assert not (permute and to != "RMSNorm"), "a norm between permutes is swapped only for an RMSNorm between them"
     return SwapStep(norm.path, to, *_size_and_eps(norm), elementwise_affine=(weight or bias) and not folded,
-                    bias=bias and not folded, offset=offset)
+                    bias=bias and not folded, offset=offset, permute=permute)
 
 
 def _centering_steps(foldable: list[AnalyzedNorm], parents, captured: Captured):
