@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+import normfold
+from normfold.fold import FoldError
 from test_rules import B, C, T, _x, fold_checked, reason_of
 
 
@@ -51,3 +53,25 @@ def test_a_persistent_constant_buffer_is_centered_with_the_weights_and_the_norm_
 def test_a_buffer_rebuilt_at_load_or_written_by_the_forward_is_refused(persistent: bool, written: bool, reason: str):
     _, report = fold_checked(SinusoidalPositions(persistent, written), (_x(B, T, C),), {"norm": False})
     assert reason in reason_of(report, "norm")
+
+
+class PositionsIntoAHead(nn.Module):
+    """Token embeddings plus a persistent position table, a LayerNorm, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(11, C)
+        self.register_buffer("positions", sinusoidal_table(T, C))
+        self.norm = nn.LayerNorm(C)
+        self.head = nn.Linear(C, 3)
+
+    def forward(self, ids):  # (B, T)
+        return self.head(self.norm(self.tok(ids) + self.positions))
+
+
+def test_rotation_refuses_a_stream_that_a_centered_buffer_writes():
+    ids = torch.randint(0, 11, (B, T), generator=torch.Generator().manual_seed(0))
+    folded, report = normfold.fold(PositionsIntoAHead().eval(), (ids,), precompute=False)
+    assert report.norms[0].producers == ("positions", "tok.weight")
+    with pytest.raises(FoldError, match="buffer positions writes the stream: only parameters are rotated"):
+        normfold.rotate(folded, (ids,))
