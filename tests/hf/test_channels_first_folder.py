@@ -13,6 +13,7 @@ import normfold
 from normfold.cli import EXIT_OK, main
 from normfold.hf.output_dir import REPORT_JSON
 from normfold.nn import PermutedRMSNorm
+from tiny_models import nontrivial_layer_norms
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,12 +25,7 @@ def convnext_dir(tmp_path_factory):
     config = transformers.ConvNextConfig(num_channels=3, hidden_sizes=[8, 16], depths=[1, 1], num_stages=2,
                                          patch_size=2, image_size=16)
     torch.manual_seed(0)
-    model = transformers.ConvNextModel(config)
-    with torch.no_grad():  # non-trivial γ/β: folding them must be tested, not skipped
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_(0.0, 0.1)
+    model = nontrivial_layer_norms(transformers.ConvNextModel(config))
     folder = tmp_path_factory.mktemp("convnext") / "tiny"
     model.save_pretrained(folder)
     return folder

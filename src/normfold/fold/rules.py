@@ -16,7 +16,7 @@ would change the model, so those are Breaks. A question may also be asked jointl
 dims (features split and permuted by layout ops); only layout rules answer those. Unknown ops
 break: never a guess.
 
-One idea in one file, long (some 1,100 lines) because it is a table: a few lines of rule per op
+One idea in one file, long (some 1,300 lines) because it is a table: a few lines of rule per op
 family, each next to its shift rule, and at the end ``_TABLE`` mapping the aten ops to both; split
 by family, every new op would touch the table and a family file, and a reader would follow one
 answer across files. Which ops pass values on unchanged (copies, casts, eval dropout) and which
