@@ -885,6 +885,8 @@ def _masked_scatter(node, dim, group):
     text embeddings). Source entries are taken in row-major order, so along the last dim a selected
     row is a whole row of source when source's rows have the same length."""
     x, mask, source = node.args[0], node.args[1], _arg(node, 2, "source")
+    if shape(source) is None:
+        return Break(f"{op_name(node)}: source {source.name} has no static shape")
     if dim != _rank(node) - 1:
         return Break(f"{op_name(node)} along a dim other than the last: its source is read in row-major order")
     if shape(source)[-1] != shape(node)[-1]:
@@ -899,6 +901,8 @@ def _index_put(node, dim, group):
     values', or a sum of them; values broadcast right-aligned, so their last dim is the row. Writing
     along the last dim itself writes part of a row."""
     x, indices, values = node.args[0], list(node.args[1]), _arg(node, 2, "values")
+    if any(index is not None and shape(index) is None for index in indices):
+        return Break(f"{op_name(node)}: an index has no static shape")
     if dim != _rank(node) - 1 or _indexes_last_dim(indices, _rank(x)):
         return Break(f"{op_name(node)} writes along the normalized dim (only writes of whole rows of the last dim keep "
                      "rows zero-mean)")
@@ -930,6 +934,8 @@ def _gather(node, dim, group):
     x, d, index = node.args[0], node.args[1] % _rank(node), node.args[2]
     if d == dim:
         return Break(f"{op_name(node)} picks entries along the normalized dim")
+    if shape(index) is None:
+        return Break(f"{op_name(node)}: index {index.name} has no static shape")
     if shape(index)[dim] != shape(x)[dim]:
         return Break(f"{op_name(node)} keeps {shape(index)[dim]} of the {shape(x)[dim]} entries of each row")
     if not constant_along(index, _rank(node), dim):
