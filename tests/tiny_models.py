@@ -84,3 +84,14 @@ def lm_logits(model, call: dict):
     """``model(**call).logits`` without gradients."""
     with torch.no_grad():
         return model(**call).logits
+
+
+def nontrivial_layer_norms(model):
+    """γ in [0.5, 1.5], β ~ N(0, 0.1) in every LayerNorm: folding γ/β is then tested, not skipped
+    (γ = 1, β = 0 at init would hide affine bugs). Returns the model."""
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0.0, 0.1)
+    return model

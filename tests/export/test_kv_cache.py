@@ -16,6 +16,7 @@ from normfold.export import KV_CACHE_MODEL_TYPES, RMS_NODE_TYPES, export_onnx, g
 from normfold.hf import default_model_path  # noqa: E402
 from normfold.hf.inputs import example_inputs_for  # noqa: E402
 from normfold.hf.load import load_model  # noqa: E402
+from tiny_models import nontrivial_layer_norms  # noqa: E402
 
 PROMPT = b"The meaning of life is"
 NEW_TOKENS = 20
@@ -71,13 +72,7 @@ def _tiny(model_type: str):
             n_layer=2, hidden_size=32, n_head=2, vocab_size=64)),
     }
     torch.manual_seed(0)
-    model = configs[model_type]().eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_(0.0, 0.1)
-    return model
+    return nontrivial_layer_norms(configs[model_type]().eval())
 
 
 @pytest.mark.parametrize("model_type", KV_CACHE_MODEL_TYPES)

@@ -1,7 +1,7 @@
 """Norm variants are decided by what their traced ops compute, not by their class (issue 16 item 4):
 a LayerNorm subclass scaling by (γ + 1) (Nemotron's LayerNorm1P) becomes an RMSNorm with offset 1,
-a channels-first LayerNorm (ConvNeXt's: permute → layer_norm → permute) is kept saying what it
-computes, a parameter-free module calling ``F.layer_norm`` (OLMo's) is replaced by a weightless
+a channels-first LayerNorm (ConvNeXt's: permute → layer_norm → permute) becomes an RMSNorm between
+the same permutes (issue 33), a parameter-free module calling ``F.layer_norm`` (OLMo's) is replaced by a weightless
 RMSNorm, or kept naming the float32 casts around its norm. Each folded model is compared with the
 original in float64, with and without the fold's own verification."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from normfold.fold import FoldPlan, fold
 from normfold.fold.pipeline import apply_fold
-from normfold.nn import RMSNorm
+from normfold.nn import PermutedRMSNorm, RMSNorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the zoo's randomiser, as tests/fuse does
 from fold.conftest import _randomize_constant_parameters  # noqa: E402
@@ -111,7 +111,7 @@ def test_a_layer_norm_scaling_by_gamma_plus_one_becomes_an_rms_norm_with_offset_
     assert exact < 1e-12 and own < 1e-5
 
 
-def test_a_channels_first_layer_norm_is_kept_saying_it_permutes():
+def test_a_channels_first_layer_norm_folds_between_its_permutes():
     class ConvStack(nn.Module):
         def __init__(self):
             super().__init__()
@@ -125,9 +125,8 @@ def test_a_channels_first_layer_norm_is_kept_saying_it_permutes():
     model = _randomised(ConvStack())
     folded, report = fold(model, {"x": torch.randn(2, 4, 5)})  # before: a raw ValueError (γ of 16 on a last dim of 5)
     entry = report.norms[0]
-    assert not entry.foldable and not report.plan.swap
-    assert "ChannelsFirstLayerNorm computes aten.permute → aten.layer_norm → aten.permute" in entry.reason
-    assert isinstance(folded.norm, ChannelsFirstLayerNorm)
+    assert entry.foldable and [s.permute for s in report.plan.swap] == [(0, 2, 1)]
+    assert isinstance(folded.norm, PermutedRMSNorm)
 
 
 def test_a_parameter_free_module_calling_the_functional_norm_becomes_a_weightless_rms_norm():

@@ -454,7 +454,7 @@ def test_a_parameter_needed_along_two_groupings_keeps_the_grouped_norm():
 class BufferSource(nn.Module):
     def __init__(self):
         super().__init__()
-        self.register_buffer("table", torch.randn(T, C))
+        self.register_buffer("table", torch.randn(T, C), persistent=False)
         self.fc = nn.Linear(C, C)
         self.norm = nn.LayerNorm(C)
 
@@ -462,7 +462,7 @@ class BufferSource(nn.Module):
         return self.norm(self.fc(x) + self.table)
 
 
-def test_a_buffer_cannot_be_centered():
+def test_a_non_persistent_buffer_cannot_be_centered():
     _, report = fold_checked(BufferSource(), (_x(B, T, C),), {"norm": False})
     assert "buffer table" in report.norms[0].reason
 

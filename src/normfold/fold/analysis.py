@@ -326,7 +326,8 @@ class _FoldingSet:
     @classmethod
     def of(cls, walker: Walker, active: list[AnalyzedNorm], captured: Captured) -> _FoldingSet:
         graph_needs = [need for norm in active for need in norm.zero_mean_graph]
-        centered = {need.node for need in graph_needs if need.node in captured.param_fqn and walker.memo[need].changed}
+        centered = {need.node for need in graph_needs
+                    if captured.centerable_fqn(need.node) is not None and walker.memo[need].changed}
         changed, stack = set(), list(centered)
         while stack:
             node = stack.pop()
@@ -696,8 +697,10 @@ def _swap_step(norm: AnalyzedNorm, to: str) -> SwapStep:
     else:
         weight, bias, offset = norm.form.weight_fqn is not None, norm.form.bias_fqn is not None, norm.form.offset
     assert not (folded and offset), "γ read as γ + offset is never folded into a consumer"
+    permute = norm.form.permute if norm.form is not None else ()
+    assert not (permute and to != "RMSNorm"), "a norm between permutes is swapped only for an RMSNorm between them"
     return SwapStep(norm.path, to, *_size_and_eps(norm), elementwise_affine=(weight or bias) and not folded,
-                    bias=bias and not folded, offset=offset)
+                    bias=bias and not folded, offset=offset, permute=permute)
 
 
 def centered_parts(norms: list[AnalyzedNorm], captured: Captured) -> dict[str, tuple[int, int | None, frozenset | None]]:
@@ -721,7 +724,7 @@ def _centering_steps(foldable: list[AnalyzedNorm], parents, captured: Captured):
             norm_of[_canonical(fqn, captured)] = norm.path
     by_tensor = centered_parts(foldable, captured)
     centered_names = {use_alias(captured, need.node, user) for norm in foldable for need in norm.zero_mean_graph
-                      if need.node in captured.param_fqn
+                      if captured.centerable_fqn(need.node) is not None
                       for user in _with_readers_in_sums(parents.get(need, set()), need.node)}
     center, untie, untied = [], [], []
     for canonical, (dim, group, groups) in sorted(by_tensor.items()):

@@ -94,6 +94,17 @@ class Captured:
     # placeholder -> the path of the submodule whose recorded input it is (``fold.submodules``: a value
     # computed outside the graph, so nothing is known about its mean); empty for a whole-model capture
     inputs_from: dict[fx.Node, str] = field(default_factory=dict)
+    unsaved_buffers: frozenset[str] = frozenset()   # buffers outside the state dict (non-persistent): rebuilt at load
+    mutated_buffers: frozenset[str] = frozenset()   # buffers the forward writes: state, not constants
+
+    def centerable_fqn(self, node) -> str | None:
+        """The name under which ``node`` is stored with the weights, so a centered copy is what a reload
+        reads: a parameter's, or a buffer's that the state dict holds and the forward never writes
+        (a constant table, e.g. sinusoidal positions); None for anything else."""
+        if node in self.param_fqn:
+            return self.param_fqn[node]
+        fqn = self.buffer_fqn.get(node)
+        return fqn if fqn is not None and fqn not in self.unsaved_buffers | self.mutated_buffers else None
 
 
 def check_model_and_inputs(model: nn.Module, example_inputs) -> list:
@@ -118,7 +129,9 @@ def capture(model: nn.Module, example_inputs) -> Captured:
     by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
     param_fqn = {by_name[name]: fqn for name, fqn in sig.inputs_to_parameters.items()}
     buffer_fqn = {by_name[name]: fqn for name, fqn in sig.inputs_to_buffers.items()}
-    return Captured(ep.graph, param_fqn, buffer_fqn, parameter_aliases(model))
+    return Captured(ep.graph, param_fqn, buffer_fqn, parameter_aliases(model),
+                    unsaved_buffers=frozenset(sig.non_persistent_buffers),
+                    mutated_buffers=frozenset(sig.buffers_to_mutate.values()))
 
 
 def export_call(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
@@ -229,7 +242,7 @@ def use_alias(captured: Captured, param: fx.Node, user: fx.Node) -> str:
     Export may feed every name of a tied tensor through one placeholder; the name whose owning
     module ran ``user`` is the one the user reads.
     """
-    fqn = captured.param_fqn[param]
+    fqn = captured.centerable_fqn(param)
     names = captured.aliases.get(fqn, (fqn,))
     if len(names) > 1:
         path = module_path(user)

@@ -7,9 +7,12 @@ A module the fold may replace must compute, on its input x, exactly
 with γ/β its own parameters (or absent) and offset a constant: torch's ``nn.LayerNorm`` (offset 0),
 Nemotron's ``LayerNorm1P`` (``weight + 1``: offset 1) and a parameter-free module calling
 ``F.layer_norm(x, shape, None, None, eps)`` (OLMo's) all do; that form is an RMSNorm with the same
-offset once x is zero-mean. Anything else the module runs (a permute to normalize channels-first
-data as ConvNeXt's norm does, a cast to float32 around the norm, arithmetic on its input or output)
-makes it another function, and the module is kept with a reason naming those ops.
+offset once x is zero-mean. A channels-first norm (ConvNeXt's, GotOcr2's, LW-DETR's) runs the same
+form between a permute of its input and the inverse permute of its output: an RMSNorm between the
+same permutes (``normfold.nn.PermutedRMSNorm``) once x is zero-mean over the normalized (channel)
+dim. Anything else the module runs (a cast to float32 around the norm, arithmetic on its input or
+output, permutes that do not undo each other) makes it another function, and the module is kept
+with a reason naming those ops.
 
 RMSNorms written out as elementwise ops (Llama's ``LlamaRMSNorm``, Gemma's with (1 + w), ...) are
 recognised the same way, from what they compute (:func:`rms_form`): x / √(mean(x², -1) + eps),
@@ -23,7 +26,7 @@ import functools
 import numbers
 import operator
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import fx, nn
@@ -41,11 +44,13 @@ _aten = torch.ops.aten
 
 @dataclass(frozen=True)
 class NormForm:
-    """y = LN(x)·(offset + γ) + β: the parameters the traced call reads (None: absent) and the offset."""
+    """y = LN(x)·(offset + γ) + β: the parameters the traced call reads (None: absent) and the offset;
+    ``permute``: y = LN(x.permute(permute))·(offset + γ) + β, permuted back (empty: no permute)."""
 
     weight_fqn: str | None
     bias_fqn: str | None
     offset: float = 0.0
+    permute: tuple[int, ...] = ()
 
 
 def module_nodes(captured: Captured, path: str) -> list[fx.Node]:
@@ -84,10 +89,29 @@ def traced_form(calls: list[NormCall], path: str, captured: Captured) -> NormFor
     own = {c.node for c in calls} | {c.output for c in calls} | {c.weight for c in calls}
     extra = [n for n in module_nodes(captured, path) if n not in own and op_packet(n) not in METADATA_OPS
              and not _is_norm_statistic(n, calls)]
-    if extra:
+    order = _permuted_around(extra, calls)
+    if extra and order is None:
         return (f"computes {_ops_around(extra, calls)}, not a layer norm of its input alone "
                 "(normfold's RMSNorm normalizes its input's last dim, with nothing around it)")
-    return forms.pop()
+    return replace(forms.pop(), permute=order or ())
+
+
+def _permuted_around(extra: list[fx.Node], calls: list[NormCall]) -> tuple[int, ...] | None:
+    """The order p when the module's other ops are, for every call, exactly x.permute(p) feeding the
+    norm and the inverse permute of its output, read by nothing else (a channels-first norm); else None."""
+    orders, pairs = set(), set()
+    for call in calls:
+        before, users = call.x, list(call.output.users) if call.output is not None else []
+        if op_packet(before) != _aten.permute or len(before.users) != 1 or len(users) != 1:
+            return None
+        after = users[0]
+        order = tuple(d % len(before.args[1]) for d in before.args[1])
+        inverse = tuple(sorted(range(len(order)), key=order.__getitem__))
+        if op_packet(after) != _aten.permute or tuple(d % len(order) for d in after.args[1]) != inverse:
+            return None
+        orders.add(order)
+        pairs |= {before, after}
+    return orders.pop() if len(orders) == 1 and pairs == set(extra) else None
 
 
 def _weight_form(call: NormCall, path: str, captured: Captured) -> NormForm | str:

@@ -204,7 +204,9 @@ class SwapStep(Step):
     """Replace the norm module at ``path`` by ``to`` ("RMSNorm", "LayerNorm" or "Identity").
 
     ``offset``: the norm scales by (offset + γ), as Nemotron's ``LayerNorm1P`` (γ + 1) does; the
-    RMSNorm swapped in computes the same (``normfold.nn.RMSNorm(offset=...)``).
+    RMSNorm swapped in computes the same (``normfold.nn.RMSNorm(offset=...)``). ``permute``: the norm
+    normalizes the last dim of ``x.permute(permute)`` and permutes back, as a channels-first LayerNorm
+    does (``normfold.nn.PermutedRMSNorm``); empty for a norm of its input's last dim.
     """
 
     path: str
@@ -214,6 +216,10 @@ class SwapStep(Step):
     elementwise_affine: bool
     bias: bool
     offset: float = 0.0
+    permute: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "permute", tuple(self.permute))  # a plan read back from JSON holds a list
 
     def reads(self) -> tuple[str, ...]:
         return ()

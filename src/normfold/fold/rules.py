@@ -16,7 +16,7 @@ would change the model, so those are Breaks. A question may also be asked jointl
 dims (features split and permuted by layout ops); only layout rules answer those. Unknown ops
 break: never a guess.
 
-One idea in one file, long (some 1,100 lines) because it is a table: a few lines of rule per op
+One idea in one file, long (some 1,300 lines) because it is a table: a few lines of rule per op
 family, each next to its shift rule, and at the end ``_TABLE`` mapping the aten ops to both; split
 by family, every new op would touch the table and a family file, and a reader would follow one
 answer across files. Which ops pass values on unchanged (copies, casts, eval dropout) and which
@@ -35,10 +35,10 @@ import torch
 from torch import fx
 
 from .._text import dtype_name
-from .graph import Captured, op_name, per_graph, shape
+from .graph import Captured, op_name, op_packet, per_graph, shape
 from .graph import node_arg as _arg  # the short name reads better in the many rules below
 from .op_kinds import (CAST_OP_NAMES, CAST_OPS, COPY_OP_NAMES, DROPOUT_OP_NAMES, aten_packets, is_training_dropout,
-                       norm_node_kind, through_value_copies)
+                       norm_node_kind, passes_values_on, through_value_copies)
 
 _aten = torch.ops.aten
 
@@ -132,12 +132,15 @@ def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> 
         return Break(f"written in place through a view by {op_name(writer)} (t[:, :k] = v): later readers "
                      "see what the write left, not what the op computed")
     if node.op == "placeholder":
-        if node in captured.param_fqn and isinstance(dim, tuple):
-            return Break(f"parameter {captured.param_fqn[node]} would be centered jointly over dims {dim}")
-        if node in captured.param_fqn:
-            return Source("parameter", captured.param_fqn[node])
         if node in captured.buffer_fqn:
-            return Break(f"buffer {captured.buffer_fqn[node]} cannot be centered")
+            refused = _buffer_refusal(captured, node)
+            if refused is not None:
+                return refused
+        fqn = captured.centerable_fqn(node)
+        if fqn is not None and isinstance(dim, tuple):
+            return Break(f"parameter {fqn} would be centered jointly over dims {dim}")
+        if fqn is not None:
+            return Source("parameter", fqn)
         return Break(f"model input {node.name} is not zero-mean by construction")
     if node.op != "call_function":  # get_attr constants and the like: not parameters, not centerable
         return Break(f"{node.op} node {node.name} is not in the rules table")
@@ -153,6 +156,18 @@ def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> 
     if isinstance(dim, tuple) and rule not in BLOCK_RULES:
         return Break(f"{op_name(node)} would need zero mean jointly over dims {dim} (only layout ops and scaling by a number allow that)")
     return rule(node, dim, group)
+
+
+def _buffer_refusal(captured: Captured, node: fx.Node) -> Break | None:
+    """A buffer is centered like a parameter when it is a constant saved with the weights (a persistent
+    buffer the forward never writes: a sinusoidal position table); else why not."""
+    fqn = captured.buffer_fqn[node]
+    if fqn in captured.unsaved_buffers:
+        return Break(f"buffer {fqn} is not saved with the weights (non-persistent: the model rebuilds it at load), "
+                     "so a centered copy would not survive a reload")
+    if fqn in captured.mutated_buffers or written_in_place(node) is not None:
+        return Break(f"buffer {fqn} is written by the forward: state, not a constant that centering could change once")
+    return None
 
 
 # --------------------------------------------------------------------------- helpers
@@ -176,6 +191,20 @@ def written_through_a_view(node: fx.Node) -> fx.Node | None:
             for reader in tensor.users:
                 if reader is not writer and reader not in views and reader in live and order[reader] > order[writer]:
                     return writer
+    return None
+
+
+def written_in_place(node: fx.Node) -> fx.Node | None:
+    """An op that writes into ``node``'s memory, in place or through a view of it (by the ops'
+    schemas, as :func:`written_through_a_view`), or None."""
+    _, writes = _alias_tree(node)
+    if writes:
+        return writes[0][0]
+    for user in node.users:
+        schema = getattr(user.target, "_schema", None) if user.op == "call_function" else None
+        if schema is not None and any(value is node and argument.alias_info is not None and argument.alias_info.is_write
+                                      for argument, value in _schema_arguments(schema, user)):
+            return user
     return None
 
 
@@ -811,6 +840,163 @@ def _zero_source(node, dim, group):
     return Break(f"{op_name(node)} with a non-zero fill value")
 
 
+# --------------------------------------------------------------------------- ops that treat every feature alike
+#
+# Each op below moves, copies, averages or zeroes whole rows along the normalized dim, or permutes a
+# row's entries, with the same choice for every entry of the row (a mask or an index that is
+# constant along the dim, weights that do not depend on the channel). Such an op is linear in each
+# row and maps a row of ones to a row of ones (or to zeros), so it commutes with P: op(P·x) = P·op(x).
+
+
+def constant_along(value, out_rank: int, dim: int) -> bool:
+    """``value`` (a number, or a tensor broadcast right-aligned to rank ``out_rank``) holds one entry all
+    along ``dim``: a number, a size-1 or absent dim, or a broadcast (``expand``), cast or comparison of
+    values that are. Never a guess: anything else is False."""
+    if not isinstance(value, fx.Node):
+        return isinstance(value, (int, float, bool))
+    s = shape(value)
+    if s is None:
+        return False
+    d = dim - (out_rank - len(s))
+    if d < 0 or s[d] == 1:
+        return True
+    packet = op_packet(value)
+    if packet in _BROADCAST_OPS or passes_values_on(value, casts=True):
+        return constant_along(value.args[0], len(s), d)
+    if packet == _aten.unsqueeze:  # the new dim has size 1 (caught above); the others are the input's
+        new = value.args[1] % len(s)
+        return constant_along(value.args[0], len(s) - 1, d - (d > new))
+    if packet in _ELEMENTWISE_PREDICATES:  # eq(ids, k), ~mask, a & b: constant where every operand is
+        return all(constant_along(a, len(s), d) for a in value.args)
+    return False
+
+
+def _mask_varies(node, mask, dim) -> Break | None:
+    if constant_along(mask, _rank(node), dim):
+        return None
+    return Break(f"{op_name(node)} with a mask that varies along the normalized dim: it writes part of a row")
+
+
+def _masked_fill(node, dim, group):
+    """Rows of x or rows of zeros, chosen by a mask constant along the dim: P(0) = 0. A non-zero fill
+    value is a constant row (not zero-mean); a mask that varies along the dim fills part of a row."""
+    x, mask, value = node.args[0], node.args[1], _arg(node, 2, "value")
+    if not _is_zero_literal(value):
+        return Break(f"{op_name(node)} fills with {value.name if isinstance(value, fx.Node) else value!r}, "
+                     "not 0: a filled row is constant, not zero-mean")
+    return _mask_varies(node, mask, dim) or _collect(node, [_broadcast_operand(node, x, dim, group)])
+
+
+def _masked_scatter(node, dim, group):
+    """Rows of x, or the next rows of source where a whole-row mask is set (image features merged into
+    text embeddings). Source entries are taken in row-major order, so along the last dim a selected
+    row is a whole row of source when source's rows have the same length."""
+    x, mask, source = node.args[0], node.args[1], _arg(node, 2, "source")
+    if shape(source) is None:
+        return Break(f"{op_name(node)}: source {source.name} has no static shape")
+    if dim != _rank(node) - 1:
+        return Break(f"{op_name(node)} along a dim other than the last: its source is read in row-major order")
+    if shape(source)[-1] != shape(node)[-1]:
+        return Break(f"{op_name(node)}: source rows of {shape(source)[-1]} entries do not fill whole rows of "
+                     f"{shape(node)[-1]}")
+    return _mask_varies(node, mask, dim) or _collect(
+        node, [_broadcast_operand(node, x, dim, group), make_need(source, _rank(source) - 1, group)])
+
+
+def _index_put(node, dim, group):
+    """x with rows written (or, accumulating, added) at indices of the leading dims: each row is x's,
+    values', or a sum of them; values broadcast right-aligned, so their last dim is the row. Writing
+    along the last dim itself writes part of a row."""
+    x, indices, values = node.args[0], list(node.args[1]), _arg(node, 2, "values")
+    if any(index is not None and shape(index) is None for index in indices):
+        return Break(f"{op_name(node)}: an index has no static shape")
+    if dim != _rank(node) - 1 or _indexes_last_dim(indices, _rank(x)):
+        return Break(f"{op_name(node)} writes along the normalized dim (only writes of whole rows of the last dim keep "
+                     "rows zero-mean)")
+    return _collect(node, [make_need(x, dim, group), _broadcast_operand(node, values, dim, group)])
+
+
+def _indexes_last_dim(indices: list, rank: int) -> bool:
+    """An index list (None: a whole dim; a bool mask covers as many dims as it has) reaches the last dim."""
+    position = 0
+    for index in indices:
+        width = _rank(index) if index is not None and index.meta["val"].dtype == torch.bool else 1
+        if index is not None and position + width >= rank:
+            return True
+        position += width
+    return False
+
+
+def _index_copy(node, dim, group):
+    """Slices of x replaced by slices of source along another dim: each row is x's or source's."""
+    x, d, source = node.args[0], node.args[1] % _rank(node), _arg(node, 3, "source")
+    if d == dim:
+        return Break(f"{op_name(node)} copies entries along the normalized dim: it writes part of a row")
+    return Requires((make_need(x, dim, group), make_need(source, dim, group)))
+
+
+def _gather(node, dim, group):
+    """out[..., i, ..., k] = x[..., index[..., i, ..., k], ..., k] along another dim: a whole row of x
+    when the index is constant along the dim and as long as the row."""
+    x, d, index = node.args[0], node.args[1] % _rank(node), node.args[2]
+    if d == dim:
+        return Break(f"{op_name(node)} picks entries along the normalized dim")
+    if shape(index) is None:
+        return Break(f"{op_name(node)}: index {index.name} has no static shape")
+    if shape(index)[dim] != shape(x)[dim]:
+        return Break(f"{op_name(node)} keeps {shape(index)[dim]} of the {shape(x)[dim]} entries of each row")
+    if not constant_along(index, _rank(node), dim):
+        return Break(f"{op_name(node)} with an index that varies along the normalized dim: a row mixes entries "
+                     "of different rows")
+    return Requires((make_need(x, dim, group),))
+
+
+def _repeat_counts(node) -> list[int]:
+    """One count per output dim: ``repeat`` gives them all; ``tile`` pads missing leading ones with 1."""
+    counts = list(node.args[1])
+    return [1] * (_rank(node) - len(counts)) + counts
+
+
+def _repeat(node, dim, group):
+    """Copies of x side by side (``repeat``, ``tile``). Along another dim a row is a row of x. Along
+    the dim itself a row is [r, r, …, r] for a row r of x, whose mean is r's: centering x centers it
+    (per group when the groups do not straddle the copies). A new leading dim, or a dim of size 1
+    repeated, makes a constant row: not zero-mean."""
+    x = node.args[0]
+    new = _rank(node) - _rank(x)
+    if dim < new:
+        return Break(f"{op_name(node)} copies the tensor along a new normalized dim: a constant row")
+    n, count = shape(x)[dim - new], _repeat_counts(node)[dim]
+    if count != 1 and n == 1:
+        return Break(f"{op_name(node)} fills the normalized dim from a single entry: a constant row")
+    if count != 1 and group is not None and n % group and group % n:
+        return Break(f"{op_name(node)}: groups of {group} straddle the {count} copies of {n} entries")
+    return Requires((make_need(x, dim - new, None if group is not None and group % n == 0 else group),))
+
+
+def _roll(node, dim, group):
+    """A cyclic shift along some dims: along other dims it moves whole rows; along the dim it permutes
+    each row's entries, which keeps its mean (a group's, when the shift moves whole groups). With no
+    dims it rolls the flattened tensor, moving entries between rows."""
+    shifts, dims = node.args[1], _arg(node, 2, "dims", [])
+    shifts, dims = [shifts] if isinstance(shifts, int) else list(shifts), [dims] if isinstance(dims, int) else list(dims)
+    if not dims:
+        return Break(f"{op_name(node)} of the flattened tensor moves entries between rows")
+    for amount, d in zip(shifts, dims):
+        if d % _rank(node) == dim and group is not None and amount % group:
+            return Break(f"{op_name(node)} by {amount} along the normalized dim mixes its groups of {group}")
+    return Requires((make_need(node.args[0], dim, group),))
+
+
+def _spatial(node, dim, group):
+    """Upsampling and average pooling over the trailing spatial dims: out[n, c] = A·x[n, c] with the
+    same weights A for every channel (and batch entry), so centering over channels commutes with it.
+    Along a spatial dim the op mixes the entries of a row."""
+    if dim >= _rank(node) - _SPATIAL_DIMS[op_packet(node)]:
+        return Break(f"{op_name(node)} mixes entries along the normalized dim (a spatial dim)")
+    return Requires((make_need(node.args[0], dim, group),))
+
+
 # --------------------------------------------------------------------------- the shift column
 #
 # Centering a producer changes it from x to x − m·1 along a dim (m a per-row mean): a *ones-vector
@@ -1034,10 +1220,53 @@ def _shift_getitem(node, operand, dims):
     return {d if d < ds else d - 1 for d in dims if d != ds} if name == "unbind" else dims
 
 
+def _shift_masked(node, operand, dims):
+    """x + δ where the mask keeps x, the fill (or source) elsewhere: constant where δ and the mask are."""
+    if not _only_at(node, operand, 0):
+        return None
+    return {d for d in dims if constant_along(node.args[1], _rank(node), d)}
+
+
+def _shift_repeat(node, operand, dims):
+    """Copies of a constant run are constant, along the repeated dims too; new leading dims hold copies."""
+    if not _only_at(node, operand, 0):
+        return None
+    new = _rank(node) - _rank(operand)
+    return {d + new for d in dims} | set(range(new))
+
+
+def _shift_roll(node, operand, dims):
+    """A cyclic shift along some dims moves a constant run along them, still constant."""
+    return dims if _only_at(node, operand, 0) and _arg(node, 2, "dims", []) else None
+
+
+def _shift_spatial(node, operand, dims):
+    """The same weights for every channel: constant along the non-spatial dims where δ is (along a spatial
+    dim, padded pooling weights need not sum to 1)."""
+    if not _only_at(node, operand, 0):
+        return None
+    return {d for d in dims if d < _rank(node) - _SPATIAL_DIMS[op_packet(node)]}
+
+
 # --------------------------------------------------------------------------- the table
 
 
 _ZERO_OPS = set(aten_packets("zeros", "zeros_like", "new_zeros"))
+# upsampling and average pooling -> how many trailing (spatial) dims they act on
+_SPATIAL_OP_NAMES = {
+    **dict.fromkeys(("upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_linear1d", "avg_pool1d",
+                     "adaptive_avg_pool1d"), 1),
+    **dict.fromkeys(("upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
+                     "upsample_bicubic2d", "_upsample_bicubic2d_aa", "avg_pool2d", "adaptive_avg_pool2d",
+                     "_adaptive_avg_pool2d"), 2),
+    **dict.fromkeys(("upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_trilinear3d", "avg_pool3d",
+                     "adaptive_avg_pool3d", "_adaptive_avg_pool3d"), 3)}
+_SPATIAL_DIMS = {packet: k for name, k in _SPATIAL_OP_NAMES.items() for packet in aten_packets(name)}
+_BROADCAST_OPS = set(aten_packets("expand", "expand_as", "broadcast_to"))
+# elementwise ops on masks and indices (comparisons, logic): constant along a dim where every operand is
+_ELEMENTWISE_PREDICATES = set(aten_packets("eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and",
+                                           "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
+                                           "__and__", "__or__", "__invert__"))
 # op -> index of its fill value: full(size, v), full_like(x, v), fill(x, v), new_full(x, size, v)
 _FULL_OPS = {**{p: 1 for p in aten_packets("full", "full_like", "fill")}, **{p: 2 for p in aten_packets("new_full")}}
 
@@ -1074,6 +1303,15 @@ _TABLE: list[tuple[tuple[str, ...], Callable[[fx.Node, int, int | None], Answer]
     (("embedding",), _embedding, None),
     # sources (a LayerNorm absorbs a shift of its input: the closedness check decides that, not this column)
     (("layer_norm",), _layer_norm_source, None),
+    # ops that treat every feature alike: whole rows moved, copied, averaged or zeroed, or a row's entries permuted
+    (("masked_fill",), _masked_fill, _shift_masked), (("masked_fill_",), _in_place(_masked_fill), None),
+    (("masked_scatter",), _masked_scatter, _shift_masked), (("masked_scatter_",), _in_place(_masked_scatter), None),
+    (("index_put",), _index_put, None), (("index_put_",), _in_place(_index_put), None),
+    (("index_copy",), _index_copy, None), (("index_copy_",), _in_place(_index_copy), None),
+    (("gather",), _gather, None),
+    (("repeat", "tile"), _repeat, _shift_repeat),
+    (("roll",), _roll, _shift_roll),
+    (tuple(_SPATIAL_OP_NAMES), _spatial, _shift_spatial),
 ]
 RULES: dict[object, Callable[[fx.Node, int, int | None], Answer]] = {
     packet: rule for names, rule, _ in _TABLE for packet in aten_packets(*names)}

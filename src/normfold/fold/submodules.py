@@ -181,8 +181,11 @@ def _merged(parts: list[tuple[int, str, torch.export.ExportedProgram]],
     every part's outputs the graph's outputs."""
     graph = fx.Graph()
     param_fqn, buffer_fqn, inputs_from, shared, outputs = {}, {}, {}, {}, []
+    unsaved, mutated = set(), set()  # buffers rebuilt at load, buffers the forward writes (root names)
     for _, path, ep in sorted(parts, key=lambda part: part[0]):
         owned = {spec.arg.name: (spec.kind, spec.target) for spec in ep.graph_signature.input_specs}
+        unsaved |= {f"{path}.{name}" for name in ep.graph_signature.non_persistent_buffers}
+        mutated |= {f"{path}.{name}" for name in ep.graph_signature.buffers_to_mutate.values()}
         val_map = {}
         for node in ep.graph.find_nodes(op="placeholder"):
             kind, target = owned.get(node.name, (None, None))
@@ -203,7 +206,8 @@ def _merged(parts: list[tuple[int, str, torch.export.ExportedProgram]],
                 node.meta["nn_module_stack"] = {key: (path_in_root(path, entry), kind)
                                                 for key, (entry, kind) in node.meta["nn_module_stack"].items()}
     graph.output(tuple(outputs))
-    return Captured(graph, param_fqn, buffer_fqn, aliases, inputs_from)
+    return Captured(graph, param_fqn, buffer_fqn, aliases, inputs_from=inputs_from,
+                    unsaved_buffers=frozenset(unsaved), mutated_buffers=frozenset(mutated))
 
 
 def _placeholder(graph: fx.Graph, name: str, like: fx.Node) -> fx.Node:

@@ -3,10 +3,12 @@
 norm swap, untying a config)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor, nn
 
-from ..nn import RMSNorm
+from ..nn import PermutedRMSNorm, RMSNorm
 from .executor import run
 from .plan import FoldPlan, SwapStep
 
@@ -92,16 +94,33 @@ def swap_norm(model: nn.Module, step: SwapStep, *, share_parameters: bool = Fals
     if step.to == "Identity":
         model.set_submodule(step.path, nn.Identity().train(old.training))
         return
+    if step.to == "LayerNorm" and isinstance(old, nn.LayerNorm) and type(old) is not nn.LayerNorm:
+        model.set_submodule(step.path, _same_class_layer_norm(old, step, share_parameters))
+        return
     cls = RMSNorm if step.to == "RMSNorm" else nn.LayerNorm
     new = norm_like(old, cls, step.normalized_shape, step.eps,
                     weight=old.weight if step.elementwise_affine else None,
                     bias=old.bias if step.elementwise_affine and step.bias else None,
-                    share_parameters=share_parameters, offset=step.offset)
+                    share_parameters=share_parameters, offset=step.offset, permute=step.permute)
     model.set_submodule(step.path, new)
 
 
+def _same_class_layer_norm(old: nn.LayerNorm, step: SwapStep, share_parameters: bool) -> nn.LayerNorm:
+    """A copy of a LayerNorm subclass (ConvNeXt's ``ConvNextLayerNorm``) keeping the γ/β the step keeps:
+    its class stays, so a stock loader builds the same module. Its traced form is LN(x)·γ + β with its
+    own γ/β (``norm_forms.traced_form``), so with γ/β set to None it computes LN(x), as a torch
+    LayerNorm without affine would."""
+    new = copy.deepcopy(old)
+    keep = {"weight": step.elementwise_affine, "bias": step.elementwise_affine and step.bias}
+    for name, kept in keep.items():
+        setattr(new, name, (getattr(old, name) if share_parameters else getattr(new, name)) if kept else None)
+    new.elementwise_affine = step.elementwise_affine
+    return new
+
+
 def norm_like(old: nn.Module, cls: type[nn.Module], normalized_shape, eps: float, *, weight: Tensor | None,
-              bias: Tensor | None, share_parameters: bool = False, offset: float = 0.0) -> nn.Module:
+              bias: Tensor | None, share_parameters: bool = False, offset: float = 0.0,
+              permute: tuple[int, ...] = ()) -> nn.Module:
     """A ``cls`` norm (normfold ``RMSNorm`` or torch ``LayerNorm``) to stand where ``old`` stands:
     on its device and dtype, in its train/eval mode, holding γ = ``weight`` and β = ``bias``.
 
@@ -109,13 +128,20 @@ def norm_like(old: nn.Module, cls: type[nn.Module], normalized_shape, eps: float
     fold. Values are copied (cast to ``old``'s dtype), or with ``share_parameters`` the given
     Parameters themselves are held. Neither given: no affine; β without γ: γ = 1. ``offset``: the
     RMSNorm scales by (offset + γ) (a torch LayerNorm has no offset: only 0 is accepted for it).
+    ``permute``: the RMSNorm normalizes the last dim of ``x.permute(permute)`` and permutes back
+    (``PermutedRMSNorm``, a channels-first norm's replacement).
     """
     if offset and cls is not RMSNorm:
         raise ValueError(f"only normfold's RMSNorm scales by (offset + γ); got offset={offset} for {cls.__name__}")
+    if permute and cls is not RMSNorm:
+        raise ValueError(f"only normfold's RMSNorm is swapped in around a permute; got permute={permute} for "
+                         f"{cls.__name__}")
     ref = next((t for t in (getattr(old, "weight", None), getattr(old, "bias", None)) if t is not None), None)
     factory = {"device": ref.device, "dtype": ref.dtype} if ref is not None else {}
     affine = weight is not None or bias is not None
     options = {"offset": offset} if offset else {}
+    if permute:
+        cls, options["order"] = PermutedRMSNorm, tuple(permute)
     new = cls(normalized_shape, eps=eps, elementwise_affine=affine, bias=bias is not None, **options, **factory)
     with torch.no_grad():
         for name, value in (("weight", weight), ("bias", bias)):

@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from .._text import dtype_name, first_line
-from ..nn import RMSNorm
+from ..nn import PermutedRMSNorm, RMSNorm
 from .errors import FoldVerificationError, failures_as_fold_error, model_name
 from .graph import eval_mode, split_example_calls
 from .math import mean_over_rms
@@ -622,11 +622,13 @@ def _argmax_agreement(ref: Tensor, out: Tensor) -> float | None:
 
 
 def watch_rms_inputs(model: nn.Module, paths):
-    """Forward pre-hooks on normfold RMSNorms recording max |mean(x)| / rms(x) over rows."""
+    """Forward pre-hooks on normfold RMSNorms recording max |mean(x)| / rms(x) over the rows they
+    normalize (a ``PermutedRMSNorm``'s after its permute: a channels-first norm's rows are channels)."""
     ratios: list[float] = []
 
     def hook(module, inputs):
-        ratios.append(mean_over_rms(inputs[0]).max().item())
+        rows = inputs[0].permute(module.order) if isinstance(module, PermutedRMSNorm) else inputs[0]
+        ratios.append(mean_over_rms(rows).max().item())
 
     wanted = None if paths is None else set(paths)
     hooks = [m.register_forward_pre_hook(hook) for path, m in model.named_modules()

@@ -48,7 +48,7 @@ from ..fold.graph import eval_mode, split_example_inputs
 from ..fold.steps import StepContext, register_step, run_steps
 from ..fold.verify import FOLD_TOLERANCE
 from ..fold.verify import verify as verify_models
-from ..nn import FusedAddRMSNorm, RMSNorm
+from ..nn import FusedAddRMSNorm, PermutedRMSNorm, RMSNorm
 from ..nn.kinds import LAYER_NORM_TYPES
 from .inline import SOURCE_CHANGED
 from .report import FusedPair, FuseReport
@@ -203,8 +203,8 @@ register_step(FuseConfig, fuse_step, section="fuse", section_type=FuseReport,
 def _candidate_norms(model: nn.Module, norm_paths, layer_norms: bool) -> list[str]:
     """The paths of the norms to consider: ``norm_paths`` checked against the model's, or all of them."""
     kinds = (RMSNorm, *LAYER_NORM_TYPES) if layer_norms else (RMSNorm,)  # not torch's RMSNorm: no offset, eps may be None
-    found = [path for path, m in model.named_modules()
-             if isinstance(m, kinds) and not isinstance(m, FusedAddRMSNorm) and path]
+    found = [path for path, m in model.named_modules()  # a PermutedRMSNorm normalizes another dim than the sum's last
+             if isinstance(m, kinds) and not isinstance(m, (FusedAddRMSNorm, PermutedRMSNorm)) and path]
     if norm_paths is None:
         return found
     norm_paths = list(norm_paths)

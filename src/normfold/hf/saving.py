@@ -28,7 +28,7 @@ from torch import nn
 from ..fold.plan import FoldConfig
 from ..fold.report import FoldReport
 from ..fold.transform import norm_like, untie_config
-from ..nn import RMSNorm
+from ..nn import PermutedRMSNorm, RMSNorm
 from ..nn.resize import replace_parameter
 from .._deps import require
 from .._text import dtype_name, first_line
@@ -46,10 +46,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 def swapped_norms(model: nn.Module) -> list[dict[str, Any]]:
     """Where ``model`` holds normfold RMSNorms and which affine parameters they kept (with the
-    ``offset`` of (offset + γ) where it is not 0, e.g. Nemotron's LayerNorm1P)."""
+    ``offset`` of (offset + γ) where it is not 0, e.g. Nemotron's LayerNorm1P, and the ``permute``
+    around a channels-first one, e.g. ConvNeXt's)."""
     return [
         {"path": name, "normalized_shape": list(m.normalized_shape), "eps": m.eps,
-         "weight": m.weight is not None, "bias": m.bias is not None, **({"offset": m.offset} if m.offset else {})}
+         "weight": m.weight is not None, "bias": m.bias is not None, **({"offset": m.offset} if m.offset else {}),
+         **({"permute": list(m.order)} if isinstance(m, PermutedRMSNorm) else {})}
         for name, m in model.named_modules() if isinstance(m, RMSNorm)
     ]
 
@@ -454,6 +456,8 @@ def read_layout(report: Mapping[str, Any], where: Path | str = REPORT_JSON) -> d
             raise fail(f"{at}.eps and .offset must be finite numbers (eps >= 0), got {e['eps']!r}, {e.get('offset')!r}")
         if not all(isinstance(e.get(k, False), bool) for k in ("weight", "bias", "approximate")):
             raise fail(f"{at}.weight, .bias and .approximate must be true or false")
+        if not _is_int_list(e.get("permute", [])) or sorted(e.get("permute", [])) != list(range(len(e.get("permute", [])))):
+            raise fail(f"{at}.permute must be a permutation of 0..n-1 (a channels-first norm's), got {e.get('permute')!r}")
         swapped.append(e)
     identity = entries("identity")
     if not all(isinstance(p, str) for p in identity):
@@ -544,7 +548,8 @@ def swap_in_rmsnorm(model: nn.Module, entry: Mapping[str, Any]) -> None:
     model.set_submodule(entry["path"], norm_like(old, RMSNorm, entry["normalized_shape"], entry["eps"],
                                                  weight=getattr(old, "weight", None) if keep_w else None,
                                                  bias=getattr(old, "bias", None) if keep_b else None,
-                                                 offset=float(entry.get("offset", 0.0))))
+                                                 offset=float(entry.get("offset", 0.0)),
+                                                 permute=tuple(entry.get("permute", ()))))
 
 
 # ------------------------------------------------------------------------------ stock-compatible plans

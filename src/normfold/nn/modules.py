@@ -77,6 +77,25 @@ class RMSNorm(_LastDimNorm):
         return s
 
 
+class PermutedRMSNorm(RMSNorm):
+    """An :class:`RMSNorm` over the last dim of ``x.permute(order)``, permuted back: what a channels-first
+    LayerNorm (ConvNeXt's ``data_format="channels_first"``: permute → layer_norm → permute) becomes once
+    its input is zero-mean over the channels. Same parameters and state-dict keys as :class:`RMSNorm`."""
+
+    def __init__(self, normalized_shape, order, **options) -> None:
+        super().__init__(normalized_shape, **options)
+        self.order = tuple(int(d) for d in order)
+        if sorted(self.order) != list(range(len(self.order))):
+            raise ValueError(f"order must be a permutation of 0..{len(self.order) - 1}, got {self.order}")
+        self.inverse = tuple(sorted(range(len(self.order)), key=self.order.__getitem__))
+
+    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+        return super().forward(x.permute(self.order)).permute(self.inverse)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, order={self.order}"
+
+
 class FusedAddRMSNorm(RMSNorm):
     """``(rms_norm(x + residual), x + residual)``: the add and the norm in one pass."""
 

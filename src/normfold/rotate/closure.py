@@ -199,6 +199,8 @@ def _stream_tensors(walker: Walker, captured: Captured, needs: set[Need], reader
         roles.add(role)
 
     for need in needs:
+        if need.node in captured.buffer_fqn and walker.memo[need].changed:  # rotation rewrites parameters only
+            raise _blocked(f"buffer {captured.buffer_fqn[need.node]} writes the stream: only parameters are rotated")
         if need.node in captured.param_fqn and walker.memo[need].changed:
             add(_first_name(captured, need.node), need.dim, "writer")
     for weight, uses in reader_uses.items():

@@ -1,0 +1,199 @@
+"""Rules for ops that treat every feature alike (issue 33): whole rows moved, copied, averaged or
+zeroed, or a row's entries permuted, each folding a LayerNorm behind it with the float64 proof, and
+the case of the same op that must break (it writes part of a row, mixes rows, or makes a constant row)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from test_rules import B, C, T, _x, fold_checked, reason_of
+
+IMAGE_TOKEN = 3  # token id whose rows are replaced by image features
+
+
+def _ids(seed=0, vocab=11):
+    ids = torch.randint(0, vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+    ids[:, 1] = IMAGE_TOKEN  # at least one row to write in every example call
+    return ids
+
+
+class RowWrite(nn.Module):
+    """Token embeddings with some rows overwritten (or zeroed) by another producer, then a LayerNorm."""
+
+    def __init__(self, how: str, width: int = C):
+        super().__init__()
+        self.how = how
+        self.tok = nn.Embedding(11, C)
+        self.proj = nn.Linear(C, width)
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, ids, feats):  # ids (B, T), feats (B·T, C)
+        h = self.tok(ids)
+        rows = (ids == IMAGE_TOKEN).unsqueeze(-1)  # (B, T, 1): one choice per row
+        source = self.proj(feats)
+        if self.how == "fill 0":
+            h = h.masked_fill(rows, 0)
+        elif self.how == "fill 1":
+            h = h.masked_fill(rows, 1.0)
+        elif self.how == "fill per channel":
+            h = h.masked_fill(source.view(B, T, C) > 0, 0)
+        elif self.how == "scatter rows":
+            h = h.masked_scatter(rows.expand_as(h), source)
+        elif self.how == "scatter per channel":
+            h = h.masked_scatter(source.view(B, T, C) > 0, source)
+        elif self.how == "scatter short rows":
+            h = h.masked_scatter(rows.expand_as(h), source)
+        return self.norm(h)
+
+
+@pytest.mark.parametrize("how", ["fill 0", "scatter rows"])
+def test_masked_fill_with_zero_and_masked_scatter_of_whole_rows_fold(how: str):
+    _, report = fold_checked(RowWrite(how), (_ids(), _x(B * T, C, seed=1)), {"norm": True})
+    assert "tok.weight" in report.norms[0].producers
+    assert ("proj.weight" in report.norms[0].producers) == (how == "scatter rows")
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("fill 1", "aten.masked_fill fills with 1.0, not 0"),
+    ("fill per channel", "aten.masked_fill with a mask that varies along the normalized dim"),
+    ("scatter per channel", "aten.masked_scatter with a mask that varies along the normalized dim"),
+    ("scatter short rows", "source rows of 16 entries do not fill whole rows of 8"),
+])
+def test_a_fill_that_is_not_zero_or_writes_part_of_a_row_breaks(how: str, reason: str):
+    width = 2 * C if how == "scatter short rows" else C
+    _, report = fold_checked(RowWrite(how, width), (_ids(), _x(B * T, C, seed=1)), {"norm": False})
+    assert reason in reason_of(report, "norm")
+
+
+class IndexWrite(nn.Module):
+    """Rows of a projection written at token positions by index_put_ / index_copy (or along features)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.proj = nn.Linear(C, C)
+        self.other = nn.Linear(C, C)
+        self.norm = nn.LayerNorm(C)
+        self.register_buffer("where", torch.tensor([0, 3]), persistent=False)
+
+    def forward(self, x, y):  # (B, T, C), (B, 2, C)
+        h, v = self.proj(x), self.other(y)
+        if self.how == "index_put":
+            h[:, self.where] = v
+        elif self.how == "index_put accumulate":
+            h = h.index_put((torch.arange(B).unsqueeze(1), self.where), v, accumulate=True)
+        elif self.how == "index_put features":
+            h[:, :, self.where] = x[:, :, :2]
+        elif self.how == "index_copy":
+            h = h.index_copy(1, self.where, v)
+        elif self.how == "index_copy features":
+            h = h.index_copy(2, self.where, x[:, :, :2])
+        return self.norm(h)
+
+
+@pytest.mark.parametrize("how", ["index_put", "index_put accumulate", "index_copy"])
+def test_writing_whole_rows_by_index_folds_with_both_producers_centered(how: str):
+    _, report = fold_checked(IndexWrite(how), (_x(B, T, C), _x(B, 2, C, seed=1)), {"norm": True})
+    assert report.norms[0].producers == ("other.bias", "other.weight", "proj.bias", "proj.weight")
+
+
+@pytest.mark.parametrize("how, reason", [
+    ("index_put features", "aten.index_put_ writes along the normalized dim"),
+    ("index_copy features", "aten.index_copy copies entries along the normalized dim"),
+])
+def test_writing_by_index_along_the_features_breaks(how: str, reason: str):
+    _, report = fold_checked(IndexWrite(how), (_x(B, T, C), _x(B, 2, C, seed=1)), {"norm": False})
+    assert reason in reason_of(report, "norm")
+
+
+class Moved(nn.Module):
+    """A projection whose rows are moved, copied or permuted by one op before a LayerNorm of ``width``."""
+
+    def __init__(self, how: str, width: int = C, out: int = C):
+        super().__init__()
+        self.how = how
+        self.proj = nn.Linear(C, out)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, x):  # (B, T, C)
+        h = self.proj(x)
+        order = torch.arange(T - 1, -1, -1)
+        if self.how == "gather tokens":
+            h = h.gather(1, order.view(1, T, 1).expand(B, T, C))
+        elif self.how == "gather features":
+            h = h.gather(2, torch.arange(C - 1, -1, -1).expand(B, T, C))
+        elif self.how == "gather varying index":
+            h = h.gather(1, torch.arange(B * T * C).view(B, T, C) % T)
+        elif self.how == "repeat tokens":
+            h = h.repeat(1, 2, 1)
+        elif self.how == "repeat features":
+            h = h.repeat(1, 1, 2)
+        elif self.how == "tile":
+            h = torch.tile(h, (2, 1))
+        elif self.how == "repeat a single entry":
+            h = h.repeat(1, 1, C)
+        elif self.how == "roll tokens":
+            h = h.roll(2, 1)
+        elif self.how == "roll features":
+            h = h.roll(3, -1)
+        elif self.how == "roll flattened":
+            h = h.roll(3)
+        return self.norm(h)
+
+
+@pytest.mark.parametrize("how, width", [
+    ("gather tokens", C), ("repeat tokens", C), ("repeat features", 2 * C), ("tile", C),
+    ("roll tokens", C), ("roll features", C)])
+def test_moving_copying_or_permuting_whole_rows_folds(how: str, width: int):
+    _, report = fold_checked(Moved(how, width), (_x(B, T, C),), {"norm": True})
+    assert report.norms[0].producers == ("proj.bias", "proj.weight")
+
+
+@pytest.mark.parametrize("how, out, reason", [
+    ("gather features", C, "aten.gather picks entries along the normalized dim"),
+    ("gather varying index", C, "aten.gather with an index that varies along the normalized dim"),
+    ("repeat a single entry", 1, "aten.repeat fills the normalized dim from a single entry: a constant row"),
+    ("roll flattened", C, "aten.roll of the flattened tensor moves entries between rows"),
+])
+def test_picking_entries_of_a_row_or_making_a_constant_row_breaks(how: str, out: int, reason: str):
+    _, report = fold_checked(Moved(how, out=out), (_x(B, T, C),), {"norm": False})
+    assert reason in reason_of(report, "norm")
+
+
+class Spatial(nn.Module):
+    """A 1x1 conv over channels, resampled or pooled over space, then a LayerNorm over the channels
+    (channels moved last) or, for the negative case, over the last spatial dim."""
+
+    def __init__(self, op, over_space: bool = False):
+        super().__init__()
+        self.op, self.over_space = op, over_space
+        self.conv = nn.Conv2d(C, C, 1)
+        self.norm = nn.LayerNorm(8 if over_space else C)
+
+    def forward(self, x):  # (B, C, 4, 4)
+        y = self.op(self.conv(x))
+        return self.norm(y if self.over_space else y.permute(0, 2, 3, 1))
+
+
+SPATIAL_OPS = {
+    "bilinear": lambda y: F.interpolate(y, scale_factor=2, mode="bilinear"),
+    "bicubic": lambda y: F.interpolate(y, scale_factor=2, mode="bicubic", align_corners=True),
+    "nearest": lambda y: F.interpolate(y, scale_factor=2, mode="nearest"),
+    "avg_pool2d": lambda y: F.avg_pool2d(y, 3, stride=1, padding=1),
+    "adaptive_avg_pool2d": lambda y: F.adaptive_avg_pool2d(y, 3),
+    "avg_pool1d": lambda y: F.avg_pool1d(y.flatten(2), 2).unflatten(2, (2, 4)),
+    "adaptive_avg_pool1d": lambda y: F.adaptive_avg_pool1d(y.flatten(2), 6).unflatten(2, (2, 3)),
+}
+
+
+@pytest.mark.parametrize("name", SPATIAL_OPS)
+def test_upsampling_and_average_pooling_over_space_fold_over_channels(name: str):
+    _, report = fold_checked(Spatial(SPATIAL_OPS[name]), (_x(B, C, 4, 4),), {"norm": True})
+    assert report.norms[0].producers == ("conv.bias", "conv.weight")
+
+
+def test_upsampling_along_the_normalized_dim_breaks():
+    _, report = fold_checked(Spatial(SPATIAL_OPS["bilinear"], over_space=True), (_x(B, C, 4, 4),), {"norm": False})
+    assert "aten.upsample_bilinear2d mixes entries along the normalized dim (a spatial dim)" in reason_of(report, "norm")
