@@ -104,6 +104,19 @@ def test_quantize_rounds_only_the_selected_layers_and_reports_the_held_out_loss_
     assert "held-out loss on 2 calls" in str(report) and report.to_dict()["scheme"] == "W3A8"
 
 
+def test_the_report_gives_each_layers_relative_weight_error_and_more_bits_lower_it():
+    model = tiny_gpt2(0).eval()
+    _, w3 = normfold.quantize(model, QuantizeConfig(weight_bits=3, exclude=("lm_head",)))
+    _, w8 = normfold.quantize(model, QuantizeConfig(weight_bits=8, exclude=("lm_head",)))
+    assert list(w3.weight_errors) == w3.layers  # one figure per quantized layer, in order
+    path = "transformer.h.1.mlp.c_fc"
+    weight = model.get_submodule(path).weight.detach().double()
+    expected = torch.linalg.norm(fake_quantize(weight, 3, dim=0) - weight) / torch.linalg.norm(weight)
+    assert math.isclose(w3.weight_errors[path], expected.item(), rel_tol=1e-5)
+    assert all(0 < w8.weight_errors[p] < w3.weight_errors[p] < 1 for p in w3.layers)
+    assert "weight error" in str(w3) and w3.to_dict()["weight_errors"] == w3.weight_errors
+
+
 def test_activation_bits_round_each_layer_input_per_token():
     layer = nn.Sequential(nn.Linear(16, 4))
     quantized, _ = normfold.quantize(layer, QuantizeConfig(weight_bits=8, activation_bits=4))

@@ -50,6 +50,18 @@ class Step:
         return {}
 
 
+class _InPlaceStep(Step):
+    """A step that rewrites the one tensor ``fqn`` from its own values (a centering)."""
+
+    fqn: str
+
+    def reads(self) -> tuple[str, ...]:
+        return (self.fqn,)
+
+    def writes(self) -> tuple[str, ...]:
+        return (self.fqn,)
+
+
 @dataclass(frozen=True)
 class BatchNormFoldStep(Step):
     """Merge the eval-mode BatchNorm at ``norm_path`` into the producer at ``producer_path``
@@ -100,22 +112,16 @@ class LayerScaleStep(Step):
 
 
 @dataclass(frozen=True)
-class CenterStep(Step):
+class CenterStep(_InPlaceStep):
     """Subtract the mean of ``fqn`` along ``dim`` (per contiguous ``group`` elements; None = whole dim)."""
 
     fqn: str
     dim: int
     group: int | None = None
 
-    def reads(self) -> tuple[str, ...]:
-        return (self.fqn,)
-
-    def writes(self) -> tuple[str, ...]:
-        return (self.fqn,)
-
 
 @dataclass(frozen=True)
-class CenterGroupsStep(Step):
+class CenterGroupsStep(_InPlaceStep):
     """Subtract the mean of ``fqn`` along ``dim`` per contiguous ``group`` elements, in the groups
     numbered ``groups`` only; the others keep their values (the q and k rows of a fused QKV
     projection, per head, whose v rows no norm reads)."""
@@ -127,12 +133,6 @@ class CenterGroupsStep(Step):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))  # a list after a JSON round trip
-
-    def reads(self) -> tuple[str, ...]:
-        return (self.fqn,)
-
-    def writes(self) -> tuple[str, ...]:
-        return (self.fqn,)
 
 
 @dataclass(frozen=True)

@@ -166,14 +166,20 @@ class QuantizeReport:
     layers: list[str]
     before: HeldOutLoss | None = None
     after: HeldOutLoss | None = None
+    # per layer, in ``layers``' order: ‖Ŵ − W‖_F / ‖W‖_F, the relative error rounding put in its weight
+    weight_errors: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"config": asdict(self.config), "scheme": self.config.scheme, "layers": self.layers,
+                "weight_errors": dict(self.weight_errors),
                 "before": None if self.before is None else self.before.to_dict(),
                 "after": None if self.after is None else self.after.to_dict()}
 
     def __str__(self) -> str:
         line = f"quantize ({self.config.scheme}, fake quantization): {len(self.layers)} linear layers"
+        if self.weight_errors:
+            worst = max(self.weight_errors, key=self.weight_errors.get)
+            line += f" (weight error ‖Ŵ−W‖/‖W‖ at most {self.weight_errors[worst]:.4f}, {worst})"
         if self.before is None or self.after is None:
             return line + "; no held-out loss measured (pass data=calls that return a loss)"
         return (f"{line}; held-out loss on {self.after.calls} calls {self.before.loss:.4f} -> {self.after.loss:.4f} "
@@ -199,7 +205,16 @@ def _quantized(model: nn.Module, config: QuantizeConfig, chosen: list[str], data
                before: HeldOutLoss | None) -> tuple[nn.Module, QuantizeReport]:
     quantized = quantize_layers_(copy.deepcopy(model), config, chosen)
     after = None if before is None else held_out_loss(quantized, data)
-    return quantized, QuantizeReport(config, chosen, before, after)
+    errors = {path: relative_weight_error(model.get_submodule(path).weight, quantized.get_submodule(path).weight)
+              for path in chosen}
+    return quantized, QuantizeReport(config, chosen, before, after, errors)
+
+
+def relative_weight_error(weight: torch.Tensor, rounded: torch.Tensor) -> float:
+    """‖rounded − weight‖_F / ‖weight‖_F in float64 (0 for an all-zero weight left as it is)."""
+    w, r = weight.detach().double(), rounded.detach().double()
+    norm = torch.linalg.norm(w)
+    return 0.0 if norm == 0 else float(torch.linalg.norm(r - w) / norm)
 
 
 def quantize_layers_(model: nn.Module, config: QuantizeConfig, paths: Sequence[str]) -> nn.Module:
