@@ -43,7 +43,7 @@ import torch
 
 import normfold
 from normfold.bench import cpu_model
-from normfold.fold import pipeline, transform
+from normfold.engine import pipeline, transform
 from normfold.hf.folder import fold_folder
 from normfold.hf.inputs import example_inputs_for
 
@@ -88,7 +88,7 @@ def _transform_phase(enclosing: list[str]) -> str:
 @contextlib.contextmanager
 def timed_pipeline(timer: PhaseTimer):
     """Wrap the fold pipeline's steps (module attributes, looked up at call time) for the duration."""
-    verify = importlib.import_module("normfold.fold.verify")  # the module (normfold.fold.verify is also a function)
+    verify = importlib.import_module("normfold.engine.verify")  # the module (normfold.engine.verify is also a function)
     targets = [(pipeline, "plan_fold", "plan (other)"), (pipeline, "capture", "export"),
                (pipeline, "analyze_calls", "analysis"), (pipeline, "apply_fold", "apply"),
                (pipeline, "prove_fold", PROOF), (transform, "apply_plan", _transform_phase),

@@ -162,11 +162,11 @@ def _engine_version() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "src/normfold/fold"], cwd=ROOT, capture_output=True,
+        dirty = subprocess.run(["git", "status", "--porcelain", "src/normfold/engine"], cwd=ROOT, capture_output=True,
                                text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (no git)"
-    return f"commit {head}" + (" with uncommitted edits in src/normfold/fold" if dirty else "")
+    return f"commit {head}" + (" with uncommitted edits in src/normfold/engine" if dirty else "")
 
 
 def _markdown(args, results, repros, elapsed) -> str:

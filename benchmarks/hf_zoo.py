@@ -98,8 +98,8 @@ def has_layer_norm(model: nn.Module) -> bool:
 
 def fold_row(model_type: str, zoo) -> dict:
     """One row of the table for ``model_type`` (never raises: the status column says what happened)."""
-    from normfold.fold import FoldError, fold
-    from normfold.fold.pipeline import apply_fold, prove_fold
+    from normfold.engine import FoldError, fold
+    from normfold.engine.pipeline import apply_fold, prove_fold
     from normfold.hf.inputs import example_inputs_for
 
     row = dict.fromkeys(COLUMNS, "")

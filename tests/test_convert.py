@@ -125,7 +125,7 @@ def test_convert_refuses_a_step_that_is_not_its_config(kwargs, match):
 def test_convert_alone_is_the_exact_fold():
     model, x = _model(post_ln=False), (torch.randn(2, 5, 8),)
     folded, report = convert(model, x)
-    expected, expected_report = sys.modules["normfold.fold"].fold(model, x)
+    expected, expected_report = sys.modules["normfold.engine"].fold(model, x)
     assert _same_weights(folded, expected) and report.to_dict() == expected_report.to_dict()
     assert report.fuse is None and report.approximate is None and report.verification.ok
 
@@ -176,7 +176,7 @@ def test_fold_keywords_are_checked_like_the_configs():
 
 def test_the_engine_fold_is_exact_only():
     """normfold.fold (the function) composes; the engine's fold takes only the exact fold's options."""
-    engine_fold = sys.modules["normfold.fold"].fold
+    engine_fold = sys.modules["normfold.engine"].fold
     assert set(inspect.signature(engine_fold).parameters) == {
         "model", "example_inputs", "fold_affine", "precompute", "fold_batchnorm", "verify", "keep"}
     assert normfold.fold is not engine_fold and normfold.fold.__module__ == "normfold.convert"

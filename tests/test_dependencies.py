@@ -28,24 +28,24 @@ ONLY = {
     **{leaf: set() for leaf in LEAVES},
     "ops": set(),
     "nn": {"ops"},
-    "fold": {"ops", "nn"},  # the engine
+    "engine": {"ops", "nn"},  # the engine
     # the steps built on the exact fold: fusion, rotation and the lab (lab and hf never import each other)
-    "fuse": {"ops", "nn", "fold"},
-    "quantize": {"ops", "nn", "fold"},  # fake quantization, and what a learned rotation is trained for
-    "rotate": {"ops", "nn", "fold", "quantize"},
-    "lab": {"ops", "nn", "fold"},
-    "hf": {"ops", "nn", "fold"},
-    "train": {"ops", "nn", "fold"},  # CBWC and the GPT harness: the engine's CheckpointError, never hf
-    "bench": {"ops", "nn", "fold", "fuse", "hf"},  # times the fold and fusion on Hugging Face models
+    "fuse": {"ops", "nn", "engine"},
+    "quantize": {"ops", "nn", "engine"},  # fake quantization, and what a learned rotation is trained for
+    "rotate": {"ops", "nn", "engine", "quantize"},
+    "lab": {"ops", "nn", "engine"},
+    "hf": {"ops", "nn", "engine"},
+    "train": {"ops", "nn", "engine"},  # CBWC and the GPT harness: the engine's CheckpointError, never hf
+    "bench": {"ops", "nn", "engine", "fuse", "hf"},  # times the fold and fusion on Hugging Face models
     # ONNX export: exports what the lower layers made; never hf, lab or the CLI
-    "export": {"ops", "nn", "fold", "fuse"},
+    "export": {"ops", "nn", "engine", "fuse"},
 }
 # layer -> layers it must never import (besides TOP, which no lower layer imports); implied by ONLY, spelled
 # out for the reader
 NEVER = {
-    "fold": {"hf", "lab", "train", "fuse", "bench", "rotate"},
+    "engine": {"hf", "lab", "train", "fuse", "bench", "rotate"},
     "lab": {"hf"},
-    # hf runs the steps above the engine through the registry (normfold.fold.steps), never importing them
+    # hf runs the steps above the engine through the registry (normfold.engine.steps), never importing them
     "hf": {"lab", "fuse", "rotate"},
 }
 
@@ -100,7 +100,7 @@ def import_edges(root: Path, type_only: bool = False) -> set[tuple[str, str]]:
 
 
 def layer(module: str) -> str:
-    """``normfold.fold.plan`` -> ``fold``; the package itself -> ``normfold``."""
+    """``normfold.engine.plan`` -> ``engine``; the package itself -> ``normfold``."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -121,16 +121,16 @@ def violations(edges: set[tuple[str, str]]) -> set[tuple[str, str]]:
 
 def test_normfold_layers_import_only_what_the_rules_allow():
     edges = import_edges(SRC)
-    assert len(edges) > 50 and {layer(a) for a, _ in edges} >= {"ops", "nn", "fold", "fuse", "lab", "hf"}
+    assert len(edges) > 50 and {layer(a) for a, _ in edges} >= {"ops", "nn", "engine", "fuse", "lab", "hf"}
     unexpected = violations(edges)  # no allowances: every edge keeps the rules
     assert not unexpected, "imports that break docs/CONTRIBUTING.md's dependency rules:\n" + "\n".join(
         f"  {a} -> {b}" for a, b in sorted(unexpected))
 
 
 def test_the_engine_does_not_import_fusion_or_the_lab():
-    """The approximate fold and fusion compose at the top level (normfold.convert), not inside normfold.fold."""
-    from_fold = {b for a, b in import_edges(SRC) if layer(a) == "fold"}
-    assert not {layer(b) for b in from_fold} & {"fuse", "lab", "hf", "normfold", "convert"}
+    """The approximate fold and fusion compose at the top level (normfold.convert), not inside the engine (normfold.engine)."""
+    from_engine = {b for a, b in import_edges(SRC) if layer(a) == "engine"}
+    assert not {layer(b) for b in from_engine} & {"fuse", "lab", "hf", "normfold", "convert"}
 
 
 def test_every_package_has_a_rule():
@@ -187,19 +187,19 @@ def import_cycles(edges: set[tuple[str, str]]) -> list[list[str]]:
 
 
 def test_no_modules_import_each_other_even_for_types():
-    """A type two modules share lives below both (``fold.analyzed_norm``), never in one of them under
+    """A type two modules share lives below both (``engine.analyzed_norm``), never in one of them under
     ``if TYPE_CHECKING:``."""
     assert import_cycles(import_edges(SRC, type_only=True)) == []
 
 
 def test_a_cycle_through_a_type_only_import_is_found(tmp_path):
-    root = _package(tmp_path, {"fold/analysis.py": "from .affine import steps\n", "fold/affine.py": """
+    root = _package(tmp_path, {"engine/analysis.py": "from .affine import steps\n", "engine/affine.py": """
         from typing import TYPE_CHECKING
         if TYPE_CHECKING:
             from .analysis import Norm
         """})
     assert import_cycles(import_edges(root)) == []
-    assert import_cycles(import_edges(root, type_only=True)) == [["normfold.fold.affine", "normfold.fold.analysis"]]
+    assert import_cycles(import_edges(root, type_only=True)) == [["normfold.engine.affine", "normfold.engine.analysis"]]
 
 
 @pytest.mark.parametrize("importer_layer", sorted(ONLY))
@@ -241,7 +241,7 @@ def test_no_private_name_is_imported_across_modules():
 def test_a_private_import_is_found_and_a_private_module_is_not(tmp_path):
     root = _package(tmp_path, {"hf/load.py": "def _first_line(e):\n    return e\n",
                                "hf/saving.py": "from .load import _first_line\nfrom . import _private_module\n",
-                               "hf/_private_module.py": "", "fold/plan.py": "from ..hf.load import __doc__\n"})
+                               "hf/_private_module.py": "", "engine/plan.py": "from ..hf.load import __doc__\n"})
     assert private_imports(root) == ["normfold/hf/saving.py:1: _first_line"]
 
 
@@ -316,14 +316,14 @@ def _package(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 @pytest.mark.parametrize("source, edge", [
-    ("from ..lab.approximate import approximate_fold\n", ("normfold.fold.engine", "normfold.lab.approximate")),
-    ("def f():\n    from ..fuse import fuse_residual_norms\n", ("normfold.fold.engine", "normfold.fuse")),
-    ("import normfold.hf.load\n", ("normfold.fold.engine", "normfold.hf.load")),
-    ("from .. import convert\n", ("normfold.fold.engine", "normfold.convert")),
-    ("from normfold import FoldReport\n", ("normfold.fold.engine", "normfold")),
+    ("from ..lab.approximate import approximate_fold\n", ("normfold.engine.engine", "normfold.lab.approximate")),
+    ("def f():\n    from ..fuse import fuse_residual_norms\n", ("normfold.engine.engine", "normfold.fuse")),
+    ("import normfold.hf.load\n", ("normfold.engine.engine", "normfold.hf.load")),
+    ("from .. import convert\n", ("normfold.engine.engine", "normfold.convert")),
+    ("from normfold import FoldReport\n", ("normfold.engine.engine", "normfold")),
 ])
 def test_a_forbidden_import_is_found_however_it_is_written(tmp_path, source, edge):
-    root = _package(tmp_path, {"fold/engine.py": source, "lab/approximate.py": "", "fuse/__init__.py": "",
+    root = _package(tmp_path, {"engine/engine.py": source, "lab/approximate.py": "", "fuse/__init__.py": "",
                                "hf/load.py": "", "convert.py": ""})
     assert edge in import_edges(root)
     assert violations(import_edges(root)) == {edge}
@@ -331,25 +331,25 @@ def test_a_forbidden_import_is_found_however_it_is_written(tmp_path, source, edg
 
 def test_allowed_and_type_only_imports_are_not_violations(tmp_path):
     root = _package(tmp_path, {
-        "fold/engine.py": """
+        "engine/engine.py": """
             from typing import TYPE_CHECKING
             from ..nn import RMSNorm
             from . import plan
             if TYPE_CHECKING:
                 from ..lab.approximate import ApproximateReport
             """,
-        "fold/plan.py": "", "nn/__init__.py": "from ..ops import rms_norm\n", "ops/__init__.py": "",
-        "lab/approximate.py": "from ..fold import engine\n",
+        "engine/plan.py": "", "nn/__init__.py": "from ..ops import rms_norm\n", "ops/__init__.py": "",
+        "lab/approximate.py": "from ..engine import engine\n",
         "convert.py": "from .lab.approximate import x\nfrom .hf import load\n", "hf/load.py": "",
     })
     edges = import_edges(root)
-    assert ("normfold.fold.engine", "normfold.fold.plan") in edges
-    assert ("normfold.fold.engine", "normfold.lab.approximate") not in edges
+    assert ("normfold.engine.engine", "normfold.engine.plan") in edges
+    assert ("normfold.engine.engine", "normfold.lab.approximate") not in edges
     assert violations(edges) == set()
 
 
 @pytest.mark.parametrize("importer, imported", [
-    ("nn/modules.py", "from ..fold import plan\n"),
+    ("nn/modules.py", "from ..engine import plan\n"),
     ("ops/functional.py", "from ..nn import RMSNorm\n"),
     ("fuse/rewrite.py", "from ..hf import load\n"),
     ("hf/folder.py", "from ..lab import approximate\n"),
@@ -360,20 +360,20 @@ def test_allowed_and_type_only_imports_are_not_violations(tmp_path):
     ("train/cbwc.py", "from ..lab import approximate\n"),
     ("bench/driver.py", "from ..lab import approximate\n"),
     ("bench/driver.py", "from ..rotate import apply\n"),
-    ("fold/plan.py", "from ..rotate import apply\n"),
-    ("ops/functional.py", "from .._text import first_line\nfrom ..fold import plan\n"),
+    ("engine/plan.py", "from ..rotate import apply\n"),
+    ("ops/functional.py", "from .._text import first_line\nfrom ..engine import plan\n"),
 ])
 def test_each_rule_refuses_its_forbidden_layer(tmp_path, importer, imported):
-    files = {"fold/plan.py": "", "nn/__init__.py": "", "hf/load.py": "", "lab/approximate.py": "", "cli.py": "",
+    files = {"engine/plan.py": "", "nn/__init__.py": "", "hf/load.py": "", "lab/approximate.py": "", "cli.py": "",
              "rotate/apply.py": "", "_text.py": "", importer: imported}
     assert len(violations(import_edges(_package(tmp_path, files)))) == 1
 
 
 def test_a_type_only_import_is_read_when_asked_and_breaks_the_rules_like_any_other(tmp_path):
-    root = _package(tmp_path, {"fold/report.py": """
+    root = _package(tmp_path, {"engine/report.py": """
         from typing import TYPE_CHECKING
         if TYPE_CHECKING:
             from ..lab.approximate import ApproximateReport
         """, "lab/approximate.py": ""})
     assert import_edges(root) == set()
-    assert violations(import_edges(root, type_only=True)) == {("normfold.fold.report", "normfold.lab.approximate")}
+    assert violations(import_edges(root, type_only=True)) == {("normfold.engine.report", "normfold.lab.approximate")}

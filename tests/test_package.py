@@ -10,9 +10,13 @@ def test_public_api_is_exported():
         assert hasattr(normfold, name), name
 
 
-def test_fold_function_shadows_fold_subpackage():
-    assert callable(normfold.fold)
-    assert not isinstance(normfold.fold, type(normfold))
+def test_normfold_fold_is_only_the_function_and_the_engine_is_its_own_subpackage():
+    """``import normfold.fold`` is no trap: no subpackage of that name hides behind the function."""
+    import importlib.util
+    import normfold.engine
+    assert callable(normfold.fold) and not isinstance(normfold.fold, type(normfold))
+    assert importlib.util.find_spec("normfold.fold") is None
+    assert normfold.engine.FoldError is normfold.FoldError
 
 
 def test_import_needs_only_torch():

@@ -1,4 +1,4 @@
-"""The registry of steps (normfold.fold.steps): one handler per config type, one runner that checks
+"""The registry of steps (normfold.engine.steps): one handler per config type, one runner that checks
 before any work, runs the handlers in order and proves every exact step through one prove_or_raise."""
 import dataclasses
 
@@ -8,8 +8,8 @@ from torch import nn
 
 import normfold
 from normfold import FoldConfig, FoldVerificationError, FuseConfig, RotateConfig, convert
-from normfold.fold import steps
-from normfold.fold.steps import StepContext, register_step, run_steps
+from normfold.engine import steps
+from normfold.engine.steps import StepContext, register_step, run_steps
 from normfold.fuse import rewrite
 from normfold.lab import BatchNormConfig
 
@@ -126,7 +126,7 @@ def test_configs_are_checked_when_built_before_any_step_runs():
 # ------------------------------------------------------------------------------------ the fold's options
 
 def test_the_fold_options_are_one_definition_that_stock_planning_keeps():
-    from normfold.fold.plan import PlanConstraints
+    from normfold.engine.plan import PlanConstraints
     assert PlanConstraints is FoldConfig
     stock = FoldConfig(fold_affine=False, verify=False).for_stock_checkpoint(["lm_head.weight"], torch.float16)
     assert (stock.fold_affine, stock.verify, stock.precompute, stock.stock_compatible) == (False, False, False, True)

@@ -18,9 +18,9 @@ from . import nn, ops
 from .nn import FusedAddRMSNorm, RMSNorm
 from .ops import layer_norm, rms_norm
 
-# Imported eagerly (torch only): the function ``fold`` must shadow the subpackage ``normfold.fold``
-# (the engine, whose exact ``fold`` it wraps) and the function ``convert`` the module ``normfold.convert``.
-from .fold import FoldError, FoldPlan, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze, verify
+# Imported eagerly (torch only). ``normfold.fold`` is only the function (the engine it wraps is the
+# subpackage ``normfold.engine``); the function ``convert`` shadows the module ``normfold.convert``.
+from .engine import FoldError, FoldPlan, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze, verify
 from .convert import ApproximateConfig, FoldConfig, FuseConfig, QuantizeConfig, RotateConfig, convert, fold
 from .rotate import LearnConfig, RotationReport, rotate  # the function shadows the subpackage, as fold does
 from .quantize import QuantizeReport, quantize  # likewise

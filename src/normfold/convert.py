@@ -6,11 +6,11 @@
 
 Each step is configured by a frozen dataclass checked when it is built (``__post_init__``: typed
 errors naming what was expected and what was received), defined by the layer that owns the step,
-which registers its handler (``normfold.fold.steps``). :func:`convert` runs them through the one
-runner (:func:`normfold.fold.steps.run_steps`), in the order given, each on the previous one's
+which registers its handler (``normfold.engine.steps``). :func:`convert` runs them through the one
+runner (:func:`normfold.engine.steps.run_steps`), in the order given, each on the previous one's
 output, and files each step's section in the one ``FoldReport``:
 
-- :class:`FoldConfig` (``normfold.fold``), always first (added when not given): LayerNorms →
+- :class:`FoldConfig` (``normfold.engine``), always first (added when not given): LayerNorms →
   RMSNorms, proved exact in float64; for a transformers ``PreTrainedModel``, by default only what its
   own class loads from a folder (``stock_compatible``), and the returned model's ``save_pretrained``
   writes normfold's folder.
@@ -24,7 +24,7 @@ output, and files each step's section in the one ``FoldReport``:
 - :class:`QuantizeConfig` (``normfold.quantize``): linear layers fake-quantized. **Outputs change**;
   ``report.sections["quantization"]`` gives the loss before and after when the calls return one.
 
-This module and the CLI are the only places that import every layer: the engine (``normfold.fold``)
+This module and the CLI are the only places that import every layer: the engine (``normfold.engine``)
 knows nothing of fusion or of the lab (``docs/CONTRIBUTING.md``, dependency rules). ``normfold.fold``
 (the function) is the one-line form of :func:`convert` with keyword arguments.
 """
@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from .fold import FoldConfig, FoldReport
-from .fold.cosine_bar import DEFAULT_MIN_COSINE
-from .fold.steps import run_steps, step_for
+from .engine import FoldConfig, FoldReport
+from .engine.cosine_bar import DEFAULT_MIN_COSINE
+from .engine.steps import run_steps, step_for
 from .fuse import FuseConfig
 from .hf.saving import FoldedModelSaver, is_pretrained_model, stock_constraints
 from .lab.approximate import ApproximateConfig
@@ -72,7 +72,7 @@ def convert(model: nn.Module, example_inputs, *configs, fold: FoldConfig = _NOT_
     (``report.fuse``, ``report.approximate``, ``report.sections["rotation"]``). The exact fold runs
     first: a :class:`FoldConfig` first among ``configs``, or ``fold=``, else ``FoldConfig()``. The
     keywords ``fuse=`` and ``approximate=`` run after ``configs``, in that order. ``example_inputs``
-    as for :func:`normfold.fold.analyze` (one call, or a list of calls). The exact fold and fusion
+    as for :func:`normfold.engine.analyze` (one call, or a list of calls). The exact fold and fusion
     leave outputs unchanged (each proved in float64 when its ``verify`` is on); ``approximate``
     changes them, by at most what ``report.approximate`` measured on the calibration batches.
     ``model`` is never modified. A config that names no registered step, a step given twice or a

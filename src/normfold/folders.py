@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .fold.cosine_bar import check_cosine_bar
+from .engine.cosine_bar import check_cosine_bar
 from .hf.folder import fold_folder, silent_step
 from .hf.inputs import calibration_batches, is_sentence_encoder, load_tokenizer, read_calibration_file
 from .hf.judge import Remake, partial_remake_exact, verify_folders

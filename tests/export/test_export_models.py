@@ -12,8 +12,8 @@ pytest.importorskip("onnxscript", reason="the onnx extra (pip install 'normfold[
 
 import normfold  # noqa: E402
 from normfold.export import LAYER_NORM_NODE_TYPES, RMS_NODE_TYPES, export_onnx, fold_config_for_export  # noqa: E402
-from normfold.fold.graph import capture, shape  # noqa: E402
-from normfold.fold.op_kinds import norm_node_kind, passes_values_on  # noqa: E402
+from normfold.engine.graph import capture, shape  # noqa: E402
+from normfold.engine.op_kinds import norm_node_kind, passes_values_on  # noqa: E402
 from normfold.nn.kinds import norm_modules  # noqa: E402
 
 MODELS = ["gpt2", "opt_pre_ln", "bloom", "vit", "minilm"]

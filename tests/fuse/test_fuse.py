@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from normfold.fold import FoldVerificationError
+from normfold.engine import FoldVerificationError
 from normfold.fuse import fuse_residual_norms, rewrite
 from normfold.fuse.runtime import norm_from, pending_output
 from normfold.nn import RMSNorm

@@ -20,7 +20,7 @@ import torch
 
 import normfold
 from normfold.cli import EXIT_OK, main
-from normfold.fold import FoldError
+from normfold.engine import FoldError
 from normfold.hf.inputs import example_inputs_for
 from normfold.hf.output_dir import REPORT_JSON
 from test_zoo_folders import CONFIG_OVERRIDES, shrink

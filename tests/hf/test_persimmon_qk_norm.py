@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import normfold
-from normfold.fold.plan import CenterGroupsStep
+from normfold.engine.plan import CenterGroupsStep
 from normfold.hf import example_inputs_for, fold_folder
 from normfold.hf.streaming import fold_checkpoint
 

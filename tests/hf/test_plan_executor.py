@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from normfold.fold.graph import parameter_aliases
-from normfold.fold.transform import apply_plan
+from normfold.engine.graph import parameter_aliases
+from normfold.engine.transform import apply_plan
 from normfold.hf.load import load_model
 from normfold.hf.streaming.checkpoint import resolve_key
 from normfold.hf.streaming.planning import plan_for_checkpoint

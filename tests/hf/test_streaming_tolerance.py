@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from normfold.cli import EXIT_OK, EXIT_VERIFY_FAILED, main
-from normfold.fold import FoldVerificationError
-from normfold.fold.verify import OWN_ERROR_MULTIPLE
+from normfold.engine import FoldVerificationError
+from normfold.engine.verify import OWN_ERROR_MULTIPLE
 from normfold.hf import CheckpointError, load_model
 from normfold.hf.streaming import Checkpoint, fold_checkpoint, verify_by_blocks
 

@@ -12,14 +12,14 @@ import torch
 
 import normfold
 from normfold.hf import fold_folder, load_model
-from normfold.fold.plan import FoldPlan, LayerScaleStep
-from normfold.fold.transform import apply_plan
+from normfold.engine.plan import FoldPlan, LayerScaleStep
+from normfold.engine.transform import apply_plan
 from normfold.hf.streaming import Checkpoint
 from normfold.hf.streaming.rewrite import CheckpointRewrite
 from normfold.nn import RMSNorm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the zoo's randomiser, as tests/fuse does
-from fold.conftest import _randomize_constant_parameters  # noqa: E402
+from engine.conftest import _randomize_constant_parameters  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")

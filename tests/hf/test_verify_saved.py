@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from normfold.cli import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, main
-from normfold.fold import FoldVerificationError
-from normfold.fold.verify import OWN_ERROR_MULTIPLE
+from normfold.engine import FoldVerificationError
+from normfold.engine.verify import OWN_ERROR_MULTIPLE
 from normfold.hf import CheckpointError, default_model_path, fold_folder, load_model, verify_folders
 from normfold.hf.output_dir import REPORT_JSON
 from normfold.hf.report import write_sealed_report

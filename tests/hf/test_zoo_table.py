@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from normfold.fold import FoldError, fold
+from normfold.engine import FoldError, fold
 from normfold.hf.inputs import example_inputs_for
 
 pytest.importorskip("transformers")

@@ -93,7 +93,7 @@ def test_transposed_conv_is_refused():
 
 def test_a_wrong_batchnorm_fold_raises_the_one_proof_error_with_its_reason(monkeypatch):
     # before: a ValueError, unlike every other failed proof (issue 34: one prove-or-raise)
-    from normfold.fold import FoldVerificationError
+    from normfold.engine import FoldVerificationError
     from normfold.lab import batchnorm
 
     real = batchnorm.apply_plan

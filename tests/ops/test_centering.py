@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from normfold.fold.math import center as fold_center
+from normfold.engine.math import center as fold_center
 from normfold.ops import _cpu
 from normfold.ops.centering import center, center_
 

@@ -9,17 +9,17 @@ from normfold.rotate import closure
 
 ROTATE = Path(closure.__file__).parent  # normfold.rotate is also the function's name
 
-NOT_YET_PUBLIC: set[tuple[str, str]] = set()  # none left: fold.verify's helpers are public
+NOT_YET_PUBLIC: set[tuple[str, str]] = set()  # none left: engine.verify's helpers are public
 
 
 def _private_fold_imports(source: str) -> set[tuple[str, str]]:
-    """(fold module, name) for every ``from ..fold.X import _name`` (or normfold.fold.X) in ``source``."""
+    """(engine module, name) for every ``from ..engine.X import _name`` (or normfold.engine.X) in ``source``."""
     found = set()
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.ImportFrom) or node.module is None:
             continue
         module = node.module.removeprefix("normfold.") if node.level == 0 else node.module
-        if (node.level == 0 and not node.module.startswith("normfold.")) or not module.startswith("fold"):
+        if (node.level == 0 and not node.module.startswith("normfold.")) or not module.startswith("engine"):
             continue
         found |= {(module, alias.name) for alias in node.names if alias.name.startswith("_")}
     return found
@@ -31,10 +31,10 @@ def test_rotate_imports_no_private_name_of_the_fold_engine():
 
 
 def test_a_private_import_from_the_engine_is_found_however_it_is_written():
-    source = ("from ..fold.analysis import _Walker, Need\n"
-              "from normfold.fold.graph import _hidden\n"
-              "from ..fold import _top\n"
+    source = ("from ..engine.analysis import _Walker, Need\n"
+              "from normfold.engine.graph import _hidden\n"
+              "from ..engine import _top\n"
               "from .closure import _local\n"
               "from torch.fold import _other\n")
-    assert _private_fold_imports(source) == {("fold.analysis", "_Walker"), ("fold.graph", "_hidden"),
-                                             ("fold", "_top")}
+    assert _private_fold_imports(source) == {("engine.analysis", "_Walker"), ("engine.graph", "_hidden"),
+                                             ("engine", "_top")}

@@ -15,7 +15,7 @@ from torch import nn
 import normfold
 from normfold import FoldError
 from normfold.rotate.apply import apply_rotation
-from normfold.fold.pipeline import apply_fold
+from normfold.engine.pipeline import apply_fold
 from normfold.nn import RMSNorm
 from tiny_models import lm_call, lm_logits, rms_norm_math, tiny_rms_lm
 

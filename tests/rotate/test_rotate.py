@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.usefixtures("single_thread"),
               pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning")]
 
 BOUND = 1e-9  # the fold's float64 bound: rotation changes no function
-# every zoo family whose stream norms all fold (tests/fold/test_models.py)
+# every zoo family whose stream norms all fold (tests/engine/test_models.py)
 ROTATABLE_ZOO = ["gpt2", "opt_pre_ln", "bloom", "falcon_new_arch", "falcon_parallel", "falcon_sequential", "phi"]
 
 

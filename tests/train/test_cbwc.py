@@ -12,9 +12,9 @@ from torch.nn.utils import parametrize
 
 import normfold
 from normfold.cli import EXIT_OK, EXIT_USAGE, main
-from normfold.fold.math import center
-from normfold.fold.plan import AffineFoldStep, CenterStep, FoldPlan, SwapStep
-from normfold.fold.report import FoldReport
+from normfold.engine.math import center
+from normfold.engine.plan import AffineFoldStep, CenterStep, FoldPlan, SwapStep
+from normfold.engine.report import FoldReport
 from normfold.nn import RMSNorm
 from normfold.train import GPT, GPTConfig, resolve_config, train
 from normfold.train.cbwc import Centered, PartialCBWCError, bake_, cbwc_, project_centering_

@@ -12,7 +12,7 @@ import inspect
 import torch
 from torch import nn
 
-from ..fold import fold
+from ..engine import fold
 from ..fuse import fuse_residual_norms
 from ..hf.inputs import example_inputs_for
 from .config import BenchConfig

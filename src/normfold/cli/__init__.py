@@ -34,7 +34,7 @@ import torch
 from .. import __version__
 from .._options import dash_options
 from .._text import first_line
-from ..fold import FoldError, FoldVerificationError
+from ..engine import FoldError, FoldVerificationError
 from ..hf.load import CheckpointError
 from ..hf.output_dir import disk_full_error
 from ..train import cli as train_cli

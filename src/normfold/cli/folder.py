@@ -6,7 +6,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..fold.cosine_bar import DEFAULT_MIN_COSINE, is_cosine_bar
+from ..engine.cosine_bar import DEFAULT_MIN_COSINE, is_cosine_bar
 from ..folders import approximate_config
 from ..hf.folder import analyze_folder, fold_folder
 from ..hf.load import default_model_path

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..fold.cosine_bar import DEFAULT_MIN_COSINE, is_cosine_bar
+from ..engine.cosine_bar import DEFAULT_MIN_COSINE, is_cosine_bar
 from ..folders import verify_folder
 from . import _output as output
 from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_trust_remote_code

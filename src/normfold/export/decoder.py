@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from .._deps import require
-from ..fold.graph import eval_mode
+from ..engine.graph import eval_mode
 
 __all__ = ["KV_CACHE_MODEL_TYPES", "PAST_AXIS", "TOTAL_AXIS", "DecoderWithCache", "check_decoder", "ExportCalls",
            "cache_calls", "position_ids_from_mask", "generate_greedy_ort"]
@@ -54,7 +54,7 @@ class DecoderWithCache(nn.Module):
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
-        self.config = model.config  # errors name the model by its type (fold.errors.model_name)
+        self.config = model.config  # errors name the model by its type (engine.errors.model_name)
         self.takes_position_ids = _takes_position_ids(model)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor | None,

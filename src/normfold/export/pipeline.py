@@ -29,10 +29,10 @@ from torch.utils import _pytree as pytree
 
 from .._deps import require
 from .._text import first_line
-from ..fold.errors import FoldError, FoldVerificationError, model_name
-from ..fold.graph import eval_mode, split_example_inputs
-from ..fold.plan import FoldConfig
-from ..fold.verify import (OWN_ERROR_MULTIPLE, cast_floats, dtype_name, flatten_outputs, fresh_inputs_like,
+from ..engine.errors import FoldError, FoldVerificationError, model_name
+from ..engine.graph import eval_mode, split_example_inputs
+from ..engine.plan import FoldConfig
+from ..engine.verify import (OWN_ERROR_MULTIPLE, cast_floats, dtype_name, flatten_outputs, fresh_inputs_like,
                            measured_tolerance, output_error, own_error, rounding_error)
 from . import graph_passes, runtime
 from .decoder import DecoderWithCache, ExportCalls, cache_calls, check_decoder

@@ -23,7 +23,7 @@ the row. The add sits in the forward of the norm's parent (``GPT2Block``: ``h = 
    returned, in its own dtype, against the input model's own error there, on every example call,
    before it is returned; ``report.py`` lists what was fused and why every other norm was not.
 
-Fusion is the step a :class:`FuseConfig` names (registered here with ``normfold.fold.steps``):
+Fusion is the step a :class:`FuseConfig` names (registered here with ``normfold.engine.steps``):
 ``normfold.convert(model, inputs, FuseConfig())`` fuses the folded model, and
 :func:`fuse_residual_norms` is that step alone.
 
@@ -44,10 +44,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..fold.graph import eval_mode, split_example_inputs
-from ..fold.steps import StepContext, register_step, run_steps
-from ..fold.verify import FOLD_TOLERANCE
-from ..fold.verify import verify as verify_models
+from ..engine.graph import eval_mode, split_example_inputs
+from ..engine.steps import StepContext, register_step, run_steps
+from ..engine.verify import FOLD_TOLERANCE
+from ..engine.verify import verify as verify_models
 from ..nn import FusedAddRMSNorm, PermutedRMSNorm, RMSNorm
 from ..nn.kinds import LAYER_NORM_TYPES
 from .inline import SOURCE_CHANGED

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from .._text import dtype_name
-from ..fold import FoldVerificationError, fold_within, run_steps, verify
-from ..fold.pipeline import plan_fold, rms_norm_paths
-from ..fold.plan import FoldConfig
+from ..engine import FoldVerificationError, fold_within, run_steps, verify
+from ..engine.pipeline import plan_fold, rms_norm_paths
+from ..engine.plan import FoldConfig
 from .card import render_markdown, write_model_card
 from .inputs import (calibration_batches, example_calls_for, example_inputs_for, is_sentence_encoder, load_tokenizer,
                      read_calibration_file)
@@ -36,7 +36,7 @@ Step = Callable[[str], None]  # called with a description before each slow step 
 
 # The approximate fold, as the caller configures it (normfold.folders.approximate_config): hf reads and tokenizes
 # the calibration file, builds the step's config from the batches and runs it through the registry of steps
-# (normfold.fold.steps) after the exact fold; it never imports the lab (docs/CONTRIBUTING.md):
+# (normfold.engine.steps) after the exact fold; it never imports the lab (docs/CONTRIBUTING.md):
 # (calibration batches, sentence_encoder) -> the step's config (normfold.lab.ApproximateConfig)
 ApproximateStep = Callable[[list, bool], Any]
 
@@ -168,7 +168,7 @@ def _compared(model) -> str:
 def fold_for_stock(model, example_inputs, *, fold_affine: bool = True, stored_dtype: torch.dtype = torch.float32,
                    keep=()):
     """``normfold.fold`` within what stock transformers can load, saved in ``stored_dtype``
-    (``normfold.hf.saving.stock_constraints``): the same step (``normfold.fold.fold_within``), proved in
+    (``normfold.hf.saving.stock_constraints``): the same step (``normfold.engine.fold_within``), proved in
     float64; raises ``FoldVerificationError`` (nothing is saved) on failure.
     """
     return fold_within(model, example_inputs,

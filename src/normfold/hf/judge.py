@@ -29,9 +29,9 @@ from typing import Any
 from torch import nn
 
 from .._text import first_line
-from ..fold import verify
-from ..fold.cosine_bar import DEFAULT_MIN_COSINE, check_cosine_bar
-from ..fold.errors import FoldError
+from ..engine import verify
+from ..engine.cosine_bar import DEFAULT_MIN_COSINE, check_cosine_bar
+from ..engine.errors import FoldError
 from .errors import CheckpointError
 from .folder import fold_folder, remake_saved
 from .inputs import example_inputs_for

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ..fold.cosine_bar import is_cosine_bar
+from ..engine.cosine_bar import is_cosine_bar
 from .errors import CheckpointError
 
 COMMANDS = ("fold", "rotate", "save_pretrained")

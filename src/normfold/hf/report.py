@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from ..fold.report import FoldReport, ReportSection
+from ..engine.report import FoldReport, ReportSection
 from .load import CheckpointError, read_json_object
 from .output_dir import REPORT_JSON
 from .recipe import file_sha256

@@ -22,7 +22,7 @@ from torch import nn
 
 from .._deps import require
 from .._text import dtype_name
-from ..fold.report import ReportSection
+from ..engine.report import ReportSection
 from .card import write_model_card
 from .folder import Step, silent_step
 from .inputs import calibration_batches, example_inputs_for, load_tokenizer, read_calibration_file

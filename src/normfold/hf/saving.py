@@ -25,9 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..fold.plan import FoldConfig
-from ..fold.report import FoldReport
-from ..fold.transform import norm_like, untie_config
+from ..engine.plan import FoldConfig
+from ..engine.report import FoldReport
+from ..engine.transform import norm_like, untie_config
 from ..nn import PermutedRMSNorm, RMSNorm
 from ..nn.resize import replace_parameter
 from .._deps import require

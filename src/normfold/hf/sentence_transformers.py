@@ -5,7 +5,7 @@ rebuilds every RMSNorm the fold made as a LayerNorm (same outputs, none of the s
 :func:`sentence_transformer` builds the same pipeline (tokenizer, pooling, dense and normalize modules
 from the folder's ``modules.json``) around ``normfold.from_pretrained(folder)``: the fast RMSNorms,
 and then the steps its configs name (``normfold.FuseConfig()``: residual adds run inside the norm
-kernels), each proved by the one runner (``normfold.fold.steps``), whose handlers hf looks up and
+kernels), each proved by the one runner (``normfold.engine.steps``), whose handlers hf looks up and
 never imports.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 from torch import nn
 
 from .._deps import require
-from ..fold.steps import run_steps
+from ..engine.steps import run_steps
 from .inputs import example_inputs_for
 from .load import CheckpointError, check_model_dir
 from .saving import from_pretrained

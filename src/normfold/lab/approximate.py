@@ -32,10 +32,10 @@ import torch
 from torch import Tensor, nn
 
 from .._progress import progress as progress_bar  # `progress` is approximate_fold's callback argument
-from ..fold.cosine_bar import DEFAULT_MIN_COSINE, check_cosine_bar
-from ..fold.plan import FoldConfig
-from ..fold.steps import StepContext, register_step
-from ..fold.transform import norm_like
+from ..engine.cosine_bar import DEFAULT_MIN_COSINE, check_cosine_bar
+from ..engine.plan import FoldConfig
+from ..engine.steps import StepContext, register_step
+from ..engine.transform import norm_like
 from ..nn import RMSNorm
 from ..nn.kinds import norm_modules
 from ..ops.reference import rms_norm_ref

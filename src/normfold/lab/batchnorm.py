@@ -1,7 +1,7 @@
 """BatchNorm folding on its own: every foldable eval-mode BatchNorm merged into the Linear/Conv before it.
 
 The planning (which BatchNorm merges where, and why the others do not) is
-``normfold.fold.batchnorm``, the math ``normfold.fold.math.fold_batchnorm_into_producer``; the exact
+``normfold.engine.batchnorm``, the math ``normfold.engine.math.fold_batchnorm_into_producer``; the exact
 fold runs the same steps as the first section of its plan (``normfold.fold``). This module keeps
 the lab's one-call entry point, :func:`fold_batchnorms`.
 """
@@ -14,15 +14,15 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from ..fold.batchnorm import BatchNormEntry, plan_batchnorms
-from ..fold.graph import capture
-from ..fold.math import fold_batchnorm_into_producer
-from ..fold.plan import BatchNormFoldStep, FoldPlan
-from ..fold.report import VerifyResult
-from ..fold.steps import StepContext, register_step, run_steps
-from ..fold.transform import apply_plan
-from ..fold.verify import FOLD_TOLERANCE
-from ..fold.verify import verify as verify_outputs
+from ..engine.batchnorm import BatchNormEntry, plan_batchnorms
+from ..engine.graph import capture
+from ..engine.math import fold_batchnorm_into_producer
+from ..engine.plan import BatchNormFoldStep, FoldPlan
+from ..engine.report import VerifyResult
+from ..engine.steps import StepContext, register_step, run_steps
+from ..engine.transform import apply_plan
+from ..engine.verify import FOLD_TOLERANCE
+from ..engine.verify import verify as verify_outputs
 
 
 @dataclass(frozen=True)

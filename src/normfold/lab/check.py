@@ -19,7 +19,7 @@
   Post-LN gradients pass through every norm on the way down; without warmup the first large
   updates usually diverge. Pre-LN trains without it.
 
-The structural checks read the ``torch.export`` graph (``normfold.fold.graph.capture``), so they
+The structural checks read the ``torch.export`` graph (``normfold.engine.graph.capture``), so they
 need ``example_inputs``; without them, or if export fails, they are skipped and an ``info``
 finding says so.
 """
@@ -32,9 +32,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import fx, nn
 
-from ..fold.errors import FoldError
-from ..fold.graph import capture, module_path, op_packet, owner_path
-from ..fold.op_kinds import LINEAR_PRODUCER_OPS, norm_node_kind, through_value_copies
+from ..engine.errors import FoldError
+from ..engine.graph import capture, module_path, op_packet, owner_path
+from ..engine.op_kinds import LINEAR_PRODUCER_OPS, norm_node_kind, through_value_copies
 from ..nn.kinds import norm_modules
 
 _aten = torch.ops.aten

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .._deps import require
 from .._progress import progress
-from ..fold.math import mean_over_rms
+from ..engine.math import mean_over_rms
 from ..nn.kinds import norm_modules
 from ._common import as_batches, call, rows
 

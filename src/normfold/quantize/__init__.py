@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from .._progress import progress
-from ..fold.graph import eval_mode, split_example_calls
-from ..fold.steps import StepContext, register_step
-from ..fold.verify import flatten_outputs
+from ..engine.graph import eval_mode, split_example_calls
+from ..engine.steps import StepContext, register_step
+from ..engine.verify import flatten_outputs
 from .fake import fake_quantize, fake_quantize_ste, grid_max, group_scales
 
 WEIGHT_BITS = (2, 8)       # the weight grids offered, inclusive

@@ -6,7 +6,7 @@
     rotated, report = normfold.rotate(model, example_inputs, method="learned", calibration=calls,
                                       learning=LearnConfig(quantize=QuantizeConfig(weight_bits=4)))  # SpinQuant-style
 
-Steps: the exact fold (``normfold.fold.fold``: norms → RMSNorm, γ/β into the readers), the graph
+Steps: the exact fold (``normfold.engine.fold``: norms → RMSNorm, γ/β into the readers), the graph
 check that the stream is closed under rotation (``closure``), the basis (``hadamard``,
 ``orthogonal``; PCA from ``calibration``; learned for a quantized model from ``learned``), the rotation in float64 cast back once (``apply``), and
 the float64 proof against the original, as for a fold (or, when sliced, the cosine on the
@@ -26,15 +26,15 @@ import torch
 from torch import Tensor, nn
 
 from .._progress import notice
-from ..fold import fold_within
-from ..fold.errors import FoldError
-from ..fold.graph import capture, example_calls, split_example_calls
-from ..fold.pipeline import float64_reference
-from ..fold.plan import FoldConfig
-from ..fold.transform import apply_plan
-from ..fold.report import FoldReport, VerifyResult
-from ..fold.steps import StepContext, register_step, run_steps
-from ..fold.verify import FOLD_TOLERANCE, verify
+from ..engine import fold_within
+from ..engine.errors import FoldError
+from ..engine.graph import capture, example_calls, split_example_calls
+from ..engine.pipeline import float64_reference
+from ..engine.plan import FoldConfig
+from ..engine.transform import apply_plan
+from ..engine.report import FoldReport, VerifyResult
+from ..engine.steps import StepContext, register_step, run_steps
+from ..engine.verify import FOLD_TOLERANCE, verify
 from .apply import apply_rotation, rotate_along
 from .calibration import OutputAgreement, output_agreement, run_error, stream_second_moments
 from .closure import Stream, StreamTensor, find_streams

@@ -23,7 +23,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..fold.math import weight_math_dtype
+from ..engine.math import weight_math_dtype
 from ..nn import RMSNorm
 from ..nn.resize import replace_parameter
 from .closure import Stream

@@ -8,8 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from .._progress import progress
-from ..fold.graph import eval_mode
-from ..fold.verify import cast_floats, model_outputs
+from ..engine.graph import eval_mode
+from ..engine.verify import cast_floats, model_outputs
 from .closure import Stream
 
 

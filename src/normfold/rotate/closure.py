@@ -12,7 +12,7 @@ the model computes the same function. That holds only when, from the graph:
   linear layers (through views and selections that keep each row's features);
 - nothing else reads the stream or its writers' tensors (not a model output, not an activation).
 
-The walk from each norm's input to the writers is the fold engine's own (``fold.analysis``): a
+The walk from each norm's input to the writers is the fold engine's own (``engine.analysis``): a
 rule that commutes with centering along a whole dim commutes with any linear map of that dim.
 """
 from __future__ import annotations
@@ -22,12 +22,12 @@ from dataclasses import dataclass
 import torch
 from torch import fx, nn
 
-from ..fold.analysis import effective_users, Walker
-from ..fold.errors import FoldError
-from ..fold.graph import Captured, describe, module_stack, shape
-from ..fold.graph import op_packet as _packet
-from ..fold.report import FoldReport
-from ..fold.rules import METADATA_OPS, Need, NormCall, Requires, Source, classify, make_need, norm_call
+from ..engine.analysis import effective_users, Walker
+from ..engine.errors import FoldError
+from ..engine.graph import Captured, describe, module_stack, shape
+from ..engine.graph import op_packet as _packet
+from ..engine.report import FoldReport
+from ..engine.rules import METADATA_OPS, Need, NormCall, Requires, Source, classify, make_need, norm_call
 from ..nn.kinds import RMS_NORM_TYPES
 
 _aten = torch.ops.aten

@@ -37,8 +37,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .._progress import progress
-from ..fold.graph import eval_mode
-from ..fold.verify import cast_floats, flatten_outputs
+from ..engine.graph import eval_mode
+from ..engine.verify import cast_floats, flatten_outputs
 from ..quantize import ActivationQuantizer, QuantizeConfig, fake_quantize_ste, input_dim, selected_layers
 from .closure import Stream
 from .orthogonal import orthogonality_error

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from ..fold.report import FoldReport, VerifyResult
+from ..engine.report import FoldReport, VerifyResult
 from .calibration import OutputAgreement
 from .closure import Stream
 from .learned import LearningReport

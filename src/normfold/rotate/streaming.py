@@ -4,7 +4,7 @@ time (``normfold rotate`` on a sharded folder: ``normfold.hf.streaming``).
 Q does not depend on data, so the rotated model is the folded one with each stream tensor t ↦ t·Q
 along its stream dim (writers' output side, readers' input side; ``rotate.apply``); the streaming
 fold runs ``TensorRotations.rotate_tensor`` after the fold's plan with the same executor, as a
-row-wise map (``normfold.fold.executor.TensorMap``, slice by slice). What is needed
+row-wise map (``normfold.engine.executor.TensorMap``, slice by slice). What is needed
 is read from the fold plan on a skeleton: the plan applied to a copy on the meta device (no memory),
 its graph checked closed (``closure.find_streams``) and the bases drawn as :func:`normfold.rotate`
 draws them (:func:`normfold.rotate.bases`), so the same method and seed give the same Q.
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..fold.errors import FoldError
-from ..fold.graph import check_model_and_inputs
-from ..fold.report import FoldReport
-from ..fold.transform import apply_plan
+from ..engine.errors import FoldError
+from ..engine.graph import check_model_and_inputs
+from ..engine.report import FoldReport
+from ..engine.transform import apply_plan
 from . import bases, closed_streams
 from .apply import rotate_along
 from .closure import Stream

@@ -59,9 +59,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from ..fold import FoldError, FoldReport, analyze
+from ..engine import FoldError, FoldReport, analyze
 from ..ops import centering
-from ..fold.transform import swap_norm, untie_config
+from ..engine.transform import swap_norm, untie_config
 
 __all__ = ["cbwc_", "bake_", "Centered", "PartialCBWCError", "centered_once", "project_centering_",
            "center_gradients_", "center_parameters_", "CenteringIndex"]
@@ -75,7 +75,7 @@ class PartialCBWCError(FoldError):
 class Centered(nn.Module):
     """Parametrization V = W − mean(W) along ``dim``, per contiguous ``group`` elements (None: whole dim).
 
-    ``normfold.ops.centering.center`` in a module (``normfold.fold.math.center`` detaches and works in
+    ``normfold.ops.centering.center`` in a module (``normfold.engine.math.center`` detaches and works in
     float64 for one-off folding); here the gradient must flow to W, in W's dtype.
     """
 

@@ -260,7 +260,7 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def get_input_embeddings(self) -> nn.Embedding:
-        """The token table (Hugging Face's name: ``normfold.fold.transform.untie_config`` reads it)."""
+        """The token table (Hugging Face's name: ``normfold.engine.transform.untie_config`` reads it)."""
         return self.transformer.wte
 
     def get_output_embeddings(self) -> nn.Linear:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..fold.errors import CheckpointError
+from ..engine.errors import CheckpointError
 
 STATE_FILE = "train_state.pt"
 STATE_FORMAT = 1

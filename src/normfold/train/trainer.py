@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from .._deps import require
-from ..fold.errors import CheckpointError
+from ..engine.errors import CheckpointError
 from .cbwc import CenteringIndex, cbwc_, project_centering_
 from .checkpoint import save_checkpoint
 from .config import TrainConfig, TrainConfigError

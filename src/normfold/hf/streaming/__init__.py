@@ -5,7 +5,7 @@
    (the analysis looks at β), and run the fold engine's analysis. ``torch.export`` traces with fake
    tensors, so it never reads the weights either.
 2. Rewrite: every tensor of the plan is read from its shard (``safe_open``, one tensor at a time),
-   rewritten with the pure functions of ``normfold.fold.math`` and streamed into new shards by a
+   rewritten with the pure functions of ``normfold.engine.math`` and streamed into new shards by a
    writer that needs only one tensor in memory. Tensors that a step ties together (a weight and
    its bias, an untied copy and its source) are processed as one group; the norms' γ/β, which
    affine folding needs across shards, are read first. All of it goes into a locked temporary

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...fold.graph import parameter_aliases
-from ...fold.math import center
-from ...fold.verify import (cast_floats, flatten_outputs, measured_tolerance, output_error, outputs_own_error,
+from ...engine.graph import parameter_aliases
+from ...engine.math import center
+from ...engine.verify import (cast_floats, flatten_outputs, measured_tolerance, output_error, outputs_own_error,
                             watch_rms_inputs)
 from ..inputs import example_inputs_for
 from ..load import CheckpointError, check_model_dir, load_config, model_class_for
@@ -47,7 +47,7 @@ from .planning import NORM_TYPES, meta_skeleton
 # real one, which hides what a block adds to it: in a tiny random GPT-2 a 1.5x MLP weight changed
 # such a block's output by 2.9e-3, below bf16's unit roundoff, and by 0.11 on the real stream.
 # The folded weights are rounded to the stored dtype, so each piece (the shell, every block run) is
-# judged by its own measured tolerance (normfold.fold.verify.measured_tolerance): its error must be
+# judged by its own measured tolerance (normfold.engine.verify.measured_tolerance): its error must be
 # at most 2x the error the original piece itself makes when cast to that dtype and run in it on the
 # same inputs, plus one rounding.
 
@@ -64,7 +64,7 @@ def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, bloc
 
     ``centered`` (a Pre-LN block the fold centered): the folded residual stream is the original's
     with its mean removed (P = I − 11ᵀ/n), so folded_block(P·x) = P·block(x); the error is that of
-    folded_block(P·x) against P·block(x) (:func:`normfold.fold.verify.output_error`, as every proof
+    folded_block(P·x) against P·block(x) (:func:`normfold.engine.verify.output_error`, as every proof
     measures it). Otherwise folded_block(x) = block(x).
     ``x``: the hidden states the original block reads (default: N(0, 1) of the call's shape, or
     ``(batch, seq, width)``). ``call``: the other arguments the model passes the block (masks,
@@ -180,7 +180,7 @@ def _own_error(reference: list[torch.Tensor], original: nn.Module,
     """The original piece's own error in ``low_dtype``: ``original`` cast to it (in place, so no
     second copy is held; the float64 one is not used again) and ``run`` in it, against
     ``reference``, its float64 outputs, measured as every proof measures it
-    (:func:`normfold.fold.verify.outputs_own_error`)."""
+    (:func:`normfold.engine.verify.outputs_own_error`)."""
     low = run(original.to(low_dtype), low_dtype)
     return outputs_own_error([flatten_outputs(reference)], [flatten_outputs(low)], low_dtype, torch.float64)
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...fold.graph import parameter_aliases
-from ...fold.pipeline import plan_fold
-from ...fold.plan import FoldConfig, FoldPlan, UntieStep
-from ...fold.report import FoldReport
+from ...engine.graph import parameter_aliases
+from ...engine.pipeline import plan_fold
+from ...engine.plan import FoldConfig, FoldPlan, UntieStep
+from ...engine.report import FoldReport
 from ...nn.kinds import GROUP_NORM_TYPES, LAYER_NORM_TYPES, RMS_NORM_TYPES
 from ..inputs import example_inputs_for
 from ..load import CheckpointError, load_config, model_class_for

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from ..._progress import progress
-from ...fold.errors import FoldVerificationError
-from ...fold.plan import FoldPlan
-from ...fold.report import FoldReport
+from ...engine.errors import FoldVerificationError
+from ...engine.plan import FoldPlan
+from ...engine.report import FoldReport
 from ..folder import write_report_files
 from ..load import CheckpointError, check_model_dir
 from ..normfold_only import mark_normfold_only

@@ -1,5 +1,5 @@
 """Rewriting a checkpoint's tensors: the fold plan (and a step after it) run by the fold's one
-executor (``normfold.fold.executor``) over a store of checkpoint keys, one group of keys at a time
+executor (``normfold.engine.executor``) over a store of checkpoint keys, one group of keys at a time
 (the keys a step writes together: a weight and its bias, an untied copy and its source), the
 row-wise math on slices so a whole table never exists in the compute dtype, and a prefetcher that
 computes the next groups while the caller writes."""
@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...fold.executor import TensorMap, run
-from ...fold.graph import parameter_aliases
-from ...fold.plan import FoldPlan, Step, SwapStep
+from ...engine.executor import TensorMap, run
+from ...engine.graph import parameter_aliases
+from ...engine.plan import FoldPlan, Step, SwapStep
 from ..load import CheckpointError
 from .checkpoint import SAFETENSORS_DTYPES, TORCH_DTYPES, Checkpoint, resolve_key
 

@@ -1,0 +1,185 @@
+"""Every failure inside analyze / fold / verify is a FoldError naming the model and the step; the
+verifier's fresh inputs come from the user's example; a model that cannot run in float64 is checked
+in its own dtype, said so in the result, and a wrong fold still fails there (issue 16 item 5)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from normfold.engine import analyze, fold
+from normfold.engine import FoldError, FoldPlan, transform
+from normfold.engine.pipeline import prove_fold
+from normfold.engine.verify import fresh_inputs_like, verify
+
+C = 8
+
+
+class PreLN(nn.Module):
+    """Linear → LayerNorm → Linear: the LayerNorm folds."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.ln, self.head = nn.Linear(C, C), nn.LayerNorm(C), nn.Linear(C, C)
+        with torch.no_grad():  # γ = 1, β = 0 would hide a wrong affine fold
+            self.ln.weight.uniform_(0.5, 1.5)
+            self.ln.bias.normal_()
+
+    def forward(self, x):
+        return self.head(self.ln(self.fc(x)))
+
+
+class NoFloat64(PreLN):
+    """Raises in float64, as XGLM does (torch.full of float64's finfo.min into a float32 tensor)."""
+
+    def forward(self, x):
+        if x.dtype == torch.float64:
+            raise RuntimeError("value cannot be converted to type float without overflow")
+        return super().forward(x)
+
+
+class NanInFloat64(PreLN):
+    """Gives nan in float64 and finite values in float32, as canine does."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return out * float("nan") if x.dtype == torch.float64 else out
+
+
+class NormOfAParameter(nn.Module):
+    """A LayerNorm applied straight to a parameter (DeBERTa-v2's norm_rel_ebd="layer_norm")."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table, self.ln, self.fc = nn.Parameter(torch.randn(4, C)), nn.LayerNorm(C), nn.Linear(C, C)
+
+    def forward(self, x):
+        return self.fc(x) @ self.ln(self.table).T
+
+
+def _x(batch: int = 3):
+    return (torch.randn(batch, C, generator=torch.Generator().manual_seed(0)),)
+
+
+# ------------------------------------------------------------------------- failures are FoldErrors
+
+
+def test_a_layer_norm_of_a_parameter_is_a_fold_error_naming_the_model_norm_and_step_not_an_index_error():
+    for run in (analyze, fold):  # before: IndexError in _centering_steps, in analyze too
+        with pytest.raises(FoldError, match=r"NormOfAParameter: planning.*norm ln: planning the centering step"):
+            run(NormOfAParameter(), _x())
+
+
+def test_an_exception_while_applying_the_plan_is_a_fold_error_naming_the_model_and_the_step(monkeypatch):
+    def broken(model, plan):
+        raise KeyError("fc.weight")
+
+    monkeypatch.setattr(transform, "apply_plan", broken)
+    with pytest.raises(TypeError):  # the user's errors are still checked first, as TypeError/ValueError
+        fold(PreLN(), "not inputs")
+    with pytest.raises(FoldError, match=r"PreLN: applying the plan failed: KeyError") as caught:
+        fold(PreLN(), _x())
+    assert isinstance(caught.value.__cause__, KeyError)  # the original stays chained for debugging
+
+
+# -------------------------------------------------------------------- fresh inputs from the example
+
+
+def test_fresh_integers_are_the_examples_values_permuted_with_each_row_kept_whole():
+    boxes = torch.tensor([[[0, 1, 5, 9], [2, 2, 3, 7], [1, 0, 4, 4]], [[3, 3, 8, 8], [0, 0, 1, 1], [6, 2, 7, 5]]])
+    ids = torch.arange(12).reshape(2, 6) * 7
+    fresh = fresh_inputs_like({"bbox": boxes, "input_ids": ids}, torch.Generator().manual_seed(0))
+    rows = lambda t: sorted(map(tuple, t.reshape(-1, t.shape[-1]).tolist()))  # noqa: E731
+    assert rows(fresh["bbox"]) == rows(boxes)                   # each box's corners stay together and ordered
+    assert (fresh["bbox"][..., 2:] >= fresh["bbox"][..., :2]).all()
+    assert sorted(fresh["input_ids"].flatten().tolist()) == sorted(ids.flatten().tolist())  # same vocabulary
+    assert not torch.equal(fresh["input_ids"], ids) and fresh["input_ids"].shape == ids.shape
+
+
+def test_fresh_floats_are_the_example_perturbed_and_keep_its_infinities():
+    x = torch.tensor([[100.0, -100.0, float("-inf")], [50.0, 0.0, 25.0]])
+    fresh = fresh_inputs_like((x,), torch.Generator().manual_seed(0))[0]
+    finite = torch.isfinite(x)
+    assert torch.equal(torch.isfinite(fresh), finite) and fresh[0, 2] == float("-inf")
+    change = (fresh - x)[finite].abs()
+    assert 0 < change.max() < 0.5 * x[finite].abs().max()  # near the example, not independent N(0, 1) draws
+
+
+# --------------------------------------------------------------- models that cannot run in float64
+
+
+@pytest.mark.parametrize("model_class", [NoFloat64, NanInFloat64], ids=["raises", "nan"])
+def test_a_model_that_cannot_run_in_float64_is_verified_in_float32_and_the_result_says_so(model_class):
+    folded, report = fold(model_class(), _x())  # before: RuntimeError / "compared nothing"
+    result = report.verification
+    assert [n.foldable for n in report.norms] == [True]
+    assert result.ok and result.compared_in == "float32" and "cannot run in float64" in result.fallback
+    assert 0 < result.tolerance < 1e-5 and "unit in the last place" in result.tolerance_rule
+    assert "checked in float32 instead" in str(result) and "float32 max rel err" in str(result)
+
+
+@pytest.mark.parametrize("model_class", [NoFloat64, NanInFloat64], ids=["raises", "nan"])
+def test_a_wrong_fold_of_a_model_that_cannot_run_in_float64_still_fails_in_float32(model_class):
+    model = model_class()
+    folded, _ = fold(model, _x())
+    with torch.no_grad():
+        folded.head.weight.mul_(1 + 1e-4)  # far below anything visible, far above float32 rounding
+    result = verify(model, folded, _x())
+    assert not result.ok and result.compared_in == "float32" and result.max_rel_error > result.tolerance
+
+
+def test_a_float64_model_that_raises_is_a_fold_error_not_a_fallback():
+    model = NoFloat64().double()  # its own dtype is float64: there is no lower dtype to fall back to
+    inputs = tuple(t.double() for t in _x())
+    with pytest.raises(FoldError, match=r"NoFloat64: planning .*torch.export could not capture"):
+        fold(model, inputs)  # it raises while traced, too
+    with pytest.raises(FoldError, match=r"NoFloat64: verifying \(running both models\) failed: RuntimeError"):
+        prove_fold(model, model, inputs, FoldPlan())
+
+
+def test_a_model_that_runs_in_float64_is_still_compared_in_float64():
+    _, report = fold(PreLN(), _x())
+    assert report.verification.compared_in == "float64" and report.verification.fallback is None
+
+
+def test_verify_called_directly_names_the_model_and_step_when_a_model_raises():
+    model = NoFloat64().double()
+    with pytest.raises(FoldError, match=r"NoFloat64: verifying \(running both models\) failed: RuntimeError"):
+        verify(model, model, tuple(t.double() for t in _x()))  # before: the model's RuntimeError, raw
+
+
+def test_fresh_inputs_permute_related_integer_inputs_together_and_keep_float_masks_as_masks():
+    """Kosmos-2.5 on main 4025376: noise on its 0/1 float mask and ids permuted apart from their token
+    types made inputs the original itself fails on, and the fold was refused ("shape mismatch")."""
+    ids = torch.arange(12).reshape(2, 6)
+    token_types = ids * 100  # a value tied to each id's position
+    mask = torch.tensor([[1.0, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    fresh = fresh_inputs_like({"input_ids": ids, "token_type_ids": token_types, "attention_mask": mask},
+                              torch.Generator().manual_seed(0))
+    assert not torch.equal(fresh["input_ids"], ids)
+    assert torch.equal(fresh["token_type_ids"], fresh["input_ids"] * 100)  # permuted together
+    assert torch.equal(fresh["attention_mask"], mask)  # still the 0/1 mask it was
+    zeros = fresh_inputs_like((torch.zeros(2, 3),), torch.Generator().manual_seed(0))[0]
+    assert zeros.abs().max() > 0  # all zeros is an example like any other, not a mask
+
+
+class NanWithIntegerOutput(nn.Module):
+    """Parakeet in float64: an all-NaN hidden state beside an integer output (lengths)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.norm(x) * float("nan"), torch.full((x.shape[0],), x.shape[1])
+
+
+def test_an_integer_output_beside_an_all_nan_one_compares_nothing():
+    """Fails on main 4025376: the integer output counted as compared, and the proof read "OK, 0.0"."""
+    model = NanWithIntegerOutput().eval()
+    result = verify(model, copy.deepcopy(model), (torch.randn(2, 3, 4),), tolerance=1e-9)
+    assert not result.ok and "compared nothing" in result.why

@@ -1,0 +1,151 @@
+"""Folds past export's limits: when torch.export cannot capture the whole model, the largest submodules it
+can capture are analysed with the inputs the whole call gave them, and the fold is proved on the whole
+model eagerly (normfold.engine.submodules)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import normfold
+from normfold.engine import FoldError
+
+C = 8
+
+
+@pytest.fixture(autouse=True)
+def _quiet_export():
+    """torch.export logs the graph it failed on (logging.ERROR); the tests read what the fold says."""
+    logging.disable(logging.ERROR)
+    yield
+    logging.disable(logging.NOTSET)
+
+
+class Block(nn.Module):
+    """Linear -> LayerNorm -> Linear: the norm folds when the block is captured (its input is the Linear's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln, self.out = nn.Linear(C, C), nn.LayerNorm(C), nn.Linear(C, C)
+
+    def forward(self, x):
+        return self.out(self.ln(self.fc(x)))
+
+
+class NormFirst(nn.Module):
+    """LayerNorm on the block's own input: its producer lies outside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.ln, self.out = nn.LayerNorm(C), nn.Linear(C, C)
+
+    def forward(self, x):
+        return self.out(self.ln(x))
+
+
+class Branching(nn.Module):
+    """Python control flow on a tensor value at the top: export cannot capture the whole model."""
+
+    def __init__(self, branch: bool = True):
+        super().__init__()
+        self.a, self.b, self.branch = Block(), Block(), branch
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.branch and h.sum() > 0:
+            h = h * 2
+        return self.b(h)
+
+
+def _non_trivial(model: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(2, 5, C, generator=torch.Generator().manual_seed(1))
+
+
+def test_a_model_with_a_data_dependent_branch_at_the_top_folds_its_blocks_exactly():
+    model = _non_trivial(Branching())
+    folded, report = normfold.fold(model, (_x(),))
+    assert report.captured_through == ["a", "b"]
+    assert "data-dependent" in report.whole_model_capture_error
+    assert {e.path: e.foldable for e in report.norms} == {"a.ln": True, "b.ln": True}
+    assert report.verification.ok and report.verification.max_rel_error < 1e-12
+    assert isinstance(folded.a.ln, normfold.RMSNorm) and isinstance(folded.b.ln, normfold.RMSNorm)
+    assert "captured through submodules: a, b" in str(report)
+    assert report.to_dict()["captured_through"] == ["a", "b"]
+
+
+def test_a_norm_reading_a_submodules_input_is_kept_although_the_whole_graph_would_fold_it():
+    class Boundary(Branching):
+        def __init__(self, branch: bool):
+            super().__init__(branch)
+            self.b = NormFirst()  # b.ln reads a's output, a Linear: zero-mean once a.out is centered
+
+    _, whole = normfold.fold(_non_trivial(Boundary(branch=False)), (_x(),))
+    assert whole.captured_through == [] and next(e for e in whole.norms if e.path == "b.ln").foldable
+    _, through = normfold.fold(_non_trivial(Boundary(branch=True)), (_x(),))
+    assert through.captured_through == ["a", "b"]
+    entry = next(e for e in through.norms if e.path == "b.ln")
+    assert not entry.foldable
+    assert "an input of b, computed outside the submodules torch.export captured" in entry.reason
+    assert next(e for e in through.norms if e.path == "a.ln").foldable and through.verification.ok
+
+
+def test_a_submodule_whose_layers_the_root_also_calls_is_not_captured_as_one():
+    class Entangled(Branching):
+        def forward(self, x):
+            h = self.a(x) + self.a.out(x)  # a.out runs outside a's own call: a's graph would miss that use
+            if h.sum() > 0:
+                h = h * 2
+            return self.b(h)
+
+    report = normfold.analyze(_non_trivial(Entangled()), (_x(),))
+    assert report.captured_through == ["b"]
+    entry = next(e for e in report.norms if e.path == "a.ln")
+    assert not entry.foldable and "outside every submodule torch.export could capture" in entry.reason
+
+
+def test_a_model_without_a_capturable_submodule_still_raises_exports_error():
+    class NoBlocks(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc, self.ln = nn.Linear(C, C), nn.LayerNorm(C)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return self.ln(h * 2 if h.sum() > 0 else h)
+
+    with pytest.raises(FoldError, match="torch.export could not capture NoBlocks"):
+        normfold.analyze(NoBlocks(), (_x(),))
+
+
+@pytest.mark.slow
+def test_longformer_which_export_cannot_capture_folds_its_embedding_norm_through_submodules():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LongformerConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                           intermediate_size=64, attention_window=4, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = _non_trivial(transformers.LongformerModel(config))
+    ids = torch.randint(3, 99, (2, 8), generator=torch.Generator().manual_seed(0))
+    folded, report = normfold.fold(model, {"input_ids": ids})
+    assert "embeddings" in report.captured_through and "Could not guard" in report.whole_model_capture_error
+    assert next(e for e in report.norms if e.path == "embeddings.LayerNorm").foldable
+    assert report.verification.ok and report.verification.max_rel_error < 1e-12
+    assert isinstance(folded.embeddings.LayerNorm, normfold.RMSNorm)
+
+
+def test_several_example_calls_fold_through_submodules_what_every_call_proves():
+    model = _non_trivial(Branching())
+    folded, report = normfold.fold(model, [(_x(),), (-_x(),)])  # one merged graph per call, analysed together
+    assert report.captured_through == ["a", "b"] and len(report.traced_calls) == 2
+    assert all(e.foldable for e in report.norms) and report.verification.ok
