@@ -16,7 +16,7 @@ from torch import nn
 
 import normfold
 from normfold.engine import FoldVerificationError
-from normfold.engine.verify import OWN_ERROR_MULTIPLE, flatten_outputs, measured_tolerance, output_error
+from normfold.engine.verify import OWN_ERROR_MULTIPLE, flatten_outputs, measured_tolerance, output_error, rounding_error
 
 C = 8
 
@@ -306,3 +306,23 @@ def test_output_error_finds_a_single_changed_element_whatever_else_the_output_ho
     assert output_error(a, a).error == 0.0
     found = output_error(a, b)
     assert found.error == pytest.approx(step, rel=1e-6) and found.index == divmod(where, cols)
+
+
+class LengthsBeside(nn.Module):
+    """A float output beside an integer one (the output lengths of an audio encoder such as Parakeet)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.norm(self.proj(x)), torch.full((x.shape[0],), x.shape[1], dtype=torch.int32)
+
+
+def test_an_integer_output_has_no_rounding_error_and_the_float32_proof_runs():
+    """Fails on main e0bdee3: the own-error measure of the model-dtype check asked ``torch.finfo`` of
+    the integer output and the proof ended in a TypeError (a FoldError "verifying failed")."""
+    assert rounding_error(torch.tensor([3, 4]), torch.tensor([3, 4]), torch.float32) == 0.0
+    _, report = normfold.fold(LengthsBeside().eval(), (torch.randn(2, 3, 4),))
+    check = report.verification.model_dtype_check
+    assert report.num_foldable == 1 and check is not None and 0 < check.own_error < 1e-5

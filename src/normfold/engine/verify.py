@@ -342,7 +342,10 @@ def rounding_error(reference: Tensor, low: Tensor, low_dtype: torch.dtype) -> fl
     """The rounding error of ``low``, an output computed in ``low_dtype`` (maybe cast since), against
     ``reference``, the same output in float64: :func:`output_error` over the elements ordinary in
     both. Where either overflows, or masks with its own finfo.min, there is no rounding error to
-    measure (the judged comparisons hold those places to the same kind of value)."""
+    measure (the judged comparisons hold those places to the same kind of value); nor in an integer or
+    bool output (a length, a mask), which the judged comparisons hold equal."""
+    if not reference.is_floating_point():
+        return 0.0
     skip = (value_classes(reference) != 0) | (value_classes(low, low_dtype) != 0)
     return output_error(reference, low, out_dtype=low_dtype, skip=skip).error
 
