@@ -33,6 +33,8 @@ SMALL_SIZES = {
     "image_size": 32, "patch_size": 8, "vocab_size": 99, "max_position_embeddings": 64, "n_positions": 64,
     "max_source_positions": 16, "max_target_positions": 16, "num_mel_bins": 8, "projection_dim": 32,
     "projection_size": 32,
+    # LayoutLMv2/v3's spatial embeddings concatenate 4 coordinate and 2 shape embeddings: 4·4 + 2·8 = 32
+    "coordinate_size": 4, "shape_size": 8,
 }
 TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config")
 
