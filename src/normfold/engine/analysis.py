@@ -14,7 +14,7 @@ fixpoint.
 One idea in one file, long (some 680 lines) because the walk, the closedness check and its fixpoint
 decide together which norms fold; splitting them would spread one decision over files. What is
 apart: γ/β placement (``affine.py``), the norm being decided (``analyzed_norm.py``), the ops a walk
-sees through (``op_kinds.py``) and what each op does to zero mean (``rules.py``).
+sees through (``op_kinds.py``) and what each op does to zero mean (``rules/``).
 """
 from __future__ import annotations
 
