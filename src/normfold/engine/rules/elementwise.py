@@ -23,6 +23,7 @@ from .writes import overwrites
 
 _aten = torch.ops.aten
 
+# ops that build literal zeros
 ZERO_OPS = set(aten_packets("zeros", "zeros_like", "new_zeros"))
 # op -> index of its fill value: full(size, v), full_like(x, v), fill(x, v), new_full(x, size, v)
 FULL_OPS = {**{p: 1 for p in aten_packets("full", "full_like", "fill")}, **{p: 2 for p in aten_packets("new_full")}}
