@@ -1,5 +1,6 @@
-"""Tests' one factory for tiny transformers GPT-2s (random weights, no hub): the sizes a test relies on are
-passed explicitly, everything else is the factory's small default. Import as ``from tiny_models import ...``
+"""Tests' one factory for tiny transformers models (random weights, no hub): GPT-2, BLOOM, the RMSNorm
+families, and non-trivial LayerNorm γ/β. The sizes a test relies on are passed explicitly, everything
+else is the factory's small default. Import as ``from tiny_models import ...``
 (tests/ is on sys.path, ``tests/conftest.py``); a test without transformers installed is skipped."""
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ def tiny_gpt2(seed: int | None = 0, **overrides):
     if seed is not None:
         torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(config)
+
+
+# BLOOM: ALiBi instead of positions, an embedding LayerNorm, one fused query_key_value projection
+TINY_BLOOM = {"vocab_size": 96, "hidden_size": 32, "n_layer": 2, "n_head": 2}
+
+
+def tiny_bloom_config(**overrides):
+    """A ``transformers.BloomConfig`` of :data:`TINY_BLOOM`'s sizes with ``overrides`` (any BloomConfig keyword)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.BloomConfig(**{**TINY_BLOOM, **overrides})
 
 
 # the RMSNorm families (LLaMA's and its descendants'): their norms are Python classes written out as ops

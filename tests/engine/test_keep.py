@@ -13,6 +13,8 @@ from normfold import FoldConfig
 from normfold.engine import PlanConstraints
 from normfold.engine import fold as engine_fold
 
+from tiny_models import tiny_gpt2
+
 C = 8
 
 
@@ -91,11 +93,8 @@ def test_keep_with_the_approximate_fold_is_refused_before_any_work():
 
 
 def test_keep_on_a_transformers_model_keeps_the_named_blocks_and_save_pretrained_records_it(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
-                                     bos_token_id=0, eos_token_id=0, attn_implementation="eager")
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    model = tiny_gpt2(0, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0,
+                      attn_implementation="eager").eval()
     ids = {"input_ids": torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(0)), "use_cache": False}
     folded, report = normfold.fold(model, ids, keep=["transformer.h.0.*"])
     kept = sorted(e.path for e in report.norms if e.reason.startswith("kept by request"))

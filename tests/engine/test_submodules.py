@@ -12,6 +12,8 @@ from torch import nn
 import normfold
 from normfold.engine import FoldError
 
+from tiny_models import nontrivial_layer_norms
+
 C = 8
 
 
@@ -61,12 +63,7 @@ class Branching(nn.Module):
 
 def _non_trivial(model: nn.Module) -> nn.Module:
     torch.manual_seed(0)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.LayerNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_(0.0, 0.1)
-    return model.eval()
+    return nontrivial_layer_norms(model).eval()
 
 
 def _x() -> torch.Tensor:

@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 import normfold  # noqa: E402
 from normfold.export import fold_config_for_export  # noqa: E402
 from normfold.export.graph_passes import optimize_exported  # noqa: E402
+from tiny_models import tiny_gpt2  # noqa: E402
 
 WIDTH = 8
 
@@ -100,11 +101,7 @@ def test_what_would_change_the_result_is_not_fused(a_shape, b_shape, view_shape,
 def test_the_fold_for_an_export_creates_no_parameter_so_no_vocabulary_wide_bias():
     """With every γ/β folded, GPT-2's ln_f β becomes a new lm_head.bias: a vocabulary-wide Add on every call
     in ONNX Runtime. The export's fold keeps it in the RMSNorm (a width-wide one) and still folds the rest."""
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64,
-                                                                 tie_word_embeddings=False)).eval()
+    model = tiny_gpt2(0, n_layer=1, n_embd=16, vocab_size=64, n_positions=1024, tie_word_embeddings=False).eval()
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, torch.nn.LayerNorm):

@@ -16,7 +16,7 @@ from normfold.export import KV_CACHE_MODEL_TYPES, RMS_NODE_TYPES, export_onnx, g
 from normfold.hf import default_model_path  # noqa: E402
 from normfold.hf.inputs import example_inputs_for  # noqa: E402
 from normfold.hf.load import load_model  # noqa: E402
-from tiny_models import nontrivial_layer_norms  # noqa: E402
+from tiny_models import nontrivial_layer_norms, tiny_bloom_config, tiny_gpt2, tiny_gpt2_config  # noqa: E402
 
 PROMPT = b"The meaning of life is"
 NEW_TOKENS = 20
@@ -63,13 +63,11 @@ def test_bundled_decoder_folded_and_fused_generates_the_same_20_greedy_tokens_in
 def _tiny(model_type: str):
     """A tiny random causal LM of ``model_type`` with random γ/β (so folding them is tested)."""
     configs = {
-        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64, bos_token_id=0, eos_token_id=0)),
+        "gpt2": lambda: tiny_gpt2(None, vocab_size=64, n_positions=64, bos_token_id=0, eos_token_id=0),
         "opt": lambda: transformers.OPTForCausalLM(transformers.OPTConfig(
             num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=2, vocab_size=64,
             max_position_embeddings=64, word_embed_proj_dim=32)),
-        "bloom": lambda: transformers.BloomForCausalLM(transformers.BloomConfig(
-            n_layer=2, hidden_size=32, n_head=2, vocab_size=64)),
+        "bloom": lambda: transformers.BloomForCausalLM(tiny_bloom_config(vocab_size=64)),
     }
     torch.manual_seed(0)
     return nontrivial_layer_norms(configs[model_type]().eval())
@@ -127,7 +125,7 @@ def test_the_cache_changes_the_logits_so_generation_compares_it(tmp_path):
 
 
 @pytest.mark.parametrize("make, kwargs, error, match", [
-    (lambda: transformers.GPT2Model(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32)), {},
+    (lambda: transformers.GPT2Model(tiny_gpt2_config(n_layer=1, n_embd=16, vocab_size=32, n_positions=1024)), {},
      ValueError, r"kv_cache=True exports a transformers causal LM of type gpt2, opt, bloom .*got GPT2Model"),
     (lambda: transformers.GPTNeoForCausalLM(transformers.GPTNeoConfig(
         num_layers=1, hidden_size=16, num_heads=2, vocab_size=32, attention_types=[[["global"], 1]])), {},

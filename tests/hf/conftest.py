@@ -6,7 +6,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tiny_models import tiny_gpt2_config
+from tiny_models import nontrivial_layer_norms, tiny_gpt2_config
 
 
 def _tiny_configs():
@@ -33,12 +33,7 @@ def tiny_dirs(tmp_path_factory):
     dirs = {}
     for name, config in _tiny_configs().items():
         torch.manual_seed(0)
-        model = getattr(transformers, _HEADS[name])(config)
-        with torch.no_grad():  # non-trivial γ/β so that folding them is tested, not skipped
-            for module in model.modules():
-                if isinstance(module, torch.nn.LayerNorm):
-                    module.weight.uniform_(0.5, 1.5)
-                    module.bias.normal_(0.0, 0.1)
+        model = nontrivial_layer_norms(getattr(transformers, _HEADS[name])(config))
         model.save_pretrained(root / name, safe_serialization=True)
         dirs[name] = root / name
     return dirs

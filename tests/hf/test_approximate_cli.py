@@ -11,6 +11,7 @@ import torch
 from normfold.cli import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, main
 
 import sealing
+from tiny_models import nontrivial_layer_norms
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("rich")
@@ -31,12 +32,7 @@ def bert_dir(tmp_path_factory):
     config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2,
                                      num_attention_heads=2, intermediate_size=64, max_position_embeddings=32)
     torch.manual_seed(0)
-    model = transformers.BertModel(config)
-    with torch.no_grad():  # non-trivial γ/β, as a trained model has
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_(0.0, 0.1)
+    model = nontrivial_layer_norms(transformers.BertModel(config))  # non-trivial γ/β, as a trained model has
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder

@@ -13,6 +13,8 @@ from normfold.hf import example_inputs_for, fold_folder, load_model, verify_fold
 from normfold.hf.folder import PICTURE, REPORT_MD
 from normfold.hf.output_dir import REPORT_JSON
 
+from tiny_models import tiny_bloom_config
+
 transformers = pytest.importorskip("transformers")
 
 
@@ -127,8 +129,7 @@ def test_a_layernorm_kept_with_its_affine_moved_saves_as_gamma_one_beta_zero(tmp
     move into the next layers. The folder stores those norms as γ = 1, β = 0 (exactly the same LN),
     so stock transformers and normfold both reload the folded model (refused as "cannot save" before)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=2)
-    original = transformers.BloomForCausalLM(config).eval()
+    original = transformers.BloomForCausalLM(tiny_bloom_config()).eval()
     original.save_pretrained(tmp_path / "src")
     report = fold_folder(tmp_path / "src", tmp_path / "out")
     kept_moved = [e["path"] for e in report["norms"] if not e["foldable"] and e["affine_folded"]]

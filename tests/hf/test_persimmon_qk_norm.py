@@ -11,6 +11,8 @@ from normfold.engine.plan import CenterGroupsStep
 from normfold.hf import example_inputs_for, fold_folder
 from normfold.hf.streaming import fold_checkpoint
 
+from tiny_models import nontrivial_layer_norms
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
@@ -23,12 +25,7 @@ def _persimmon(head: bool = False):
                                           qk_layernorm=True, partial_rotary_factor=0.5)
     torch.manual_seed(0)
     model = (transformers.AutoModelForCausalLM if head else transformers.AutoModel).from_config(config).eval()
-    with torch.no_grad():  # non-trivial γ/β so that the q/k norms' affine is exercised
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_(0.0, 0.1)
-    return model
+    return nontrivial_layer_norms(model)  # non-trivial γ/β so that the q/k norms' affine is exercised
 
 
 def test_persimmon_qk_norms_fold_exactly_in_float64():

@@ -16,6 +16,7 @@ from normfold.hf.streaming.rewrite import CheckpointRewrite
 
 from test_batchnorm_folder import ConvBatchNormConfig, ConvBatchNormModel
 from test_batchnorm_folder import _registered  # noqa: F401  (an autouse fixture: the model type for AutoConfig)
+from tiny_models import tiny_bloom_config
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -27,7 +28,7 @@ def folders(tiny_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("executor")
     dirs = {name: tiny_dirs[name] for name in ("gpt2", "opt", "bert")}
     torch.manual_seed(0)
-    bloom = transformers.BloomForCausalLM(transformers.BloomConfig(n_layer=2, hidden_size=32, n_head=2, vocab_size=96))
+    bloom = transformers.BloomForCausalLM(tiny_bloom_config())
     conv_bn = ConvBatchNormModel(ConvBatchNormConfig())
     dinov2 = transformers.Dinov2Model(transformers.Dinov2Config(hidden_size=32, num_hidden_layers=2,
                                                                 num_attention_heads=4, intermediate_size=64,

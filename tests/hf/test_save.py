@@ -17,7 +17,7 @@ from normfold.hf.folder import fold_for_stock
 from normfold.hf.output_dir import REPORT_JSON
 
 import sealing
-from tiny_models import tiny_gpt2
+from tiny_models import nontrivial_layer_norms, tiny_bloom_config, tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -117,8 +117,7 @@ def test_save_pretrained_in_float16_stores_half_weights_and_leaves_the_model_alo
 
 def test_a_norm_precomputed_into_the_table_round_trips_as_identity(tmp_path):
     torch.manual_seed(0)
-    config = transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=2, attn_implementation="eager")
-    model = transformers.BloomForCausalLM(config).eval()
+    model = transformers.BloomForCausalLM(tiny_bloom_config(attn_implementation="eager")).eval()
     inputs = {"input_ids": torch.randint(0, 96, (2, 12)), "use_cache": False}
     folded, report = normfold.fold(model, inputs, stock_compatible=False)
     assert isinstance(folded.transformer.word_embeddings_layernorm, torch.nn.Identity)
@@ -294,12 +293,7 @@ def neox_dir(tmp_path_factory):
     torch.manual_seed(0)
     config = transformers.GPTNeoXConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                         intermediate_size=64, max_position_embeddings=32)
-    model = transformers.GPTNeoXForCausalLM(config)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_(0.0, 0.1)
+    model = nontrivial_layer_norms(transformers.GPTNeoXForCausalLM(config))
     path = tmp_path_factory.mktemp("neox") / "neox"
     model.save_pretrained(path)
     assert "embed_out.weight" in safetensors_torch.load_file(path / "model.safetensors")

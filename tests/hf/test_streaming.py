@@ -10,6 +10,8 @@ import torch
 from normfold.hf import CheckpointError, example_inputs_for, fold_folder, load_model
 from normfold.hf.streaming import Checkpoint, check_block, fold_checkpoint, plan_for_checkpoint, write_safetensors
 
+from tiny_models import nontrivial_layer_norms, tiny_bloom_config
+
 transformers = pytest.importorskip("transformers")
 safetensors = pytest.importorskip("safetensors")
 
@@ -230,7 +232,7 @@ def test_a_shard_name_that_is_not_a_plain_file_name_is_refused_before_anything_i
 def _family_config(name):
     return {
         # its LayerNorms are kept (the embedding norm blocks them) but their γ/β move into the next layer
-        "bloom": transformers.BloomConfig(vocab_size=96, hidden_size=32, n_layer=2, n_head=2),
+        "bloom": tiny_bloom_config(),
         # blocks take the model's ALiBi and attention mask as positional arguments
         "falcon": transformers.FalconConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                             new_decoder_architecture=True, num_kv_heads=2),
@@ -243,12 +245,7 @@ def _family_config(name):
 @pytest.mark.parametrize("name, foldable", [("bloom", 1), ("falcon", 5), ("phi", 3)])
 def test_streamed_folds_of_other_families_verify_and_reload_with_the_same_outputs(tmp_path, name, foldable):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_family_config(name)).eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, torch.nn.LayerNorm):
-                module.weight.uniform_(0.5, 1.5)
-                module.bias.normal_(0.0, 0.1)
+    model = nontrivial_layer_norms(transformers.AutoModelForCausalLM.from_config(_family_config(name)).eval())
     src = tmp_path / "sharded"
     model.save_pretrained(src, max_shard_size="30KB", safe_serialization=True)
     report = fold_checkpoint(src, tmp_path / "out")

@@ -11,10 +11,11 @@ code, shape-only reads and sums in which the changed term cancels exactly ((h + 
 ``cancelling_sum``) are not readers. Which norms fold decides which absorb, so the check runs to a
 fixpoint.
 
-One idea in one file, long (some 680 lines) because the walk, the closedness check and its fixpoint
-decide together which norms fold; splitting them would spread one decision over files. What is
+One idea in one file, long (some 830 lines) because finding the norms, the walk, the closedness check
+and its fixpoint, and the agreement of several example calls decide together which norms fold, and
+the plan is that decision written as steps; splitting them would spread one decision over files. What is
 apart: γ/β placement (``affine.py``), the norm being decided (``analyzed_norm.py``), the ops a walk
-sees through (``op_kinds.py``) and what each op does to zero mean (``rules.py``).
+sees through (``op_kinds.py``) and what each op does to zero mean (``rules/``).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from .graph import Captured, describe, module_path, module_stack, node_arg, shap
 from .graph import op_packet as _packet  # the short name reads better in the walks below
 from .layer_scale import LayerScale, find_layer_scales
 from .norm_forms import traced_form
-from .op_kinds import CAST_OP_NAMES, COPY_OP_NAMES, aten_packets, passes_values_on
+from .op_kinds import CAST_OP_NAMES, CAST_OPS, COPY_OP_NAMES, COPY_OPS, aten_packets, passes_values_on
 from .plan import CenterGroupsStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
 from .rules import (MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, cancelling_sum, classify, classify_part,
@@ -413,7 +414,7 @@ def _centered_where(size, part) -> torch.Tensor | None:
 _MASK_OPS = frozenset(aten_packets("view", "reshape", "_unsafe_view", "flatten", "unflatten", "squeeze", "unsqueeze",
                                    "permute", "transpose", "t", "expand", "slice", "select", *COPY_OP_NAMES,
                                    *CAST_OP_NAMES))
-_VALUE_OPS = frozenset(aten_packets(*COPY_OP_NAMES, *CAST_OP_NAMES))  # the mask passes on as it is
+_VALUE_OPS = COPY_OPS | CAST_OPS  # the mask passes on as it is
 
 
 def _closedness_failure(walker: Walker, norm: AnalyzedNorm, parents, captured: Captured,

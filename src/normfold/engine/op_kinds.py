@@ -1,7 +1,7 @@
 """Kinds of graph ops that several walks over a captured graph share, each defined once here.
 
 - ops that pass their first input's values on unchanged: value copies, eval-mode dropout, and (where
-  a walk allows them) dtype casts. The rules table (``rules.py``), the embedding precompute
+  a walk allows them) dtype casts. The rules table (``rules/``), the embedding precompute
   (``analysis.py``), γ/β's consumers (``affine.py``), the BatchNorm and layer-scale producers
   (``batchnorm.py``, ``layer_scale.py``) and the lab's checks all see through the same ops;
 - the Linear/Conv ops whose output channels are weight dim 0 (what a BatchNorm or a layer scale merges into);

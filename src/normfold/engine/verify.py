@@ -17,7 +17,7 @@ holding inf, nan or a finfo extreme (a mask's ``finfo.min``) must hold the same 
 both. The steps that return a model (fold, fusion, rotation) also judge that model as returned, in
 its own dtype (``judge_model_dtype``), and a failed proof raises through :func:`prove_or_raise`.
 
-One idea, about 620 lines: the inputs, the runs, the metric, the comparison and the tolerance rule
+One idea, about 640 lines: the inputs, the runs, the metric, the comparison and the tolerance rule
 of a proof are kept together so the rule a result was judged by is readable in one file.
 """
 from __future__ import annotations

@@ -9,6 +9,9 @@ the fast :class:`normfold.nn.RMSNorm` modules; stock transformers loads the same
 nothing but swapped norms is recorded (``"stock_compatible"``), which ``normfold fold`` and
 ``normfold.fold``'s default plan for a ``PreTrainedModel`` ensure. The model ``normfold.fold``
 returns saves itself this way (:class:`FoldedModelSaver`: ``folded.save_pretrained(d)``).
+
+One idea, about 570 lines: the folded folder's layout, written and read back in one file, so what a
+save records (``folded_layout``) and what a reload requires of it (``read_layout``) are checked side by side.
 """
 from __future__ import annotations
 

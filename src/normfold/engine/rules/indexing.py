@@ -1,0 +1,165 @@
+"""Indexing, joining and padding: slices, selections, splits, index_select, cat, stack, pad.
+
+Along another dim than the asked one these move whole rows, so the question passes to the input.
+Along the asked dim itself, a part is zero-mean by centering the input only when the part is made
+of whole groups (P_g(x)[part] = P_g(x[part])); joining separately centered parts, or padding with
+zeros, would center each part and not the whole, so those break.
+"""
+from __future__ import annotations
+
+import math
+
+from torch import fx
+
+from ..graph import node_arg as _arg  # the short name reads better in the rules below
+from ..graph import op_name, shape
+from .answers import Break, Requires, make_need, only_at, rank
+from .norms import norm_call, norm_output_source
+
+
+# the ops that split a tensor into a list read through getitem -> the index of their dim argument
+SPLIT_DIM_ARG = {"split": 2, "split_with_sizes": 2, "unsafe_split": 2, "chunk": 2, "tensor_split": 2, "unbind": 1}
+
+
+def _aligned_part(node, x, part_dim: int, dim: int, group, start: int, length: int):
+    """A contiguous part [start, start+length) of x along dim: exact iff groups align."""
+    if part_dim != dim:
+        return Requires((make_need(x, dim, group),))
+    total = shape(x)[dim]
+    if start == 0 and length == total:
+        return Requires((make_need(x, dim, group),))
+    g = group if group is not None else length
+    if start % g == 0 and length % g == 0 and total % g == 0:  # P_g(x)[part] = P_g(x[part])
+        return Requires((make_need(x, dim, g),))
+    return Break(f"{op_name(node)} takes a part of the normalized dim that is not a whole group")
+
+
+def zero_mean_slice(node, dim, group):
+    x = node.args[0]
+    r = rank(x)
+    ds = _arg(node, 1, "dim", 0) % r
+    step = _arg(node, 4, "step", 1)
+    if ds == dim and step != 1:
+        return Break(f"{op_name(node)} with step {step} along the normalized dim")
+    total = shape(x)[ds]
+    start = _arg(node, 2, "start", 0) or 0
+    start = min(max(start + total if start < 0 else start, 0), total)
+    return _aligned_part(node, x, ds, dim, group, start, shape(node)[ds])
+
+
+def shift_slice(node, operand, dims):
+    """Any part of a constant run (even along the dim itself, with any step) is constant."""
+    return dims if only_at(node, operand, 0) else None
+
+
+def zero_mean_select(node, dim, group):
+    ds = node.args[1] % rank(node.args[0])
+    return Requires((make_need(node.args[0], dim if dim < ds else dim + 1, group),))
+
+
+def shift_select(node, operand, dims):
+    ds = node.args[1] % rank(operand)
+    return {d if d < ds else d - 1 for d in dims if d != ds} if only_at(node, operand, 0) else None
+
+
+def zero_mean_index_select(node, dim, group):
+    ds = node.args[1] % rank(node.args[0])
+    if ds == dim:
+        return Break(f"{op_name(node)} picks entries along the normalized dim")
+    return Requires((make_need(node.args[0], dim, group),))
+
+
+def shift_index_select(node, operand, dims):
+    return dims if only_at(node, operand, 0) else None  # picked entries of a constant run are constant
+
+
+def zero_mean_index(node, dim, group):
+    x, indices = node.args[0], list(node.args[1])
+    r_in = rank(x)
+    last_untouched = len(indices) < r_in or indices[r_in - 1] is None
+    if dim == rank(node) - 1 and last_untouched and shape(node)[-1] == shape(x)[-1]:
+        return Requires((make_need(x, r_in - 1, group),))
+    return Break(f"{op_name(node)}: advanced indexing that touches the normalized dim")
+
+
+def zero_mean_getitem(node, dim, group):
+    src, index = node.args
+    packet = getattr(getattr(src, "target", None), "overloadpacket", None)
+    name = str(packet).removeprefix("aten.") if packet is not None else None
+    call = norm_call(src) if isinstance(src, fx.Node) else None
+    if call is not None and call.output is node:
+        return norm_output_source(call, node, dim, group)
+    if name not in SPLIT_DIM_ARG:
+        return Break(f"getitem of {op_name(src) if isinstance(src, fx.Node) else src!r} is not in the rules table")
+    x = src.args[0]
+    ds = _arg(src, SPLIT_DIM_ARG[name], "dim", 0) % rank(x)
+    if name == "unbind":
+        return Requires((make_need(x, dim if dim < ds else dim + 1, group),))
+    sizes = [int(v.shape[ds]) for v in src.meta["val"]]
+    return _aligned_part(node, x, ds, dim, group, sum(sizes[:index]), sizes[index])
+
+
+def shift_getitem(node, operand, dims):
+    """A part of a split along any dim keeps its constant runs; unbinding a dim drops it."""
+    src = node.args[0]
+    packet = getattr(getattr(src, "target", None), "overloadpacket", None) if isinstance(src, fx.Node) else None
+    name = str(packet).removeprefix("aten.") if packet is not None else None
+    if name not in SPLIT_DIM_ARG or src.args[0] is not operand:
+        return None
+    ds = _arg(src, SPLIT_DIM_ARG[name], "dim", 0) % rank(operand)
+    return {d if d < ds else d - 1 for d in dims if d != ds} if name == "unbind" else dims
+
+
+def zero_mean_cat(node, dim, group):
+    parts = [p for p in node.args[0] if shape(p) is not None and math.prod(shape(p)) > 0]
+    dc = _arg(node, 1, "dim", 0) % rank(node)
+    if dc != dim:
+        return Requires(tuple(make_need(p, dim, group) for p in parts))
+    if group is not None and all(shape(p)[dim] % group == 0 for p in parts):
+        return Requires(tuple(make_need(p, dim, group) for p in parts))
+    return Break(f"{op_name(node)} along the normalized dim: centering each part does not center the whole")
+
+
+def shift_cat(node, operand, dims):
+    """Joined with parts shifted on their own (or not at all): constant along every dim but the joined one."""
+    if rank(operand) != rank(node):
+        return None
+    return dims - {_arg(node, 1, "dim", 0) % rank(node)}
+
+
+def zero_mean_stack(node, dim, group):
+    ds = _arg(node, 1, "dim", 0) % rank(node)
+    if ds == dim:
+        return Break(f"{op_name(node)} along the normalized dim")
+    return Requires(tuple(make_need(p, dim if dim < ds else dim - 1, group) for p in node.args[0]))
+
+
+def shift_stack(node, operand, dims):
+    ds = _arg(node, 1, "dim", 0) % rank(node)
+    return {d if d < ds else d + 1 for d in dims}
+
+
+def zero_mean_pad(node, dim, group):
+    if _arg(node, 2, "mode", "constant") != "constant":
+        return Break(f"{op_name(node)} in {_arg(node, 2, 'mode')!r} mode")
+    return zero_mean_constant_pad(node, dim, group, value=_arg(node, 3, "value", 0) or 0)
+
+
+def zero_mean_constant_pad(node, dim, group, value=None):
+    pad = list(node.args[1])
+    value = _arg(node, 2, "value", 0) if value is None else value
+    if value != 0:
+        return Break(f"{op_name(node)} pads with {value}")
+    r = rank(node)
+    k = r - 1 - dim  # pad lists (left, right) pairs from the last dim backwards
+    if 2 * k + 1 < len(pad) and (pad[2 * k] or pad[2 * k + 1]):
+        return Break(f"{op_name(node)} pads the normalized dim: the zeros shift its mean")
+    return Requires((make_need(node.args[0], dim, group),))
+
+
+def shift_pad(node, operand, dims):
+    """Padding with a constant: the change is δ inside and 0 in the padding, constant along unpadded dims."""
+    pad = list(node.args[1])
+    r = rank(node)
+    padded = {r - 1 - k for k in range(len(pad) // 2) if pad[2 * k] or pad[2 * k + 1]}
+    return dims - padded if only_at(node, operand, 0) else None

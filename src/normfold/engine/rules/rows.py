@@ -1,0 +1,238 @@
+"""Ops that treat every feature alike: masked fills and scatters, index writes, gather, repeat, roll,
+reductions over other dims, average pooling and upsampling.
+
+Each op here moves, copies, averages or zeroes whole rows along the normalized dim, or permutes a
+row's entries, with the same choice for every entry of the row (a mask or an index that is
+constant along the dim, weights that do not depend on the channel). Such an op is linear in each
+row and maps a row of ones to a row of ones (or to zeros), so it commutes with P: op(P·x) = P·op(x).
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ..graph import node_arg as _arg  # the short name reads better in the rules below
+from ..graph import op_name, op_packet, shape
+from ..op_kinds import aten_packets, passes_values_on
+from .answers import Break, Requires, collect, make_need, only_at, rank
+from .elementwise import broadcast_operand, is_zero_literal
+
+_aten = torch.ops.aten
+
+# upsampling and average pooling -> how many trailing (spatial) dims they act on
+SPATIAL_OP_NAMES = {
+    **dict.fromkeys(("upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_linear1d", "avg_pool1d",
+                     "adaptive_avg_pool1d"), 1),
+    **dict.fromkeys(("upsample_nearest2d", "_upsample_nearest_exact2d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
+                     "upsample_bicubic2d", "_upsample_bicubic2d_aa", "avg_pool2d", "adaptive_avg_pool2d",
+                     "_adaptive_avg_pool2d"), 2),
+    **dict.fromkeys(("upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_trilinear3d", "avg_pool3d",
+                     "adaptive_avg_pool3d", "_adaptive_avg_pool3d"), 3)}
+_SPATIAL_DIMS = {packet: k for name, k in SPATIAL_OP_NAMES.items() for packet in aten_packets(name)}
+_BROADCAST_OPS = set(aten_packets("expand", "expand_as", "broadcast_to"))
+# elementwise ops on masks and indices (comparisons, logic): constant along a dim where every operand is
+_ELEMENTWISE_PREDICATES = set(aten_packets("eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and",
+                                           "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
+                                           "__and__", "__or__", "__invert__"))
+
+
+def constant_along(value, out_rank: int, dim: int) -> bool:
+    """``value`` (a number, or a tensor broadcast right-aligned to rank ``out_rank``) holds one entry all
+    along ``dim``: a number, a size-1 or absent dim, or a broadcast (``expand``), cast or comparison of
+    values that are. Never a guess: anything else is False."""
+    if not isinstance(value, fx.Node):
+        return isinstance(value, (int, float, bool))
+    s = shape(value)
+    if s is None:
+        return False
+    d = dim - (out_rank - len(s))
+    if d < 0 or s[d] == 1:
+        return True
+    packet = op_packet(value)
+    if packet in _BROADCAST_OPS or passes_values_on(value, casts=True):
+        return constant_along(value.args[0], len(s), d)
+    if packet == _aten.unsqueeze:  # the new dim has size 1 (caught above); the others are the input's
+        new = value.args[1] % len(s)
+        return constant_along(value.args[0], len(s) - 1, d - (d > new))
+    if packet in _ELEMENTWISE_PREDICATES:  # eq(ids, k), ~mask, a & b: constant where every operand is
+        return all(constant_along(a, len(s), d) for a in value.args)
+    return False
+
+
+def _mask_varies(node, mask, dim) -> Break | None:
+    if constant_along(mask, rank(node), dim):
+        return None
+    return Break(f"{op_name(node)} with a mask that varies along the normalized dim: it writes part of a row")
+
+
+def zero_mean_masked_fill(node, dim, group):
+    """Rows of x or rows of zeros, chosen by a mask constant along the dim: P(0) = 0. A non-zero fill
+    value is a constant row (not zero-mean); a mask that varies along the dim fills part of a row."""
+    x, mask, value = node.args[0], node.args[1], _arg(node, 2, "value")
+    if not is_zero_literal(value):
+        return Break(f"{op_name(node)} fills with {value.name if isinstance(value, fx.Node) else value!r}, "
+                     "not 0: a filled row is constant, not zero-mean")
+    return _mask_varies(node, mask, dim) or collect(node, [broadcast_operand(node, x, dim, group)])
+
+
+def zero_mean_masked_scatter(node, dim, group):
+    """Rows of x, or the next rows of source where a whole-row mask is set (image features merged into
+    text embeddings). Source entries are taken in row-major order, so along the last dim a selected
+    row is a whole row of source when source's rows have the same length."""
+    x, mask, source = node.args[0], node.args[1], _arg(node, 2, "source")
+    if shape(source) is None:
+        return Break(f"{op_name(node)}: source {source.name} has no static shape")
+    if dim != rank(node) - 1:
+        return Break(f"{op_name(node)} along a dim other than the last: its source is read in row-major order")
+    if shape(source)[-1] != shape(node)[-1]:
+        return Break(f"{op_name(node)}: source rows of {shape(source)[-1]} entries do not fill whole rows of "
+                     f"{shape(node)[-1]}")
+    return _mask_varies(node, mask, dim) or collect(
+        node, [broadcast_operand(node, x, dim, group), make_need(source, rank(source) - 1, group)])
+
+
+def shift_masked(node, operand, dims):
+    """x + δ where the mask keeps x, the fill (or source) elsewhere: constant where δ and the mask are."""
+    if not only_at(node, operand, 0):
+        return None
+    return {d for d in dims if constant_along(node.args[1], rank(node), d)}
+
+
+def zero_mean_index_put(node, dim, group):
+    """x with rows written (or, accumulating, added) at indices of the leading dims: each row is x's,
+    values', or a sum of them; values broadcast right-aligned, so their last dim is the row. Writing
+    along the last dim itself writes part of a row."""
+    x, indices, values = node.args[0], list(node.args[1]), _arg(node, 2, "values")
+    if any(index is not None and shape(index) is None for index in indices):
+        return Break(f"{op_name(node)}: an index has no static shape")
+    if dim != rank(node) - 1 or _indexes_last_dim(indices, rank(x)):
+        return Break(f"{op_name(node)} writes along the normalized dim (only writes of whole rows of the last dim keep "
+                     "rows zero-mean)")
+    return collect(node, [make_need(x, dim, group), broadcast_operand(node, values, dim, group)])
+
+
+def _indexes_last_dim(indices: list, n_dims: int) -> bool:
+    """An index list (None: a whole dim; a bool mask covers as many dims as it has) reaches the last dim."""
+    position = 0
+    for index in indices:
+        width = rank(index) if index is not None and index.meta["val"].dtype == torch.bool else 1
+        if index is not None and position + width >= n_dims:
+            return True
+        position += width
+    return False
+
+
+def zero_mean_index_copy(node, dim, group):
+    """Slices of x replaced by slices of source along another dim: each row is x's or source's."""
+    x, d, source = node.args[0], node.args[1] % rank(node), _arg(node, 3, "source")
+    if d == dim:
+        return Break(f"{op_name(node)} copies entries along the normalized dim: it writes part of a row")
+    return Requires((make_need(x, dim, group), make_need(source, dim, group)))
+
+
+def zero_mean_gather(node, dim, group):
+    """out[..., i, ..., k] = x[..., index[..., i, ..., k], ..., k] along another dim: a whole row of x
+    when the index is constant along the dim and as long as the row."""
+    x, d, index = node.args[0], node.args[1] % rank(node), node.args[2]
+    if d == dim:
+        return Break(f"{op_name(node)} picks entries along the normalized dim")
+    if shape(index) is None:
+        return Break(f"{op_name(node)}: index {index.name} has no static shape")
+    if shape(index)[dim] != shape(x)[dim]:
+        return Break(f"{op_name(node)} keeps {shape(index)[dim]} of the {shape(x)[dim]} entries of each row")
+    if not constant_along(index, rank(node), dim):
+        return Break(f"{op_name(node)} with an index that varies along the normalized dim: a row mixes entries "
+                     "of different rows")
+    return Requires((make_need(x, dim, group),))
+
+
+def _repeat_counts(node) -> list[int]:
+    """One count per output dim: ``repeat`` gives them all; ``tile`` pads missing leading ones with 1."""
+    counts = list(node.args[1])
+    return [1] * (rank(node) - len(counts)) + counts
+
+
+def zero_mean_repeat(node, dim, group):
+    """Copies of x side by side (``repeat``, ``tile``). Along another dim a row is a row of x. Along
+    the dim itself a row is [r, r, …, r] for a row r of x, whose mean is r's: centering x centers it
+    (per group when the groups do not straddle the copies). A new leading dim, or a dim of size 1
+    repeated, makes a constant row: not zero-mean."""
+    x = node.args[0]
+    new = rank(node) - rank(x)
+    if dim < new:
+        return Break(f"{op_name(node)} copies the tensor along a new normalized dim: a constant row")
+    n, count = shape(x)[dim - new], _repeat_counts(node)[dim]
+    if count != 1 and n == 1:
+        return Break(f"{op_name(node)} fills the normalized dim from a single entry: a constant row")
+    if count != 1 and group is not None and n % group and group % n:
+        return Break(f"{op_name(node)}: groups of {group} straddle the {count} copies of {n} entries")
+    return Requires((make_need(x, dim - new, None if group is not None and group % n == 0 else group),))
+
+
+def shift_repeat(node, operand, dims):
+    """Copies of a constant run are constant, along the repeated dims too; new leading dims hold copies."""
+    if not only_at(node, operand, 0):
+        return None
+    new = rank(node) - rank(operand)
+    return {d + new for d in dims} | set(range(new))
+
+
+def zero_mean_roll(node, dim, group):
+    """A cyclic shift along some dims: along other dims it moves whole rows; along the dim it permutes
+    each row's entries, which keeps its mean (a group's, when the shift moves whole groups). With no
+    dims it rolls the flattened tensor, moving entries between rows."""
+    shifts, dims = node.args[1], _arg(node, 2, "dims", [])
+    shifts, dims = [shifts] if isinstance(shifts, int) else list(shifts), [dims] if isinstance(dims, int) else list(dims)
+    if not dims:
+        return Break(f"{op_name(node)} of the flattened tensor moves entries between rows")
+    for amount, d in zip(shifts, dims):
+        if d % rank(node) == dim and group is not None and amount % group:
+            return Break(f"{op_name(node)} by {amount} along the normalized dim mixes its groups of {group}")
+    return Requires((make_need(node.args[0], dim, group),))
+
+
+def shift_roll(node, operand, dims):
+    """A cyclic shift along some dims moves a constant run along them, still constant."""
+    return dims if only_at(node, operand, 0) and _arg(node, 2, "dims", []) else None
+
+
+def zero_mean_reduce_other_dims(node, dim, group):
+    x = node.args[0]
+    dims = _arg(node, 1, "dim", None)
+    if dims is None:
+        return Break(f"{op_name(node)} over all dims")
+    r_in = rank(x)
+    reduced = sorted({d % r_in for d in ([dims] if isinstance(dims, int) else dims)})
+    keep = _arg(node, 2, "keepdim", False)
+    src = dim if keep else [d for d in range(r_in) if d not in reduced][dim]
+    if src in reduced:
+        return Break(f"{op_name(node)} reduces the normalized dim")
+    return Requires((make_need(x, src, group),))
+
+
+def shift_reduce(node, operand, dims):
+    """Summing (averaging) over other dims: Σ δ is constant where δ was."""
+    reduce = _arg(node, 1, "dim", None)
+    if reduce is None or not only_at(node, operand, 0):
+        return None
+    reduced = {d % rank(operand) for d in ([reduce] if isinstance(reduce, int) else reduce)}
+    if _arg(node, 2, "keepdim", False):
+        return dims - reduced
+    return {d - sum(r < d for r in reduced) for d in dims - reduced}
+
+
+def zero_mean_spatial(node, dim, group):
+    """Upsampling and average pooling over the trailing spatial dims: out[n, c] = A·x[n, c] with the
+    same weights A for every channel (and batch entry), so centering over channels commutes with it.
+    Along a spatial dim the op mixes the entries of a row."""
+    if dim >= rank(node) - _SPATIAL_DIMS[op_packet(node)]:
+        return Break(f"{op_name(node)} mixes entries along the normalized dim (a spatial dim)")
+    return Requires((make_need(node.args[0], dim, group),))
+
+
+def shift_spatial(node, operand, dims):
+    """The same weights for every channel: constant along the non-spatial dims where δ is (along a spatial
+    dim, padded pooling weights need not sum to 1)."""
+    if not only_at(node, operand, 0):
+        return None
+    return {d for d in dims if d < rank(node) - _SPATIAL_DIMS[op_packet(node)]}
