@@ -121,3 +121,24 @@ def test_a_learning_config_that_quantizes_no_layer_is_refused_before_learning():
     with pytest.raises(ValueError, match="select no linear layer"):
         normfold.rotate(model, _calls(1)[0], method="learned", calibration=_calls(1),
                         learning=LearnConfig(quantize=QuantizeConfig(include=("encoder.*",)), steps=1))
+
+
+def test_a_learning_that_ends_worse_than_its_start_returns_the_start_and_says_so():
+    # sharp logits (large weights) and a learning rate far too large: the run ends above its start's loss
+    model = tiny_gpt2(0, initializer_range=0.5).eval().double()
+    example = {"input_ids": _calls(1)[0]["input_ids"][:, :8], "use_cache": False}
+    _, report = normfold.rotate(model, example, method="learned", seed=0, calibration=_calls(2),
+                                learning=LearnConfig(quantize=W4A4, steps=8, lr=10.0))
+    learning = report.learning
+    assert learning.end_loss > 1.05 * learning.start_loss, (learning.start_loss, learning.end_loss)
+    assert learning.returned == "start" and "not below the start's" in learning.returned_why
+    _, hadamard = normfold.rotate(model, example, seed=0)
+    assert torch.equal(report.streams[0].basis, hadamard.streams[0].basis)
+    assert "(the learning's start: learning ended at calibration loss" in report.streams[0].how
+    assert report.to_dict()["learning"]["returned"] == "start" and "returned: start" in str(report)
+    assert report.verification.ok
+
+
+def test_a_learning_that_lowers_the_loss_returns_the_learned_rotation_and_says_so(learned):
+    _, _, report = learned
+    assert report.learning.returned == "learned" and "is below the start's" in report.learning.returned_why

@@ -160,8 +160,12 @@ def rotate_step(model: nn.Module, calls: list, config: RotateConfig,
     if method == "learned":  # the Hadamard basis is the start
         qs, learning = learn_rotations(folded, streams, [r.basis for r in rotations], calibration_calls,
                                        config.learning, config.seed)
-        how = f"learned for {config.learning.quantize.scheme} ({config.learning.steps} Cayley-Adam steps) from the "
-        rotations = [_rotation(r.stream, q, how + r.how) for r, q in zip(rotations, qs)]
+        if learning.returned == "learned":
+            how = f"learned for {config.learning.quantize.scheme} ({config.learning.steps} Cayley-Adam steps) from the "
+            rotations = [_rotation(r.stream, q, how + r.how) for r, q in zip(rotations, qs)]
+        else:  # the start, unchanged: learning did not lower the calibration loss
+            rotations = [_rotation(r.stream, r.basis, f"{r.how} (the learning's start: {learning.returned_why})")
+                         for r in rotations]
     report = RotationReport(method, config.seed, fold_report, rotations, learning=learning)
     kept = [kept_directions(stream.width, slice_fraction) for stream in streams]
     if all(k == stream.width for k, stream in zip(kept, streams)):
