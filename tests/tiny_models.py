@@ -74,7 +74,7 @@ def rms_norm_math(model, dtype=torch.float64):
 
 
 def tiny_olmo(seed: int = 0):
-    """A tiny ``OlmoForCausalLM`` (:data:`TINY_RMS`'s sizes) in eval mode: its ``OlmoLayerNorm``\ s are
+    """A tiny ``OlmoForCausalLM`` (:data:`TINY_RMS`'s sizes) in eval mode: its ``OlmoLayerNorm`` modules are
     parameter-free layer norms of their input cast to float32, cast back."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(seed)
