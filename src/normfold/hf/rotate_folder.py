@@ -28,9 +28,9 @@ from .._deps import require
 from .._text import dtype_name
 from ..engine.report import ReportSection
 from .card import write_model_card
+from .errors import CheckpointError
 from .folder import Step, silent_step
 from .inputs import calibration_batches, example_inputs_for, load_tokenizer, read_calibration_file
-from .errors import CheckpointError
 from .load import check_model_dir, load_model
 from .output_dir import atomic_output_dir
 from .recipe import BASES_FILE, CalibrationRecord, Recipe, Rotation, file_sha256
