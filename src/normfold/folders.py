@@ -49,7 +49,9 @@ def verify_folder(orig: str | os.PathLike, folded: str | os.PathLike, *, revisio
     it and compared with the original. Returns ``ok``, ``why``, ``problems``, ``files``, ``outputs``.
 
     Folders made with ``--approximate`` or ``--method pca`` need the ``calibration_file`` they were
-    made from; approximate results are judged against ``min_cosine`` (default 0.999)."""
+    made from; approximate results are judged against ``min_cosine`` (default 0.999). A learned
+    rotation is re-made from the bases the folder stores, once their SHA-256 matches the recipe's and
+    each is orthogonal to 1e-12, never learned again."""
     if min_cosine is not None:
         check_cosine_bar(min_cosine)
     if calibration_file is not None and not Path(calibration_file).is_file():
