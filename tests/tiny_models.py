@@ -84,6 +84,29 @@ def rms_norm_math(model, dtype=torch.float64):
     return reference
 
 
+def tiny_olmo(seed: int = 0):
+    """A tiny ``OlmoForCausalLM`` (:data:`TINY_RMS`'s sizes) in eval mode: its ``OlmoLayerNorm`` modules are
+    parameter-free layer norms of their input cast to float32, cast back."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(seed)
+    return transformers.OlmoForCausalLM(transformers.OlmoConfig(**TINY_RMS)).eval()
+
+
+def olmo_layer_norm_math(model, dtype=torch.float64):
+    """A copy of ``model`` in ``dtype`` whose OlmoLayerNorms compute (x − mean)/√(var + 1e-5) written
+    here, without casts: the reference a float64 proof of OLMo's cast LayerNorm is held to."""
+    class Math(torch.nn.Module):
+        def forward(self, x):
+            centered = x - x.mean(-1, keepdim=True)
+            return centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+    reference = copy.deepcopy(model).to(dtype)
+    for path, module in list(reference.named_modules()):
+        if type(module).__name__ == "OlmoLayerNorm":
+            reference.set_submodule(path, Math())
+    return reference
+
+
 def lm_call(batch: int, seq: int, seed: int) -> dict:
     """A causal LM call of seeded token ids (above the tiny configs' special tokens), without a cache."""
     generator = torch.Generator().manual_seed(seed)

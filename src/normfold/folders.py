@@ -30,14 +30,14 @@ from .hf.inputs import calibration_batches, is_sentence_encoder, load_tokenizer,
 from .hf.judge import Remake, partial_remake_exact, verify_folders
 from .hf.load import resolve_model
 from .hf.recipe import Recipe
-from .hf.rotate_folder import calibration_calls, rotate_checkpoint, rotate_folder, rotation_after_fold
+from .hf.rotate_folder import calibration_calls, read_bases, rotate_checkpoint, rotate_folder, rotation_after_fold
 from .lab.approximate import ApproximateConfig, compare_outputs, mean_pooled, token_outputs
-from .rotate import rotate
+from .rotate import LearnConfig, learn_rotation, rotate
 from .rotate.calibration import output_agreement
 from .rotate.streaming import plan_rotation, stream_rotation
 
-__all__ = ["verify_folder", "approximate_config", "rotation_step", "streaming_rotation_step", "measure_approximate",
-           "measure_sliced"]
+__all__ = ["verify_folder", "approximate_config", "rotation_step", "learned_rotation_step", "given_bases_step",
+           "streaming_rotation_step", "measure_approximate", "measure_sliced"]
 
 
 def verify_folder(orig: str | os.PathLike, folded: str | os.PathLike, *, revision: str | None = None,
@@ -49,7 +49,9 @@ def verify_folder(orig: str | os.PathLike, folded: str | os.PathLike, *, revisio
     it and compared with the original. Returns ``ok``, ``why``, ``problems``, ``files``, ``outputs``.
 
     Folders made with ``--approximate`` or ``--method pca`` need the ``calibration_file`` they were
-    made from; approximate results are judged against ``min_cosine`` (default 0.999)."""
+    made from; approximate results are judged against ``min_cosine`` (default 0.999). A learned
+    rotation is re-made from the bases the folder stores, once their SHA-256 matches the recipe's and
+    each is orthogonal to 1e-12, never learned again."""
     if min_cosine is not None:
         check_cosine_bar(min_cosine)
     if calibration_file is not None and not Path(calibration_file).is_file():
@@ -78,6 +80,26 @@ def rotation_step(method: str, seed: int, slice_fraction: float):
     return run
 
 
+def learned_rotation_step(seed: int, learning: LearnConfig):
+    """hf's ``Rotate`` for ``normfold rotate --method learned``: the bases learned on the calibration
+    calls (:func:`normfold.rotate.learn_rotation`), then the rotation by them (:func:`given_bases_step`,
+    the step ``normfold verify`` re-makes the folder with), its report carrying the learning."""
+    def run(model, example, calibration):
+        bases, learned = learn_rotation(model, example, calibration=calibration, seed=seed, learning=learning)
+        rotated, report = given_bases_step(seed, bases)(model, example, None)
+        report.learning = learned
+        return rotated, report
+    return run
+
+
+def given_bases_step(seed: int, bases: list):
+    """hf's ``Rotate`` by bases learned before (``normfold.rotate(..., method="learned", bases=...)``:
+    each checked orthogonal to 1e-12, the result proved against the original in float64)."""
+    def run(model, example, calibration):
+        return rotate(model, example, method="learned", seed=seed, bases=bases)
+    return run
+
+
 def streaming_rotation_step(method: str, seed: int):
     """hf's ``PlanAfterFold`` for a checkpoint rewritten tensor by tensor: the data-free rotation
     (:func:`normfold.rotate.streaming.plan_rotation`) with this method and seed."""
@@ -102,7 +124,7 @@ def _remake(trust_remote_code: bool) -> Remake:
     """The judge's ``Remake``: hf's own for exact folds; approximate folds and rotations composed here."""
     exact = partial_remake_exact(trust_remote_code)
 
-    def remake(orig_dir: Path, out: Path, recipe: Recipe, calibration_file: str | None, step) -> dict:
+    def remake(orig_dir: Path, out: Path, recipe: Recipe, calibration_file: str | None, step, folder: Path) -> dict:
         if recipe.approximate_min_cosine is not None:
             return fold_folder(orig_dir, out, fold_affine=recipe.fold_affine, dtype=recipe.dtype, calls=recipe.calls,
                                calibration_file=calibration_file,
@@ -112,10 +134,13 @@ def _remake(trust_remote_code: bool) -> Remake:
         if rotation is not None and recipe.streaming:
             return rotate_checkpoint(orig_dir, out, streaming_rotation_step(rotation.method, rotation.seed),
                                      trust_remote_code=trust_remote_code, step=step)
+        if rotation is not None and rotation.method == "learned":  # not learned again: rotated by its stored bases
+            return rotate_folder(orig_dir, out, given_bases_step(rotation.seed, read_bases(folder, rotation.bases_sha256)),
+                                 trust_remote_code=trust_remote_code, step=step)
         if rotation is not None:
             return rotate_folder(orig_dir, out, rotation_step(rotation.method, rotation.seed, rotation.slice_fraction),
                                  calibration_file=calibration_file, trust_remote_code=trust_remote_code, step=step)
-        return exact(orig_dir, out, recipe, calibration_file, step)
+        return exact(orig_dir, out, recipe, calibration_file, step, folder)
     return remake
 
 

@@ -17,6 +17,7 @@ from normfold.cli import EXIT_OK, EXIT_USAGE, EXIT_VERIFY_FAILED, main
 from normfold.hf.inputs import example_inputs_for, read_calibration_file
 from normfold.hf.load import CheckpointError, load_model
 from normfold.hf.output_dir import REPORT_JSON
+from normfold.hf.recipe import BASES_FILE, file_sha256
 from normfold.hf.rotate_folder import calibration_calls
 import sealing
 
@@ -369,3 +370,116 @@ def test_pca_on_a_folder_without_tokenizer_is_refused(tiny_dirs, gpt2_with_token
     code, _, err = _run(capsys, tiny_dirs["gpt2"], "-o", out, "--method", "pca", "--calibration", calibration)
     assert code == EXIT_USAGE and "no tokenizer" in err and len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+# ------------------------------------------------------------------ --method learned: bases stored, verify re-makes
+
+LEARNING = ["--method", "learned", "--steps", "3", "--lr", "0.01", "--calibration-count", "8"]
+
+
+@pytest.fixture(scope="module")
+def learned_dir(gpt2_with_tokenizer, tmp_path_factory):
+    """``normfold rotate gpt2 -o OUT --method learned --calibration FILE --steps 3 --lr 0.01 --calibration-count 8``."""
+    folder, calibration = gpt2_with_tokenizer
+    out = tmp_path_factory.mktemp("learned") / "learned"
+    code = main(["rotate", str(folder), "-o", str(out), *LEARNING, "--calibration", str(calibration), "--json"])
+    assert code == EXIT_OK
+    return out
+
+
+def _bases(folder) -> list[torch.Tensor]:
+    tensors = pytest.importorskip("safetensors.torch").load_file(folder / BASES_FILE)
+    return [tensors[f"stream.{i}"] for i in range(len(tensors))]
+
+
+def test_a_learned_folder_stores_its_bases_by_sha_and_reloads_to_the_original(gpt2_with_tokenizer, learned_dir):
+    folder, calibration = gpt2_with_tokenizer
+    report = json.loads((learned_dir / REPORT_JSON).read_text())
+    rotation = report["recipe"]["rotation"]
+    assert rotation["method"] == "learned" and rotation["bases_sha256"] == file_sha256(learned_dir / BASES_FILE)
+    assert report["recipe"]["calibration"] is None  # verify does not learn again: it needs no calibration text
+    learning = report["rotation"]["learning"]
+    assert learning["steps"] == 3 and learning["lr"] == 0.01 and learning["returned"] in ("learned", "start")
+    assert learning["calibration_file"]["num_sentences"] == 8
+    assert learning["calibration_file"]["sha256"] == file_sha256(calibration)
+    (q,) = _bases(learned_dir)
+    assert q.dtype == torch.float64 and (q.T @ q - torch.eye(32, dtype=torch.float64)).abs().max() <= 1e-12
+    assert report["verification"]["ok"] is True and report["verification"]["max_rel_error"] <= 1e-9
+    fresh = torch.randint(0, 96, (3, 13), generator=torch.Generator().manual_seed(7))
+    assert _rel(_logits(normfold.from_pretrained(learned_dir), fresh), _logits(load_model(folder), fresh)) <= 1e-5
+
+
+def test_verify_remakes_a_learned_folder_from_its_stored_bases_without_learning(gpt2_with_tokenizer, learned_dir,
+                                                                               capsys):
+    folder, _ = gpt2_with_tokenizer
+    code, text, err = _verify(capsys, folder, learned_dir)
+    assert code == EXIT_OK, err
+    assert "verification: passed (learned rotation, seed 0)" in text
+    assert f"weights: {len(_stored(learned_dir))} tensors, all bit-identical" in text and "exact rotation:" in text
+
+
+def _with_bases(learned_dir, to, bases, *, record_sha: bool):
+    """A copy of ``learned_dir`` at ``to`` whose stored bases are ``bases``; ``record_sha``: the recipe's
+    SHA-256 updated to them and the report sealed again (as someone who means it would)."""
+    shutil.copytree(learned_dir, to)
+    pytest.importorskip("safetensors.torch").save_file({f"stream.{i}": q.contiguous() for i, q in enumerate(bases)},
+                                                       to / BASES_FILE)
+    if record_sha:
+        sha = file_sha256(to / BASES_FILE)
+        sealing.reseal(to, lambda report: report["recipe"]["rotation"].update(bases_sha256=sha))
+    return to
+
+
+def test_verify_refuses_stored_bases_that_are_not_the_recipes(gpt2_with_tokenizer, learned_dir, tmp_path, capsys):
+    folder, _ = gpt2_with_tokenizer
+    (q,) = _bases(learned_dir)
+    other = torch.linalg.qr(torch.randn(32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))[0]
+    bad = _with_bases(learned_dir, tmp_path / "bad", [other], record_sha=False)
+    code, _, err = _verify(capsys, folder, bad)
+    assert code == EXIT_VERIFY_FAILED
+    assert "normfold_rotation/bases.safetensors is not the file the recipe names: its SHA-256" in err
+
+
+def test_verify_refuses_stored_bases_that_are_not_orthogonal_even_when_recorded_and_sealed(
+        gpt2_with_tokenizer, learned_dir, tmp_path, capsys):
+    folder, _ = gpt2_with_tokenizer
+    (q,) = _bases(learned_dir)
+    bad = _with_bases(learned_dir, tmp_path / "bad", [q * 1.001], record_sha=True)
+    code, _, err = _verify(capsys, folder, bad)
+    assert code == EXIT_VERIFY_FAILED
+    assert "could not re-make the folder from the original with its recipe (learned rotation, seed 0)" in err
+    assert "bases[0] is not orthogonal: max|QᵀQ − I| = 0.002 > 1e-12" in err
+
+
+def test_verify_fails_a_learned_folder_rotated_by_other_bases_than_it_stores(gpt2_with_tokenizer, learned_dir,
+                                                                            tmp_path, capsys):
+    # an orthogonal Q recorded and sealed, but the weights were rotated by the learned one: re-made with
+    # the stored Q from the original, the weights differ
+    folder, _ = gpt2_with_tokenizer
+    other = torch.linalg.qr(torch.randn(32, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(5)))[0]
+    bad = _with_bases(learned_dir, tmp_path / "bad", [other], record_sha=True)
+    code, _, err = _verify(capsys, folder, bad)
+    assert code == EXIT_VERIFY_FAILED and "stored weights: transformer." in err
+
+
+@pytest.mark.parametrize("options, message", [
+    (["--method", "learned"], "--method learned needs --calibration FILE"),
+    (["--method", "learned", "--calibration", "{cal}", "--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--method", "learned", "--calibration", "{cal}", "--lr", "nan"], "--lr must be a positive finite number"),
+    (["--method", "learned", "--calibration", "{cal}", "--calibration-count", "0"],
+     "--calibration-count must be at least 1, got 0"),
+    (["--method", "learned", "--calibration", "{cal}", "--calibration-count", "25"],
+     "the calibration count 25 exceeds the 24 sentences of"),
+    (["--method", "learned", "--calibration", "{cal}", "--stream"], "--method learned needs the whole model in memory"),
+    (["--steps", "3"], "--steps apply only to --method learned, got --method hadamard"),
+    (["--method", "pca", "--calibration", "{cal}", "--lr", "0.1", "--calibration-count", "2"],
+     "--lr, --calibration-count apply only to --method learned, got --method pca"),
+])
+def test_bad_learned_options_are_refused_in_one_line_before_anything_is_written(
+        gpt2_with_tokenizer, tmp_path, capsys, options, message):
+    folder, calibration = gpt2_with_tokenizer
+    out = tmp_path / "out"
+    code, printed, err = _run(capsys, folder, "-o", out, *(o.format(cal=calibration) for o in options))
+    assert code == EXIT_USAGE and printed == ""
+    assert err.startswith("normfold: error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert not out.exists() and not list(tmp_path.glob(".out*"))

@@ -16,7 +16,7 @@ from torch import nn
 from normfold.engine import fold
 from normfold.engine.pipeline import apply_fold
 from normfold.nn import RMSNorm
-from tiny_models import lm_call, lm_logits, rms_norm_math, tiny_rms_lm
+from tiny_models import lm_call, lm_logits, olmo_layer_norm_math, rms_norm_math, tiny_olmo, tiny_rms_lm
 
 FORMS = {"llama": "times γ after the cast back", "mistral": "times γ after the cast back",
          "qwen2": "times γ after the cast back", "phi3": "times γ after the cast back",
@@ -115,3 +115,64 @@ def test_a_written_out_rmsnorm_outside_transformers_is_recognised_and_folds_its_
     fresh = torch.randn(5, 8, dtype=torch.float64)
     folded64 = apply_fold(copy.deepcopy(model).double(), report.plan)
     assert torch.allclose(folded64(fresh), copy.deepcopy(model).double()(fresh), rtol=0, atol=1e-13)
+
+
+# --------------------------------------------------------------------------- OLMo's float32-cast LayerNorm
+
+def test_olmo_float32_cast_layer_norms_fold_into_rmsnorms_exact_without_the_casts():
+    model = tiny_olmo()
+    paths = [path for path, m in model.named_modules() if type(m).__name__ == "OlmoLayerNorm"]
+    assert len(paths) == 2 * 2 + 1
+    folded, report = fold(model, lm_call(2, 7, 0))
+    entries = {e.path: e for e in report.norms}
+    for path in paths:
+        assert isinstance(folded.get_submodule(path), RMSNorm) and entries[path].foldable, entries[path].reason
+        assert "OlmoLayerNorm computes a layer norm of its input cast to float32, cast back" in entries[path].reason
+    assert report.verification.ok and report.verification.max_rel_error <= 1e-9
+    assert report.verification.model_dtype_check is not None
+    # fresh inputs of another shape: the plan applied in float64 against the LayerNorm math without casts
+    call = lm_call(3, 5, 1)
+    expected = lm_logits(olmo_layer_norm_math(model), call)
+    got = lm_logits(apply_fold(copy.deepcopy(model).double(), report.plan), call)
+    assert (got - expected).abs().max().item() <= 1e-12 * expected.abs().max().item()
+    # the original as it is, in float32: within rounding
+    assert torch.allclose(lm_logits(folded, call), lm_logits(model, call), atol=1e-5)
+
+
+def test_olmo_in_bfloat16_folds_and_passes_the_model_dtype_check_against_the_original():
+    model = tiny_olmo().to(torch.bfloat16)
+    folded, report = fold(model, lm_call(2, 7, 0))
+    assert all(isinstance(folded.get_submodule(e.path), RMSNorm) for e in report.norms)
+    assert report.verification.ok and report.verification.model_dtype_check is not None
+    assert next(folded.parameters()).dtype == torch.bfloat16
+
+
+class _CastBackToHalf(nn.Module):
+    """A layer norm of x in float32 whose output is cast to float16, not back to x's dtype."""
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x.to(torch.float32), (16,), None, None, 1e-5).to(torch.float16)
+
+
+class _CastLayerNormWithAffine(nn.LayerNorm):
+    """γ/β inside the casts: not the parameter-free form read as a cast LayerNorm."""
+
+    def forward(self, x):
+        return nn.functional.layer_norm(x.float(), self.normalized_shape, self.weight, self.bias, self.eps).to(x.dtype)
+
+
+class _HalfOut(_Model):
+    def forward(self, x):
+        return self.down(self.norm(self.up(x)).float())
+
+
+@pytest.mark.parametrize("model, why", [
+    (_HalfOut(_CastBackToHalf()), "computes aten.to → aten.layer_norm → aten.to, not a layer norm of its input alone"),
+    (_Model(_CastLayerNormWithAffine(16)), "with γ/β inside the casts: only a parameter-free layer norm between casts"),
+])
+def test_cast_layer_norms_that_are_not_olmos_form_are_kept_with_the_reason(model, why):
+    model = model.eval()
+    folded, report = fold(model, (torch.randn(2, 8),))
+    assert type(folded.norm) is type(model.norm)
+    (entry,) = [e for e in report.norms if e.path == "norm"]
+    assert entry.reason.startswith(f"kept: {type(model.norm).__name__} ") and why in entry.reason, entry.reason

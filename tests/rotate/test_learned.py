@@ -9,6 +9,7 @@ import torch
 
 import normfold
 from normfold import LearnConfig, QuantizeConfig
+from normfold.rotate import learn_rotation
 from normfold.rotate.learned import ORTHOGONALITY_BOUND, cayley, nearest_orthogonal
 
 from tiny_models import tiny_gpt2
@@ -121,3 +122,65 @@ def test_a_learning_config_that_quantizes_no_layer_is_refused_before_learning():
     with pytest.raises(ValueError, match="select no linear layer"):
         normfold.rotate(model, _calls(1)[0], method="learned", calibration=_calls(1),
                         learning=LearnConfig(quantize=QuantizeConfig(include=("encoder.*",)), steps=1))
+
+
+def test_a_learning_that_ends_worse_than_its_start_returns_the_start_and_says_so():
+    # sharp logits (large weights) and a learning rate far too large: the run ends above its start's loss
+    model = tiny_gpt2(0, initializer_range=0.5).eval().double()
+    example = {"input_ids": _calls(1)[0]["input_ids"][:, :8], "use_cache": False}
+    _, report = normfold.rotate(model, example, method="learned", seed=0, calibration=_calls(2),
+                                learning=LearnConfig(quantize=W4A4, steps=8, lr=10.0))
+    learning = report.learning
+    assert learning.end_loss > 1.05 * learning.start_loss, (learning.start_loss, learning.end_loss)
+    assert learning.returned == "start" and "not below the start's" in learning.returned_why
+    _, hadamard = normfold.rotate(model, example, seed=0)
+    assert torch.equal(report.streams[0].basis, hadamard.streams[0].basis)
+    assert "(the learning's start: learning ended at calibration loss" in report.streams[0].how
+    assert report.to_dict()["learning"]["returned"] == "start" and "returned: start" in str(report)
+    assert report.verification.ok
+
+
+def test_a_learning_that_lowers_the_loss_returns_the_learned_rotation_and_says_so(learned):
+    _, _, report = learned
+    assert report.learning.returned == "learned" and "is below the start's" in report.learning.returned_why
+
+
+def test_bases_learned_before_rotate_to_the_same_model_without_learning_and_are_proved(learned):
+    model, rotated, report = learned
+    example = {"input_ids": _calls(1)[0]["input_ids"][:, :8], "use_cache": False}
+    bases, learning = learn_rotation(model, example, calibration=_calls(2), seed=0,
+                                     learning=LearnConfig(quantize=W4A4, steps=20, lr=1e-2))
+    assert torch.equal(bases[0], report.streams[0].basis) and learning.step_losses == report.learning.step_losses
+    again, given = normfold.rotate(model, example, method="learned", bases=bases)
+    assert given.learning is None and given.streams[0].how == "learned before, given as bases"
+    assert given.verification.ok and given.verification.max_rel_error <= 1e-9
+    assert torch.equal(again.transformer.wte.weight, rotated.transformer.wte.weight)
+
+
+def _orthogonal(n: int, seed: int) -> torch.Tensor:
+    return torch.linalg.qr(torch.randn(n, n, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)))[0]
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"method": "learned", "bases": [_orthogonal(32, 0) * 1.001]}, ValueError,
+     "bases[0] is not orthogonal: max|QᵀQ − I| = 0.002 > 1e-12"),
+    ({"method": "learned", "bases": [torch.full((32, 32), float("nan"), dtype=torch.float64)]}, ValueError,
+     "bases[0] is not orthogonal: max|QᵀQ − I| = nan > 1e-12"),
+    ({"method": "hadamard", "bases": [_orthogonal(32, 0)]}, ValueError,
+     "bases are given only for method='learned' (bases learned before), got method='hadamard'"),
+    ({"method": "learned", "bases": [_orthogonal(32, 0)], "calibration": {"input_ids": torch.zeros(1, 4, dtype=torch.long)}},
+     ValueError, "bases are the learned result: leave out calibration and learning"),
+    ({"method": "learned", "bases": _orthogonal(32, 0)}, TypeError, "bases must be a non-empty list of (d, d) tensors"),
+    ({"method": "learned", "bases": [torch.zeros(32, 8)]}, TypeError,
+     "bases[0] must be a square floating tensor (d, d), got (32, 8)"),
+])
+def test_bad_given_bases_are_refused_when_the_config_is_built(kwargs, error, message):
+    with pytest.raises(error) as raised:
+        normfold.RotateConfig(**kwargs)
+    assert message in str(raised.value)
+
+
+def test_given_bases_of_another_width_than_the_stream_are_refused_naming_the_widths():
+    model = tiny_gpt2(0).eval()
+    with pytest.raises(ValueError, match=r"one \(d, d\) matrix per residual stream, of widths \[32\]; got \[\(16, 16\)\]"):
+        normfold.rotate(model, _calls(1)[0], method="learned", bases=[_orthogonal(16, 0)])

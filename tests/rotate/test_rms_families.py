@@ -3,7 +3,8 @@ into the readers (a tied head untied for it, and said), the residual stream rota
 attention and MLP input and output projections, Phi-3's fused qkv_proj / gate_up_proj, the head),
 exact in float64 on fresh inputs of another shape against the norms' math written by the test; Q
 orthogonal and not the identity; Gemma's (1 + w) moves into the readers as (1 + w). An (offset + γ)
-that stays in its norm, and OLMo2's norms, are refused with the reason."""
+that stays in its norm, and OLMo2's norms, are refused with the reason. OLMo's float32-cast LayerNorms
+fold into weightless RMSNorms, so OLMo rotates too."""
 from __future__ import annotations
 
 import copy
@@ -17,7 +18,7 @@ from normfold import FoldError
 from normfold.rotate.apply import apply_rotation
 from normfold.engine.pipeline import apply_fold
 from normfold.nn import RMSNorm
-from tiny_models import lm_call, lm_logits, rms_norm_math, tiny_rms_lm
+from tiny_models import lm_call, lm_logits, olmo_layer_norm_math, rms_norm_math, tiny_olmo, tiny_rms_lm
 
 FAMILIES = [("llama", {}), ("llama", {"tie_word_embeddings": True}), ("mistral", {}), ("qwen2", {}), ("phi3", {}),
             ("gemma", {})]  # Gemma: (1 + w) norms, a tied head
@@ -76,3 +77,16 @@ def test_an_offset_gamma_that_stays_in_its_norm_is_refused_naming_the_norm():
 def test_olmo2_is_refused_with_the_reason():
     with pytest.raises(FoldError, match="not closed under rotation"):
         normfold.rotate(tiny_rms_lm("olmo2"), lm_call(2, 7, 0))
+
+
+def test_olmo_rotates_exactly_in_float64_against_its_layer_norms_without_the_casts():
+    model = tiny_olmo()
+    rotated, report = normfold.rotate(model, lm_call(2, 7, 0))
+    assert report.verification.ok and report.exact and len(report.streams) == 1
+    (stream,) = report.streams
+    assert len(stream.stream.norms) == 2 * 2 + 1 and stream.identity_distance > 0.1
+    call = lm_call(3, 5, 1)
+    exact = apply_rotation(apply_fold(copy.deepcopy(model).double(), report.fold.plan), [stream.stream], [stream.basis])
+    expected = lm_logits(olmo_layer_norm_math(model), call)
+    assert (lm_logits(exact, call) - expected).abs().max().item() <= 1e-12 * expected.abs().max().item()
+    assert torch.allclose(lm_logits(rotated, call), lm_logits(model, call), atol=1e-5)

@@ -629,6 +629,9 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
         elif norm.foldable:
             n_producers = len({fqn for fqn, *_ in norm.params})
             norm.reason = f"input zero-mean: centered {n_producers} producer{'s' * (n_producers != 1)}"
+            if norm.form is not None and norm.form.cast:  # OLMo's: what the float64 proof compares against
+                norm.reason += (f"; {type(norm.module).__name__} computes a layer norm of its input cast to "
+                                f"{norm.form.cast}, cast back (proved in float64 without the casts)")
             parts = sorted((fqn, group, sorted(groups)) for fqn, _, group, groups in norm.params if groups is not None)
             if parts:  # which output groups of a fused projection reach this norm
                 norm.reason += "; only the groups it reads: " + ", ".join(
@@ -700,6 +703,7 @@ def _swap_step(norm: AnalyzedNorm, to: str) -> SwapStep:
     assert not (folded and offset), "γ read as γ + offset is never folded into a consumer"
     permute = norm.form.permute if norm.form is not None else ()
     assert not (permute and to != "RMSNorm"), "a norm between permutes is swapped only for an RMSNorm between them"
+    assert not (norm.form is not None and norm.form.cast and to != "RMSNorm"), "a cast form has no γ/β to fold alone"
     return SwapStep(norm.path, to, *_size_and_eps(norm), elementwise_affine=(weight or bias) and not folded,
                     bias=bias and not folded, offset=offset, permute=permute)
 

@@ -6,13 +6,16 @@ A module the fold may replace must compute, on its input x, exactly
 
 with γ/β its own parameters (or absent) and offset a constant: torch's ``nn.LayerNorm`` (offset 0),
 Nemotron's ``LayerNorm1P`` (``weight + 1``: offset 1) and a parameter-free module calling
-``F.layer_norm(x, shape, None, None, eps)`` (OLMo's) all do; that form is an RMSNorm with the same
-offset once x is zero-mean. A channels-first norm (ConvNeXt's, GotOcr2's, LW-DETR's) runs the same
-form between a permute of its input and the inverse permute of its output: an RMSNorm between the
-same permutes (``normfold.nn.PermutedRMSNorm``) once x is zero-mean over the normalized (channel)
-dim. Anything else the module runs (a cast to float32 around the norm, arithmetic on its input or
-output, permutes that do not undo each other) makes it another function, and the module is kept
-with a reason naming those ops.
+``F.layer_norm(x, shape, None, None, eps)`` all do; that form is an RMSNorm with the same offset once
+x is zero-mean. OLMo's ``OlmoLayerNorm`` runs the parameter-free form between a cast of its input to
+float32 and a cast back (``NormForm.cast``): equal to it in exact arithmetic, so it becomes an RMSNorm
+the same way, proved in float64 against its own code with the casts removed (:func:`without_downcasts`)
+and in the model's dtype against the original as it is. A channels-first norm (ConvNeXt's, GotOcr2's,
+LW-DETR's) runs the same form between a permute of its input and the inverse permute of its output: an
+RMSNorm between the same permutes (``normfold.nn.PermutedRMSNorm``) once x is zero-mean over the
+normalized (channel) dim. Anything else the module runs (arithmetic on its input or output, γ/β inside
+casts, permutes that do not undo each other) makes it another function, and the module is kept with a
+reason naming those ops.
 
 RMSNorms written out as elementwise ops (Llama's ``LlamaRMSNorm``, Gemma's with (1 + w), ...) are
 recognised the same way, from what they compute (:func:`rms_form`): x / √(mean(x², -1) + eps),
@@ -45,12 +48,14 @@ _aten = torch.ops.aten
 @dataclass(frozen=True)
 class NormForm:
     """y = LN(x)·(offset + γ) + β: the parameters the traced call reads (None: absent) and the offset;
-    ``permute``: y = LN(x.permute(permute))·(offset + γ) + β, permuted back (empty: no permute)."""
+    ``permute``: y = LN(x.permute(permute))·(offset + γ) + β, permuted back (empty: no permute);
+    ``cast``: y = LN(x cast to that dtype), cast back to x's dtype (OLMo's; None: no cast)."""
 
     weight_fqn: str | None
     bias_fqn: str | None
     offset: float = 0.0
     permute: tuple[int, ...] = ()
+    cast: str | None = None
 
 
 def module_nodes(captured: Captured, path: str) -> list[fx.Node]:
@@ -89,11 +94,16 @@ def traced_form(calls: list[NormCall], path: str, captured: Captured) -> NormFor
     own = {c.node for c in calls} | {c.output for c in calls} | {c.weight for c in calls}
     extra = [n for n in module_nodes(captured, path) if n not in own and op_packet(n) not in METADATA_OPS
              and not _is_norm_statistic(n, calls)]
+    form = forms.pop()
     order = _permuted_around(extra, calls)
-    if extra and order is None:
+    cast = _cast_around(extra, calls) if extra and order is None else None
+    if extra and order is None and cast is None:
         return (f"computes {_ops_around(extra, calls)}, not a layer norm of its input alone "
                 "(normfold's RMSNorm normalizes its input's last dim, with nothing around it)")
-    return replace(forms.pop(), permute=order or ())
+    if cast is not None and (form.weight_fqn or form.bias_fqn):
+        return (f"computes {_ops_around(extra, calls)} with γ/β inside the casts: only a parameter-free layer norm "
+                "between casts (OLMo's) is read as one")
+    return replace(form, permute=order or (), cast=cast)
 
 
 def _permuted_around(extra: list[fx.Node], calls: list[NormCall]) -> tuple[int, ...] | None:
@@ -112,6 +122,36 @@ def _permuted_around(extra: list[fx.Node], calls: list[NormCall]) -> tuple[int, 
         orders.add(order)
         pairs |= {before, after}
     return orders.pop() if len(orders) == 1 and pairs == set(extra) else None
+
+
+def _cast_around(extra: list[fx.Node], calls: list[NormCall]) -> str | None:
+    """The dtype d when the module's other ops are, for every call, exactly a cast of its input x to d
+    feeding the norm and a cast of the norm's output back to x's dtype, read by nothing else (OLMo's
+    ``F.layer_norm(x.to(torch.float32), ...).to(x.dtype)``); else None. In exact arithmetic the casts
+    change nothing, so the form is LN(x); normfold's RMSNorm computes a 16-bit input's statistics in
+    float32 too, and the model's dtype is judged against the original as it is."""
+    dtypes, pairs = set(), set()
+    for call in calls:
+        before, users = call.x, _value_users(call.output) if call.output is not None else []
+        if op_packet(before) not in CAST_OPS or len(users) != 1:
+            return None
+        after, source = users[0], before.args[0]
+        inner, outer, given = _traced_dtype(before), _traced_dtype(after), _traced_dtype(source)
+        if op_packet(after) not in CAST_OPS or after.args[0] is not call.output or inner is None \
+                or not inner.is_floating_point or given is None or outer != given:
+            return None
+        # the cast's value is the norm's alone; export hands a cast to the same dtype (x itself, as
+        # eager's .to returns it) to x's later readers too, which then read x
+        if inner != given and _value_users(before) != [call.node]:
+            return None
+        dtypes.add(inner)
+        pairs |= {before, after}
+    return dtype_name(dtypes.pop()) if len(dtypes) == 1 and pairs == set(extra) else None
+
+
+def _value_users(node: fx.Node) -> list[fx.Node]:
+    """The ops reading ``node``'s value (not the metadata assertions export adds)."""
+    return [u for u in node.users if op_packet(u) not in METADATA_OPS]
 
 
 def _weight_form(call: NormCall, path: str, captured: Captured) -> NormForm | str:

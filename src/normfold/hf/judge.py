@@ -46,8 +46,9 @@ from .weight_files import other_weight_files, read_tensor, stored_tensors, weigh
 
 Step = Callable[[str], None]
 
-# (the original folder, the folder to write, the recipe, the calibration file given, step): writes the folder
-Remake = Callable[[Path, Path, Recipe, "str | None", Step], dict]
+# (the original folder, the folder to write, the recipe, the calibration file given, step, the folder judged:
+# only what its recipe names there is read, checked against the recipe, e.g. a learned rotation's bases)
+Remake = Callable[[Path, Path, Recipe, "str | None", Step, Path], dict]
 # (original, the folder's model as loaded, the original's folder (its tokenizer), the calibration file, the cosine
 # bar, the recipe) -> the result, with "ok" and "why"
 MeasurePromise = Callable[[nn.Module, nn.Module, Path, Path, float, Recipe], dict]
@@ -57,8 +58,10 @@ StreamMapFor = Callable[[Recipe], Callable]
 # Report sections that are measurements or descriptions, not claims about the result: re-made figures
 # may differ in their last digits (another machine, another thread count), paths and the example calls a
 # fold made in Python was traced on differ (verify proves on its own inputs); the seal covers them.
+# A learned rotation's learning (its calibration and losses) describes how its bases were found: the folder
+# is re-made from the bases themselves, checked against the recipe's SHA-256, and judged by the result.
 _MEASURED = {("verification",), ("streaming",), ("files",), ("digest",), ("model", "source"), ("traced_calls",),
-             ("recipe", "calibration", "path")}
+             ("recipe", "calibration", "path"), ("rotation", "learning")}
 _FLOAT_RTOL, _FLOAT_ATOL = 1e-6, 1e-9  # other figures the re-made report recomputes (cosines, kept energy)
 
 
@@ -101,7 +104,8 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
         expected_dir = Path(tmp) / "remade"
         step(f"re-making the folder from the original ({describe(recipe)})")
         try:
-            remake(orig_dir, expected_dir, recipe, None if calibration_file is None else str(calibration_file), step)
+            remake(orig_dir, expected_dir, recipe, None if calibration_file is None else str(calibration_file), step,
+                   folded_dir)
             expected = read_folder_report(expected_dir)
         except (CheckpointError, FoldError, ValueError, TypeError, RuntimeError) as err:
             return _result(problems + [f"could not re-make the folder from the original with its recipe "
@@ -374,7 +378,7 @@ def _check_outputs(orig_dir: Path, folded_dir: Path, expected: dict[str, Any], r
 
 def partial_remake_exact(trust_remote_code: bool) -> Remake:
     """:func:`remake_exact` with ``trust_remote_code``."""
-    def remake(orig_dir, out, recipe, calibration_file, step):
+    def remake(orig_dir, out, recipe, calibration_file, step, folder):
         return remake_exact(orig_dir, out, recipe, trust_remote_code=trust_remote_code, step=step)
     return remake
 

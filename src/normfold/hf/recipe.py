@@ -3,8 +3,11 @@ recorded in its report as ``"recipe"``. ``normfold verify`` re-makes the folder 
 them and compares; nothing else a folder says about itself is believed.
 
 A recipe can only *choose* (fold γ/β or not, a saved dtype, a rotation's method and seed, an
-approximate fold's cosine bar): every choice gives a correct result, proved when it is re-made, so a
-folder that lies in its recipe gets re-made as something else and fails the comparison. What the
+approximate fold's cosine bar, a learned rotation's bases by their SHA-256): every choice gives a
+correct result, proved when it is re-made, so a folder that lies in its recipe gets re-made as
+something else and fails the comparison. A learned rotation is not learned again: its bases are
+stored in the folder (:data:`BASES_FILE`), and any orthogonal basis is a correct choice, checked to
+1e-12 and proved against the original when the folder is re-made with it. What the
 result is judged by (the cosine an approximate folder must keep) comes from the person verifying.
 """
 from __future__ import annotations
@@ -20,7 +23,8 @@ from ..engine.cosine_bar import is_cosine_bar
 from .errors import CheckpointError
 
 COMMANDS = ("fold", "rotate", "save_pretrained")
-ROTATION_METHODS = ("hadamard", "random", "pca")
+ROTATION_METHODS = ("hadamard", "random", "pca", "learned")
+BASES_FILE = "normfold_rotation/bases.safetensors"  # a learned rotation's bases, stored beside the weights
 SEED_RANGE = (0, 2**63 - 1)  # what torch.Generator.manual_seed takes
 SAVED_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -50,11 +54,13 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 @dataclass(frozen=True)
 class Rotation:
-    """A rotation's choices (``normfold rotate``): the basis, its seed, the share of directions sliced away."""
+    """A rotation's choices (``normfold rotate``): the basis, its seed, the share of directions sliced
+    away, and for a learned basis the SHA-256 of :data:`BASES_FILE` (recorded only then)."""
 
     method: str
     seed: int
     slice_fraction: float = 0.0
+    bases_sha256: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +97,8 @@ class Recipe:
         for name in _RECORDED_WHEN_SET:  # the reports of folds without them stay as they were
             if not data[name]:
                 del data[name]
+        if data["rotation"] is not None and data["rotation"]["bases_sha256"] is None:  # likewise
+            del data["rotation"]["bases_sha256"]
         return data
 
     @classmethod
@@ -129,6 +137,9 @@ class Recipe:
         if needs_calibration != (recipe.calibration is not None):
             raise CheckpointError("recipe.calibration must be recorded exactly for an approximate fold or a PCA "
                                   f"rotation, got {'none' if recipe.calibration is None else 'one'} for this recipe")
+        if recipe.rotation is not None and recipe.rotation.method == "learned" and recipe.streaming:
+            raise CheckpointError("recipe.rotation.method 'learned' must not be recorded for a streamed rotation "
+                                  "(learned bases need the model in memory)")
         if (command == "rotate") != (recipe.rotation is not None):
             raise CheckpointError(f"recipe.rotation must be recorded exactly for command 'rotate', got "
                                   f"{'none' if recipe.rotation is None else 'one'} for command {command!r}")
@@ -138,7 +149,7 @@ class Recipe:
 def _rotation(data: object) -> Rotation:
     if not isinstance(data, dict):
         raise CheckpointError(f"recipe.rotation must be a JSON object, got {_show(data)}")
-    _expect_keys(data, Rotation, "recipe.rotation")
+    _expect_keys(data, Rotation, "recipe.rotation", optional=("bases_sha256",))
     method = _one_of(data, "method", ROTATION_METHODS, "recipe.rotation")
     seed = _field(data, "seed", int, "recipe.rotation")
     if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
@@ -146,20 +157,32 @@ def _rotation(data: object) -> Rotation:
     fraction = data["slice_fraction"]
     if not is_finite_number(fraction) or not 0.0 <= fraction < 1.0:
         raise CheckpointError(f"recipe.rotation.slice_fraction must be a number in [0, 1), got {_show(fraction)}")
-    return Rotation(method, seed, float(fraction))
+    bases = data.get("bases_sha256")
+    if (method == "learned") != (bases is not None):
+        raise CheckpointError(f"recipe.rotation.bases_sha256 must be recorded exactly for method 'learned', got "
+                              f"{'none' if bases is None else 'one'} for method {method!r}")
+    if bases is not None:
+        _check_sha256(_field(data, "bases_sha256", str, "recipe.rotation"), "recipe.rotation.bases_sha256")
+    if method == "learned" and fraction:
+        raise CheckpointError(f"recipe.rotation.slice_fraction must be 0 for method 'learned', got {fraction!r}")
+    return Rotation(method, seed, float(fraction), bases)
 
 
 def _calibration(data: object) -> CalibrationRecord:
     if not isinstance(data, dict):
         raise CheckpointError(f"recipe.calibration must be a JSON object, got {_show(data)}")
     _expect_keys(data, CalibrationRecord, "recipe.calibration")
-    sha = _field(data, "sha256", str, "recipe.calibration")
-    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
-        raise CheckpointError(f"recipe.calibration.sha256 must be 64 lowercase hex digits, got {sha!r:.80}")
+    sha = _check_sha256(_field(data, "sha256", str, "recipe.calibration"), "recipe.calibration.sha256")
     count = _field(data, "num_sentences", int, "recipe.calibration")
     if count < 1:
         raise CheckpointError(f"recipe.calibration.num_sentences must be >= 1, got {count}")
     return CalibrationRecord(sha, count, _field(data, "path", str, "recipe.calibration"))
+
+
+def _check_sha256(sha: str, where: str) -> str:
+    if len(sha) != 64 or any(c not in "0123456789abcdef" for c in sha):
+        raise CheckpointError(f"{where} must be 64 lowercase hex digits, got {sha!r:.80}")
+    return sha
 
 
 _RECORDED_WHEN_SET = ("keep", "calls")  # Recipe fields absent from a report when empty

@@ -2,7 +2,10 @@
 example inputs and saves atomically; the rotation itself (``normfold.rotate``, which proves the result
 in float64) is given by the caller, the CLI, since hf never imports ``rotate`` (docs/CONTRIBUTING.md).
 Sharded checkpoints go through the streaming fold with the rotation as its step after the fold
-(:func:`rotate_checkpoint`); PCA and slicing (``calibration_file``) need the model in memory.
+(:func:`rotate_checkpoint`); PCA, slicing and learned bases (``calibration_file``) need the model in
+memory. A learned rotation's bases are stored beside the weights (:data:`~normfold.hf.recipe.BASES_FILE`,
+:func:`write_bases`), their SHA-256 in the recipe: ``normfold verify`` re-makes the folder from the
+original with them (:func:`read_bases`) instead of learning again.
 
 A rotated folder is not stock-loadable: its norms are weightless RMSNorms reading a rotated stream
 x·Q, whose mean is not zero, so the LayerNorm stock transformers rebuilds there would subtract it.
@@ -18,17 +21,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 
 from .._deps import require
 from .._text import dtype_name
 from ..engine.report import ReportSection
 from .card import write_model_card
+from .errors import CheckpointError
 from .folder import Step, silent_step
 from .inputs import calibration_batches, example_inputs_for, load_tokenizer, read_calibration_file
 from .load import check_model_dir, load_model
 from .output_dir import atomic_output_dir
-from .recipe import CalibrationRecord, Recipe, Rotation
+from .recipe import BASES_FILE, CalibrationRecord, Recipe, Rotation, file_sha256
 from .report import describe_model, folder_report, write_sealed_report
 from .saving import folded_layout, save_folded
 from .side_files import copy_side_files
@@ -49,8 +54,8 @@ SLICED_WARNING = ("sliced: approximate, not exact; the whole rotation was proved
 
 
 def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rotate: Rotate, *,
-                  calibration_file: str | os.PathLike | None = None, overwrite: bool = False,
-                  trust_remote_code: bool = False, step: Step = silent_step) -> dict[str, Any]:
+                  calibration_file: str | os.PathLike | None = None, calibration_count: int | None = None,
+                  overwrite: bool = False, trust_remote_code: bool = False, step: Step = silent_step) -> dict[str, Any]:
     """Rotate a folder's residual stream with ``rotate`` and write OUT_DIR only once it returned (its
     float64 proof passed); any refusal or failed proof raises and leaves no OUT_DIR.
 
@@ -58,7 +63,13 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
     tokenizer (:func:`normfold.hf.inputs.read_calibration_file`, as ``fold --approximate`` reads it),
     in batches with language-model labels where the model takes them, so the report gives the
     sliced model's loss. A missing or empty file, or a folder without a tokenizer, raises
-    ``CheckpointError`` before the model is loaded.
+    ``CheckpointError`` before the model is loaded. ``calibration_count``: only the file's first that
+    many sentences (CheckpointError, before loading, when it has fewer).
+
+    A learned rotation (``rotation.method == "learned"``) stores its bases in the folder
+    (:func:`write_bases`) and records their SHA-256 in the recipe; what the learning read and did is
+    described under ``rotation.learning`` (with the calibration file's record), not in the recipe:
+    the folder is re-made from its bases, not learned again.
 
     The weights are saved in the dtype they were proved in (float32, the dtype ``load_model`` gives):
     rounding rotated weights to 16 bits is a change no proof covered. Side files (tokenizer, ...) are
@@ -68,6 +79,10 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
     sentences = tokenizer = None
     if calibration_file is not None:  # every user error before the model is loaded
         sentences = read_calibration_file(calibration_file)
+        if calibration_count is not None and len(sentences) < calibration_count:
+            raise CheckpointError(f"the calibration count {calibration_count} exceeds the {len(sentences)} sentences "
+                                  f"of {calibration_file}")
+        sentences = sentences[:calibration_count]
         tokenizer = load_tokenizer(model_dir, trust_remote_code=trust_remote_code)
     with atomic_output_dir(out_dir, overwrite=overwrite, protect=(model_dir,)) as tmp:
         step("loading")
@@ -79,19 +94,57 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
         saved_dtype = next(rotated.parameters()).dtype
         step("saving")
         save_folded(rotated, tmp, normfold_only=True)
+        learned = rotation.method == "learned"
+        bases_sha256 = write_bases(tmp, [s.basis for s in rotation.streams]) if learned else None
         record = None if sentences is None else CalibrationRecord.of_file(calibration_file, len(sentences))
-        sections = {} if record is None else {"calibration": {**asdict(record), "num_batches": len(calibration)}}
+        used = None if record is None else {**asdict(record), "num_batches": len(calibration)}
+        sections = {} if used is None or learned else {"calibration": used}
         out = rotated_report(rotation, layout, saved_dtype=dtype_name(saved_dtype),
                              model=describe_model(model, model_dir), skipped_files=copy_side_files(model_dir, tmp),
                              **sections)
+        if learned and used is not None and out["rotation"]["learning"] is not None:
+            out["rotation"]["learning"]["calibration_file"] = used
         slicing = rotation.slicing
-        out["recipe"] = Recipe(command="rotate", streaming=False, fold_affine=True, dtype=None, calibration=record,
+        out["recipe"] = Recipe(command="rotate", streaming=False, fold_affine=True, dtype=None,
+                               calibration=None if learned else record,
                                rotation=Rotation(rotation.method, rotation.seed,
-                                                 0.0 if slicing is None else slicing.fraction)).to_dict()
+                                                 0.0 if slicing is None else slicing.fraction,
+                                                 bases_sha256)).to_dict()
         write_model_card(out, tmp)
         out = write_sealed_report(out, tmp)
     out["out_dir"] = str(Path(out_dir).absolute())
     return out
+
+
+def write_bases(folder: Path, bases: list[Tensor]) -> str:
+    """Store a learned rotation's bases (float64, ``stream.0``, ``stream.1``, ... in the order of the
+    model's streams) as :data:`~normfold.hf.recipe.BASES_FILE` in ``folder``; returns the file's SHA-256."""
+    save_file = require("safetensors.torch").save_file
+    path = folder / BASES_FILE
+    path.parent.mkdir()
+    save_file({f"stream.{i}": q.detach().to(device="cpu", dtype=torch.float64).contiguous()
+               for i, q in enumerate(bases)}, str(path))
+    return file_sha256(path)
+
+
+def read_bases(folder: Path, sha256: str) -> list[Tensor]:
+    """The bases a learned rotation's folder stores, when the file is the one its recipe names by
+    ``sha256``: CheckpointError when it is missing, a link, of another SHA-256, or holds anything but
+    ``stream.0`` ... ``stream.{k-1}``. Whether each is an orthogonal (d, d) matrix is checked where
+    they are used (``normfold.rotate.RotateConfig``), never believed."""
+    path = folder / BASES_FILE
+    if path.parent.is_symlink() or path.is_symlink() or not path.is_file():
+        raise CheckpointError(f"{BASES_FILE} is missing or not a file: the learned rotation's bases, which the "
+                              "recipe names, must be stored in the folder")
+    actual = file_sha256(path)
+    if actual != sha256:
+        raise CheckpointError(f"{BASES_FILE} is not the file the recipe names: its SHA-256 {actual[:12]}... differs "
+                              f"from the recorded {sha256[:12]}...")
+    tensors = require("safetensors.torch").load_file(str(path))
+    names = [f"stream.{i}" for i in range(len(tensors))]
+    if not tensors or sorted(tensors) != sorted(names):
+        raise CheckpointError(f"{BASES_FILE} must hold stream.0 ... stream.k-1, got {sorted(tensors)[:6]}")
+    return [tensors[name] for name in names]
 
 
 def rotate_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, plan: PlanAfterFold, *,

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .._progress import notice
 from ..engine import fold_within
 from ..engine.errors import FoldError
-from ..engine.graph import capture, example_calls, split_example_calls
+from ..engine.graph import capture, check_model_and_inputs, example_calls, split_example_calls
 from ..engine.pipeline import float64_reference
 from ..engine.plan import FoldConfig
 from ..engine.transform import apply_plan
@@ -39,7 +39,7 @@ from .apply import apply_rotation, rotate_along
 from .calibration import OutputAgreement, output_agreement, run_error, stream_second_moments
 from .closure import Stream, StreamTensor, find_streams
 from .hadamard import randomized_hadamard
-from .learned import LearnConfig, LearningReport, learn_rotations
+from .learned import ORTHOGONALITY_BOUND, LearnConfig, LearningReport, learn_rotations
 from .orthogonal import haar_orthogonal, orthogonality_error, pca_basis
 from .report import RotationReport, SliceReport, StreamRotation
 
@@ -58,7 +58,9 @@ class RotateConfig:
     Hadamard basis of ``seed`` trained on ``calibration`` to minimise the loss of the model quantized
     as ``learning`` says: :mod:`normfold.rotate.learned`; ``learning`` None: ``LearnConfig()``).
     ``slice_fraction`` in [0, 1), with "pca": drop that share of the stream's directions, the least
-    used (SliceGPT).
+    used (SliceGPT). ``bases``, with "learned" only: bases learned before (:func:`learn_rotation`, or
+    read back from a folder), one (d, d) matrix per stream in the order of the model's streams, each
+    checked orthogonal to 1e-12 here; nothing is learned, no calibration is read.
     """
 
     method: str = "hadamard"
@@ -66,18 +68,45 @@ class RotateConfig:
     calibration: object = field(default=None, repr=False)
     slice_fraction: float = 0.0
     learning: LearnConfig | None = None
+    bases: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        check_rotate_options(self.method, self.seed, self.slice_fraction, self.calibration is not None, API_OPTIONS)
+        if self.bases is not None:  # learned already: what learning would need is refused, not ignored
+            object.__setattr__(self, "bases", given_bases(self.bases, self.method, self.calibration, self.learning))
+        check_rotate_options(self.method, self.seed, self.slice_fraction,
+                             self.calibration is not None or self.bases is not None, API_OPTIONS)
         if self.learning is not None and self.method != "learned":
             raise ValueError(f"learning is used only by method='learned', got method={self.method!r}: leave it out, "
                              "or use method='learned'")
         if self.learning is not None and not isinstance(self.learning, LearnConfig):
             raise TypeError(f"learning must be a LearnConfig, got {type(self.learning).__name__}")
-        if self.method == "learned" and self.learning is None:
+        if self.method == "learned" and self.learning is None and self.bases is None:
             object.__setattr__(self, "learning", LearnConfig())
         if self.calibration is not None:
             object.__setattr__(self, "calibration", tuple(split_example_calls(example_calls(self.calibration))))
+
+
+def given_bases(bases, method: str, calibration, learning) -> tuple[Tensor, ...]:
+    """``RotateConfig.bases`` checked (ValueError / TypeError naming the basis): only with
+    method="learned" and without calibration or learning; a list or tuple of square floating
+    matrices, each orthogonal to 1e-12 (max |QᵀQ − I|). Returns them in float64."""
+    if method != "learned":
+        raise ValueError(f"bases are given only for method='learned' (bases learned before), got method={method!r}")
+    if calibration is not None or learning is not None:
+        raise ValueError("bases are the learned result: leave out calibration and learning, which only learning reads")
+    if not isinstance(bases, (list, tuple)) or not bases:
+        raise TypeError(f"bases must be a non-empty list of (d, d) tensors, one per stream, got {type(bases).__name__}")
+    checked = []
+    for i, q in enumerate(bases):
+        if not isinstance(q, Tensor) or not q.is_floating_point() or q.dim() != 2 or q.shape[0] != q.shape[1]:
+            shape = tuple(q.shape) if isinstance(q, Tensor) else type(q).__name__
+            raise TypeError(f"bases[{i}] must be a square floating tensor (d, d), got {shape}")
+        q = q.detach().to(device="cpu", dtype=torch.float64)
+        error = orthogonality_error(q)
+        if not error <= ORTHOGONALITY_BOUND:  # also refuses NaN
+            raise ValueError(f"bases[{i}] is not orthogonal: max|QᵀQ − I| = {error:.3g} > {ORTHOGONALITY_BOUND:g}")
+        checked.append(q)
+    return tuple(checked)
 
 
 @dataclass(frozen=True)
@@ -122,11 +151,12 @@ def check_rotate_options(method, seed, slice_fraction, has_calibration: bool, na
 
 
 def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: int = 0, calibration=None,
-           slice_fraction: float = 0.0, learning: LearnConfig | None = None) -> tuple[nn.Module, RotationReport]:
+           slice_fraction: float = 0.0, learning: LearnConfig | None = None,
+           bases=None) -> tuple[nn.Module, RotationReport]:
     """``(rotated copy, report)``: the model folded exactly, then its residual stream rotated by an
     orthogonal Q (writers W ↦ Qᵀ·W, readers W ↦ W·Q), the same function, proved in float64.
 
-    ``method``, ``seed``, ``calibration``, ``slice_fraction``, ``learning``: see :class:`RotateConfig`; with
+    ``method``, ``seed``, ``calibration``, ``slice_fraction``, ``learning``, ``bases``: see :class:`RotateConfig`; with
     ``slice_fraction`` > 0 the result is approximate, and the report gives its cosine (and any loss
     the model returns) on the calibration calls. The step a ``RotateConfig`` names, alone.
 
@@ -137,7 +167,7 @@ def rotate(model: nn.Module, example_inputs, *, method: str = "hadamard", seed: 
     ValueError / TypeError for bad arguments, before any work.
     """
     config = RotateConfig(method=method, seed=seed, calibration=calibration, slice_fraction=slice_fraction,
-                          learning=learning)
+                          learning=learning, bases=bases)
     rotated, sections = run_steps(model, example_inputs, [config])
     return rotated, sections[RotateConfig]
 
@@ -148,20 +178,18 @@ def rotate_step(model: nn.Module, calls: list, config: RotateConfig,
     original) folded and rotated, with ``report.verification`` against ``model`` for the runner to
     prove (when sliced: of the whole rotation, before slicing)."""
     method, slice_fraction, calibration_calls = config.method, config.slice_fraction, list(config.calibration or ())
-    # proved below, with the rotation; a γ read by a tied head folds into its own copy (untied, in the report)
-    folded, fold_report = fold_within(model, calls, FoldConfig(verify=False, move_every_gamma=True))
-    streams = closed_streams(folded, calls, fold_report)
+    folded, fold_report, streams = _folded_streams(model, calls)
     if slice_fraction > 0:
         _check_sliceable(streams, slice_fraction)
     folded64 = apply_plan(copy.deepcopy(model).to(torch.float64), fold_report.plan)  # the fold, exact
     moments = stream_second_moments(folded64, streams, calibration_calls) if method == "pca" else None
-    rotations, energies = bases(streams, "hadamard" if method == "learned" else method, config.seed, moments)
     learning = None
-    if method == "learned":  # the Hadamard basis is the start
-        qs, learning = learn_rotations(folded, streams, [r.basis for r in rotations], calibration_calls,
-                                       config.learning, config.seed)
-        how = f"learned for {config.learning.quantize.scheme} ({config.learning.steps} Cayley-Adam steps) from the "
-        rotations = [_rotation(r.stream, q, how + r.how) for r, q in zip(rotations, qs)]
+    if config.bases is not None:
+        rotations, energies = _given(streams, config.bases), None
+    else:
+        rotations, energies = bases(streams, "hadamard" if method == "learned" else method, config.seed, moments)
+    if method == "learned" and config.bases is None:  # the Hadamard basis is the start
+        rotations, learning = _learned(folded, streams, rotations, calibration_calls, config)
     report = RotationReport(method, config.seed, fold_report, rotations, learning=learning)
     kept = [kept_directions(stream.width, slice_fraction) for stream in streams]
     if all(k == stream.width for k, stream in zip(kept, streams)):
@@ -170,6 +198,49 @@ def rotate_step(model: nn.Module, calls: list, config: RotateConfig,
         report.verification = _proof(model, rotated, apply_rotation(folded64, streams, qs), calls, fold_report)
         return rotated, report
     return _slice(model, folded, folded64, calls, report, kept, energies, calibration_calls, slice_fraction)
+
+
+def _folded_streams(model: nn.Module, calls: list) -> tuple[nn.Module, FoldReport, list[Stream]]:
+    """The exact fold (proved later, with the rotation; a γ read by a tied head folds into its own copy,
+    untied, in the report) and its closed streams."""
+    folded, fold_report = fold_within(model, calls, FoldConfig(verify=False, move_every_gamma=True))
+    return folded, fold_report, closed_streams(folded, calls, fold_report)
+
+
+def _learned(folded: nn.Module, streams: list[Stream], starts: list[StreamRotation], calibration_calls: list,
+             config: RotateConfig) -> tuple[list[StreamRotation], LearningReport]:
+    """Each stream's basis learned from its start (or the start, when learning ended no lower) and the learning."""
+    qs, learning = learn_rotations(folded, streams, [r.basis for r in starts], calibration_calls, config.learning,
+                                   config.seed)
+    if learning.returned != "learned":  # the start, unchanged: learning did not lower the calibration loss
+        return [_rotation(r.stream, r.basis, f"{r.how} (the learning's start: {learning.returned_why})")
+                for r in starts], learning
+    how = f"learned for {config.learning.quantize.scheme} ({config.learning.steps} Cayley-Adam steps) from the "
+    return [_rotation(r.stream, q, how + r.how) for r, q in zip(starts, qs)], learning
+
+
+def _given(streams: list[Stream], given: tuple[Tensor, ...]) -> list[StreamRotation]:
+    """The streams' rotations by bases learned before (``RotateConfig.bases``): ValueError unless there
+    is one per stream, of its width."""
+    widths = [s.width for s in streams]
+    if [q.shape[0] for q in given] != widths:
+        raise ValueError(f"bases must be one (d, d) matrix per residual stream, of widths {widths}; got "
+                         f"{[tuple(q.shape) for q in given]}")
+    return [_rotation(stream, q, "learned before, given as bases") for stream, q in zip(streams, given)]
+
+
+def learn_rotation(model: nn.Module, example_inputs, *, calibration, seed: int = 0,
+                   learning: LearnConfig | None = None) -> tuple[list[Tensor], LearningReport]:
+    """The bases ``method="learned"`` would rotate by (one float64 (d, d) matrix per stream, orthogonal to
+    1e-12) and how they were learned, without rotating or proving: ``rotate(..., method="learned",
+    bases=...)`` then rotates by them and proves the result, as a folder stores them beside its
+    weights. Arguments and errors as :func:`rotate`'s."""
+    config = RotateConfig(method="learned", seed=seed, calibration=calibration, learning=learning)
+    calls = check_model_and_inputs(model, example_inputs)
+    folded, _, streams = _folded_streams(model, calls)
+    starts, _ = bases(streams, "hadamard", seed)
+    rotations, report = _learned(folded, streams, starts, list(config.calibration), config)
+    return [r.basis for r in rotations], report
 
 
 def _slice(model, folded, folded64, example_inputs, report: RotationReport, kept: list[int], energies,
@@ -283,6 +354,6 @@ register_step(RotateConfig, rotate_step, section="rotation", section_type=Rotati
               proof="rotated model differs from the original")
 
 
-__all__ = ["rotate", "RotateConfig", "LearnConfig", "LearningReport", "check_rotate_options", "OptionNames", "API_OPTIONS", "RotationReport",
+__all__ = ["rotate", "learn_rotation", "RotateConfig", "LearnConfig", "LearningReport", "check_rotate_options", "OptionNames", "API_OPTIONS", "RotationReport",
            "StreamRotation", "SliceReport", "Stream", "StreamTensor", "OutputAgreement",
            "rotate_along", "kept_directions", "bases", "METHODS", "CALIBRATED_METHODS"]

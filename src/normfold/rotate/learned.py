@@ -23,7 +23,9 @@ model is the original's function for every Q, so the reference is computed once.
 The model is rotated functionally (``torch.func.functional_call`` with every stream tensor t·Q
 along its stream dim, as ``apply.rotate_along``), in float32; the final Q is rebuilt from M in
 float64, checked orthogonal to 1e-12 (re-orthonormalised by its polar factor otherwise) and applied
-and proved by ``normfold.rotate`` exactly as a random basis is.
+and proved by ``normfold.rotate`` exactly as a random basis is. Learning can end worse than it started
+(a learning rate too large for the model, a last step on a bad call): the learned Q is returned only
+when its mean calibration loss is below the start's, else the start is, and the report says which and why.
 """
 from __future__ import annotations
 
@@ -76,7 +78,8 @@ class LearnConfig:
 @dataclass
 class LearningReport:
     """What the learning did: its config, the calibration data (count, shapes, SHA-256 of its tensors),
-    the objective, the calibration loss at the Hadamard start and at the end, the loss of each step."""
+    the objective, the calibration loss at the Hadamard start and at the end, the loss of each step,
+    and which Q was returned (``returned``: "learned" or "start") and why."""
 
     config: LearnConfig
     start_seed: int
@@ -88,6 +91,8 @@ class LearningReport:
     end_loss: float
     step_losses: list[float] = field(repr=False)
     reorthonormalised: bool = False
+    returned: str = "learned"  # "learned", or "start" when learning did not lower the calibration loss
+    returned_why: str = ""
 
     def to_dict(self) -> dict:
         return {"steps": self.config.steps, "lr": self.config.lr, "quantize": asdict(self.config.quantize),
@@ -95,13 +100,14 @@ class LearningReport:
                 "calibration_calls": self.calibration_calls, "calibration_shapes": self.calibration_shapes,
                 "calibration_sha256": self.calibration_sha256, "objective": self.objective,
                 "start_loss": self.start_loss, "end_loss": self.end_loss, "step_losses": self.step_losses,
-                "reorthonormalised": self.reorthonormalised}
+                "reorthonormalised": self.reorthonormalised, "returned": self.returned,
+                "returned_why": self.returned_why}
 
     def __str__(self) -> str:
         return (f"learned for {self.config.quantize.scheme} ({self.config.steps} Cayley-Adam steps, lr "
                 f"{self.config.lr:g}, from the randomised Hadamard of seed {self.start_seed}) on "
                 f"{self.calibration_calls} calibration calls (sha256 {self.calibration_sha256[:12]}): {self.objective} "
-                f"{self.start_loss:.4g} -> {self.end_loss:.4g}")
+                f"{self.start_loss:.4g} -> {self.end_loss:.4g}; returned: {self.returned} ({self.returned_why})")
 
 
 def cayley(m: Tensor) -> Tensor:
@@ -135,9 +141,19 @@ def learn_rotations(folded: nn.Module, streams: list[Stream], starts: list[Tenso
                               for q, m in zip(starts, ms)))
     with torch.no_grad():
         end_loss = objective.mean([q.to(device=device, dtype=torch.float32) for q in learned])
-    return list(learned), LearningReport(config, start_seed, len(calls), [_shapes(c) for c in calls],
-                                         _calls_sha256(calls), objective.name, start_loss, end_loss, step_losses,
-                                         any(repaired))
+    returned, why = _returned(start_loss, end_loss)
+    return (list(learned) if returned == "learned" else list(starts)), LearningReport(
+        config, start_seed, len(calls), [_shapes(c) for c in calls], _calls_sha256(calls), objective.name, start_loss,
+        end_loss, step_losses, any(repaired), returned, why)
+
+
+def _returned(start_loss: float, end_loss: float) -> tuple[str, str]:
+    """Which Q a learning returns, and why: the learned one only when its mean calibration loss is below
+    the start's (a diverging run, or one that ends on a bad step, returns the start; NaN never wins)."""
+    if end_loss < start_loss:
+        return "learned", f"its calibration loss {end_loss:.6g} is below the start's {start_loss:.6g}"
+    return "start", (f"learning ended at calibration loss {end_loss:.6g}, not below the start's {start_loss:.6g}, "
+                     "so the start is returned")
 
 
 def nearest_orthogonal(q: Tensor) -> tuple[Tensor, bool]:
