@@ -1,5 +1,6 @@
 """Fusion reads its add -> norm pairs from a torch.export graph (the fold's, when the fold ran just before;
-else captured for it), probes eagerly only where export cannot capture the model, and says which."""
+else captured for it), probes eagerly only where export cannot capture the model, and says which; norms
+that do not normalise the sum's last dim (channels first) are skipped with a reason."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,13 +8,15 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 import normfold
 from normfold import FoldConfig, FuseConfig
 from normfold.fuse import fuse_residual_norms
-from test_fuse import ResidualBlock, _stack, _x
+from normfold.nn import PermutedRMSNorm
+from test_fuse import PreNormStack, ResidualBlock, _stack, _x
 
 
 def count_eager_runs(model: nn.Module) -> list:
@@ -141,3 +144,60 @@ def test_source_lines_moved_since_import_are_matched_to_the_lines_that_run(tmp_p
     torch.manual_seed(0)
     _, report = fuse_residual_norms(module.Block().eval(), (_x(2, 3, 8),))
     assert report.pairs_from == "graph" and [(p.norm, p.add) for p in report.fused] == [("norm", "h = self.lin(x) + x")]
+
+
+# ------------------------------------------------------------------------------ channels-first norms
+
+class LayerNorm2d(nn.LayerNorm):
+    """timm's channels-first LayerNorm: normalises dim 1 of (N, C, H, W) by permuting around layer_norm."""
+
+    def forward(self, x):
+        x = x.permute(0, 2, 3, 1)
+        return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps).permute(0, 3, 1, 2)
+
+
+class ConvNeXtBlock(nn.Module):
+    def __init__(self, norm: nn.Module, channels: int = 8) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.norm = norm
+
+    def forward(self, x):
+        h = self.dwconv(x) + x
+        return self.norm(h)
+
+
+def _convnext(norm: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    block = ConvNeXtBlock(norm).eval()
+    nn.init.normal_(block.norm.weight)
+    return block
+
+
+@pytest.mark.parametrize("norm", [LayerNorm2d(8), PermutedRMSNorm(8, order=(0, 2, 3, 1))],
+                         ids=["LayerNorm subclass", "PermutedRMSNorm"])
+def test_a_channels_first_norm_is_skipped_with_a_reason_and_the_model_stays_exact(norm):
+    # before: the LayerNorm subclass was "fused" on a (2, 8, 5, 5) input (the kernel declined the shape), and a
+    # later input of width 8 = C got the norm of its last dim; on that input fusing failed its proof instead
+    # of skipping; a PermutedRMSNorm was left out of the report
+    block = _convnext(norm)
+    fused, report = fuse_residual_norms(block, (_x(2, 8, 5, 5),))
+    assert report.fused == [] and "has its own forward" in report.skipped["norm"]
+    square = _x(2, 8, 4, 8, seed=1)   # last dim = channels
+    with torch.no_grad():
+        assert torch.equal(fused(square), block(square))
+    _, report = fuse_residual_norms(block, (square,))
+    assert report.fused == [] and "channels-first" in report.skipped["norm"]
+
+
+class PlainLayerNormSubclass(nn.LayerNorm):
+    """A subclass that keeps nn.LayerNorm's forward: still the last dim's norm."""
+
+
+def test_a_norm_subclass_keeping_the_last_dim_forward_is_still_fused():
+    torch.manual_seed(0)
+    stack = PreNormStack()
+    stack.norm_f = PlainLayerNormSubclass(8)
+    _, report = fuse_residual_norms(stack.eval(), (_x(2, 3, 8),))
+    assert ("blocks.2", "norm_f") in {(p.parent, p.norm) for p in report.fused} and "norm_f" not in report.skipped
+

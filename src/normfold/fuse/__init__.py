@@ -24,7 +24,8 @@ the row. The add sits in the forward of the norm's parent (``GPT2Block``: ``h = 
    (``runtime.py``). A pair inside one forward is fused only when the code proves the sum unmodified
    in between (``mutation.py``: torch.compile and inference tensors have no version counter); an add
    handed to another module's norm (``runtime.Handoff``) is checked by the version counter and runs
-   unfused where there is none.
+   unfused where there is none. A norm whose class has its own forward (a channels-first norm such
+   as ``PermutedRMSNorm`` normalises another dim than the sum's last) is skipped.
 4. **Verify**: the fused model is compared with the input model in float64 (≤ 1e-9), and as
    returned, in its own dtype, against the input model's own error there, on every example call,
    before it is returned; ``report.py`` lists what was fused and why every other norm was not.
@@ -56,7 +57,7 @@ from ..engine.graph import Captured, capture, eval_mode, split_example_inputs
 from ..engine.steps import StepContext, register_step, run_steps
 from ..engine.verify import FOLD_TOLERANCE
 from ..engine.verify import verify as verify_models
-from ..nn import FusedAddRMSNorm, PermutedRMSNorm, RMSNorm
+from ..nn import FusedAddRMSNorm, RMSNorm
 from ..nn.kinds import LAYER_NORM_TYPES
 from .graph_pairs import graph_pairs
 from .inline import SOURCE_CHANGED
@@ -242,8 +243,8 @@ register_step(FuseConfig, fuse_step, section="fuse", section_type=FuseReport,
 def _candidate_norms(model: nn.Module, norm_paths, layer_norms: bool) -> list[str]:
     """The paths of the norms to consider: ``norm_paths`` checked against the model's, or all of them."""
     kinds = (RMSNorm, *LAYER_NORM_TYPES) if layer_norms else (RMSNorm,)  # not torch's RMSNorm: no offset, eps may be None
-    found = [path for path, m in model.named_modules()  # a PermutedRMSNorm normalizes another dim than the sum's last
-             if isinstance(m, kinds) and not isinstance(m, (FusedAddRMSNorm, PermutedRMSNorm)) and path]
+    found = [path for path, m in model.named_modules()  # a FusedAddRMSNorm is the fused call already
+             if isinstance(m, kinds) and not isinstance(m, FusedAddRMSNorm) and path]
     if norm_paths is None:
         return found
     norm_paths = list(norm_paths)
@@ -261,7 +262,15 @@ def _norm_refusal(norm: nn.Module) -> str:
         return "it has forward hooks, which only an unfused call runs"
     if len(norm.normalized_shape) != 1:
         return f"normalized_shape {tuple(norm.normalized_shape)} is not 1-D"
+    if type(norm).forward not in _LAST_DIM_FORWARDS:
+        return (f"{type(norm).__qualname__} has its own forward (a channels-first norm, such as PermutedRMSNorm or "
+                "ConvNeXt's, normalises another dim than the last), and the fused call computes the norm of the "
+                "sum's last dim")
     return ""
+
+
+# the forwards that a fused call (runtime.add_norm) computes: the norm of the input's last dim, nothing else
+_LAST_DIM_FORWARDS = (RMSNorm.forward, *(t.forward for t in LAYER_NORM_TYPES))
 
 
 def _join(parent: str, name: str) -> str:
