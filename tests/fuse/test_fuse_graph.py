@@ -3,9 +3,6 @@ else captured for it), probes eagerly only where export cannot capture the model
 that do not normalise the sum's last dim (channels first) are skipped with a reason."""
 from __future__ import annotations
 
-import importlib.util
-import textwrap
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,6 +14,8 @@ from normfold import FoldConfig, FuseConfig
 from normfold.fuse import fuse_residual_norms
 from normfold.nn import PermutedRMSNorm
 from test_fuse import PreNormStack, ResidualBlock, _stack, _x
+from test_fuse_source import _edit as edit
+from test_fuse_source import _import as import_module_file
 
 
 def count_eager_runs(model: nn.Module) -> list:
@@ -112,35 +111,14 @@ def test_an_add_feeding_a_norm_that_is_no_source_statement_is_skipped_saying_whe
         assert torch.equal(fused(x), block(x))
 
 
-MODULE = textwrap.dedent('''
-    from torch import nn
-    from normfold.nn import RMSNorm
-
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-            self.norm = RMSNorm(8)
-
-        def forward(self, x):
-            h = self.lin(x) + x
-            return self.norm(h)
-''')
-
-
 @pytest.mark.parametrize("old, new", [
-    ("from torch import nn\n", "from torch import nn\n\n\n\n"),                          # the whole class moved
+    ("EDITED = []\n", "EDITED = []\n\n\n\n"),                                          # the whole class moved
     ("        h = self.lin(x) + x\n", "\n\n        h = self.lin(x) + x\n"),                # lines inside the forward
 ], ids=["class", "forward"])
 def test_source_lines_moved_since_import_are_matched_to_the_lines_that_run(tmp_path, old, new):
     # the graph's stack traces name the lines of the code that runs; the file on disk may have moved them
-    path = tmp_path / f"nf_moved_{len(new)}.py"
-    path.write_text(MODULE)
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    path.write_text(MODULE.replace(old, new))
+    module, path = import_module_file(tmp_path, f"nf_moved_{len(new)}")
+    edit(path, old, new)
     torch.manual_seed(0)
     _, report = fuse_residual_norms(module.Block().eval(), (_x(2, 3, 8),))
     assert report.pairs_from == "graph" and [(p.norm, p.add) for p in report.fused] == [("norm", "h = self.lin(x) + x")]
