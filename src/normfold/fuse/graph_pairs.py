@@ -4,15 +4,16 @@
 
 A norm call's input is the value the norm module's nodes read from outside the module (the nodes'
 ``nn_module_stack``; its parameters aside). Followed back through ops that hand on the same tensor
-or a view of all its rows, which is what a fused call's guard accepts at run time (eval-mode dropout,
-``alias``, ``contiguous``, a ``to`` that changes nothing, ``view`` / ``reshape`` keeping the row
-length, an in-place op's result), it is an ``aten.add`` node or it is no pair. The add is then located in the source: the
-module that ran it (``nn_module_stack``) must have a parsed forward (``rewrite.py``) with a
-``name = a + b`` statement at a file and line of the add's ``stack_trace`` (a helper written out in
-place keeps its call's line); the norm call likewise, at a ``self.<norm>(name)`` of its parent's
-forward. An add the source does not show as such a statement is no pair, and the norm it feeds is
-reported with where that add is (``unmatched``). As in the probe's run, graph order decides: an
-add or a call joins one pair at most (the first).
+or the same memory in the same row order, which is what a fused call's guard takes at run time
+(eval-mode dropout, a ``to`` that changes nothing, an in-place op's result, ``alias`` /
+``contiguous`` / ``view`` / ``reshape`` of a contiguous tensor keeping the row length), it is an
+``aten.add`` node or it is no pair. The add is then located in the source: the module that ran it
+(``nn_module_stack``) must have a parsed forward (``rewrite.py``) with a ``name = a + b`` statement at
+a file and line of the add's ``stack_trace`` (a helper written out in place keeps its call's line);
+the norm call likewise, at a ``self.<norm>(name)`` of its parent's forward. An add the source does
+not show as such a statement is no pair, and the norm it feeds is reported with where that add is
+(``unmatched``). As in the probe's run, graph order decides: an add or a call joins one pair at
+most (the first).
 """
 from __future__ import annotations
 
@@ -30,9 +31,10 @@ from .rewrite import ForwardRewrite
 Site = tuple[str, int]   # (parent module path, index into its ForwardRewrite's adds or calls)
 
 _ADD = torch.ops.aten.add
-_SAME_TENSOR_OPS = frozenset(aten_packets("alias", "contiguous"))   # return their input (contiguous: once it is)
-_CAST_OPS = frozenset(aten_packets("to", "type_as"))                 # return their input when nothing changes
-_ROW_VIEW_OPS = frozenset(aten_packets("view", "reshape", "_unsafe_view", "flatten", "view_as", "reshape_as"))
+_CAST_OPS = frozenset(aten_packets("to", "type_as"))   # return their input when they change nothing
+# the same memory in the same order when their input is contiguous (what runtime.same_rows takes)
+_SAME_MEMORY_OPS = frozenset(aten_packets("alias", "contiguous", "view", "reshape", "_unsafe_view", "flatten",
+                                          "view_as", "reshape_as"))
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 
 
@@ -87,7 +89,7 @@ def _add_feeding(node: fx.Node) -> fx.Node | None:
     """The ``aten.add`` node whose result ``node`` is, or a view of all its rows (module docstring), else None."""
     while True:
         packet = op_packet(node)
-        if packet is _ADD:
+        if packet == _ADD:
             return node
         if not node.args or not isinstance(node.args[0], fx.Node) or not _hands_on(node, packet):
             return None
@@ -95,10 +97,10 @@ def _add_feeding(node: fx.Node) -> fx.Node | None:
 
 
 def _hands_on(node: fx.Node, packet) -> bool:
-    """``node`` returns its input itself, or a view of all its rows, as run on the captured call."""
+    """``node`` returns its input itself, or the same memory in the same rows, as run on the captured call."""
     if packet in DROPOUT_OPS:
         return not is_training_dropout(node)
-    if packet in _SAME_TENSOR_OPS or _writes_and_returns_its_input(node):
+    if _writes_and_returns_its_input(node):
         return True
     source, out = node.args[0].meta.get("val"), node.meta.get("val")
     if not isinstance(source, torch.Tensor) or not isinstance(out, torch.Tensor):
@@ -106,8 +108,9 @@ def _hands_on(node: fx.Node, packet) -> bool:
     if packet in _CAST_OPS:
         return (out.dtype, out.device) == (source.dtype, source.device)
     before, after = shape(node.args[0]), shape(node)
-    return (packet in _ROW_VIEW_OPS and before is not None and after is not None and len(before) > 0
-            and len(after) > 0 and before[-1] == after[-1] and source.numel() == out.numel())
+    return (packet in _SAME_MEMORY_OPS and before is not None and after is not None and len(before) > 0
+            and len(after) > 0 and before[-1] == after[-1] and source.numel() == out.numel()
+            and source.is_contiguous() and out.is_contiguous())
 
 
 def _writes_and_returns_its_input(node: fx.Node) -> bool:
