@@ -10,6 +10,7 @@ import normfold
 from normfold import FoldConfig, FoldVerificationError, FuseConfig, RotateConfig, convert
 from normfold.engine import steps
 from normfold.engine.graph import module_path
+from engine.test_batchnorm_plan import _model as linear_batchnorm_model
 from normfold.engine.steps import StepContext, register_step, run_steps
 from normfold.fuse import rewrite
 from normfold.lab import BatchNormConfig
@@ -124,6 +125,16 @@ def test_the_fold_hands_its_graph_to_the_next_step_only(registry):
     assert sections[SeeGraphAgain].captured is None   # a step that captured nothing hands nothing on
     _, sections = run_steps(model, _x(), [SeeGraph()])
     assert sections[SeeGraph].captured is None        # no fold before it: no graph
+
+
+def test_the_fold_hands_no_graph_where_an_identity_batchnorm_stays_that_the_graph_lacks(registry):
+    # the graph the fold planned from has the BatchNorm merged away; a model that keeps it would not match it
+    register_step(SeeGraph, _see_graph_step, section="SeeGraph", section_type=GraphSection, proof=None)
+    model, x = linear_batchnorm_model(), (torch.randn(4, 6),)
+    folded, sections = run_steps(model, x, [FoldConfig(keep_modules_in=torch.float32), SeeGraph()])
+    assert isinstance(folded.bn, nn.BatchNorm1d) and sections[SeeGraph].captured is None
+    folded, sections = run_steps(model, x, [FoldConfig(), SeeGraph()])
+    assert isinstance(folded.bn, nn.Identity) and sections[SeeGraph].captured is not None
 
 
 def test_a_config_type_takes_one_handler(registry):
