@@ -9,6 +9,8 @@ from torch import nn
 import normfold
 from normfold import FoldConfig, FoldVerificationError, FuseConfig, RotateConfig, convert
 from normfold.engine import steps
+from normfold.engine.graph import module_path
+from engine.test_batchnorm_plan import _model as linear_batchnorm_model
 from normfold.engine.steps import StepContext, register_step, run_steps
 from normfold.fuse import rewrite
 from normfold.lab import BatchNormConfig
@@ -87,6 +89,52 @@ def test_a_registered_config_runs_its_handler_after_the_steps_before_it(registry
     assert report.sections["scale"] == ScaleSection(2, [FoldConfig])  # both calls, after the fold
     assert report.to_dict()["scale"] == {"seen_calls": 2}
     assert torch.allclose(converted(*x), 3.0 * model(*x), atol=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class SeeGraph:
+    """A step a test registers: it records the graphs the runner handed it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SeeGraphAgain(SeeGraph):
+    pass
+
+
+@dataclasses.dataclass
+class GraphSection:
+    captured: object
+
+    def to_dict(self) -> dict:
+        return {}
+
+
+def _see_graph_step(model, calls, config, context: StepContext):
+    return model, GraphSection(context.captured)
+
+
+def test_the_fold_hands_its_graph_to_the_next_step_only(registry):
+    # fusion reads the add -> norm pairs from the fold's torch.export graph instead of capturing it again
+    for config_type in (SeeGraph, SeeGraphAgain):
+        register_step(config_type, _see_graph_step, section=config_type.__name__, section_type=GraphSection, proof=None)
+    model = _model()
+    _, sections = run_steps(model, _x(), [FoldConfig(), SeeGraph(), SeeGraphAgain()])
+    handed = sections[SeeGraph].captured
+    paths = {module_path(node) for node in handed.graphs[0].graph.nodes}
+    assert {"ln1", "ln2"} <= paths and handed.submodules == ()   # the whole model's graph, its norms in it
+    assert sections[SeeGraphAgain].captured is None   # a step that captured nothing hands nothing on
+    _, sections = run_steps(model, _x(), [SeeGraph()])
+    assert sections[SeeGraph].captured is None        # no fold before it: no graph
+
+
+def test_the_fold_hands_no_graph_where_an_identity_batchnorm_stays_that_the_graph_lacks(registry):
+    # the graph the fold planned from has the BatchNorm merged away; a model that keeps it would not match it
+    register_step(SeeGraph, _see_graph_step, section="SeeGraph", section_type=GraphSection, proof=None)
+    model, x = linear_batchnorm_model(), (torch.randn(4, 6),)
+    folded, sections = run_steps(model, x, [FoldConfig(keep_modules_in=torch.float32), SeeGraph()])
+    assert isinstance(folded.bn, nn.BatchNorm1d) and sections[SeeGraph].captured is None
+    folded, sections = run_steps(model, x, [FoldConfig(), SeeGraph()])
+    assert isinstance(folded.bn, nn.Identity) and sections[SeeGraph].captured is not None
 
 
 def test_a_config_type_takes_one_handler(registry):

@@ -29,7 +29,7 @@ from .plan import (AffineFoldStep, BatchNormFoldStep, CenterGroupsStep, CenterSt
                    PrecomputeStep)
 from .report import FoldReport, NormEntry, VerifyResult
 from .steps import StepContext
-from .submodules import capture_calls
+from .submodules import CapturedCalls, capture_calls
 from . import transform  # looked up at call time: tests substitute a broken apply_plan
 from .verify import FOLD_TOLERANCE, dtype_name, verify
 
@@ -45,11 +45,16 @@ def plan_fold(model: nn.Module, example_inputs, constraints: FoldConfig = FoldCo
 
 def plan_calls(model: nn.Module, calls: list, constraints: FoldConfig) -> FoldReport:
     """:func:`plan_fold` of calls already checked (``check_model_and_inputs``)."""
+    return plan_and_capture(model, calls, constraints)[0]
+
+
+def plan_and_capture(model: nn.Module, calls: list, constraints: FoldConfig) -> tuple[FoldReport, CapturedCalls]:
+    """:func:`plan_calls` and the graphs the plan was read from (of the model the plan applies to)."""
     with failures_as_fold_error(model_name(model), "planning (capture and analysis)"):
         return _plan(model, calls, constraints)
 
 
-def _plan(model: nn.Module, calls: list, constraints: FoldConfig) -> FoldReport:
+def _plan(model: nn.Module, calls: list, constraints: FoldConfig) -> tuple[FoldReport, CapturedCalls]:
     captured = capture_calls(model, calls)
     bn_steps, bn_entries = [], []
     if constraints.fold_batchnorm and has_batchnorms(model):
@@ -71,7 +76,7 @@ def _plan(model: nn.Module, calls: list, constraints: FoldConfig) -> FoldReport:
     return FoldReport(entries, plan, untied, batchnorms=bn_entries,
                       traced_calls=[describe_call(model, *split_example_inputs(call)) for call in calls],
                       constraints=constraints, captured_through=list(captured.submodules),
-                      whole_model_capture_error=captured.whole_model_error)
+                      whole_model_capture_error=captured.whole_model_error), captured
 
 
 _UNCAPTURED = "kept: outside every submodule torch.export could capture (the whole model it could not)"
@@ -185,12 +190,15 @@ def fold_step(model: nn.Module, calls: list, config: FoldConfig, context: StepCo
     reads): ``(folded copy, report)``, planned within
     ``config``, applied, and (``config.verify``) ``report.verification`` measured for the runner to
     prove: the float64 error within ``FOLD_TOLERANCE``, the returned model in its own dtype within its
-    measured tolerance, the outputs comparable. ``FoldError`` for a model whose weights are not loaded."""
+    measured tolerance, the outputs comparable. ``FoldError`` for a model whose weights are not loaded.
+    The graphs it planned from are left in ``context.captured`` for the next step (fusion's pairs)."""
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         raise FoldError("fold needs the model's weights, but some are on the meta device: load them first "
                         "(analyze works on a meta model; normfold.hf folds checkpoints shard by shard)")
-    report = plan_calls(model, calls, config)
+    report, captured = plan_and_capture(model, calls, config)
     folded = apply_fold(model, report.plan)
+    # the graphs describe the folded model's forwards unless a BatchNorm stays in it (an identity the graph lacks)
+    context.captured = None if any(step.keep_module for step in report.plan.batchnorm) else captured
     if config.verify:
         report.verification = prove_fold(model, folded, calls, report.plan)
     return folded, report

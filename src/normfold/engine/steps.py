@@ -25,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from .graph import check_model_and_inputs
+from .submodules import CapturedCalls
 from .verify import prove_or_raise
 
 __all__ = ["Step", "StepContext", "register_step", "registered_steps", "step_for", "run_steps"]
@@ -33,10 +34,16 @@ __all__ = ["Step", "StepContext", "register_step", "registered_steps", "step_for
 @dataclass
 class StepContext:
     """What a handler may read besides its input model and the example calls: the model the runner
-    was given (untouched), and the sections of the steps run before it, by config type."""
+    was given (untouched), the sections of the steps run before it, by config type, and ``captured``:
+    the graphs of the example calls that the step just before it captured (the fold's ``torch.export``
+    capture, of the model it folded: the forwards and module paths of the model the handler is given,
+    only norm classes and weights changed), so a later step reads the graph instead of capturing it
+    again. The runner clears ``captured`` after every step that does not set it: a graph is handed
+    to the next step only."""
 
     original: nn.Module
     sections: dict[type, Any] = field(default_factory=dict)
+    captured: CapturedCalls | None = None
 
 
 Handler = Callable[[nn.Module, list, Any, StepContext], "tuple[nn.Module, Any]"]
@@ -111,7 +118,10 @@ def run_steps(model: nn.Module, example_inputs, configs: Sequence, *, original: 
     calls = check_model_and_inputs(model, example_inputs)  # TypeError before any work
     context = StepContext(model if original is None else original, dict(earlier or {}))
     for config, step in zip(configs, steps):
+        handed = context.captured
         model, section = step.handler(model, calls, config, context)
+        if context.captured is handed:  # this step captured nothing: the graph describes no model now
+            context.captured = None
         assert isinstance(section, step.section_type), (step, type(section))
         if step.proof is not None and getattr(config, "verify", True):
             assert section.verification is not None, f"{step.handler} proved nothing"

@@ -10,15 +10,22 @@ the row. The add sits in the forward of the norm's parent (``GPT2Block``: ``h = 
 1. **Parse** (``rewrite.py``): each forward's adds ``NAME = A + B`` (or ``(A + B).view(...)``) and norm
    calls ``self.<norm>(NAME)`` / ``self.<norm>(A + B)``; small helpers such as BLOOM's
    ``dropout_add`` are written out first (``inline.py``), and only source that is the code that
-   runs is read (``inline.running_definition``).
-2. **Probe**: one eager run on ``example_inputs`` records which add's result (or a view of all its
-   rows) each norm call received; only observed pairs are fused.
+   runs is read (``inline.running_definition``, at the line numbers of that code).
+2. **Pair** (``graph_pairs.py``): the first example call's ``torch.export`` graph shows which add's
+   result (or a view of all its rows) each norm call receives; the add's ``stack_trace`` line, in
+   the forward of the module that ran it (``nn_module_stack``), must be a parsed add statement, or
+   the norm is skipped saying where its add is. The graph is the fold's when the fold ran just
+   before (``StepContext.captured``: nothing is captured again), else captured here
+   (``engine.graph.capture``); only where export cannot capture the whole model is the model run
+   eagerly with instrumented forwards instead (``rewrite.Probe``). ``report.pairs_from`` says which
+   ("graph" / "probe") and ``report.pairs_why`` why.
 3. **Rewrite**: a paired add becomes ``add_norm`` and its norm call ``norm_from``, which returns the
    early output only when its argument is still that sum, and otherwise runs the norm
    (``runtime.py``). A pair inside one forward is fused only when the code proves the sum unmodified
    in between (``mutation.py``: torch.compile and inference tensors have no version counter); an add
    handed to another module's norm (``runtime.Handoff``) is checked by the version counter and runs
-   unfused where there is none.
+   unfused where there is none. A norm whose class has its own forward (a channels-first norm such
+   as ``PermutedRMSNorm`` normalises another dim than the sum's last) is skipped.
 4. **Verify**: the fused model is compared with the input model in float64 (≤ 1e-9), and as
    returned, in its own dtype, against the input model's own error there, on every example call,
    before it is returned; ``report.py`` lists what was fused and why every other norm was not.
@@ -44,12 +51,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..engine.graph import eval_mode, split_example_inputs
+from .._text import first_line
+from ..engine.errors import FoldError
+from ..engine.graph import Captured, capture, eval_mode, split_example_inputs
 from ..engine.steps import StepContext, register_step, run_steps
 from ..engine.verify import FOLD_TOLERANCE
 from ..engine.verify import verify as verify_models
-from ..nn import FusedAddRMSNorm, PermutedRMSNorm, RMSNorm
+from ..nn import FusedAddRMSNorm, RMSNorm
 from ..nn.kinds import LAYER_NORM_TYPES
+from .graph_pairs import graph_pairs
 from .inline import SOURCE_CHANGED
 from .report import FusedPair, FuseReport
 from .rewrite import ForwardRewrite, FusePlan, Probe
@@ -101,7 +111,7 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
     the ones ``normfold.fold`` created, and with ``layer_norms=True`` every torch / normfold
     ``LayerNorm``: the ones folding left, which normfold's LayerNorm kernel then runs).
     ``example_inputs`` as for ``normfold.fold`` (a tuple of positional or a dict of keyword
-    arguments, or a list of such calls: the first drives the probe, every one the float64 check).
+    arguments, or a list of such calls: the first call's graph gives the pairs, every one the float64 check).
     With ``verify=True``, ``FoldVerificationError`` is raised if outputs differ by more than 1e-9 in
     float64, or the fused model in its own dtype by more than the measured tolerance
     (``report.verification``). The step a :class:`FuseConfig` names, alone; ``model`` is untouched.
@@ -112,10 +122,10 @@ def fuse_residual_norms(model: nn.Module, example_inputs, *, norm_paths=None, la
 
 
 def fuse_step(model: nn.Module, calls: list, config: FuseConfig, context: StepContext) -> tuple[nn.Module, FuseReport]:
-    """The registered step of a :class:`FuseConfig`: a fused copy of ``model`` (probed on the first
-    call) and its report, with ``report.verification`` against ``model`` on every call for the
-    runner to prove."""
-    args, kwargs = split_example_inputs(calls[0])
+    """The registered step of a :class:`FuseConfig`: a fused copy of ``model`` (its pairs read from the
+    first call's graph: the fold's when it ran just before, else captured here; probed eagerly where
+    export cannot capture the model) and its report, with ``report.verification`` against ``model`` on
+    every call for the runner to prove."""
     norms = _candidate_norms(model, config.norm_paths, config.layer_norms)
     fused = copy.deepcopy(model)
     report = FuseReport()
@@ -128,8 +138,6 @@ def fuse_step(model: nn.Module, calls: list, config: FuseConfig, context: StepCo
         else:
             by_parent.setdefault(parent_path, []).append(name)
 
-    # probe: instrumented forwards record which add result each norm call received, model-wide
-    probe = Probe()
     rewrites: dict[str, ForwardRewrite] = {}
     for parent_path, names in by_parent.items():
         parent = fused.get_submodule(parent_path)
@@ -149,18 +157,17 @@ def fuse_step(model: nn.Module, calls: list, config: FuseConfig, context: StepCo
             elif SOURCE_CHANGED in reason:
                 unread.append(reason)
     unread += [why for rewrite in rewrites.values() for why in rewrite.helpers_refused.values()]
-    for parent_path, rewrite in rewrites.items():
-        parent = fused.get_submodule(parent_path)
-        parent.forward = types.MethodType(rewrite.probe_function(probe, parent_path), parent)
-    try:
-        with eval_mode(fused), torch.no_grad():
-            fused(*args, **kwargs)
-    finally:
-        for parent_path in rewrites:
-            del fused.get_submodule(parent_path).forward
+
+    graph, report.pairs_why = _first_graph(fused, calls, context)
+    fed_by: dict[str, str] = {}   # norm path -> the add the graph shows feeding it, where it is no add site
+    if graph is None:
+        report.pairs_from, pairs = "probe", _probed_pairs(fused, rewrites, calls[0])
+    else:
+        found = graph_pairs(graph, rewrites, [_join(p, name) for p in rewrites for name in by_parent.get(p, [])])
+        report.pairs_from, pairs, fed_by = "graph", found.pairs, found.unmatched
 
     plans = {path: FusePlan() for path in rewrites}
-    for (add_parent, i), (call_parent, j) in probe.observed_pairs():
+    for (add_parent, i), (call_parent, j) in pairs:
         if add_parent == call_parent:
             risk = rewrites[add_parent].early_output_risk(i, j)
             if risk:
@@ -179,7 +186,8 @@ def fuse_step(model: nn.Module, calls: list, config: FuseConfig, context: StepCo
                        | {rewrite.calls[j].norm for j in plan.incoming})
         for name in by_parent.get(parent_path, []):
             if name not in fused_norms:
-                report.skipped[_join(parent_path, name)] = rewrite.why_not(name, sorted(set(unread)))
+                path = _join(parent_path, name)
+                report.skipped[path] = rewrite.why_not(name, sorted(set(unread)), fed_by.get(path, ""))
         if plan.local or plan.outgoing or plan.incoming or rewrite.inline:
             parent.forward = types.MethodType(rewrite.fused_function(parent, plan), parent)
         report.fused += [FusedPair(parent_path, _join(parent_path, rewrite.calls[j].norm), rewrite.adds[i].source)
@@ -194,6 +202,38 @@ def fuse_step(model: nn.Module, calls: list, config: FuseConfig, context: StepCo
     return fused, report
 
 
+def _first_graph(model: nn.Module, calls: list, context: StepContext) -> tuple[Captured | None, str]:
+    """The first example call's graph and where it comes from: the fold's capture when the fold ran just
+    before, else ``torch.export`` here; ``(None, why)`` where export cannot capture the whole model."""
+    if context.captured is not None:
+        if context.captured.submodules:
+            return None, (f"the fold captured only submodules ({', '.join(context.captured.submodules)}): "
+                          f"torch.export could not capture the whole model ({context.captured.whole_model_error})")
+        return context.captured.graphs[0], "the fold's torch.export capture"
+    try:
+        return capture(model, calls[0]), "torch.export capture of the first example call"
+    except FoldError as err:
+        cause = err.__cause__ or err
+        return None, f"torch.export could not capture the model: {type(cause).__name__}: {first_line(cause)}"
+
+
+def _probed_pairs(fused: nn.Module, rewrites: dict[str, ForwardRewrite], call) -> list:
+    """The pairs one eager run of ``call`` shows: instrumented forwards record which add result each norm
+    call received, model-wide (``rewrite.Probe``)."""
+    args, kwargs = split_example_inputs(call)
+    probe = Probe()
+    for parent_path, rewrite in rewrites.items():
+        parent = fused.get_submodule(parent_path)
+        parent.forward = types.MethodType(rewrite.probe_function(probe, parent_path), parent)
+    try:
+        with eval_mode(fused), torch.no_grad():
+            fused(*args, **kwargs)
+    finally:
+        for parent_path in rewrites:
+            del fused.get_submodule(parent_path).forward
+    return probe.observed_pairs()
+
+
 register_step(FuseConfig, fuse_step, section="fuse", section_type=FuseReport,
               proof="fused model differs from the unfused one")
 
@@ -203,8 +243,8 @@ register_step(FuseConfig, fuse_step, section="fuse", section_type=FuseReport,
 def _candidate_norms(model: nn.Module, norm_paths, layer_norms: bool) -> list[str]:
     """The paths of the norms to consider: ``norm_paths`` checked against the model's, or all of them."""
     kinds = (RMSNorm, *LAYER_NORM_TYPES) if layer_norms else (RMSNorm,)  # not torch's RMSNorm: no offset, eps may be None
-    found = [path for path, m in model.named_modules()  # a PermutedRMSNorm normalizes another dim than the sum's last
-             if isinstance(m, kinds) and not isinstance(m, (FusedAddRMSNorm, PermutedRMSNorm)) and path]
+    found = [path for path, m in model.named_modules()  # a FusedAddRMSNorm is the fused call already
+             if isinstance(m, kinds) and not isinstance(m, FusedAddRMSNorm) and path]
     if norm_paths is None:
         return found
     norm_paths = list(norm_paths)
@@ -222,7 +262,15 @@ def _norm_refusal(norm: nn.Module) -> str:
         return "it has forward hooks, which only an unfused call runs"
     if len(norm.normalized_shape) != 1:
         return f"normalized_shape {tuple(norm.normalized_shape)} is not 1-D"
+    if type(norm).forward not in _LAST_DIM_FORWARDS:
+        return (f"{type(norm).__qualname__} has its own forward (a channels-first norm, such as PermutedRMSNorm or "
+                "ConvNeXt's, normalises another dim than the last), and the fused call computes the norm of the "
+                "sum's last dim")
     return ""
+
+
+# the forwards that a fused call (runtime.add_norm) computes: the norm of the input's last dim, nothing else
+_LAST_DIM_FORWARDS = (RMSNorm.forward, *(t.forward for t in LAYER_NORM_TYPES))
 
 
 def _join(parent: str, name: str) -> str:

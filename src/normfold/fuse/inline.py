@@ -187,7 +187,27 @@ def running_definition(function: types.FunctionType) -> tuple[ast.FunctionDef | 
         return None, f"the source of {name} is not available"
     if not same_code(found, code):
         return None, f"the source of {name} in {code.co_filename} {SOURCE_CHANGED}"
-    return copy.deepcopy(definition), ""  # callers rewrite the tree in place
+    return _at_running_lines(copy.deepcopy(definition), found, code), ""  # callers rewrite the tree in place
+
+
+def _at_running_lines(tree: ast.FunctionDef, found: types.CodeType, code: types.CodeType) -> ast.FunctionDef:
+    """``tree`` (parsed from the file as it is now) with the line numbers of the code that runs, which
+    tracebacks and a captured graph's ``stack_trace`` name: lines moved since import (``same_code``
+    ignores them) are mapped instruction by instruction, the two codes being the same bytecode."""
+    running = _line_of_offset(code)
+    moved = {disk: running[offset] for offset, disk in _line_of_offset(found).items() if offset in running}
+    shift = code.co_firstlineno - found.co_firstlineno   # lines without an instruction of their own
+    for node in ast.walk(tree):
+        for attr in ("lineno", "end_lineno"):
+            line = getattr(node, attr, None)
+            if line is not None:
+                setattr(node, attr, moved.get(line, line + shift))
+    return tree
+
+
+def _line_of_offset(code: types.CodeType) -> dict[int, int]:
+    """Bytecode offset -> source line of each instruction of ``code`` (not of the code nested in it)."""
+    return {offset: line for start, end, line in code.co_lines() if line is not None for offset in range(start, end, 2)}
 
 
 @functools.lru_cache(maxsize=32)

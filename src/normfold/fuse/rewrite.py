@@ -3,9 +3,10 @@
 ``ForwardRewrite.parse`` reads the forward's running source (``inline.running_definition``), writes
 small helpers out in place (``inline.py``) and lists the candidate sites: ``NAME = A + B`` (or
 ``(A + B).view(...)``), ``self.<norm>(NAME)`` and ``self.<norm>(A + B)``. From that one parsed tree it
-generates the probe forward (records which add's result each norm call receives, into a ``Probe``)
-and the fused forward (the pairs of a ``FusePlan`` call ``runtime.add_norm`` / ``runtime.norm_from``),
-compiled in the original module's globals and rewrapped in copies of the forward's decorators.
+generates the probe forward (where no graph shows the pairs: it records which add's result each norm
+call receives, into a ``Probe``) and the fused forward (the pairs of a ``FusePlan`` call
+``runtime.add_norm`` / ``runtime.norm_from``), compiled in the original module's globals and rewrapped
+in copies of the forward's decorators.
 """
 from __future__ import annotations
 
@@ -141,15 +142,20 @@ class ForwardRewrite:
         return early_output_risk(self.tree, self.adds[add_index].node, self.calls[call_index].node,
                                  self.self_name, self.norm_names)
 
-    def why_not(self, norm: str, unread: list[str]) -> str:
-        """Why ``norm`` was not fused; ``unread``: code not rewritten because its source changed on disk."""
+    def why_not(self, norm: str, unread: list[str], fed_by: str = "") -> str:
+        """Why ``norm`` was not fused; ``unread``: code not rewritten because its source changed on disk;
+        ``fed_by``: where the add is that the graph shows feeding it, when it is no parsed add site."""
         if norm in self.refused:
             return self.refused[norm]
         if not any(c.norm == norm for c in self.calls):
             return f"{self.function.__qualname__} never calls it as self.{norm}(name) or self.{norm}(a + b)"
-        return ("no `name = a + b` result reaches it unchanged on the example inputs (its input is scaled or "
-                "copied after the add, or added by a function that cannot be inlined)"
-                + "".join(f"; not rewritten: {why}" for why in unread))
+        if fed_by:
+            why = (f"its input is {fed_by}, which is no `name = a + b` statement fusion can rewrite (an in-place "
+                   "add, an add inside an expression, or in a function that cannot be inlined)")
+        else:
+            why = ("no `name = a + b` result reaches it unchanged on the example inputs (its input is scaled or "
+                   "copied after the add, or added by a function that cannot be inlined)")
+        return why + "".join(f"; not rewritten: {why}" for why in unread)
 
     # the two generated functions -------------------------------------------------------------
     def probe_function(self, probe: Probe, key: str):
