@@ -114,8 +114,8 @@ def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool
     layout = {"swapped": swapped_from_plan(report.plan)}
     if after is not None:  # parameters the class lacks (a created lm_head.bias): normfold.from_pretrained adds them
         stock = stock_parameter_shapes(skeleton.config, type(skeleton))
-        layout["extra_parameters"] = [{"name": k, "shape": rewrite.output_meta(k)[1]}
-                                      for k in sorted(rewrite.new_keys) if k not in stock]
+        layout["extra_parameters"] = [{"name": name, "shape": rewrite.output_meta(key)[1]}
+                                      for name, key in sorted(rewrite.created.items()) if name not in stock]
     saved_dtype = dtype or stored_dtype_name(model_dir)
     out = folder_report(report, layout, saved_dtype=saved_dtype,
                         model=describe_model(skeleton, model_dir), fold_affine=fold_affine, skipped_files=skipped_files,
