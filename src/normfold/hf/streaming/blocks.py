@@ -275,6 +275,17 @@ def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swap
     return result, ref_calls
 
 
+def runs_in_float32(orig_dir: Path, stacks: list[str], trust_remote_code: bool = False) -> bool:
+    """Whether the original cut to one block per stack runs in float32: when it fails in float64 only,
+    float64 is what it cannot run in (XGLM fills a float64 tensor from a float32 default dtype)."""
+    try:
+        model, _ = _load_shell(orig_dir, [], stacks, trust_remote_code)
+        _run_shell(model.float(), stacks, example_inputs_for(model))
+    except Exception:  # noqa: BLE001  any failure of the model's own code: it fails in float32 too
+        return False
+    return True
+
+
 def _shell_quantities(outputs: list[torch.Tensor], calls: dict[str, Call], stacks: dict[str, bool],
                       stream_map: StreamMap | None = None) -> list[torch.Tensor]:
     """What the shell check compares: the float outputs, then the stream entering each stack seen,
