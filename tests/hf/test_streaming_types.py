@@ -185,15 +185,54 @@ def test_rotating_a_model_captured_through_submodules_is_refused_with_the_reason
     assert not (tmp_path / "out").exists()
 
 
-def test_transformers_merging_tensors_on_load_is_refused_by_name(tmp_path):
+def test_a_sharded_folder_whose_tensors_transformers_merges_on_load_is_refused_by_name(tmp_path, capsys,
+                                                                                       monkeypatch):
     """Mixtral's experts are one tensor in the model and one per expert in the checkpoint: no tensor
-    of the model has a stored name."""
+    of the model has a stored name, so neither the rewrite nor the block check can read it."""
+    monkeypatch.setenv("NORMFOLD_PROGRESS", "0")
     config = transformers.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                         num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
                                         max_position_embeddings=64)
+    torch.manual_seed(0)
     model = transformers.MixtralForCausalLM(config)
     with pytest.raises(CheckpointError, match="merges or splits them when loading"):
         saved_names(model, list(model.state_dict()))
+    model.save_pretrained(tmp_path / "mixtral", max_shard_size="20KB")
+    assert main(["fold", str(tmp_path / "mixtral"), "-o", str(tmp_path / "out")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert err.startswith("normfold: error: transformers stores the tensors of MixtralForCausalLM otherwise than by "
+                          "name (it merges or splits them when loading") and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sharded_gpt_neox_rotates_streamed_bitwise_as_in_memory_and_verifies(sharded, tmp_path, capsys,
+                                                                              monkeypatch):
+    """Its head, stored as embed_out, is rotated under that key; the rotation reloads to the in-memory one."""
+    import normfold
+    from normfold.hf.inputs import example_inputs_for
+
+    monkeypatch.setenv("NORMFOLD_PROGRESS", "0")
+    source, out = sharded("gpt_neox"), tmp_path / "rotated"
+    assert main(["rotate", str(source), "-o", str(out), "--method", "hadamard", "--seed", "1"]) == EXIT_OK
+    original = load_model(source)
+    in_memory, _ = normfold.rotate(original, example_inputs_for(original), method="hadamard", seed=1)
+    expected, got = in_memory.state_dict(), normfold.from_pretrained(out).state_dict()
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key
+    assert "embed_out.weight" in Checkpoint(out).meta
+    capsys.readouterr()
+    assert main(["verify", str(source), str(out)]) == EXIT_OK, capsys.readouterr().out
+
+
+def test_a_sharded_vit_rotation_gets_the_closure_checks_answer_not_a_device_error(sharded, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """The structure-only capture ran ViT's patch convolution on CPU pixels with meta weights."""
+    monkeypatch.setenv("NORMFOLD_PROGRESS", "0")
+    assert main(["rotate", str(sharded("vit")), "-o", str(tmp_path / "out")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "cannot rotate: the residual stream is not closed under rotation: layernorm kept its γ/β" in err
+    assert "aten.select at pooler" in err and "device" not in err
 
 
 def test_untying_the_stored_owner_of_a_tensor_others_still_share_is_refused(tmp_path):
