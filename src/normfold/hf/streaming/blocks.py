@@ -180,10 +180,11 @@ def _make_unsaved_buffers(skeleton: nn.Module, block: nn.Module) -> None:
     each module holding one (its parameters, still on meta, are left alone)."""
     init = getattr(skeleton, "_init_weights", None)
     for module in block.modules():
-        unsaved = [name for name, buffer in module.named_buffers(recurse=False)
-                   if buffer.is_meta and name in module._non_persistent_buffers_set]
-        for name in unsaved:
-            module._buffers[name] = torch.empty_like(module._buffers[name], device="cpu")
+        saved = module.state_dict()
+        unsaved = [(name, buffer) for name, buffer in module.named_buffers(recurse=False)
+                   if buffer.is_meta and name not in saved]
+        for name, buffer in unsaved:
+            module.register_buffer(name, torch.empty_like(buffer, device="cpu"), persistent=False)
         if unsaved and init is not None:
             init(module)
 

@@ -165,9 +165,10 @@ def _untie_by_key(plan: FoldPlan, stored: StoredKeys) -> list[Step]:
     under the key of one of its names (its owner); the plan gives some of its names their own copy.
     An untied name that owns the key keeps it (LED's ``shared.weight`` when its decoder's embedding
     is centered and its encoder's not); every other untied name gets a new key, a copy of the owner's
-    (the source is always the owner: untying runs before any other step, so every copy is of the
-    stored values, and no name is read under the owner's key before it gets its own). CheckpointError
-    when an owner is untied while other names still share its key: they would read its new values."""
+    (the source is always the owner: until untied, every name of the group reads the owner's key, so
+    the copy holds the values the plan's source holds; and the plan's source, read under the owner's
+    key, may be a name untied later, which then could not get its own key). CheckpointError when an
+    owner is untied while other names still share its key: they would read its new values."""
     untied = {step.fqn for step in plan.untie}
     steps: list[Step] = []
     for step in plan.steps():
