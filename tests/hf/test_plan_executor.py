@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from normfold.engine.graph import parameter_aliases
 from normfold.engine.transform import apply_plan
 from normfold.hf.load import load_model
-from normfold.hf.streaming.checkpoint import resolve_key
+from normfold.hf.streaming.checkpoint import StoredKeys
 from normfold.hf.streaming.planning import plan_for_checkpoint
 from normfold.hf.streaming.rewrite import CheckpointRewrite
 
@@ -68,12 +67,12 @@ def test_the_module_store_and_the_checkpoint_store_give_bit_identical_tensors(fo
     streamed = {}
     for key in [*checkpoint.meta, *rewrite.new_keys]:
         streamed.update(rewrite.compute(key))
-    aliases = parameter_aliases(skeleton)
+    stored = StoredKeys(skeleton, checkpoint)
     for fqn, tensor in in_memory.items():  # every tensor of the folded model, stored once if tied
-        key = fqn if fqn in streamed else resolve_key(fqn, aliases, checkpoint)
+        key = fqn if fqn in streamed else stored.key(fqn)
         assert key in streamed, fqn
         assert streamed[key].dtype == tensor.dtype and torch.equal(streamed[key], tensor), fqn
-    dropped = streamed.keys() - in_memory.keys() - {resolve_key(f, aliases, checkpoint) for f in in_memory}
+    dropped = streamed.keys() - in_memory.keys() - {stored.key(f) for f in in_memory}
     swapped = {s.path for s in plan.swap if not s.elementwise_affine}
     for key in dropped:  # the checkpoint keeps a swapped norm's γ/β as the identity
         path, _, leaf = key.rpartition(".")

@@ -33,7 +33,6 @@ from ..engine.report import FoldReport
 from ..engine.transform import norm_like, untie_config
 from ..nn import PermutedRMSNorm, RMSNorm
 from ..nn.resize import replace_parameter
-from .._deps import require
 from .._text import dtype_name, first_line
 from .card import write_model_card
 from .load import CheckpointError, check_model_dir, load_model_and_info, resolve_model
@@ -42,7 +41,7 @@ from .output_dir import REPORT_JSON, replaceable, atomic_output_dir
 from .recipe import Recipe, is_finite_number
 from .report import folder_report, read_folder_report, seal_problems, write_sealed_report
 from .side_files import copy_side_files
-from .weight_files import read_tensor, stored_tensors, weight_source
+from .weight_files import read_tensor, saved_names, stored_tensors, weight_source
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -513,14 +512,9 @@ def _recorded_tensor(entry: Mapping[str, Any], stored: Mapping[str, tuple[Path, 
 
 
 def _stored_names(model: nn.Module, layout: Mapping[str, Any]) -> dict[str, str]:
-    """The layout's created and resized parameters -> the names their tensors are stored under:
-    transformers renames some keys when it saves (GPT-NeoX's ``lm_head.`` is stored as ``embed_out.``)
-    and back when it loads, which the tensors normfold restores itself must follow."""
-    names = [e["name"] for e in (*layout["extra_parameters"], *layout["resized"])]
-    revert = getattr(require("transformers.core_model_loading"), "revert_weight_conversion", None)
-    if revert is None or not names:  # a transformers without key conversions stores every name as it is
-        return {name: name for name in names}
-    return {name: next(iter(revert(model, {name: torch.zeros(1)}))) for name in names}
+    """The layout's created and resized parameters -> the names their tensors are stored under
+    (:func:`normfold.hf.weight_files.saved_names`), which the tensors normfold restores itself must follow."""
+    return saved_names(model, [e["name"] for e in (*layout["extra_parameters"], *layout["resized"])])
 
 
 def _check_load(info: Mapping[str, Any], layout: Mapping[str, Any], path: Path) -> None:

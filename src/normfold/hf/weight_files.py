@@ -179,3 +179,31 @@ def _config_field(folder: Path, field: str) -> object:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
     return config.get(field) if isinstance(config, dict) else None
+
+
+def saved_names(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
+    """Each of ``names`` (the model's own) -> the key ``save_pretrained`` stores that tensor under.
+
+    transformers renames some keys when it saves, and back when it loads (GPT-NeoX's ``lm_head.`` is
+    stored as ``embed_out.``, ViT's ``layers.0.attention.q_proj`` as
+    ``encoder.layer.0.attention.attention.query``); a tensor normfold reads or writes in a folder
+    itself must follow. CheckpointError where transformers stores them otherwise than one tensor per
+    name (experts merged into one tensor or split when loading), which a reader by name cannot follow.
+    """
+    revert = getattr(require("transformers.core_model_loading"), "revert_weight_conversion", None)
+    if revert is None or not names:  # a transformers without key conversions stores every name as it is
+        return {name: name for name in names}
+    marks = {name: torch.tensor(i) for i, name in enumerate(names)}  # each tensor tells which name it came from
+    try:
+        saved = revert(model, marks)
+    except Exception as err:  # noqa: BLE001  a converter that reshapes tensors fails on the one-number marks
+        saved, cause = {}, first_line(err)
+    else:
+        cause = "not one stored tensor per tensor of the model"
+    ids = {id(mark) for mark in marks.values()}
+    back = {int(t): key for key, t in saved.items() if id(t) in ids}
+    if len(saved) != len(names) or len(back) != len(names):
+        raise CheckpointError(f"transformers stores the tensors of {type(model).__name__} otherwise than by name "
+                              f"(it merges or splits them when loading: {cause}), which a reader of stored "
+                              "tensors by name cannot follow")
+    return {name: back[i] for i, name in enumerate(names)}

@@ -284,7 +284,13 @@ def _proof(original: nn.Module, rotated: nn.Module, rotated64: nn.Module, exampl
 
 
 def closed_streams(folded: nn.Module, calls: list, fold_report: FoldReport) -> list[Stream]:
-    """The folded model's streams, the same for every example call (else ``FoldError``)."""
+    """The folded model's streams, the same for every example call (else ``FoldError``). A model the
+    fold captured through submodules is refused: the closure check must see every reader and writer
+    of the stream in one graph of the whole model, which export could not make."""
+    if fold_report.captured_through:
+        raise FoldError(f"cannot rotate: the fold was {fold_report.capture_line}; a rotation must see every layer "
+                        "that reads or writes the residual stream in one graph of the whole model. Fold it without "
+                        "rotating (normfold fold), or rotate a model torch.export captures whole")
     found = [find_streams(folded, capture(folded, call), fold_report) for call in calls]
     for i, other in enumerate(found[1:], start=1):
         if other != found[0]:

@@ -15,6 +15,7 @@ import copy
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from ..engine.errors import FoldError
@@ -58,7 +59,8 @@ def plan_rotation(skeleton: nn.Module, fold_report: FoldReport, example_inputs, 
                          "covariance over calibration text, which needs the whole model in memory")
     calls = check_model_and_inputs(skeleton, example_inputs)
     folded = apply_plan(copy.deepcopy(skeleton).to("meta"), fold_report.plan)  # structure only: no memory
-    streams = closed_streams(folded, calls, fold_report)
+    on_meta = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), calls)  # a conv reads them with meta weights
+    streams = closed_streams(folded, on_meta, fold_report)
     if len(streams) != 1:
         raise FoldError(f"cannot rotate this checkpoint tensor by tensor: it has {len(streams)} residual streams "
                         "(e.g. an encoder and a decoder); the streaming proof follows one: rotate it in memory")

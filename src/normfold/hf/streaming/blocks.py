@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...engine.graph import parameter_aliases
 from ...engine.math import center
 from ...engine.verify import (cast_floats, flatten_outputs, measured_tolerance, output_error, outputs_own_error,
                             watch_rms_inputs)
@@ -22,7 +21,7 @@ from ..inputs import example_inputs_for
 from ..load import CheckpointError, check_model_dir, load_config, model_class_for
 from ..report import read_folder_report
 from ..saving import DTYPES, swap_in_rmsnorm
-from .checkpoint import Checkpoint, resolve_key, stored_dtype_name
+from .checkpoint import Checkpoint, StoredKeys, stored_dtype_name
 from .planning import NORM_TYPES, meta_skeleton
 
 # The fold never runs the whole model, so it is proved in pieces, each in float64 and alone. In a
@@ -88,16 +87,17 @@ def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, bloc
     skeleton = meta_skeleton(orig_dir, trust_remote_code)
     if x is None:
         x = random_stream(skeleton, block_path, call, batch=batch, seq=seq, seed=seed)
-    result, _ = check_loaded_block(skeleton, Checkpoint(orig_dir), Checkpoint(folded_dir), block_path, swapped,
-                             centered, call, x, stored, moved_affine=moved_affine)
+    result, _ = check_loaded_block(skeleton, StoredKeys(skeleton, Checkpoint(orig_dir)),
+                                   StoredKeys(skeleton, Checkpoint(folded_dir)), block_path, swapped, centered, call, x,
+                                   stored, moved_affine=moved_affine)
     return result
 
 
-def check_loaded_block(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, block_path: str,
+def check_loaded_block(skeleton: nn.Module, orig: StoredKeys, folded: StoredKeys, block_path: str,
                  swapped: list[dict[str, Any]], centered: bool, call: Call | None, x: torch.Tensor,
                  stored: torch.dtype, stream_map: StreamMap | None = None,
                  moved_affine: list[str] = ()) -> tuple[dict[str, Any], torch.Tensor]:
-    """:func:`check_block` on open checkpoints; also returns the original block's output on ``x``
+    """:func:`check_block` on open checkpoints (with the keys of the skeleton's tensors); also returns the original block's output on ``x``
     (the stream the next block reads). One block in float64 in memory at a time. ``stream_map``: the
     folded model's stream is ``stream_map`` of the (centered) original's (a rotation: x·Q).
     ``moved_affine``: γ/β names whose affine moved out of the stack; those inside this block are
@@ -152,19 +152,41 @@ def folded_stream(centered: bool, stream_map: StreamMap | None = None) -> Stream
     return project
 
 
-def load_block(skeleton: nn.Module, checkpoint: Checkpoint, block_path: str,
-                swapped: list[dict[str, Any]] = ()) -> nn.Module:
-    """The block at ``block_path`` in float64 with ``checkpoint``'s tensors (only its own read),
-    the ``swapped`` norms inside it replaced by RMSNorms."""
+def load_block(skeleton: nn.Module, stored: StoredKeys, block_path: str,
+               swapped: list[dict[str, Any]] = ()) -> nn.Module:
+    """The block at ``block_path`` in float64 with the checkpoint's tensors (only its own read, by the
+    keys ``stored`` gives the skeleton's names), the ``swapped`` norms inside it replaced by RMSNorms.
+    Buffers not saved with the weights (GPT-Neo's causal mask) are made as loading makes them."""
     prefix = block_path + "."
-    state = {k[len(prefix):]: checkpoint.read(k).double() for k in checkpoint.meta if k.startswith(prefix)}
     block = copy.deepcopy(skeleton.get_submodule(block_path))
+    _make_unsaved_buffers(skeleton, block)
+    state = {}
+    for name in block.state_dict():
+        key = stored.key(prefix + name)
+        if key is None:
+            raise CheckpointError(f"{stored.checkpoint.folder} has no tensor for {prefix + name}")
+        state[name] = stored.checkpoint.read(key).double()
     block.load_state_dict(state, strict=True, assign=True)
     block = block.double().eval()
     for entry in swapped:
         if entry["path"].startswith(prefix):
             swap_in_rmsnorm(block, {**entry, "path": entry["path"][len(prefix):]})
     return block
+
+
+def _make_unsaved_buffers(skeleton: nn.Module, block: nn.Module) -> None:
+    """Real values for ``block``'s buffers that are on the meta device (built from the config, never
+    saved): as transformers' loading makes them, empty then set by the model's ``_init_weights`` for
+    each module holding one (its parameters, still on meta, are left alone)."""
+    init = getattr(skeleton, "_init_weights", None)
+    for module in block.modules():
+        saved = module.state_dict()
+        unsaved = [(name, buffer) for name, buffer in module.named_buffers(recurse=False)
+                   if buffer.is_meta and name not in saved]
+        for name, buffer in unsaved:
+            module.register_buffer(name, torch.empty_like(buffer, device="cpu"), persistent=False)
+        if unsaved and init is not None:
+            init(module)
 
 
 def random_stream(skeleton: nn.Module, block_path: str, call: Call | None = None, *, batch: int = 2, seq: int = 16,
@@ -254,6 +276,17 @@ def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swap
     return result, ref_calls
 
 
+def runs_in_float32(orig_dir: Path, stacks: list[str], trust_remote_code: bool = False) -> bool:
+    """Whether the original cut to one block per stack runs in float32: when it fails in float64 only,
+    float64 is what it cannot run in (XGLM fills a float64 tensor from a float32 default dtype)."""
+    try:
+        model, _ = _load_shell(orig_dir, [], stacks, trust_remote_code)
+        _run_shell(model.float(), stacks, example_inputs_for(model))
+    except Exception:  # noqa: BLE001  any failure of the model's own code: it fails in float32 too
+        return False
+    return True
+
+
 def _shell_quantities(outputs: list[torch.Tensor], calls: dict[str, Call], stacks: dict[str, bool],
                       stream_map: StreamMap | None = None) -> list[torch.Tensor]:
     """What the shell check compares: the float outputs, then the stream entering each stack seen,
@@ -277,11 +310,12 @@ def _load_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str],
     config.num_hidden_layers = 1 if stacks else 0
     cls = model_class_for(config, trust_remote_code=trust_remote_code)
     model = cls._from_config(config, attn_implementation="eager", dtype=torch.float64).eval()
-    checkpoint, aliases = Checkpoint(folder), parameter_aliases(model)
+    checkpoint = Checkpoint(folder)
+    stored = StoredKeys(model, checkpoint)
     params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     state, keys = {}, set()
     for name in model.state_dict():
-        key = resolve_key(_stored_path(name, shell_blocks), aliases, checkpoint)
+        key = stored.key(_stored_path(name, shell_blocks))
         if key is None and name in params:
             raise CheckpointError(f"{folder} has no tensor for {name}")
         if key is not None:
@@ -289,14 +323,16 @@ def _load_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str],
             keys.add(key)
     model.load_state_dict(state, strict=False)
     for name in extra_parameters:
-        path = _shell_path(name, shell_blocks)
+        path, key = _shell_path(name, shell_blocks), stored.own_key(name)
         if path is None:  # of a block the shell does not hold
             continue
+        if key is None:
+            raise CheckpointError(f"{folder} has no tensor for {name}, which its report lists")
         owner_path, _, attr = path.rpartition(".")
         with contextlib.suppress(AttributeError):  # a module of a block the shell does not hold
             owner = model.get_submodule(owner_path)
-            owner.register_parameter(attr, nn.Parameter(checkpoint.read(name).double(), requires_grad=False))
-            keys.add(name)
+            owner.register_parameter(attr, nn.Parameter(checkpoint.read(key).double(), requires_grad=False))
+            keys.add(key)
     for entry in swapped:
         path = _shell_path(entry["path"], shell_blocks)
         with contextlib.suppress(AttributeError):  # norms of blocks the shell does not hold

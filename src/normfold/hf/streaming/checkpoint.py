@@ -7,16 +7,18 @@ import math
 import os
 import struct
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..._deps import require
 from ..._text import first_line
 from ..load import CheckpointError
-from ..weight_files import stored_tensors, weight_source
+from ...engine.graph import parameter_aliases
+from ..weight_files import saved_names, stored_tensors, weight_source
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
@@ -89,12 +91,33 @@ def write_safetensors(path: Path, entries: list[tuple[str, str, list[int]]],
     return offset
 
 
-def resolve_key(fqn: str, aliases: Mapping[str, Sequence[str]], checkpoint: Checkpoint) -> str | None:
-    """The checkpoint key that stores parameter ``fqn`` (a tied parameter is stored once)."""
-    for name in (fqn, *aliases.get(fqn, ())):
-        if name in checkpoint.meta:
-            return name
-    return None
+class StoredKeys:
+    """Which checkpoint key stores each tensor of ``model`` (by the model's names): the name transformers
+    saves it under (:func:`normfold.hf.weight_files.saved_names`: some keys are renamed on saving), its
+    own name, or those of a name tied to it (a tied tensor is stored once)."""
+
+    def __init__(self, model: nn.Module, checkpoint: Checkpoint) -> None:
+        self.model, self.checkpoint = model, checkpoint
+        self.aliases = parameter_aliases(model)
+        names = {name for name, _ in model.named_parameters(remove_duplicate=False)} | set(model.state_dict())
+        self.saved = saved_names(model, sorted(names))
+
+    def key(self, name: str) -> str | None:
+        """The key storing tensor ``name``, None when the checkpoint stores none."""
+        owner = self.owner(name)
+        return None if owner is None else self.own_key(owner)
+
+    def owner(self, name: str) -> str | None:
+        """The name, ``name`` or one tied to it, whose own key stores the tensor (None: none does)."""
+        return next((tied for tied in (name, *self.aliases.get(name, ())) if self.own_key(tied) is not None), None)
+
+    def own_key(self, name: str) -> str | None:
+        """The key stored under ``name`` itself (saved, or as the model names it), not through a tie."""
+        return next((key for key in (self.saved_name(name), name) if key in self.checkpoint.meta), None)
+
+    def saved_name(self, name: str) -> str:
+        """The key a tensor ``name`` is saved under, also one the model lacks (a tensor the fold creates)."""
+        return self.saved[name] if name in self.saved else saved_names(self.model, [name])[name]
 
 
 def stored_dtype_name(model_dir: Path) -> str:

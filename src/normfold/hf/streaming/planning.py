@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ...engine.graph import parameter_aliases
 from ...engine.pipeline import plan_fold
 from ...engine.plan import FoldConfig, FoldPlan, UntieStep
 from ...engine.report import FoldReport
@@ -17,7 +16,7 @@ from ...nn.kinds import GROUP_NORM_TYPES, LAYER_NORM_TYPES, RMS_NORM_TYPES
 from ..inputs import example_inputs_for
 from ..load import CheckpointError, load_config, model_class_for
 from ..saving import shared_names, stock_constraints
-from .checkpoint import TORCH_DTYPES, Checkpoint, resolve_key
+from .checkpoint import TORCH_DTYPES, Checkpoint, StoredKeys
 
 # The norm modules of a skeleton whose parameters the analysis reads (and where a block check finds
 # its stacks and its width): torch's and normfold's LayerNorm, RMSNorm and GroupNorm.
@@ -55,7 +54,7 @@ def plan_for_checkpoint(model_dir: Path, *, fold_affine: bool = True, trust_remo
         constraints = dataclasses.replace(constraints, loadable_keys=None, move_every_gamma=True)
     report = plan_fold(skeleton, example_inputs_for(skeleton), constraints)
     if report.plan.untie:
-        report.plan = _untie_what_stock_keeps_apart(report.plan, skeleton, checkpoint)
+        report.plan = _untie_what_stock_keeps_apart(report.plan, skeleton, StoredKeys(skeleton, checkpoint))
     return report, skeleton, checkpoint
 
 
@@ -67,7 +66,7 @@ def untied_config(config):
     return config
 
 
-def _untie_what_stock_keeps_apart(plan: FoldPlan, skeleton: nn.Module, checkpoint: Checkpoint) -> FoldPlan:
+def _untie_what_stock_keeps_apart(plan: FoldPlan, skeleton: nn.Module, stored_keys: StoredKeys) -> FoldPlan:
     """``plan`` with an untie step for every name the skeleton ties to a stored tensor but the stock
     class, built from the untied config, keeps apart, and that the checkpoint does not store. Untying
     the word embeddings makes transformers stop tying BERT's ``cls.predictions.decoder.bias`` to
@@ -79,11 +78,11 @@ def _untie_what_stock_keeps_apart(plan: FoldPlan, skeleton: nn.Module, checkpoin
     untied = {step.fqn for step in plan.untie}
     added = []
     for names in sorted(shared_names(skeleton) - shared_names(stock), key=sorted):
-        stored = [name for name in sorted(names) if name in checkpoint.meta]
+        stored = [name for name in sorted(names) if stored_keys.own_key(name) is not None]
         if not stored:  # nothing to copy: the shell check names the missing tensor
             continue
         for name in sorted(names - untied - {stored[0]}):
-            if name not in checkpoint.meta:
+            if stored_keys.own_key(name) is None:
                 module_path, _, attr = name.rpartition(".")
                 added.append(UntieStep(module_path, attr, source_fqn=stored[0]))
     return dataclasses.replace(plan, untie=[*plan.untie, *added])
@@ -91,13 +90,13 @@ def _untie_what_stock_keeps_apart(plan: FoldPlan, skeleton: nn.Module, checkpoin
 
 def _load_norm_parameters(skeleton: nn.Module, checkpoint: Checkpoint) -> None:
     """Real values for the (small) norm parameters, the only ones the analysis reads."""
-    aliases = parameter_aliases(skeleton)
+    keys = StoredKeys(skeleton, checkpoint)
     with torch.no_grad():
         for path, module in skeleton.named_modules():
             if not isinstance(module, NORM_TYPES):
                 continue
             for name, p in module.named_parameters(recurse=False):
-                key = resolve_key(f"{path}.{name}", aliases, checkpoint)
+                key = keys.key(f"{path}.{name}")
                 if key is None:
                     raise CheckpointError(f"the checkpoint has no tensor for {path}.{name}")
                 p.copy_(checkpoint.read(key))

@@ -91,9 +91,10 @@ def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool
     for new, src in rewrite.new_keys.items():
         layout[checkpoint.file_of.get(src) or checkpoint.file_of[rewrite.new_keys[src]]].append(new)
     keys = {k for ks in layout.values() for k in ks}
-    if after is not None and not after.dims.keys() <= keys:  # a tensor it would change, never written: nothing proved
-        raise CheckpointError(f"the step after the fold changes {sorted(after.dims.keys() - keys)[:3]}, which the "
-                              "checkpoint does not store under those names")
+    unwritten = sorted(name for name in (after.dims if after is not None else ()) if rewrite.key_of[name] not in keys)
+    if unwritten:  # a tensor it would change, never written: nothing proved
+        raise CheckpointError(f"the step after the fold changes {unwritten[:3]}, which the checkpoint does not store "
+                              "under those names")
     written, weight_map = 0, {}
     step(f"rewriting {len(layout)} shard{'s' if len(layout) != 1 else ''}")
     with Prefetcher(rewrite, [k for keys in layout.values() for k in keys]) as tensors:
@@ -114,8 +115,8 @@ def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool
     layout = {"swapped": swapped_from_plan(report.plan)}
     if after is not None:  # parameters the class lacks (a created lm_head.bias): normfold.from_pretrained adds them
         stock = stock_parameter_shapes(skeleton.config, type(skeleton))
-        layout["extra_parameters"] = [{"name": k, "shape": rewrite.output_meta(k)[1]}
-                                      for k in sorted(rewrite.new_keys) if k not in stock]
+        layout["extra_parameters"] = [{"name": name, "shape": rewrite.output_meta(key)[1]}
+                                      for name, key in sorted(rewrite.created.items()) if name not in stock]
     saved_dtype = dtype or stored_dtype_name(model_dir)
     out = folder_report(report, layout, saved_dtype=saved_dtype,
                         model=describe_model(skeleton, model_dir), fold_affine=fold_affine, skipped_files=skipped_files,

@@ -5,6 +5,7 @@ row-wise math on slices so a whole table never exists in the compute dtype, and 
 computes the next groups while the caller writes."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections import defaultdict, deque
@@ -17,10 +18,9 @@ import torch
 from torch import nn
 
 from ...engine.executor import TensorMap, run
-from ...engine.graph import parameter_aliases
-from ...engine.plan import FoldPlan, Step, SwapStep
+from ...engine.plan import FoldPlan, Step, SwapStep, UntieStep
 from ..load import CheckpointError
-from .checkpoint import SAFETENSORS_DTYPES, TORCH_DTYPES, Checkpoint, resolve_key
+from .checkpoint import SAFETENSORS_DTYPES, TORCH_DTYPES, Checkpoint, StoredKeys
 
 
 @dataclass
@@ -64,10 +64,11 @@ class CheckpointRewrite:
         self.out_dtype = out_dtype
         self.new_keys: dict[str, str] = {}          # created key -> the key it is shaped from
         self._created_dim: dict[str, int | None] = {}  # created key -> that key's dim giving its length (None: its shape)
+        self.created: dict[str, str] = {}           # created name -> its key (the name transformers saves it under)
         self.key_of: dict[str, str] = {}            # every name a step uses -> its checkpoint key
-        aliases = parameter_aliases(skeleton)
-        steps: list[Step] = [*plan.steps(), *([] if after is None else after.maps())]
-        keyed = [(step, *self._keys(step, aliases)) for step in steps]
+        self.stored = StoredKeys(skeleton, checkpoint)
+        steps: list[Step] = [*_untie_by_key(plan, self.stored), *([] if after is None else after.maps())]
+        keyed = [(step, *self._keys(step)) for step in steps]
         self.group_of, side = _group(keyed, self._is_vector)
         self.groups: dict[str, set[str]] = defaultdict(set)
         for k, group in self.group_of.items():
@@ -79,25 +80,23 @@ class CheckpointRewrite:
         self.side_values = {k: checkpoint.read(k) for k in sorted(side)}
         self.math_seconds = 0.0  # in the worker thread: overlaps the writing
 
-    def _keys(self, step: Step, aliases) -> tuple[list[str], list[str]]:
+    def _keys(self, step: Step) -> tuple[list[str], list[str]]:
         """The keys ``step`` reads and writes (registering those it creates); a swap writes the γ/β
         the checkpoint stores for its norm."""
-        reads = [self._key(n, aliases) for n in step.reads()]
+        reads = [self._key(n) for n in step.reads()]
         for name, (like, dim) in step.creates().items():
-            self.new_keys[name], self._created_dim[name] = self._key(like, aliases), dim
+            key = self.created[name] = self.stored.saved_name(name)
+            self.new_keys[key], self._created_dim[key] = self._key(like), dim
         names = step.writes()
         if isinstance(step, SwapStep):
-            names = [n for n in names if n in self.new_keys or resolve_key(n, aliases, self.checkpoint) is not None]
-        return reads, [self._key(n, aliases) for n in names]
+            names = [n for n in names if n in self.created or self.stored.key(n) is not None]
+        return reads, [self._key(n) for n in names]
 
-    def _key(self, name: str, aliases) -> str:
+    def _key(self, name: str) -> str:
         """The key storing ``name``: a tensor a step created, or the checkpoint's (a tied parameter is stored once)."""
-        if name in self.new_keys:
-            key = name
-        else:
-            key = resolve_key(name, aliases, self.checkpoint)
-            if key is None:
-                raise CheckpointError(f"the plan names {name}, which the checkpoint does not store")
+        key = self.created.get(name) or self.stored.key(name)
+        if key is None:
+            raise CheckpointError(f"the plan names {name}, which the checkpoint does not store")
         if self.key_of.setdefault(name, key) != key:
             raise CheckpointError(f"internal: the plan names {name} before the step that creates it")
         return key
@@ -159,6 +158,35 @@ def _group(keyed: list[tuple[Step, list[str], list[str]]],
                 parent[find(k)] = root
         written.update(writes)
     return {k: find(k) for k in parent}, side
+
+
+def _untie_by_key(plan: FoldPlan, stored: StoredKeys) -> list[Step]:
+    """The plan's steps with its untie steps as a checkpoint needs them. A tied tensor is stored once,
+    under the key of one of its names (its owner); the plan gives some of its names their own copy.
+    An untied name that owns the key keeps it (LED's ``shared.weight`` when its decoder's embedding
+    is centered and its encoder's not); every other untied name gets a new key, a copy of the owner's
+    (the source is always the owner: until untied, every name of the group reads the owner's key, so
+    the copy holds the values the plan's source holds; and the plan's source, read under the owner's
+    key, may be a name untied later, which then could not get its own key). CheckpointError when an
+    owner is untied while other names still share its key: they would read its new values."""
+    untied = {step.fqn for step in plan.untie}
+    steps: list[Step] = []
+    for step in plan.steps():
+        if not isinstance(step, UntieStep):
+            steps.append(step)
+            continue
+        owner = stored.owner(step.fqn)
+        if owner is None:
+            raise CheckpointError(f"the plan names {step.fqn}, which the checkpoint does not store")
+        if owner != step.fqn:
+            steps.append(dataclasses.replace(step, source_fqn=owner))
+            continue
+        still_tied = sorted(set(stored.aliases.get(owner, ())) - untied - {owner})
+        if still_tied:
+            raise CheckpointError(f"the fold gives {owner} its own values, but the checkpoint stores it once for "
+                                  f"{', '.join(still_tied)} too, which keep the original values: a streamed fold "
+                                  "cannot store them apart; fold it in memory")
+    return steps
 
 
 _CHUNK = 1 << 22  # elements per slice of the math (at most 32 MB in float64), so a whole table never exists in the compute dtype

@@ -17,8 +17,8 @@ from ..load import CheckpointError, check_model_dir
 from ..report import read_folder_report
 from ..saving import DTYPES
 from .blocks import (Call, StreamMap, affine_moved_out, call_block, check_loaded_block, check_shell, compare_copies,
-                     first_output, hidden_states, load_block, random_stream, stacks_of)
-from .checkpoint import Checkpoint, stored_dtype_name
+                     first_output, hidden_states, load_block, random_stream, runs_in_float32, stacks_of)
+from .checkpoint import Checkpoint, StoredKeys, stored_dtype_name
 from .planning import meta_skeleton
 
 
@@ -63,9 +63,13 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
                                    extra_parameters=[e["name"] for e in report.get("extra_parameters", [])],
                                    shell_blocks=shell_blocks)
     except Exception as err:  # a model that cannot run cut short: not proved, so not ok
+        why = f"could not run the model cut to one block per stack: {first_line(err)}"
+        if runs_in_float32(orig_dir, list(stacks), trust_remote_code):
+            why = (f"the model cannot run in float64 ({type(err).__name__}: {first_line(err)}), and a streamed fold "
+                   "proves every piece in float64 (the in-memory fold falls back to float32): fold it in memory")
         shell, calls = {"block": "model cut to its first block", "max_rel_error": math.nan, "ok": False, "keys": [],
-                        "problems": [f"could not run the model cut to one block per stack: {first_line(err)}"]}, {}
-    orig, folded = Checkpoint(orig_dir), Checkpoint(folded_dir)
+                        "problems": [why]}, {}
+    orig, folded = StoredKeys(skeleton, Checkpoint(orig_dir)), StoredKeys(skeleton, Checkpoint(folded_dir))
     problems, checks, covered, copies = list(shell["problems"]), [], set(shell["keys"]), 0
     problems += [f"{name}: the fold moved this γ/β out of {stack} from a block other than its last, whose output the "
                  "next block reads: the pieces cannot prove that" for stack, names in moved.items() for name in names
@@ -80,9 +84,9 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
         covered |= stack_keys
         copies += stack_copies
     step("comparing the tensors the fold does not change")
-    rest = sorted((orig.meta.keys() | folded.meta.keys()) - covered)
+    rest = sorted((orig.checkpoint.meta.keys() | folded.checkpoint.meta.keys()) - covered)
     problems += [f"{key}: differs from the original (or is missing on one side), though no checked piece holds it"
-                 for key in compare_copies(orig, folded, rest)]
+                 for key in compare_copies(orig.checkpoint, folded.checkpoint, rest)]
     copies += len(rest)
     pieces = [shell, *checks]
     errors = [c["max_rel_error"] for c in pieces]
@@ -99,7 +103,7 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
     return verification
 
 
-def _check_stack(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, paths: list[str], centered: bool,
+def _check_stack(skeleton: nn.Module, orig: StoredKeys, folded: StoredKeys, paths: list[str], centered: bool,
                  call: Call | None, swapped: list[dict[str, Any]], stored: torch.dtype,
                  stream_map: StreamMap | None = None,
                  moved_affine: list[str] = ()) -> tuple[list[dict[str, Any]], list[str], set[str], int]:
@@ -108,9 +112,9 @@ def _check_stack(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, path
     only run to carry the stream on. Returns the checks, the problems, the checkpoint keys the blocks
     hold and how many of them were compared as copies. ``moved_affine``: the γ/β names whose affine
     the fold moved out of the stack (each block is compared with the original without those it holds)."""
-    keys = {path: sorted(k for k in orig.meta.keys() | folded.meta.keys() if k.startswith(path + "."))
-            for path in paths}
-    run = [path for path in paths if centered or stream_map or compare_copies(orig, folded, keys[path])]
+    keys = {path: _block_keys(skeleton, path, orig, folded) for path in paths}
+    run = [path for path in paths if centered or stream_map or compare_copies(orig.checkpoint, folded.checkpoint,
+                                                                               keys[path])]
     copies = sum(len(keys[path]) for path in paths if path not in run)
     checks, problems = [], []
     x = hidden_states(call) if call else random_stream(skeleton, paths[0])  # no shell run: its problem is listed
@@ -130,6 +134,12 @@ def _check_stack(skeleton: nn.Module, orig: Checkpoint, folded: Checkpoint, path
                             + (f" (so neither {', '.join(later)}, which read its output)" if later else ""))
             break
     return checks, problems, {k for path in paths for k in keys[path]}, copies
+
+
+def _block_keys(skeleton: nn.Module, path: str, orig: StoredKeys, folded: StoredKeys) -> list[str]:
+    """The keys of both checkpoints that store the tensors of the block at ``path``."""
+    names = [f"{path}.{name}" for name in skeleton.get_submodule(path).state_dict()]
+    return sorted({key for stored in (orig, folded) for key in map(stored.key, names) if key is not None})
 
 
 def _closest_to_bound(pieces: list[dict[str, Any]]) -> dict[str, Any]:
