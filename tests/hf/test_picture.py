@@ -27,7 +27,7 @@ def _synthetic_report(n: int = 30) -> dict:
         reason = (f"blocked: aten.layer_norm at {path}: aten.layer_norm output with an affine transform is not "
                   f"zero-mean; affine kept: its output feeds aten.add at {_LONG_WORD}, not a linear layer"
                   if kept else "input zero-mean: centered 4 producers; affine kept: it feeds a residual add " * 2)
-        norms.append({"path": path, "foldable": not kept, "affine_folded": i % 2 == 0, "reason": reason})
+        norms.append({"path": path, "kind": "LayerNorm", "foldable": not kept, "affine_folded": i % 2 == 0, "reason": reason})
         if kept and i % 5 == 0:
             entries.append(ApproxEntry(path, "approximate", cosine_alone=0.99931,
                                        correction="γ/β folded into the next linear layers, mean shift into its bias"))
@@ -117,6 +117,16 @@ def test_an_exact_fold_shows_no_approximate_kind(reports):
     layout = layout_zero_mean_graph(rows)
     assert _APPROXIMATE not in {r.color for r in layout.rects}
     assert not any("approximate" in t.text or "≈" in t.text for t in layout.texts)
+
+
+def test_a_kept_rmsnorm_is_shown_as_an_rmsnorm_kept_not_a_layernorm():
+    """Fails on main f840f32: every kept norm was drawn and listed as "LayerNorm kept"."""
+    rows = norm_rows({"norms": [
+        {"path": "model.layers.0.input_layernorm", "kind": "RMSNorm", "foldable": False, "affine_folded": False,
+         "reason": "kept: its input is not the output of a linear layer"},
+        {"path": "model.norm", "kind": "LayerNorm", "foldable": False, "affine_folded": False, "reason": "blocked: x"}]})
+    texts = [t.text for t in layout_zero_mean_graph(rows).texts]
+    assert "RMSNorm kept" in texts and "LayerNorm kept" in texts and texts.count("LayerNorm kept") == 1
 
 
 def test_no_norms_is_refused_before_drawing(tmp_path):

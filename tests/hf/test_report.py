@@ -8,7 +8,7 @@ from normfold.hf.report import norm_rows
 
 
 def _norm(path: str, *, foldable: bool, affine_folded: bool, reason: str = "input zero-mean: centered 2 producers"):
-    return {"path": path, "foldable": foldable, "affine_folded": affine_folded, "reason": reason}
+    return {"path": path, "kind": "LayerNorm", "foldable": foldable, "affine_folded": affine_folded, "reason": reason}
 
 
 def _headline(report: dict) -> str:

@@ -36,7 +36,8 @@ def steps(enabled: bool = True) -> Iterator:
 
 
 def print_norm_table(report: dict) -> None:
-    """One row per norm: does it become an RMSNorm, where its γ/β went, and why."""
+    """One row per norm: does it become an RMSNorm (a kept norm is named by its kind: LayerNorm, RMSNorm),
+    where its γ/β went, and why."""
     table_mod = require("rich.table")
     rows = norm_rows(report)
     model = report.get("model", {})
@@ -50,7 +51,7 @@ def print_norm_table(report: dict) -> None:
     for r in rows:
         result = ("[green]yes: RMSNorm[/green]" if r["folded"] else
                   "[magenta]no: RMSNorm, approximate[/magenta]" if r["path"] in approximate else
-                  "[yellow]no: LayerNorm kept[/yellow]")
+                  f"[yellow]no: {r['kind']} kept[/yellow]")
         table.add_row(r["path"], result, "folded into next layer" if r["affine_folded"] else "kept", r["reason"])
     console().print(table)
     if report.get("capture_line"):  # torch.export could not capture the whole model

@@ -80,8 +80,8 @@ def require_norms(fold_report: FoldReport, architecture: str) -> None:
 
 
 def norm_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per norm, in model order: ``path``, ``folded``, ``affine_folded``, ``approximate``,
-    ``reason`` and, for a kept norm, ``blocker`` (the engine's reason: the op that breaks zero mean).
+    """One row per norm, in model order: ``path``, ``kind`` (the norm as found in the model: LayerNorm,
+    RMSNorm), ``folded``, ``affine_folded``, ``approximate``, ``reason`` and, for a kept norm, ``blocker`` (the engine's reason: the op that breaks zero mean).
 
     A norm an ``--approximate`` fold replaced is ``approximate`` (and not ``folded``: the exact fold
     kept it); its reason then says how close the replacement is instead of what blocked the exact fold.
@@ -91,7 +91,7 @@ def norm_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
     approximate = {path: entries.get(path, {}) for path in report.get("approximate_norms", ())}
     calibration = (report.get("recipe") or {}).get("calibration") or {}
     num_inputs = calibration.get("num_sentences")
-    return [{"path": e["path"], "folded": bool(e["foldable"]), "affine_folded": bool(e["affine_folded"]),
+    return [{"path": e["path"], "kind": e["kind"], "folded": bool(e["foldable"]), "affine_folded": bool(e["affine_folded"]),
              "approximate": e["path"] in approximate,
              "reason": (_approximate_reason(approximate[e["path"]], num_inputs) if e["path"] in approximate
                         else e["reason"]),
