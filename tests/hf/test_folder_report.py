@@ -45,7 +45,7 @@ def test_every_written_report_reads_back_typed_and_writes_back_the_same_json(fol
 def test_the_typed_fields_are_the_folds(folders, tiny_dirs):
     report = read_folder_report(folders / "fold")
     assert report.model.architecture == "GPT2LMHeadModel" and report.fold_affine is True
-    assert report.verification["ok"] and report.fold.num_foldable == len(report.fold.norms) == 5
+    assert report.verification["ok"] and report.fold.counts()["num_foldable"] == len(report.fold.norms) == 5
     assert {n.path for n in report.fold.norms} == {s.path for s in report.layout.swapped}
     assert report.recipe.command == "fold" and report.skipped_files == ()
     assert read_folder_report(folders / "streamed").streaming["bytes_written"] > 0

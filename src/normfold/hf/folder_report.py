@@ -242,17 +242,13 @@ class FoldSection:
     whole_model_capture_error: str | None = None
     capture_line: str | None = None
 
-    @property
-    def num_foldable(self) -> int:
-        return sum(n.foldable for n in self.norms)
-
-    @property
-    def num_affine_folded(self) -> int:
-        return sum(n.affine_folded for n in self.norms)
+    def counts(self) -> dict[str, int]:
+        """``num_norms``, ``num_foldable``, ``num_affine_folded``: what the report says of its norms."""
+        return {"num_norms": len(self.norms), "num_foldable": sum(n.foldable for n in self.norms),
+                "num_affine_folded": sum(n.affine_folded for n in self.norms)}
 
     def to_json(self) -> dict[str, Any]:
-        return {"num_norms": len(self.norms), "num_foldable": self.num_foldable,
-                "num_affine_folded": self.num_affine_folded, "norms": [n.to_json() for n in self.norms],
+        return {**self.counts(), "norms": [n.to_json() for n in self.norms],
                 "untied": list(self.untied), "plan": dict(self.plan),
                 "verification": None if self.verification is None else dict(self.verification),
                 "batchnorms": [dict(b) for b in self.batchnorms], "num_approximate": self.num_approximate,
@@ -273,8 +269,7 @@ class FoldSection:
                       _take(data, "exactness_scope", str, where, nullable=True), _strings(data, "captured_through", where),
                       _take(data, "whole_model_capture_error", str, where, nullable=True),
                       _take(data, "capture_line", str, where, nullable=True))
-        for key, count in (("num_norms", len(norms)), ("num_foldable", section.num_foldable),
-                           ("num_affine_folded", section.num_affine_folded)):
+        for key, count in section.counts().items():
             if _take(data, key, int, where) != count:
                 raise _not_a_report(where, f"\"{key}\" is {data[key]}, but its norms count {count}")
         return section
