@@ -371,6 +371,7 @@ class FolderReport:
         return replace(self, fold=replace(self.fold, verification=dict(verification)))
 
     def with_section(self, name: str, section: Mapping[str, Any] | None) -> FolderReport:
+        """This report with the section of the step registered as ``name`` set (None: it did not run)."""
         return replace(self, sections={**self.sections, name: None if section is None else dict(section)})
 
     def to_json(self) -> dict[str, Any]:
