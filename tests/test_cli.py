@@ -115,6 +115,18 @@ def test_unsupported_architecture_is_a_usage_error(capsys, tmp_path):
     assert code == EXIT_USAGE and _one_clear_line(err) and "no_such_model" in err
 
 
+def test_a_model_without_a_norm_normfold_folds_is_refused_as_nothing_to_fold(capsys, tmp_path):
+    """A tiny ResNet (BatchNorms only, no LayerNorm or RMSNorm): exit 2, one line, nothing written."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ResNetConfig(embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic")
+    transformers.ResNetModel(config).save_pretrained(tmp_path / "resnet")
+    capsys.readouterr()  # transformers' own progress bar while saving the original
+    code, out, err = _run(capsys, "fold", tmp_path / "resnet", "-o", tmp_path / "out")
+    assert code == EXIT_USAGE and _one_clear_line(err), err
+    assert "normfold: error: nothing to fold: ResNetModel has no LayerNorm" in err
+    assert not (tmp_path / "out").exists() and not _leftovers(tmp_path, "out")
+
+
 def test_existing_output_folder_is_refused_without_overwrite(capsys, tiny_dirs, tmp_path):  # noqa: F811
     out_dir = tmp_path / "out"
     out_dir.mkdir()

@@ -8,15 +8,15 @@ import itertools
 import pytest
 
 from normfold.hf.picture import TextBox, _APPROXIMATE, _FOLDED, _KEPT, draw_zero_mean_graph, layout_zero_mean_graph
-from normfold.hf.report import norm_rows
+from normfold.hf.folder_report import FolderReport, FoldSection, Layout, ReportNorm
+from normfold.hf.report import norm_rows, report_rows, with_approximate
 
 _LONG_WORD = "model.encoder.layers_with_a_very_long_unbreakable_name_of_many_characters_0123456789.out"
 
 
-def _synthetic_report(n: int = 30) -> dict:
+def _synthetic_report(n: int = 30) -> FolderReport:
     """``n`` norms over 14 blocks: long paths, long reasons (one with a word longer than a wrapped line),
     every third kept, every fifth replaced approximately."""
-    from normfold.hf.report import approximate_summary
     from normfold.lab.approximate import ApproximateReport, ApproxEntry
 
     norms, entries = [], []
@@ -27,12 +27,18 @@ def _synthetic_report(n: int = 30) -> dict:
         reason = (f"blocked: aten.layer_norm at {path}: aten.layer_norm output with an affine transform is not "
                   f"zero-mean; affine kept: its output feeds aten.add at {_LONG_WORD}, not a linear layer"
                   if kept else "input zero-mean: centered 4 producers; affine kept: it feeds a residual add " * 2)
-        norms.append({"path": path, "foldable": not kept, "affine_folded": i % 2 == 0, "reason": reason})
+        norms.append(ReportNorm(path, "LayerNorm", not kept, i % 2 == 0, reason))
         if kept and i % 5 == 0:
             entries.append(ApproxEntry(path, "approximate", cosine_alone=0.99931,
                                        correction="γ/β folded into the next linear layers, mean shift into its bias"))
-    # the report keys exactly as `normfold fold --approximate` writes them
-    return {"norms": norms, **approximate_summary(ApproximateReport(entries, min_cosine=0.999), swapped=[])}
+    # the report as `normfold fold --approximate` writes it
+    return with_approximate(FolderReport(Layout(()), "float32", fold=FoldSection(tuple(norms))),
+                            ApproximateReport(entries, min_cosine=0.999))
+
+
+def _rows(report: FolderReport | dict) -> list[dict]:
+    """The rows of a folder report, or of ``normfold analyze``'s analysis."""
+    return report_rows(report) if isinstance(report, FolderReport) else norm_rows(FoldSection.from_json(report, "x"))
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +59,7 @@ _MODELS = ["minilm", "bert", "gpt2", "bundled", "synthetic30"]
 
 @pytest.mark.parametrize("name", _MODELS)
 def test_no_two_text_boxes_overlap_and_every_box_is_inside_the_figure(reports, name):
-    layout = layout_zero_mean_graph(norm_rows(reports[name]), title="SomeModelForSomething")
+    layout = layout_zero_mean_graph(_rows(reports[name]), title="SomeModelForSomething")
     outside = [t.text for t in layout.texts if not t.inside(layout.width, layout.height)]
     assert not outside
     overlapping = [(a.text, b.text) for a, b in itertools.combinations(layout.texts, 2) if a.overlaps(b)]
@@ -62,7 +68,7 @@ def test_no_two_text_boxes_overlap_and_every_box_is_inside_the_figure(reports, n
 
 @pytest.mark.parametrize("name", _MODELS)
 def test_every_name_and_reason_is_shown_whole_wrapped_only_at_word_or_dot_boundaries(reports, name):
-    rows = norm_rows(reports[name])
+    rows = _rows(reports[name])
     texts = [t.text for t in layout_zero_mean_graph(rows).texts]
     for row in rows:  # a path wraps after its dots, a reason between words: joining the lines gives them back
         assert row["path"] in {t.replace("\n", "") for t in texts}
@@ -75,7 +81,7 @@ def test_drawn_text_stays_inside_its_layout_box(reports, name):
     pytest.importorskip("matplotlib")
     from normfold.hf.picture import rendered
 
-    layout = layout_zero_mean_graph(norm_rows(reports[name]), title="BertModel")
+    layout = layout_zero_mean_graph(_rows(reports[name]), title="BertModel")
     dpi = 110
     with rendered(layout, dpi=dpi) as fig:
         renderer = fig.canvas.get_renderer()
@@ -97,9 +103,9 @@ def test_the_overlap_check_sees_overlapping_and_outside_boxes():
 
 def test_approximate_replacements_have_their_own_colour_kind_legend_and_reason():
     report = _synthetic_report()
-    rows = norm_rows(report)
+    rows = _rows(report)
     approx = [r for r in rows if r["approximate"]]
-    assert sorted(r["path"] for r in approx) == report["approximate_norms"] and approx
+    assert sorted(r["path"] for r in approx) == list(report.approximate.norms) and approx
     assert all(not r["folded"] and r["blocker"] is None and r["reason"].startswith("approximate: ") and
                "0.999310" in r["reason"] for r in approx)
     layout = layout_zero_mean_graph(rows, title="T")
@@ -112,11 +118,20 @@ def test_approximate_replacements_have_their_own_colour_kind_legend_and_reason()
 
 
 def test_an_exact_fold_shows_no_approximate_kind(reports):
-    rows = norm_rows(reports["gpt2"])
+    rows = _rows(reports["gpt2"])
     assert not any(r["approximate"] for r in rows)
     layout = layout_zero_mean_graph(rows)
     assert _APPROXIMATE not in {r.color for r in layout.rects}
     assert not any("approximate" in t.text or "≈" in t.text for t in layout.texts)
+
+
+def test_a_kept_rmsnorm_is_shown_as_an_rmsnorm_kept_not_a_layernorm():
+    """Fails on main f840f32: every kept norm was drawn and listed as "LayerNorm kept"."""
+    rows = norm_rows(FoldSection((
+        ReportNorm("model.layers.0.input_layernorm", "RMSNorm", False, False, "kept: its input is not a linear layer's"),
+        ReportNorm("model.norm", "LayerNorm", False, False, "blocked: x"))))
+    texts = [t.text for t in layout_zero_mean_graph(rows).texts]
+    assert "RMSNorm kept" in texts and "LayerNorm kept" in texts and texts.count("LayerNorm kept") == 1
 
 
 def test_no_norms_is_refused_before_drawing(tmp_path):
@@ -127,5 +142,5 @@ def test_no_norms_is_refused_before_drawing(tmp_path):
 
 def test_the_picture_is_written(tmp_path, reports):
     pytest.importorskip("matplotlib")
-    out = draw_zero_mean_graph(norm_rows(reports["synthetic30"]), tmp_path / "graph.png", title="Synthetic")
+    out = draw_zero_mean_graph(_rows(reports["synthetic30"]), tmp_path / "graph.png", title="Synthetic")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -10,7 +10,7 @@ import pytest
 import normfold
 from normfold.hf import CheckpointError, fold_folder
 from normfold.hf.output_dir import REPORT_JSON
-from normfold.hf.report import REPORT_SCHEMA, read_folder_report
+from normfold.hf.report import REPORT_SCHEMA, read_folder_report, read_report_json
 
 import sealing
 
@@ -25,7 +25,7 @@ def folded(tmp_path_factory, tiny_dirs):
 
 
 def test_every_folder_report_records_the_schema_it_was_written_with(folded, tiny_dirs, tmp_path):
-    assert read_folder_report(folded)["schema_version"] == REPORT_SCHEMA
+    assert read_report_json(folded)["schema_version"] == REPORT_SCHEMA
     model = normfold.hf.load_model(tiny_dirs["gpt2"])
     folded_model, _ = normfold.fold(model, normfold.hf.example_inputs_for(model))
     folded_model.save_pretrained(tmp_path / "saved")  # the save_pretrained habit writes a folder report too

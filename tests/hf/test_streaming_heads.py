@@ -21,6 +21,7 @@ import transformers
 
 import normfold
 from normfold.cli import main
+from normfold.hf.folder_report import FolderReport
 from normfold.hf.inputs import example_inputs_for
 from normfold.hf.output_dir import REPORT_JSON
 from normfold.hf.streaming import Checkpoint, fold_checkpoint, verify_by_blocks
@@ -142,6 +143,6 @@ def test_gamma_beta_said_to_leave_the_stack_from_a_block_other_than_its_last_is_
     for step in moved["plan"]["affine_fold"]:
         for field in ("norm_path", "gamma_fqn", "beta_fqn"):
             step[field] = step[field].replace("layer.1.", "layer.0.")
-    ver = verify_by_blocks(src, out, moved)
+    ver = verify_by_blocks(src, out, FolderReport.from_json(moved))
     assert not ver["ok"]
     assert ver["why"].startswith("float64 check failed: bert.encoder.layer.0.output.LayerNorm.bias: the fold moved")

@@ -16,8 +16,8 @@ import torch
 from normfold.cli import main
 from normfold.cli._output import print_norm_table
 from normfold.hf.inputs import example_inputs_for
-from normfold.hf.output_dir import REPORT_JSON
-from normfold.hf.report import norm_rows
+from normfold.hf.folder_report import FoldSection, ReportNorm
+from normfold.hf.report import norm_rows, read_folder_report, report_rows
 
 transformers = pytest.importorskip("transformers")
 
@@ -143,16 +143,17 @@ def test_analyze_says_what_fold_did_for_every_norm(zoo_fold, model_type, capsys)
     run = zoo_fold(model_type)
     if run.code != 0:
         pytest.skip(f"{model_type}: the fold was refused, so there is no folded report to agree with")
-    written = norm_rows(json.loads((run.out / REPORT_JSON).read_text()))
+    written = report_rows(read_folder_report(run.out))
     capsys.readouterr()
     assert main(["analyze", str(run.folder), "--json"]) == 0
     analysis = json.loads(capsys.readouterr().out)
     assert written, "a folded report without norms compares nothing"
-    assert norm_rows(analysis) == written
+    analysed = norm_rows(FoldSection(tuple(ReportNorm.from_json(n, "the analysis", "") for n in analysis["norms"])))
+    assert analysed == written
     markdown = (run.out / "normfold_report.md").read_text().splitlines()
     headline = next(line for line in markdown if line.startswith("**"))  # says where γ/β went, not what was asked
     assert ("folded into the next linear layers" in headline) == any(row["affine_folded"] for row in written)
-    print_norm_table(analysis)  # what `normfold analyze DIR` prints
+    print_norm_table(analysed, analysis["model"]["architecture"])  # what `normfold analyze DIR` prints
     table = capsys.readouterr().out
     assert table.strip() and run.stdout.startswith(table)  # fold prints the same table, then its verification
 

@@ -12,7 +12,7 @@ from typing import Any
 from .._deps import require
 from .._progress import notice
 from ..hf.card import approximate_warning, exact_rule_line, number, saved_dtype_check_text, weights_text
-from ..hf.report import norm_rows
+from ..hf.folder_report import FolderReport
 
 
 def console(stderr: bool = False):
@@ -35,26 +35,25 @@ def steps(enabled: bool = True) -> Iterator:
         yield step if enabled else (lambda _description: None)
 
 
-def print_norm_table(report: dict) -> None:
-    """One row per norm: does it become an RMSNorm, where its γ/β went, and why."""
+def print_norm_table(rows: list[dict[str, Any]], architecture: str, capture_line: str | None = None) -> None:
+    """One row per norm (:func:`normfold.hf.report.norm_rows`): does it become an RMSNorm (a kept norm is
+    named by its kind: LayerNorm, RMSNorm), where its γ/β went, and why; then the submodules captured
+    when torch.export could not capture the whole model (``capture_line``)."""
     table_mod = require("rich.table")
-    rows = norm_rows(report)
-    model = report.get("model", {})
-    table = table_mod.Table(title=f"{model.get('architecture', 'model')}: {sum(r['folded'] for r in rows)} of "
+    table = table_mod.Table(title=f"{architecture}: {sum(r['folded'] for r in rows)} of "
                                   f"{len(rows)} LayerNorms foldable", title_justify="left")
     table.add_column("norm", style="bold", no_wrap=True)
     table.add_column("input zero-mean?")
     table.add_column("γ/β")
     table.add_column("why (for a kept norm: the op that breaks zero mean)")
-    approximate = set(report.get("approximate_norms", ()))  # --approximate: replaced, but not exactly
     for r in rows:
         result = ("[green]yes: RMSNorm[/green]" if r["folded"] else
-                  "[magenta]no: RMSNorm, approximate[/magenta]" if r["path"] in approximate else
-                  "[yellow]no: LayerNorm kept[/yellow]")
+                  "[magenta]no: RMSNorm, approximate[/magenta]" if r["approximate"] else  # --approximate: not exact
+                  f"[yellow]no: {r['kind']} kept[/yellow]")
         table.add_row(r["path"], result, "folded into next layer" if r["affine_folded"] else "kept", r["reason"])
     console().print(table)
-    if report.get("capture_line"):  # torch.export could not capture the whole model
-        console().print(report["capture_line"], markup=False, highlight=False)
+    if capture_line:  # torch.export could not capture the whole model
+        console().print(capture_line, markup=False, highlight=False)
 
 
 _FIGURES = {  # verification figure -> how the table names it (a figure the result lacks is not shown)
@@ -141,13 +140,13 @@ def warn(message: str) -> None:
     console(stderr=True).print(f"[bold yellow]warning:[/bold yellow] {require('rich.markup').escape(message)}")
 
 
-def warn_if_approximate(report: dict) -> None:
+def warn_if_approximate(report: FolderReport) -> None:
     warning = approximate_warning(report)
     if warning:
         warn(warning)
 
 
-def warn_skipped_files(report: dict) -> None:
+def warn_skipped_files(report: FolderReport) -> None:
     """One line per file of the input folder that was not carried over (a link, a pipe, ...)."""
-    for skip in report.get("skipped_files", ()):
-        warn(f"not copied from the input folder: {skip['path']} ({skip['reason']})")
+    for skip in report.skipped_files or ():
+        warn(f"not copied from the input folder: {skip.path} ({skip.reason})")

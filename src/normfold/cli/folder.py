@@ -9,7 +9,9 @@ from pathlib import Path
 from ..engine.cosine_bar import DEFAULT_MIN_COSINE, is_cosine_bar
 from ..folders import approximate_config
 from ..hf.folder import analyze_folder, fold_folder
+from ..hf.folder_report import FolderReport, FoldSection
 from ..hf.load import default_model_path
+from ..hf.report import norm_rows, read_folder_report, report_rows
 from ..hf.streaming import fold_checkpoint, is_sharded
 from . import _output as output
 from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_model_dir, add_trust_remote_code, model_dir
@@ -31,7 +33,8 @@ def _run_analyze(args) -> int:
     if args.json:
         print(json.dumps(_json_report(report), indent=2, default=str))
     else:
-        output.print_norm_table(report)
+        fold = FoldSection.from_json(report, "the analysis")
+        output.print_norm_table(norm_rows(fold), report["model"]["architecture"], fold.capture_line)
     return EXIT_OK
 
 
@@ -55,15 +58,21 @@ def _run_fold(args) -> int:
             output.print_verification(report["verification"])
         print(f"normfold: verification failed for the blocks written to {report['out_dir']}", file=sys.stderr)
         return EXIT_VERIFY_FAILED
+    written = read_folder_report(Path(report["out_dir"]))
     if args.json:
         print(json.dumps(_json_report(report), indent=2, default=str))
     else:
-        output.print_norm_table(report)
-        output.print_verification(report["verification"])
+        _print_folded(written)
         output.console().print(f"wrote [bold]{report['out_dir']}[/bold]")
-    output.warn_if_approximate(report)
-    output.warn_skipped_files(report)
+    output.warn_if_approximate(written)
+    output.warn_skipped_files(written)
     return EXIT_OK
+
+
+def _print_folded(report: FolderReport) -> None:
+    """The norm table and the verification of a folder written."""
+    output.print_norm_table(report_rows(report), report.model.architecture, report.fold.capture_line)
+    output.print_verification(report.verification)
 
 
 def _approximate_options(args, source: Path) -> dict:
@@ -89,8 +98,7 @@ def _run_demo(args) -> int:
         output.console().print(f"folding the bundled model {source}\n")
         with output.steps() as step:
             report = fold_folder(source, out, overwrite=args.overwrite, step=step)
-        output.print_norm_table(report)
-        output.print_verification(report["verification"])
+        _print_folded(read_folder_report(out))
         files = ", ".join(sorted(p.name for p in out.iterdir()))
         where = (f"into {report['out_dir']}" if args.output
                  else "into a temporary folder, removed now; `normfold demo -o DIR` keeps them")

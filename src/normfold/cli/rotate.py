@@ -15,6 +15,7 @@ from ..folders import learned_rotation_step, rotation_step, streaming_rotation_s
 from ..hf.load import load_config
 from ..hf.rotate_folder import rotate_checkpoint, rotate_folder
 from ..hf.recipe import SEED_RANGE
+from ..hf.report import read_folder_report
 from ..hf.streaming import is_sharded
 from ..rotate import LearnConfig, OptionNames, check_rotate_options, kept_directions
 from . import _output as output
@@ -54,8 +55,9 @@ def _run_rotate(args) -> int:
         if rotation.get("slicing") is not None:
             output.console().print(_slicing_line(rotation["slicing"], rotation["streams"]))
         output.console().print(f"wrote [bold]{report['out_dir']}[/bold]")
-    output.warn(report["stock_warning"])
-    output.warn_skipped_files(report)
+    written = read_folder_report(Path(report["out_dir"]))
+    output.warn(written.stock_warning)
+    output.warn_skipped_files(written)
     return EXIT_OK
 
 

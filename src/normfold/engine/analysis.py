@@ -258,21 +258,21 @@ def _walk_norms(walker: Walker, norms: list[AnalyzedNorm]) -> None:
             x = call.x
             if call.num_dims != 1:
                 reasons.append((f"kept whole: normalizes over several dims together, "
-                                f"{tuple(norm.module.normalized_shape)} (only the last dim alone folds)", ()))
+                                f"{tuple(norm.module.normalized_shape)} (only the last dim alone folds)", (), None))
                 continue
             if shape(x) is None:
-                reasons.append(("kept: its input has no static shape in the trace", ()))
+                reasons.append(("kept: its input has no static shape in the trace", (), None))
                 continue
             root = make_need(x, len(shape(x)) - 1, None)
             result = walker.walk(root)
             if result.broken is not None:
                 where = result.blocking_path[-1]
-                reasons.append((f"blocked: {where}: {result.broken.reason}", result.blocking_path))
+                reasons.append((f"blocked: {where}: {result.broken.reason}", result.blocking_path, result.broken.reason))
                 continue
             norm.zero_mean_graph |= walker.graph_of(root)
             norm.params |= result.params
         if reasons:
-            norm.reason, norm.blocking_path = reasons[0]
+            norm.reason, norm.blocking_path, norm.blocker = reasons[0]
         else:
             norm.foldable = True
 
@@ -650,6 +650,7 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
             plan.affine_fold.extend(affine)
         elif why and why != "no affine" and constraints.fold_affine:
             norm.reason += f"; affine kept: {why}"
+            norm.affine_kept = why
         if norm.foldable or affine:
             plan.swap.append(_swap_step(norm, "RMSNorm" if norm.foldable or norm.kind == "RMSNorm" else "LayerNorm"))
     for step in plan.affine_fold:  # the tied names γ folded into: untied, said in the report
@@ -659,7 +660,7 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
             untied.append(f"{offer.fqn} (copy of {offer.source_fqn}, to take {step.norm_path}'s γ)")
     entries = [NormEntry(n.path, n.kind, n.foldable, bool(n.affine), n.reason,
                          tuple(sorted({fqn for fqn, *_ in n.params})) if n.foldable else (),
-                         n.blocking_path) for n in norms]
+                         n.blocking_path, n.blocker, n.affine_kept) for n in norms]
     return entries, plan, untied
 
 

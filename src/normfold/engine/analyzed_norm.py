@@ -23,6 +23,8 @@ class AnalyzedNorm:
     precompute: PrecomputeStep | None = None
     reason: str = ""
     blocking_path: tuple[str, ...] = ()
+    blocker: str | None = None  # what breaks zero mean at blocking_path[-1]
+    affine_kept: str | None = None  # why γ/β stay in the norm
     zero_mean_graph: set[Need] = field(default_factory=set)
     params: frozenset = frozenset()
     affine: list[AffineFoldStep] = field(default_factory=list)

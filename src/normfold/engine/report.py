@@ -26,6 +26,8 @@ class NormEntry:
     reason: str                    # one sentence: why it folds, or what blocks it
     producers: tuple[str, ...] = ()      # parameter FQNs centered for it
     blocking_path: tuple[str, ...] = ()  # from the norm's input back to the op that blocks it
+    blocker: str | None = None           # a blocked norm: what breaks zero mean at blocking_path[-1] (in `reason` too)
+    affine_kept: str | None = None       # why its γ/β stayed in the norm (the end of `reason`), None when they moved
 
 
 @dataclass

@@ -7,10 +7,12 @@ norm says how many producers were centered for it that no earlier norm had cente
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .report import norm_rows
+from .folder_report import FolderReport, ReportNorm
+from .report import report_rows
 
 MODEL_CARD = "README.md"
 CARD_SECTION = "## Folded by normfold"  # the heading of normfold's section of the model card
@@ -23,23 +25,22 @@ def number(value: float) -> str:
 
 # --------------------------------------------------------------------------------- the markdown report
 
-def render_markdown(report: dict[str, Any], *, picture: str | None = None) -> str:
+def render_markdown(report: FolderReport, *, picture: str | None = None) -> str:
     """``normfold_report.md``: what was folded, what was kept and why, what the fold is exact for,
     and the proof, in words."""
-    model = report.get("model", {})
-    rows = norm_rows(report)
-    lines = [f"# normfold report: {model.get('architecture', 'model')}", ""]
-    if model.get("source"):
-        lines += [f"Folded from `{model['source']}` ({model.get('parameters', '?'):,} parameters)"
-                  + (f", saved in {report['saved_dtype']}." if report.get("saved_dtype") else "."), ""]
+    fold, model = report.fold, report.model
+    rows = report_rows(report)
+    lines = [f"# normfold report: {'model' if model is None else model.architecture}", ""]
+    if model is not None:
+        lines += [f"Folded from `{model.source}` ({model.parameters:,} parameters), saved in {report.saved_dtype}.", ""]
     lines += [headline(report, rows), ""]
     if picture:
         lines += [f"![zero-mean graph]({picture})", ""]
-    lines += _folded_lines(report, rows) + _approximate_lines(rows) + _kept_lines(rows)
-    if report.get("untied"):
-        lines += ["", "Untied so that each copy could change on its own: " + "; ".join(report["untied"]) + "."]
+    lines += _folded_lines(fold.norms, rows) + _approximate_lines(rows) + _kept_lines(fold.norms, rows)
+    if fold.untied:
+        lines += ["", "Untied so that each copy could change on its own: " + "; ".join(fold.untied) + "."]
     lines += _scope_lines(report)
-    ver = report.get("verification")
+    ver = fold.verification
     if ver:
         lines += ["", f"## Proof: {'passed' if ver['ok'] else 'FAILED'}", ""] + proof_lines(ver)
         for key, (title, render) in _CHECKS.items():
@@ -49,7 +50,7 @@ def render_markdown(report: dict[str, Any], *, picture: str | None = None) -> st
     return "\n".join(lines) + "\n"
 
 
-def headline(report: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+def headline(report: FolderReport, rows: list[dict[str, Any]]) -> str:
     """What the fold did, in one bold line: the norms folded (and replaced approximately), and where
     γ/β went, counted from the rows rather than from the option asked for."""
     folded, approximate = sum(r["folded"] for r in rows), sum(r["approximate"] for r in rows)
@@ -58,36 +59,35 @@ def headline(report: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         f", {approximate} replaced approximately**" if approximate else "**")
     if moved:
         return f"{text} (the affine γ/β of {moved} folded into the next linear layers)"
-    off = report.get("fold_affine") is False
+    off = report.fold_affine is False
     return f"{text} ({'affine folding turned off: ' if off else ''}every norm keeps its γ/β)"
 
 
-def _folded_lines(report: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+def _folded_lines(norms: tuple[ReportNorm, ...], rows: list[dict[str, Any]]) -> list[str]:
     """The folded norms: producers centered for each (new ones, and all when earlier norms had
     centered some of them already: along a residual stream every norm reads what the earlier ones read),
     and where its γ/β went."""
-    folded = [r for r in rows if r["folded"]]
+    by_path = {n.path: n for n in norms}
+    folded = [by_path[r["path"]] for r in rows if r["folded"]]
     if not folded:
         return []
     lines = [f"## Folded into RMSNorm ({len(folded)})", "",
              "Each input is zero-mean for every input once the layers that write it (its producers) are "
              "centered.", "", "| norm | producers centered | γ/β |", "|---|---|---|"]
-    producers = {e["path"]: tuple(e.get("producers") or ()) for e in report["norms"]}
     seen: set[str] = set()
-    for r in folded:
-        mine = producers.get(r["path"], ())
-        new = [p for p in mine if p not in seen]
-        seen.update(mine)
-        count = f"{len(new)}" if len(new) == len(mine) else f"{len(new)} new ({len(mine)} in all)"
-        lines.append(f"| `{r['path']}` | {count} | {_affine_text(r)} |")
+    for norm in folded:
+        new = [p for p in norm.producers if p not in seen]
+        seen.update(norm.producers)
+        mine = len(norm.producers)
+        count = f"{len(new)}" if len(new) == mine else f"{len(new)} new ({mine} in all)"
+        lines.append(f"| `{norm.path}` | {count} | {_affine_text(norm)} |")
     return lines
 
 
-def _affine_text(row: dict[str, Any]) -> str:
-    if row["affine_folded"]:
+def _affine_text(norm: ReportNorm) -> str:
+    if norm.affine_folded:
         return "folded into the next linear layers"
-    _, _, why = row["reason"].partition("; affine kept: ")
-    return f"kept in the RMSNorm: {why}" if why else "kept in the RMSNorm"
+    return f"kept in the RMSNorm: {norm.affine_kept}" if norm.affine_kept else "kept in the RMSNorm"
 
 
 def _approximate_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -98,16 +98,17 @@ def _approximate_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines + [f"| `{r['path']}` | {r['reason'].removeprefix('approximate: ')} |" for r in replaced]
 
 
-def _kept_lines(rows: list[dict[str, Any]]) -> list[str]:
+def _kept_lines(norms: tuple[ReportNorm, ...], rows: list[dict[str, Any]]) -> list[str]:
     """The norms kept as LayerNorms, grouped by cause: one sentence for each cause, then its norms with
     where their input stops being zero-mean."""
-    kept = [r for r in rows if not r["folded"] and not r["approximate"]]
+    by_path = {n.path: n for n in norms}
+    kept = [by_path[r["path"]] for r in rows if not r["folded"] and not r["approximate"]]
     if not kept:
         return []
     groups: dict[str, list[tuple[str, str]]] = {}
-    for r in kept:
-        cause, where = blocking_cause(r["reason"])
-        groups.setdefault(cause, []).append((r["path"], where))
+    for norm in kept:
+        cause, where = blocking_cause(norm)
+        groups.setdefault(cause, []).append((norm.path, where))
     lines = ["", f"## Kept as LayerNorm ({len(kept)})"]
     for cause, norms in groups.items():
         count = f"{len(norms)} norm{'s' * (len(norms) != 1)}"
@@ -120,29 +121,28 @@ def _kept_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def blocking_cause(reason: str) -> tuple[str, str]:
-    """``(cause, where)`` of a kept norm's reason: ``"blocked: aten.add at h.0: a residual add whose
-    inputs are not both zero-mean"`` → ``("a residual add whose inputs are not both zero-mean",
-    "aten.add at h.0")``; a reason of another form is its own cause, with no place."""
-    reason = reason.partition("; affine kept: ")[0]
-    if reason.startswith("blocked: "):
-        where, sep, cause = reason.removeprefix("blocked: ").partition(": ")
-        if sep:
-            return cause, where
-    return reason, ""
+def blocking_cause(norm: ReportNorm) -> tuple[str, str]:
+    """``(cause, where)`` of a kept norm: what breaks its input's zero mean and the op where it does
+    (``("a residual add whose inputs are not both zero-mean", "aten.add at h.0")``), from the engine's
+    fields; a norm kept for another reason has that reason as its cause (without why its γ/β stayed,
+    said apart), with no place."""
+    if norm.blocker is not None and norm.blocking_path:
+        return norm.blocker, norm.blocking_path[-1]
+    kept_affine = f"; affine kept: {norm.affine_kept}"
+    return (norm.reason.removesuffix(kept_affine) if norm.affine_kept else norm.reason), ""
 
 
-def _scope_lines(report: dict[str, Any]) -> list[str]:
+def _scope_lines(report: FolderReport) -> list[str]:
     """What the fold was traced on and what it is therefore exact for."""
-    calls = report.get("traced_calls") or []
-    if not calls:
+    fold = report.fold
+    if not fold.traced_calls:
         return []
     lines = ["", "## What the fold is exact for", ""]
     lines += [f"- traced call {i}: " + ", ".join(f"`{name}` = {what}" for name, what in call.items())
-              for i, call in enumerate(calls)]
-    for key in ("exactness_scope", "capture_line"):  # what it is exact for; the submodules analysed, if not the whole
-        if report.get(key):
-            lines += ["", _sentence(report[key])]
+              for i, call in enumerate(fold.traced_calls)]
+    for text in (fold.exactness_scope, fold.capture_line):  # what it is exact for; the submodules analysed, if not the whole
+        if text:
+            lines += ["", _sentence(text)]
     return lines
 
 
@@ -150,10 +150,10 @@ def _sentence(text: str) -> str:
     return text[0].upper() + text[1:] + "."
 
 
-def _approximate_warning_lines(report: dict[str, Any]) -> list[str]:
+def _approximate_warning_lines(report: FolderReport) -> list[str]:
     """The approximate fold's table of every norm it considered (replaced or kept, with its cosines)."""
-    approx = report.get("approximate")
-    if not report.get("num_approximate") or not approx:
+    approx = report.sections.get("approximate")
+    if not report.num_approximate or not approx:
         return []
     lines = ["", "## Approximate replacements: NOT exact", "", f"**Warning: {approximate_warning(report)}.**", "",
              "| norm | status | min cosine alone (corrected) | min cosine alone (plain) | correction |",
@@ -163,12 +163,12 @@ def _approximate_warning_lines(report: dict[str, Any]) -> list[str]:
                     for e in approx["entries"]]
 
 
-def approximate_warning(report: dict[str, Any]) -> str | None:
+def approximate_warning(report: FolderReport) -> str | None:
     """The one-line warning for a folder with approximately replaced norms (None when there are none)."""
-    n = report.get("num_approximate") or 0
+    n = report.num_approximate
     if not n:
         return None
-    cos = report.get("calibration_min_cosine")
+    cos = None if report.approximate is None else report.approximate.calibration_min_cosine
     cos_text = "n/a" if cos is None else number(cos)
     return (f"{n} norm{'s' if n != 1 else ''} replaced approximately; min cosine {cos_text} on the calibration set; "
             "load with normfold.from_pretrained (stock transformers would rebuild them as LayerNorms)")
@@ -180,7 +180,7 @@ def _cosine(value: float | None) -> str:
 
 # ------------------------------------------------------------------------------------------ the proof
 
-def proof_lines(ver: dict[str, Any], what: str = "fold") -> list[str]:
+def proof_lines(ver: Mapping[str, Any], what: str = "fold") -> list[str]:
     """The verification in sentences: the exact transform against its bound, the model in its own
     dtype against the original's own error, the RMSNorm inputs' mean; or why nothing was compared."""
     runs = ver.get("num_runs")
@@ -204,7 +204,7 @@ def proof_lines(ver: dict[str, Any], what: str = "fold") -> list[str]:
     return lines
 
 
-def exact_rule_line(ver: dict[str, Any], what: str = "fold") -> str | None:
+def exact_rule_line(ver: Mapping[str, Any], what: str = "fold") -> str | None:
     """The exact check's verdict with its rule in words, e.g. ``exact fold: max relative error 3.1e-08 ≤
     tolerance 2.5e-07 = 2 x (the original's own error in float32) + float32's unit roundoff``."""
     max_rel, tolerance = ver.get("max_rel_error"), ver.get("tolerance")
@@ -253,7 +253,7 @@ _CHECKS = {  # verification parts that are checks of their own: key -> (heading,
 
 # -------------------------------------------------------------------------------------- the model card
 
-def write_model_card(report: dict[str, Any], folder: Path) -> None:
+def write_model_card(report: FolderReport, folder: Path) -> None:
     """Give ``folder``'s model card (``README.md``: the original's, carried over with the side files,
     or none) normfold's section: what was folded, how it was proved, how to load it. The original
     card is kept as it was, but for a normfold section of its own (a folded folder folded again),
@@ -263,15 +263,16 @@ def write_model_card(report: dict[str, Any], folder: Path) -> None:
     path.write_text(model_card(report, original))
 
 
-def model_card(report: dict[str, Any], original: str) -> str:
+def model_card(report: FolderReport, original: str) -> str:
     """``original`` (a model card, possibly empty) followed by normfold's section. Only what the
     recipe decides goes in (no measured figure), so re-making the folder re-makes the card exactly."""
     original = original.split(f"\n{CARD_SECTION}\n")[0] if not original.startswith(CARD_SECTION) else ""
-    what = headline(report, norm_rows(report)) if report.get("norms") else "Saved by `normfold.save_pretrained`"
-    rotation = report.get("rotation")
+    what = (headline(report, report_rows(report)) if report.fold is not None and report.fold.norms
+            else "Saved by `normfold.save_pretrained`")
+    rotation = report.sections.get("rotation")  # the rotation step's section
     if rotation:
         what += f"; the residual stream rotated ({rotation.get('method')}, seed {rotation.get('seed')})"
-    stock = report.get("stock_compatible", True)
+    stock = report.layout.stock_compatible
     load = ("normfold.from_pretrained(folder)  # fast RMSNorm kernels; stock transformers loads it too"
             if stock else "normfold.from_pretrained(folder)  # stock transformers refuses this folder")
     section = [CARD_SECTION, "",

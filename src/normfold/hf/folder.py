@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import asdict, replace
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -25,7 +26,8 @@ from .load import CheckpointError, check_model_dir, load_model, read_json_object
 from .output_dir import atomic_output_dir
 from .picture import draw_zero_mean_graph
 from .recipe import CalibrationRecord, Recipe
-from .report import describe_model, folder_report, norm_rows, require_norms, write_sealed_report
+from .folder_report import FolderReport, SkippedFile
+from .report import describe_model, folder_report, report_rows, require_norms, write_sealed_report
 from .saving import DTYPES, folded_layout, save_folded, save_pretrained, stock_constraints
 from .side_files import copy_side_files
 
@@ -61,9 +63,8 @@ def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, tr
     step("analysing")  # planned as `normfold fold` plans it (stock-loadable), so the two reports agree
     constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)), FoldConfig(fold_affine=fold_affine,
                                                                                           keep=keep))
-    report = plan_fold(model, example_calls_for(model, calls), constraints).to_dict()
-    report["model"] = describe_model(model, model_dir)
-    return report
+    return {**plan_fold(model, example_calls_for(model, calls), constraints).to_dict(),
+            "model": asdict(describe_model(model, model_dir))}
 
 
 def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
@@ -124,23 +125,20 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
         else:
             step(f"verifying the weights rounded to {dtype_name(save_dtype)}")
             saved_check = check_rounded(model, folded, inputs, save_dtype, report.plan)
-        layout = folded_layout(folded)
         step("saving")
-        save_folded(folded, tmp, dtype=save_dtype,
-                    normfold_only=not layout["stock_compatible"] or bool(approx and approx.num_approximate))
-        out = folder_report(report, layout, saved_dtype=dtype_name(save_dtype), approximate=approx,
-                            model=describe_model(model, model_dir), fold_affine=fold_affine,
-                            skipped_files=copy_side_files(model_dir, tmp))
-        out["verification"]["saved_dtype_check"] = saved_check
-        if approx is not None:
-            out["approximate"]["compared"] = _compared(model)
         calibration = None if approx is None else CalibrationRecord.of_file(calibration_file, len(sentences))
-        out["recipe"] = Recipe(command="fold", streaming=False, fold_affine=fold_affine, dtype=dtype,
-                               approximate_min_cosine=None if approx is None else approx.min_cosine,
-                               calibration=calibration, keep=tuple(keep), calls=tuple(calls)).to_dict()
-        out = write_report_files(out, tmp)
-    out["out_dir"] = str(Path(out_dir).absolute())
-    return out
+        out = folder_report(report, folded_layout(folded), saved_dtype=dtype_name(save_dtype), approximate=approx,
+                            model=describe_model(model, model_dir), fold_affine=fold_affine,
+                            recipe=Recipe(command="fold", streaming=False, fold_affine=fold_affine, dtype=dtype,
+                                          approximate_min_cosine=None if approx is None else approx.min_cosine,
+                                          calibration=calibration, keep=tuple(keep), calls=tuple(calls)))
+        out = out.with_verification({**out.verification, "saved_dtype_check": saved_check})
+        if approx is not None:
+            out = out.with_section("approximate", {**out.sections["approximate"], "compared": _compared(model)})
+        save_folded(folded, tmp, dtype=save_dtype, normfold_only=not out.layout.stock_compatible)
+        out = replace(out, skipped_files=SkippedFile.listed(copy_side_files(model_dir, tmp)))
+        written = write_report_files(out, tmp)
+    return {**written, "out_dir": str(Path(out_dir).absolute())}
 
 
 def check_rounded(model, folded, example_inputs, save_dtype: torch.dtype, plan) -> dict[str, Any]:
@@ -196,11 +194,11 @@ def remake_saved(orig_dir: Path, out: Path, recipe: Recipe, *, trust_remote_code
                                report=report)
 
 
-def write_report_files(report: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+def write_report_files(report: FolderReport, out_dir: Path) -> dict[str, Any]:
     """``normfold_report.md``, the zero-mean graph picture and the model card's normfold section, then
     ``normfold_report.json`` sealed with the hashes of the first two (:func:`normfold.hf.report.seal`);
-    returns the report as written."""
+    returns the report's JSON as written."""
     (out_dir / REPORT_MD).write_text(render_markdown(report, picture=PICTURE))
-    draw_zero_mean_graph(norm_rows(report), out_dir / PICTURE, title=report["model"]["architecture"])
+    draw_zero_mean_graph(report_rows(report), out_dir / PICTURE, title=report.model.architecture)
     write_model_card(report, out_dir)
-    return write_sealed_report(report, out_dir, (REPORT_MD, PICTURE))
+    return write_sealed_report(report.to_json(), out_dir, (REPORT_MD, PICTURE))

@@ -38,7 +38,8 @@ from .inputs import example_inputs_for
 from .load import check_model_dir, load_config, load_model, model_class_for
 from .output_dir import REPORT_JSON
 from .recipe import CalibrationRecord, Recipe, file_sha256
-from .report import read_folder_report, seal_problems
+from .folder_report import FolderReport
+from .report import read_folder_report, read_report_json, seal_problems
 from .saved_weights import compare_weights
 from .saving import DTYPES, from_pretrained
 from .streaming import fold_checkpoint, verify_by_blocks
@@ -83,7 +84,7 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
     if min_cosine is not None:
         check_cosine_bar(min_cosine)
     remake = remake or partial_remake_exact(trust_remote_code)
-    report = read_folder_report(folded_dir)
+    report = read_report_json(folded_dir)  # as data: nothing it says is believed, every claim is compared
     problems = seal_problems(report, folded_dir)
     try:
         if "recipe" not in report or report["recipe"] is None:
@@ -106,13 +107,13 @@ def verify_folders(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, *
         try:
             remake(orig_dir, expected_dir, recipe, None if calibration_file is None else str(calibration_file), step,
                    folded_dir)
-            expected = read_folder_report(expected_dir)
+            expected = read_folder_report(expected_dir)  # what normfold wrote just now, typed
         except (CheckpointError, FoldError, ValueError, TypeError, RuntimeError) as err:
             return _result(problems + [f"could not re-make the folder from the original with its recipe "
                                        f"({describe(recipe)}): {first_line(err)}"], recipe)
         step("comparing every file and tensor with the re-made folder")
         files = compare_folders(expected_dir, folded_dir)
-        problems += files["problems"] + compare_reports(expected, report)
+        problems += files["problems"] + compare_reports(expected.to_json(), report)
         step("loading the folder as users load it; comparing its outputs with the original's")
         try:
             outputs = _check_outputs(orig_dir, folded_dir, expected, recipe, measure=measure,
@@ -343,7 +344,7 @@ def _first_json_difference(want: Any, got: Any, path: tuple = (), skip: set[tupl
 
 # ----------------------------------------------------------------------------------------- the outputs
 
-def _check_outputs(orig_dir: Path, folded_dir: Path, expected: dict[str, Any], recipe: Recipe, *,
+def _check_outputs(orig_dir: Path, folded_dir: Path, expected: FolderReport, recipe: Recipe, *,
                    measure: MeasurePromise | None, stream_map_for: StreamMapFor | None,
                    calibration_file, min_cosine: float | None, trust_remote_code: bool) -> dict[str, Any]:
     """The folder as users load it, against the original (module docstring, point 4)."""
@@ -352,7 +353,7 @@ def _check_outputs(orig_dir: Path, folded_dir: Path, expected: dict[str, Any], r
         if recipe.rotation is not None and stream_map is None:
             return {"ok": False, "why": "a streamed rotation needs its stream map (normfold verify composes it)"}
         # the tolerance from the re-made folder's dtype: a tensor stored in another dtype must not loosen it
-        return verify_by_blocks(orig_dir, folded_dir, expected, dtype=expected["saved_dtype"],
+        return verify_by_blocks(orig_dir, folded_dir, expected, dtype=expected.saved_dtype,
                                 trust_remote_code=trust_remote_code, stream_map=stream_map)
     original = load_model(orig_dir, trust_remote_code=trust_remote_code)
     loaded = from_pretrained(folded_dir, trust_remote_code=trust_remote_code)
@@ -361,11 +362,11 @@ def _check_outputs(orig_dir: Path, folded_dir: Path, expected: dict[str, Any], r
             return {"ok": False, "why": "an approximate folder is judged by a cosine bar that normfold verify measures"}
         return measure(original, loaded, orig_dir, Path(calibration_file),
                        DEFAULT_MIN_COSINE if min_cosine is None else min_cosine, recipe)
-    stored = DTYPES[expected["saved_dtype"]]
-    rms_paths = [s["path"] for s in expected.get("swapped", ()) if not s.get("approximate")]
+    stored = DTYPES[expected.saved_dtype]
+    rms_paths = [s.path for s in expected.layout.swapped if not s.approximate]
     inputs = example_inputs_for(original)
     result = verify(original, loaded, inputs, stored_dtype=stored, rms_norm_paths=rms_paths).to_dict()
-    if result["ok"] and expected.get("stock_compatible"):  # what stock transformers loads must be the same model
+    if result["ok"] and expected.layout.stock_compatible:  # what stock transformers loads must be the same model
         stock = verify(original, load_model(folded_dir, trust_remote_code=trust_remote_code), inputs,
                        stored_dtype=stored).to_dict()
         result["stock_load"] = {k: stock[k] for k in ("ok", "max_rel_error", "tolerance", "why")}

@@ -122,7 +122,8 @@ def _category(norm: dict[str, Any]) -> tuple[str, str, str]:
     if norm["folded"]:
         kind = "RMSNorm" if norm.get("affine_folded", True) else "RMSNorm+γβ"
         return _FOLDED, kind, kind
-    return _KEPT, "LayerNorm", "LayerNorm kept"
+    kind = norm["kind"]  # a kept norm is what it was: a LayerNorm, or an RMSNorm left as it is
+    return _KEPT, kind, f"{kind} kept"
 
 
 def _block_label(norm: dict[str, Any], index: int) -> str:

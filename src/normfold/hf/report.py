@@ -1,74 +1,87 @@
-"""The folder report (``normfold_report.json``) of a folded folder, built by one function for every
-path that writes one (the in-memory and the streaming fold, ``normfold.save_pretrained``), its
-per-norm rows (for the table, the picture and ``hf.card``'s markdown), and its seal."""
+"""The folder report (``normfold_report.json``, typed in :mod:`normfold.hf.folder_report`) of a folded
+folder: its readers, built by one function for every path that writes one (the in-memory and the
+streaming fold, ``normfold.save_pretrained``, ``normfold rotate``), its per-norm rows (for the table,
+the picture and ``hf.card``'s markdown), and its seal."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from torch import nn
 
 from ..engine.report import FoldReport, ReportSection
+from .folder_report import (FOLD_KEYS, ApproximateNorms, FolderReport, FoldSection, Layout, ModelInfo,
+                            check_schema)
+from .folder_report import REPORT_SCHEMA  # noqa: F401  the readers' name for it, re-exported
 from .load import CheckpointError, read_json_object
 from .output_dir import REPORT_JSON
 from .recipe import file_sha256
 from .weight_files import weight_source
 
-# The version of normfold_report.json's layout. Readers accept this one only: a report of another schema
-# is refused with both numbers (fold again), never read by guessing. Raise it when a key changes meaning.
-REPORT_SCHEMA = 1
-
-
-def read_folder_report(folder: Path) -> dict[str, Any]:
-    """The folder's ``normfold_report.json``, the one reader of it: CheckpointError when it is missing,
-    not a JSON object, or of another :data:`REPORT_SCHEMA`."""
+def read_report_json(folder: Path) -> dict[str, Any]:
+    """The folder's ``normfold_report.json`` as the JSON it holds, of this normfold's schema: what the
+    seal and ``normfold verify``'s comparison read (they judge the bytes, not a reading of them);
+    CheckpointError when it is missing, not a JSON object, or of another schema version."""
     path = Path(folder) / REPORT_JSON
     if not path.is_file():
         raise CheckpointError(f"{path} not found: {folder} is not a folder normfold wrote (with `normfold fold`, "
                               "`normfold rotate` or normfold.save_pretrained)")
-    report = read_json_object(path, "a normfold report")
-    schema = report.get("schema_version")
-    if schema != REPORT_SCHEMA:
-        raise CheckpointError(f"{path} has report schema {schema!r}; this normfold reads schema {REPORT_SCHEMA}: "
-                              "fold the original again with this normfold")
-    return report
+    data = read_json_object(path, "a normfold report")
+    check_schema(data, path)
+    return data
 
 
-def describe_model(model: nn.Module, model_dir: str | os.PathLike) -> dict[str, Any]:
+def read_folder_report(folder: Path) -> FolderReport:
+    """The folder's ``normfold_report.json``, the one reader of it: CheckpointError when it is missing,
+    not a JSON object, of another :data:`REPORT_SCHEMA`, or lacks a section (:meth:`FolderReport.from_json`)."""
+    return FolderReport.from_json(read_report_json(folder), Path(folder) / REPORT_JSON)
+
+
+def describe_model(model: nn.Module, model_dir: str | os.PathLike) -> ModelInfo:
     """The report's ``model`` section: class, model type, source folder, parameter count."""
-    return {"architecture": type(model).__name__, "model_type": model.config.model_type,
-            "source": str(Path(model_dir).absolute()), "parameters": sum(p.numel() for p in model.parameters())}
+    return ModelInfo(type(model).__name__, model.config.model_type, str(Path(model_dir).absolute()),
+                     sum(p.numel() for p in model.parameters()))
 
 
-def folder_report(fold_report: FoldReport | None, layout: dict[str, Any], *, saved_dtype: str,
-                  approximate: ReportSection | None = None, **sections: Any) -> dict[str, Any]:
+def folder_report(fold_report: FoldReport | None, layout: Layout, *, saved_dtype: str,
+                  approximate: ReportSection | None = None, **parts: Any) -> FolderReport:
     """``normfold_report.json`` of a folded folder, for every path that writes one (the in-memory and
-    the streaming fold, ``normfold.save_pretrained``): the fold engine's report (norms, plan,
-    verification; none for a fold of the caller's own), the ``layout`` ``from_pretrained`` rebuilds
-    (``swapped`` at least; ``normfold.hf.saving.folded_layout``), the ``saved_dtype``, the
-    ``approximate`` fold's keys (:func:`approximate_summary`), and the caller's further ``sections``
-    (``model``: :func:`describe_model`; ``fold_affine``, which re-deriving the weights needs;
-    ``skipped_files``; ``streaming`` figures)."""
-    report = {"schema_version": REPORT_SCHEMA, **({} if fold_report is None else fold_report.to_dict())}
-    report.update(**layout, saved_dtype=saved_dtype, **sections)
-    if approximate is not None:
-        report.update(approximate_summary(approximate, report["swapped"]))
-    return report
+    the streaming fold, ``normfold.save_pretrained``, ``normfold rotate``): the fold engine's report
+    (norms, plan, verification, the later steps' sections; none for a fold of the caller's own), the
+    ``layout`` ``from_pretrained`` rebuilds (``normfold.hf.saving.folded_layout``), the ``saved_dtype``,
+    the ``approximate`` fold's replacements (each swapped norm marked exact or approximate), and the
+    caller's further ``parts`` (:class:`FolderReport`'s fields: ``model``, ``fold_affine``,
+    ``skipped_files``, ``streaming``, ...)."""
+    fold, sections = (None, {}) if fold_report is None else fold_section(fold_report)
+    report = FolderReport(layout, saved_dtype, fold=fold, sections=sections, **parts)
+    return report if approximate is None else with_approximate(report, approximate)
 
 
-def approximate_summary(approx: ReportSection, swapped: list[dict[str, Any]]) -> dict[str, Any]:
-    """Report keys of an approximate fold; marks each ``swapped`` entry exact or approximate."""
+def fold_section(fold_report: FoldReport) -> tuple[FoldSection, dict[str, Any]]:
+    """The engine's report as the folder report's fold section, and the sections of the steps after it."""
+    data = fold_report.to_dict()
+    return (FoldSection.from_json(data, "the fold's report"),
+            {name: value for name, value in data.items() if name not in FOLD_KEYS})
+
+
+def with_approximate(report: FolderReport, approx: ReportSection) -> FolderReport:
+    """``report`` with an approximate fold's replacements: each swapped norm marked exact or
+    approximate, and not stock-compatible when any was replaced (stock transformers rebuilds them as
+    LayerNorms)."""
     replaced = {e.path for e in approx.entries if e.status == "approximate"}
-    for entry in swapped:
-        entry["approximate"] = entry["path"] in replaced
+    layout = report.layout
+    layout = replace(layout, swapped=tuple(replace(s, approximate=s.path in replaced) for s in layout.swapped),
+                     stock_compatible=layout.stock_compatible and not replaced)
     calibration = approx.calibration
-    stock = {"stock_compatible": False} if replaced else {}  # stock transformers rebuilds them as LayerNorms
-    return {"approximate": approx.to_dict(), "num_approximate": approx.num_approximate,
-            "approximate_norms": sorted(replaced),
-            "calibration_min_cosine": None if calibration is None else calibration.min_cosine, **stock}
+    return replace(report.with_section("approximate", approx.to_dict()), layout=layout,
+                   fold=replace(report.fold, num_approximate=approx.num_approximate),
+                   approximate=ApproximateNorms(tuple(sorted(replaced)),
+                                                None if calibration is None else calibration.min_cosine))
 
 
 def require_norms(fold_report: FoldReport, architecture: str) -> None:
@@ -79,27 +92,35 @@ def require_norms(fold_report: FoldReport, architecture: str) -> None:
                               "recognises), so no folded folder is written")
 
 
-def norm_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per norm, in model order: ``path``, ``folded``, ``affine_folded``, ``approximate``,
-    ``reason`` and, for a kept norm, ``blocker`` (the engine's reason: the op that breaks zero mean).
+def report_rows(report: FolderReport) -> list[dict[str, Any]]:
+    """:func:`norm_rows` of a folder report: its approximate replacements with their entries, on the
+    number of calibration sentences its recipe records."""
+    assert report.fold is not None, "a report without the fold's (save_pretrained of the caller's fold) has no norms"
+    entries = {e["path"]: e for e in (report.sections.get("approximate") or {}).get("entries", ())}
+    replaced = {} if report.approximate is None else {path: entries.get(path, {}) for path in report.approximate.norms}
+    calibration = None if report.recipe is None else report.recipe.calibration
+    return norm_rows(report.fold, replaced, None if calibration is None else calibration.num_sentences)
 
-    A norm an ``--approximate`` fold replaced is ``approximate`` (and not ``folded``: the exact fold
-    kept it); its reason then says how close the replacement is instead of what blocked the exact fold.
+
+def norm_rows(fold: FoldSection, replaced: Mapping[str, Mapping[str, Any]] | None = None,
+              num_inputs: int | None = None) -> list[dict[str, Any]]:
+    """One row per norm, in model order: ``path``, ``kind`` (the norm as found in the model: LayerNorm,
+    RMSNorm), ``folded``, ``affine_folded``, ``approximate``, ``reason`` and, for a kept norm,
+    ``blocker`` (the engine's reason: the op that breaks zero mean).
+
+    A norm an ``--approximate`` fold replaced (``replaced``: path -> its approximate entry) is
+    ``approximate`` (and not ``folded``: the exact fold kept it); its reason then says how close the
+    replacement is on ``num_inputs`` calibration inputs instead of what blocked the exact fold.
     """
-    approx = report.get("approximate") or {}
-    entries = {e["path"]: e for e in approx.get("entries", ())}
-    approximate = {path: entries.get(path, {}) for path in report.get("approximate_norms", ())}
-    calibration = (report.get("recipe") or {}).get("calibration") or {}
-    num_inputs = calibration.get("num_sentences")
-    return [{"path": e["path"], "folded": bool(e["foldable"]), "affine_folded": bool(e["affine_folded"]),
-             "approximate": e["path"] in approximate,
-             "reason": (_approximate_reason(approximate[e["path"]], num_inputs) if e["path"] in approximate
-                        else e["reason"]),
-             "blocker": None if e["foldable"] or e["path"] in approximate else e["reason"]}
-            for e in report["norms"]]
+    replaced = replaced or {}
+    return [{"path": n.path, "kind": n.kind, "folded": n.foldable, "affine_folded": n.affine_folded,
+             "approximate": n.path in replaced,
+             "reason": _approximate_reason(replaced[n.path], num_inputs) if n.path in replaced else n.reason,
+             "blocker": None if n.foldable or n.path in replaced else n.reason}
+            for n in fold.norms]
 
 
-def _approximate_reason(entry: dict[str, Any], num_inputs: int | None) -> str:
+def _approximate_reason(entry: Mapping[str, Any], num_inputs: int | None) -> str:
     """``approximate: cosine X on N calibration inputs; <what it became>``: the worst output cosine
     with only this norm replaced (from its approximate entry), and the correction."""
     cosine = entry.get("cosine_alone")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +33,7 @@ from .folder import Step, silent_step
 from .inputs import calibration_batches, example_inputs_for, load_tokenizer, read_calibration_file
 from .load import check_model_dir, load_model
 from .output_dir import atomic_output_dir
+from .folder_report import FolderReport, Layout, SkippedFile
 from .recipe import BASES_FILE, CalibrationRecord, Recipe, Rotation, file_sha256
 from .report import describe_model, folder_report, write_sealed_report
 from .saving import folded_layout, save_folded
@@ -90,7 +91,6 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
         calibration = None if sentences is None else calibration_calls(model, tokenizer, sentences)
         step("rotating and proving in float64")
         rotated, rotation = rotate(model, example_inputs_for(model), calibration)
-        layout = folded_layout(rotated)
         saved_dtype = next(rotated.parameters()).dtype
         step("saving")
         save_folded(rotated, tmp, normfold_only=True)
@@ -98,22 +98,22 @@ def rotate_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, rota
         bases_sha256 = write_bases(tmp, [s.basis for s in rotation.streams]) if learned else None
         record = None if sentences is None else CalibrationRecord.of_file(calibration_file, len(sentences))
         used = None if record is None else {**asdict(record), "num_batches": len(calibration)}
-        sections = {} if used is None or learned else {"calibration": used}
-        out = rotated_report(rotation, layout, saved_dtype=dtype_name(saved_dtype),
-                             model=describe_model(model, model_dir), skipped_files=copy_side_files(model_dir, tmp),
-                             **sections)
-        if learned and used is not None and out["rotation"]["learning"] is not None:
-            out["rotation"]["learning"]["calibration_file"] = used
         slicing = rotation.slicing
-        out["recipe"] = Recipe(command="rotate", streaming=False, fold_affine=True, dtype=None,
-                               calibration=None if learned else record,
-                               rotation=Rotation(rotation.method, rotation.seed,
-                                                 0.0 if slicing is None else slicing.fraction,
-                                                 bases_sha256)).to_dict()
+        out = rotated_report(rotation, folded_layout(rotated), saved_dtype=dtype_name(saved_dtype),
+                             model=describe_model(model, model_dir),
+                             skipped_files=SkippedFile.listed(copy_side_files(model_dir, tmp)),
+                             calibration=None if learned else used,
+                             recipe=Recipe(command="rotate", streaming=False, fold_affine=True, dtype=None,
+                                           calibration=None if learned else record, rotation=Rotation(
+                                               rotation.method, rotation.seed,
+                                               0.0 if slicing is None else slicing.fraction, bases_sha256)))
+        learning = out.sections["rotation"].get("learning")
+        if learned and used is not None and learning is not None:  # what the learning read, beside how it went
+            out = out.with_section("rotation", {**out.sections["rotation"],
+                                                "learning": {**learning, "calibration_file": used}})
         write_model_card(out, tmp)
-        out = write_sealed_report(out, tmp)
-    out["out_dir"] = str(Path(out_dir).absolute())
-    return out
+        written = write_sealed_report(out.to_json(), tmp)
+    return {**written, "out_dir": str(Path(out_dir).absolute())}
 
 
 def write_bases(folder: Path, bases: list[Tensor]) -> str:
@@ -160,10 +160,10 @@ def rotate_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, 
 
 def rotation_after_fold(rotation: dict[str, Any], dims: dict[str, int], tensor: Callable, stream: Callable) -> AfterFold:
     """The streaming fold's step after the fold for a rotation (its report section ``rotation``, each
-    rotated tensor's stream dim, t ↦ t·Q by name and the stream map x ↦ x·Q), with the stock warning;
-    the plan executor runs t ↦ t·Q after the fold's steps (``AfterFold.maps``)."""
-    return AfterFold(dict(dims), tensor, stream,
-                     {"rotation": rotation, "stock_compatible": False, "stock_warning": STOCK_WARNING})
+    rotated tensor's stream dim, t ↦ t·Q by name and the stream map x ↦ x·Q), with the stock warning
+    (the folder is not stock-compatible: ``AfterFold`` makes it normfold-only); the plan executor runs
+    t ↦ t·Q after the fold's steps (``AfterFold.maps``)."""
+    return AfterFold(dict(dims), tensor, stream, {"rotation": rotation}, STOCK_WARNING)
 
 
 def calibration_calls(model: nn.Module, tokenizer, sentences: list[str]) -> list[dict[str, Any]]:
@@ -188,8 +188,7 @@ def takes_lm_labels(model: nn.Module) -> bool:
     return is_causal and "labels" in inspect.signature(type(model).forward).parameters
 
 
-def rotated_report(rotation: ReportSection, layout: dict[str, Any], *, saved_dtype: str,
-                   **sections: Any) -> dict[str, Any]:
+def rotated_report(rotation: ReportSection, layout: Layout, *, saved_dtype: str, **parts: Any) -> FolderReport:
     """The folder report of a rotated folder: the exact fold's report and layout (:func:`folder_report`),
     the rotation (method, seed, bases, slicing), the float64 proof of the whole rotation as
     ``verification`` (when sliced, of the rotation before slicing: ``exact`` false, the slicing's
@@ -197,14 +196,14 @@ def rotated_report(rotation: ReportSection, layout: dict[str, Any], *, saved_dty
     ``stock_compatible`` false with the reason in ``stock_warning``."""
     if rotation.verification is None or not rotation.verification.ok:
         raise ValueError("only a rotation proved in float64 (before any slicing) is written to a folder")
-    report = folder_report(rotation.fold, layout, saved_dtype=saved_dtype, **sections)
     slicing = rotation.slicing
-    calibration = sections.get("calibration") or {}
-    report["plan"]["rotation"] = {"method": rotation.method, "seed": rotation.seed,
-                                  "slice_fraction": 0.0 if slicing is None else slicing.fraction,
-                                  "kept": [s.kept for s in rotation.streams],
-                                  "calibration_sha256": calibration.get("sha256")}
-    report.update(rotation=rotation.to_dict(), verification=rotation.verification.to_dict(),
-                  stock_compatible=False,
-                  stock_warning=STOCK_WARNING if slicing is None else f"{STOCK_WARNING}; {SLICED_WARNING}")
-    return report
+    report = folder_report(rotation.fold, replace(layout, stock_compatible=False), saved_dtype=saved_dtype,
+                           stock_warning=STOCK_WARNING if slicing is None else f"{STOCK_WARNING}; {SLICED_WARNING}",
+                           **parts)
+    calibration = report.calibration or {}
+    plan = {**report.fold.plan, "rotation": {"method": rotation.method, "seed": rotation.seed,
+                                             "slice_fraction": 0.0 if slicing is None else slicing.fraction,
+                                             "kept": [s.kept for s in rotation.streams],
+                                             "calibration_sha256": calibration.get("sha256")}}
+    report = replace(report, fold=replace(report.fold, plan=plan))
+    return report.with_verification(rotation.verification.to_dict()).with_section("rotation", rotation.to_dict())

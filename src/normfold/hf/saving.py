@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import os
+from dataclasses import replace
 import reprlib
 import sys
 import warnings
@@ -38,24 +39,22 @@ from .card import write_model_card
 from .load import CheckpointError, check_model_dir, load_model_and_info, resolve_model
 from .normfold_only import mark_normfold_only
 from .output_dir import REPORT_JSON, replaceable, atomic_output_dir
-from .recipe import Recipe, is_finite_number
-from .report import folder_report, read_folder_report, seal_problems, write_sealed_report
+from .folder_report import FolderReport, Layout, NamedShape, SkippedFile, SwappedNorm
+from .recipe import Recipe
+from .report import folder_report, read_report_json, seal_problems, write_sealed_report
 from .side_files import copy_side_files
 from .weight_files import read_tensor, saved_names, stored_tensors, weight_source
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def swapped_norms(model: nn.Module) -> list[dict[str, Any]]:
+def swapped_norms(model: nn.Module) -> tuple[SwappedNorm, ...]:
     """Where ``model`` holds normfold RMSNorms and which affine parameters they kept (with the
-    ``offset`` of (offset + γ) where it is not 0, e.g. Nemotron's LayerNorm1P, and the ``permute``
-    around a channels-first one, e.g. ConvNeXt's)."""
-    return [
-        {"path": name, "normalized_shape": list(m.normalized_shape), "eps": m.eps,
-         "weight": m.weight is not None, "bias": m.bias is not None, **({"offset": m.offset} if m.offset else {}),
-         **({"permute": list(m.order)} if isinstance(m, PermutedRMSNorm) else {})}
-        for name, m in model.named_modules() if isinstance(m, RMSNorm)
-    ]
+    ``offset`` of (offset + γ), e.g. Nemotron's LayerNorm1P, and the ``permute`` around a
+    channels-first one, e.g. ConvNeXt's)."""
+    return tuple(SwappedNorm(name, tuple(m.normalized_shape), m.eps, m.weight is not None, m.bias is not None,
+                             m.offset, tuple(m.order) if isinstance(m, PermutedRMSNorm) else ())
+                 for name, m in model.named_modules() if isinstance(m, RMSNorm))
 
 
 def stock_state_dict(folded: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -69,7 +68,7 @@ def stock_state_dict(folded: nn.Module, dtype: torch.dtype | None = None) -> dic
         stock = type(folded)._from_config(folded.config)
     stock_keys = {k: v.shape for k, v in stock.state_dict().items()}
     state = _separate_what_stock_keeps_apart(folded.state_dict(), shared_names(stock))
-    norms = {s["path"]: s for s in swapped_norms(folded)}
+    norms = {s.path for s in swapped_norms(folded)}
     for key, shape in stock_keys.items():
         if key in state:
             continue
@@ -134,7 +133,7 @@ def save_folded(folded: nn.Module, out_dir: Path, *, dtype: torch.dtype | None =
                 normfold_only: bool = False) -> None:
     """``save_pretrained`` (safetensors) of the folded model in stock-loadable form, into ``out_dir``.
 
-    Parameters the stock class lacks (``folded_layout(folded)["extra_parameters"]``) are stored too.
+    Parameters the stock class lacks (``folded_layout(folded).extra_parameters``) are stored too.
     ``normfold_only``: stock transformers would load another model (the layout is not stock-compatible),
     so the folder is written for ``normfold.from_pretrained`` only (:mod:`normfold.hf.normfold_only`).
     """
@@ -151,16 +150,16 @@ def save_folded(folded: nn.Module, out_dir: Path, *, dtype: torch.dtype | None =
         mark_normfold_only(out_dir)
 
 
-def folded_layout(folded: nn.Module) -> dict[str, Any]:
+def folded_layout(folded: nn.Module) -> Layout:
     """How ``folded`` differs from a stock model of its class built from its config, recorded in
     ``normfold_report.json`` so that :func:`from_pretrained` can rebuild it exactly:
 
     - ``swapped``: the normfold RMSNorms (:func:`swapped_norms`);
     - ``identity``: norms the fold precomputed into a table, now ``nn.Identity``;
     - ``extra_parameters``: parameters the fold created where the stock class has none (``lm_head.bias``
-      when ``normfold.fold`` moved GPT-2's ln_f γ/β into the head), ``[{"name", "shape"}]``;
+      when ``normfold.fold`` moved GPT-2's ln_f γ/β into the head);
     - ``resized``: parameters of another shape than the stock class's (a sliced residual stream,
-      ``normfold rotate --slice``), ``[{"name", "shape"}]``;
+      ``normfold rotate --slice``);
     - ``stock_compatible``: no identity and no extra parameters, so stock ``from_pretrained`` builds the
       same model (each swapped RMSNorm comes back as the LayerNorm it equals on its zero-mean input).
 
@@ -171,7 +170,7 @@ def folded_layout(folded: nn.Module) -> dict[str, Any]:
         stock = type(folded)._from_config(folded.config)
     stock_modules = dict(stock.named_modules())
     swapped = swapped_norms(folded)
-    swapped_paths = {s["path"] for s in swapped}
+    swapped_paths = {s.path for s in swapped}
     identity, problems = [], []
     for path, module in folded.named_modules():
         ref = stock_modules.get(path)
@@ -184,7 +183,7 @@ def folded_layout(folded: nn.Module) -> dict[str, Any]:
                             f"{'nothing' if ref is None else 'a ' + type(ref).__name__}")
     stock_params = {name for name, _ in stock.named_parameters(remove_duplicate=False)}
     params = dict(folded.named_parameters(remove_duplicate=False))
-    extra = [{"name": name, "shape": list(p.shape)} for name, p in params.items() if name not in stock_params]
+    extra = tuple(NamedShape(name, tuple(p.shape)) for name, p in params.items() if name not in stock_params)
     rebuilt_away = tuple(f"{path}." for path in (*identity, *swapped_paths))  # from_pretrained drops these
     problems += [f"{name} is missing" for name in sorted(stock_params - set(params))
                  if not name.startswith(rebuilt_away) and not _affine_moved_away(folded, name)]
@@ -194,10 +193,9 @@ def folded_layout(folded: nn.Module) -> dict[str, Any]:
         raise ValueError(f"cannot save {type(folded).__name__} so that normfold.from_pretrained rebuilds it: "
                          f"{'; '.join(problems[:5])}{' ...' if len(problems) > 5 else ''}")
     stock_shapes = dict(stock.named_parameters(remove_duplicate=False))
-    resized = [{"name": name, "shape": list(p.shape)} for name, p in params.items()
-               if name in stock_shapes and p.shape != stock_shapes[name].shape]
-    return {"swapped": swapped, "identity": identity, "extra_parameters": extra, "resized": resized,
-            "stock_compatible": not identity and not extra and not resized}
+    resized = tuple(NamedShape(name, tuple(p.shape)) for name, p in params.items()
+                    if name in stock_shapes and p.shape != stock_shapes[name].shape)
+    return Layout(swapped, tuple(identity), extra, resized, stock_compatible=not identity and not extra and not resized)
 
 
 def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
@@ -237,22 +235,22 @@ def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: tor
     record = folder_report(report, folded_layout(folded),
                            saved_dtype=dtype_name(save_dtype or next(folded.parameters()).dtype),
                            approximate=None if report is None else report.approximate)
-    record["recipe"] = _saved_recipe(report, record, side_files=source is not None)
-    if not record["stock_compatible"]:
+    record = replace(record, recipe=_saved_recipe(report, record, side_files=source is not None))
+    if not record.layout.stock_compatible:
         warnings.warn(_stock_incompatibility(type(folded).__name__, record), UserWarning, stacklevel=2)
     with atomic_output_dir(out_dir, overwrite=overwrite, protect=() if source is None else (source,)) as tmp:
-        save_folded(folded, tmp, dtype=save_dtype, normfold_only=not record["stock_compatible"])
+        save_folded(folded, tmp, dtype=save_dtype, normfold_only=not record.layout.stock_compatible)
         if source is not None:
-            record["skipped_files"] = copy_side_files(source, tmp)
-            if record["skipped_files"]:
-                listed = ", ".join(f"{s['path']} ({s['reason']})" for s in record["skipped_files"])
+            record = replace(record, skipped_files=SkippedFile.listed(copy_side_files(source, tmp)))
+            if record.skipped_files:
+                listed = ", ".join(f"{s.path} ({s.reason})" for s in record.skipped_files)
                 warnings.warn(f"not copied from {source}: {listed}", UserWarning, stacklevel=2)
         write_model_card(record, tmp)
-        record = write_sealed_report(record, tmp)
-    return record
+        written = write_sealed_report(record.to_json(), tmp)
+    return written
 
 
-def _saved_recipe(report: FoldReport | None, record: Mapping[str, Any], *, side_files: bool) -> dict[str, Any] | None:
+def _saved_recipe(report: FoldReport | None, record: FolderReport, *, side_files: bool) -> Recipe | None:
     """The recipe ``normfold verify`` re-makes a ``save_pretrained`` folder from (None when it cannot:
     no FoldReport, or an approximate fold, whose calibration batches are the caller's): γ/β folding
     and the plan for stock loading as the fold was planned (``report.constraints``; a report without
@@ -262,9 +260,9 @@ def _saved_recipe(report: FoldReport | None, record: Mapping[str, Any], *, side_
         return None
     planned = report.constraints
     fold_affine = any(n.affine_folded for n in report.norms) if planned is None else planned.fold_affine
-    stock_plan = bool(record["stock_compatible"]) if planned is None else planned.loadable_keys is not None
-    return Recipe(command="save_pretrained", streaming=False, fold_affine=fold_affine, dtype=record["saved_dtype"],
-                  stock_plan=stock_plan, side_files=side_files, keep=() if planned is None else planned.keep).to_dict()
+    stock_plan = record.layout.stock_compatible if planned is None else planned.loadable_keys is not None
+    return Recipe(command="save_pretrained", streaming=False, fold_affine=fold_affine, dtype=record.saved_dtype,
+                  stock_plan=stock_plan, side_files=side_files, keep=() if planned is None else planned.keep)
 
 
 def _storage_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -276,16 +274,16 @@ def _storage_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     raise ValueError(f"dtype must be one of {', '.join(DTYPES)} (or None: as stored), got {dtype!r}")
 
 
-def _stock_incompatibility(cls_name: str, record: Mapping[str, Any]) -> str:
+def _stock_incompatibility(cls_name: str, record: FolderReport) -> str:
     """The warning for a folded model that stock ``from_pretrained`` would load as another model."""
     what = []
-    if record["extra_parameters"]:
-        what.append(f"drop {', '.join(e['name'] for e in record['extra_parameters'])} ({cls_name} has no such "
-                    "parameter)")
-    if record["identity"]:
-        what.append(f"rebuild {', '.join(record['identity'])} as norms (the fold precomputed them into a table)")
-    if record.get("num_approximate"):
-        what.append(f"rebuild the approximate RMSNorms {', '.join(record['approximate_norms'])} as LayerNorms")
+    layout = record.layout
+    if layout.extra_parameters:
+        what.append(f"drop {', '.join(e.name for e in layout.extra_parameters)} ({cls_name} has no such parameter)")
+    if layout.identity:
+        what.append(f"rebuild {', '.join(layout.identity)} as norms (the fold precomputed them into a table)")
+    if record.num_approximate:
+        what.append(f"rebuild the approximate RMSNorms {', '.join(record.approximate.norms)} as LayerNorms")
     return (f"stock transformers would {' and '.join(what)}, so the folder is written for normfold.from_pretrained "
             f"only ({cls_name}.from_pretrained refuses it); for a folder stock transformers loads, fold with the "
             "stock-compatible plan (normfold.fold(model, example_inputs)'s default for a transformers model, and "
@@ -401,135 +399,91 @@ def from_pretrained(path: str | os.PathLike, *, dtype: torch.dtype = torch.float
     (:func:`normfold.hf.load.resolve_model`: the hub cache and ``HF_HUB_OFFLINE`` honoured).
     """
     path = check_model_dir(resolve_model(path, revision))
-    report = read_folder_report(path)
-    broken = seal_problems(report, path)
+    data = read_report_json(path)
+    broken = seal_problems(data, path)
     if broken:
         raise CheckpointError(f"{path} is not as normfold wrote it: {broken[0]}. Its report describes other weights, "
                               "so the folded layout cannot be rebuilt around them: load it with transformers' "
                               "from_pretrained if it was saved over by a stock model, or fold it again")
-    layout = read_layout(report, path / REPORT_JSON)
+    layout = FolderReport.from_json(data, path / REPORT_JSON).layout
     stored = stored_tensors(weight_source(path))
     # resized (sliced) tensors do not fit the class built from the config: loaded below, once it is built;
     # transformers' own load report is not shown: what it would say is judged below (_check_load)
     model, info = load_model_and_info(path, dtype=dtype, trust_remote_code=trust_remote_code,
-                                      ignore_mismatched_sizes=bool(layout["resized"]), quiet=True, normfold_only=True)
+                                      ignore_mismatched_sizes=bool(layout.resized), quiet=True, normfold_only=True)
     try:
-        for module_path in layout["identity"]:
+        for module_path in layout.identity:
             parent_path, _, attr = module_path.rpartition(".")
             setattr(model.get_submodule(parent_path), attr, nn.Identity())
-        for entry in layout["swapped"]:
+        for entry in layout.swapped:
             swap_in_rmsnorm(model, entry)
     except AttributeError as err:
         raise CheckpointError(f"{path / REPORT_JSON} names a module {type(model).__name__} does not have: "
                               f"{first_line(err)}") from err
     stored = {name: (stored[key], key) for name, key in _stored_names(model, layout).items() if key in stored}
-    missing = [e["name"] for e in layout["extra_parameters"] + layout["resized"] if e["name"] not in stored]
+    missing = [e.name for e in (*layout.extra_parameters, *layout.resized) if e.name not in stored]
     if missing:
         raise CheckpointError(f"{path / REPORT_JSON} lists parameters the weights in {path} do not hold: "
                               f"{', '.join(missing)}")
-    for entry in layout["extra_parameters"]:
+    for entry in layout.extra_parameters:
         _restore_parameter(model, entry, stored)
-    for entry in layout["resized"]:
+    for entry in layout.resized:
         _restore_resized(model, entry, stored)
     _check_load(info, layout, path)
     return model
 
 
-def read_layout(report: Mapping[str, Any], where: Path | str = REPORT_JSON) -> dict[str, Any]:
-    """The :func:`folded_layout` keys of a report, every entry checked: CheckpointError naming ``where``
-    and the first malformed entry (a missing key, a value of another type)."""
-    def fail(what: str) -> CheckpointError:
-        return CheckpointError(f"{where} is not a normfold report: {what}")
-
-    def entries(key: str, required: bool = False) -> list:
-        value = report.get(key, None if required else [])
-        if not isinstance(value, list):
-            raise fail(f"\"{key}\" must be a list, got {type(value).__name__}")
-        return value
-
-    swapped = []
-    for i, e in enumerate(entries("swapped", required=True)):
-        at = f"swapped[{i}]"
-        if not isinstance(e, dict) or {"path", "normalized_shape", "eps", "weight", "bias"} - e.keys():
-            raise fail(f"{at} must be an object with path, normalized_shape, eps, weight and bias")
-        if not isinstance(e["path"], str) or not _is_int_list(e["normalized_shape"]) or not e["normalized_shape"]:
-            raise fail(f"{at} needs a string path and a non-empty list of sizes as normalized_shape")
-        if not is_finite_number(e["eps"]) or e["eps"] < 0 or not is_finite_number(e.get("offset", 0.0)):
-            raise fail(f"{at}.eps and .offset must be finite numbers (eps >= 0), got {e['eps']!r}, {e.get('offset')!r}")
-        if not all(isinstance(e.get(k, False), bool) for k in ("weight", "bias", "approximate")):
-            raise fail(f"{at}.weight, .bias and .approximate must be true or false")
-        if not _is_int_list(e.get("permute", [])) or sorted(e.get("permute", [])) != list(range(len(e.get("permute", [])))):
-            raise fail(f"{at}.permute must be a permutation of 0..n-1 (a channels-first norm's), got {e.get('permute')!r}")
-        swapped.append(e)
-    identity = entries("identity")
-    if not all(isinstance(p, str) for p in identity):
-        raise fail("\"identity\" must list module paths (strings)")
-    named = {}
-    for key in ("extra_parameters", "resized"):
-        named[key] = []
-        for i, e in enumerate(entries(key)):
-            if not isinstance(e, dict) or not isinstance(e.get("name"), str) or not _is_int_list(e.get("shape")):
-                raise fail(f"{key}[{i}] must be an object with a string name and a list of sizes as shape")
-            named[key].append({"name": e["name"], "shape": list(e["shape"])})
-    return {"swapped": swapped, "identity": identity, **named}
-
-
-def _is_int_list(value: object) -> bool:
-    return isinstance(value, list) and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value)
-
-
-
-def _restore_parameter(model: nn.Module, entry: Mapping[str, Any], stored: Mapping[str, tuple[Path, str]]) -> None:
-    """Give ``model`` the parameter ``entry["name"]`` that its class lacks, with the stored values."""
-    owner_path, _, attr = entry["name"].rpartition(".")
+def _restore_parameter(model: nn.Module, entry: NamedShape, stored: Mapping[str, tuple[Path, str]]) -> None:
+    """Give ``model`` the parameter ``entry.name`` that its class lacks, with the stored values."""
+    owner_path, _, attr = entry.name.rpartition(".")
     try:
         owner = model.get_submodule(owner_path)
     except AttributeError as err:
-        raise CheckpointError(f"{type(model).__name__} has no module {owner_path!r} to hold {entry['name']}") from err
+        raise CheckpointError(f"{type(model).__name__} has no module {owner_path!r} to hold {entry.name}") from err
     like = next(model.parameters())
     value = _recorded_tensor(entry, stored)
     owner.register_parameter(attr, nn.Parameter(value.to(device=like.device, dtype=like.dtype)))
 
 
-def _restore_resized(model: nn.Module, entry: Mapping[str, Any], stored: Mapping[str, tuple[Path, str]]) -> None:
-    """Give ``model``'s parameter ``entry["name"]`` the stored values of the recorded shape (a sliced
+def _restore_resized(model: nn.Module, entry: NamedShape, stored: Mapping[str, tuple[Path, str]]) -> None:
+    """Give ``model``'s parameter ``entry.name`` the stored values of the recorded shape (a sliced
     stream), its layer's shape attributes following (:func:`normfold.nn.resize.replace_parameter`)."""
     try:
-        old = model.get_parameter(entry["name"])
+        old = model.get_parameter(entry.name)
     except AttributeError as err:
-        raise CheckpointError(f"{type(model).__name__} has no parameter {entry['name']} to resize") from err
+        raise CheckpointError(f"{type(model).__name__} has no parameter {entry.name} to resize") from err
     replace_parameter(model, old, _recorded_tensor(entry, stored).to(device=old.device, dtype=old.dtype))
 
 
-def _recorded_tensor(entry: Mapping[str, Any], stored: Mapping[str, tuple[Path, str]]) -> torch.Tensor:
-    """The stored tensor of parameter ``entry["name"]`` (``stored``: name -> (file, key it is stored
+def _recorded_tensor(entry: NamedShape, stored: Mapping[str, tuple[Path, str]]) -> torch.Tensor:
+    """The stored tensor of parameter ``entry.name`` (``stored``: name -> (file, key it is stored
     under)), CheckpointError unless it has the shape the report records."""
-    value = read_tensor(*stored[entry["name"]])
-    if list(value.shape) != entry["shape"]:
-        raise CheckpointError(f"{entry['name']}: the report says shape {entry['shape']}, the weights hold "
+    value = read_tensor(*stored[entry.name])
+    if tuple(value.shape) != entry.shape:
+        raise CheckpointError(f"{entry.name}: the report says shape {list(entry.shape)}, the weights hold "
                               f"{list(value.shape)}")
     return value
 
 
-def _stored_names(model: nn.Module, layout: Mapping[str, Any]) -> dict[str, str]:
+def _stored_names(model: nn.Module, layout: Layout) -> dict[str, str]:
     """The layout's created and resized parameters -> the names their tensors are stored under
     (:func:`normfold.hf.weight_files.saved_names`), which the tensors normfold restores itself must follow."""
-    return saved_names(model, [e["name"] for e in (*layout["extra_parameters"], *layout["resized"])])
+    return saved_names(model, [e.name for e in (*layout.extra_parameters, *layout.resized)])
 
 
-def _check_load(info: Mapping[str, Any], layout: Mapping[str, Any], path: Path) -> None:
+def _check_load(info: Mapping[str, Any], layout: Layout, path: Path) -> None:
     """CheckpointError when transformers left a tensor of the model initialised at random: one the
     weights lack (a norm precomputed away needs none, a created or resized parameter is restored from
     the weights by name), or one stored in another shape than the model's (loading allows that for the
     resized tensors of a sliced folder only). Names are the model's, after transformers' renaming."""
-    restored = {e["name"] for e in (*layout["extra_parameters"], *layout["resized"])}
-    rebuilt_away = tuple(f"{p}." for p in layout["identity"])
+    restored = {e.name for e in (*layout.extra_parameters, *layout.resized)}
+    rebuilt_away = tuple(f"{p}." for p in layout.identity)
     missing = sorted(k for k in info["missing_keys"] if k not in restored and not k.startswith(rebuilt_away))
     if missing:
         raise CheckpointError(f"the weights in {path} lack {len(missing)} tensor(s) the model needs: "
                               f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} (stock transformers "
                               "would initialise them at random)")
-    resized = {e["name"] for e in layout["resized"]}
+    resized = {e.name for e in layout.resized}
     wrong = [f"{name} {list(model_shape)} (stored {list(stored_shape)})"
              for name, stored_shape, model_shape in sorted(info["mismatched_keys"]) if name not in resized]
     if wrong:
@@ -537,16 +491,14 @@ def _check_load(info: Mapping[str, Any], layout: Mapping[str, Any], path: Path) 
                               f"report: {', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}")
 
 
-def swap_in_rmsnorm(model: nn.Module, entry: Mapping[str, Any]) -> None:
-    """Replace the LayerNorm at ``entry["path"]`` by an RMSNorm holding the γ/β the entry keeps
+def swap_in_rmsnorm(model: nn.Module, entry: SwappedNorm) -> None:
+    """Replace the LayerNorm at ``entry.path`` by an RMSNorm holding the γ/β the entry keeps
     (γ = 1 where the fold moved it into the next layer)."""
-    old = model.get_submodule(entry["path"])
-    keep_w, keep_b = bool(entry["weight"]), bool(entry["bias"])
-    model.set_submodule(entry["path"], norm_like(old, RMSNorm, entry["normalized_shape"], entry["eps"],
-                                                 weight=getattr(old, "weight", None) if keep_w else None,
-                                                 bias=getattr(old, "bias", None) if keep_b else None,
-                                                 offset=float(entry.get("offset", 0.0)),
-                                                 permute=tuple(entry.get("permute", ()))))
+    old = model.get_submodule(entry.path)
+    model.set_submodule(entry.path, norm_like(old, RMSNorm, list(entry.normalized_shape), entry.eps,
+                                              weight=getattr(old, "weight", None) if entry.weight else None,
+                                              bias=getattr(old, "bias", None) if entry.bias else None,
+                                              offset=float(entry.offset), permute=entry.permute))
 
 
 # ------------------------------------------------------------------------------ stock-compatible plans

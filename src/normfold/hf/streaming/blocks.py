@@ -7,7 +7,8 @@ import contextlib
 import copy
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from ...engine.verify import (cast_floats, flatten_outputs, measured_tolerance, 
                             watch_rms_inputs)
 from ..inputs import example_inputs_for
 from ..load import CheckpointError, check_model_dir, load_config, model_class_for
+from ..folder_report import SwappedNorm
 from ..report import read_folder_report
 from ..saving import DTYPES, swap_in_rmsnorm
 from .checkpoint import Checkpoint, StoredKeys, stored_dtype_name
@@ -55,7 +57,7 @@ StreamMap = Callable[[torch.Tensor], torch.Tensor]  # the original's stream -> t
 
 
 def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, block_path: str, *,
-                swapped: list[dict[str, Any]] | None = None, centered: bool = True, call: Call | None = None,
+                swapped: Sequence[SwappedNorm] | None = None, centered: bool = True, call: Call | None = None,
                 x: torch.Tensor | None = None, stored_dtype: torch.dtype | None = None, batch: int = 2, seq: int = 16,
                 seed: int = 0, trust_remote_code: bool = False, moved_affine: list[str] | None = None) -> dict[str, Any]:
     """Compare one residual block of a folded checkpoint with the original, in float64, loading
@@ -80,9 +82,9 @@ def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, bloc
     orig_dir, folded_dir = check_model_dir(orig_dir), check_model_dir(folded_dir)
     if swapped is None or moved_affine is None:
         report = read_folder_report(folded_dir)
-        swapped = report["swapped"] if swapped is None else swapped
+        swapped = report.layout.swapped if swapped is None else swapped
         if moved_affine is None:
-            moved_affine = affine_moved_out(report.get("plan", {}).get("affine_fold", []), block_path.rpartition(".")[0])
+            moved_affine = affine_moved_out(report.fold.plan.get("affine_fold", []), block_path.rpartition(".")[0])
     stored = stored_dtype or DTYPES[stored_dtype_name(folded_dir)]
     skeleton = meta_skeleton(orig_dir, trust_remote_code)
     if x is None:
@@ -94,7 +96,7 @@ def check_block(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, bloc
 
 
 def check_loaded_block(skeleton: nn.Module, orig: StoredKeys, folded: StoredKeys, block_path: str,
-                 swapped: list[dict[str, Any]], centered: bool, call: Call | None, x: torch.Tensor,
+                 swapped: Sequence[SwappedNorm], centered: bool, call: Call | None, x: torch.Tensor,
                  stored: torch.dtype, stream_map: StreamMap | None = None,
                  moved_affine: list[str] = ()) -> tuple[dict[str, Any], torch.Tensor]:
     """:func:`check_block` on open checkpoints (with the keys of the skeleton's tensors); also returns the original block's output on ``x``
@@ -153,7 +155,7 @@ def folded_stream(centered: bool, stream_map: StreamMap | None = None) -> Stream
 
 
 def load_block(skeleton: nn.Module, stored: StoredKeys, block_path: str,
-               swapped: list[dict[str, Any]] = ()) -> nn.Module:
+               swapped: Sequence[SwappedNorm] = ()) -> nn.Module:
     """The block at ``block_path`` in float64 with the checkpoint's tensors (only its own read, by the
     keys ``stored`` gives the skeleton's names), the ``swapped`` norms inside it replaced by RMSNorms.
     Buffers not saved with the weights (GPT-Neo's causal mask) are made as loading makes them."""
@@ -169,8 +171,8 @@ def load_block(skeleton: nn.Module, stored: StoredKeys, block_path: str,
     block.load_state_dict(state, strict=True, assign=True)
     block = block.double().eval()
     for entry in swapped:
-        if entry["path"].startswith(prefix):
-            swap_in_rmsnorm(block, {**entry, "path": entry["path"][len(prefix):]})
+        if entry.path.startswith(prefix):
+            swap_in_rmsnorm(block, replace(entry, path=entry.path[len(prefix):]))
     return block
 
 
@@ -227,7 +229,7 @@ def call_block(block: nn.Module, call: Call | None, x: torch.Tensor):
     return block(x, *args[1:], **kwargs) if args else block(**{**kwargs, "hidden_states": x})
 
 
-def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swapped: list[dict[str, Any]],
+def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swapped: Sequence[SwappedNorm],
                 stacks: dict[str, bool], *, stored_dtype: torch.dtype | None = None, seed: int = 0,
                 trust_remote_code: bool = False, stream_map: StreamMap | None = None,
                 extra_parameters: list[str] = (),
@@ -298,7 +300,7 @@ def _shell_quantities(outputs: list[torch.Tensor], calls: dict[str, Call], stack
 
 
 
-def _load_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str],
+def _load_shell(folder: Path, swapped: Sequence[SwappedNorm], stacks: list[str],
                 trust_remote_code: bool, extra_parameters: list[str] = (),
                 normfold_only: bool = False, shell_blocks: dict[str, int] | None = None) -> tuple[nn.Module, set[str]]:
     """``folder``'s model with ``num_hidden_layers`` = 1 (0 without ``stacks``) in float64, its
@@ -334,10 +336,10 @@ def _load_shell(folder: Path, swapped: list[dict[str, Any]], stacks: list[str],
             owner.register_parameter(attr, nn.Parameter(checkpoint.read(key).double(), requires_grad=False))
             keys.add(key)
     for entry in swapped:
-        path = _shell_path(entry["path"], shell_blocks)
+        path = _shell_path(entry.path, shell_blocks)
         with contextlib.suppress(AttributeError):  # norms of blocks the shell does not hold
             if path is not None:
-                swap_in_rmsnorm(model, {**entry, "path": path})
+                swap_in_rmsnorm(model, replace(entry, path=path))
     return model, keys
 
 
@@ -379,13 +381,13 @@ def _run_shell(model: nn.Module, stacks: list[str],
     return [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()], calls
 
 
-def stacks_of(skeleton: nn.Module, swapped: list[dict[str, Any]],
+def stacks_of(skeleton: nn.Module, swapped: Sequence[SwappedNorm],
               centered_fqns: list[str] | None = None) -> dict[str, tuple[int, bool]]:
     """Stack path -> (number of blocks, centered), for each outermost ModuleList holding a norm (a
     norm type, or a module the fold swapped: an RMSNorm written out as ops); centered when it holds a
     swapped norm and (``centered_fqns``: the plan's centered tensors, when given) one of its tensors is
     centered (a recognised RMSNorm swapped for normfold's centers nothing)."""
-    swapped_paths = [entry["path"] for entry in swapped]
+    swapped_paths = [entry.path for entry in swapped]
     stacks: dict[str, tuple[int, bool]] = {}
     for path, module in skeleton.named_modules():
         if not isinstance(module, NORM_TYPES) and path not in swapped_paths:

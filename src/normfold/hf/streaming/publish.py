@@ -21,6 +21,7 @@ from ..load import CheckpointError, check_model_dir
 from ..normfold_only import mark_normfold_only
 from ..output_dir import atomic_output_dir
 from ..recipe import Recipe, Rotation
+from ..folder_report import FolderReport, Layout, NamedShape, SkippedFile, SwappedNorm
 from ..report import describe_model, folder_report, require_norms
 from ..inputs import example_inputs_for
 from ..saving import DTYPES, stock_parameter_shapes
@@ -61,21 +62,21 @@ def fold_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
         report, stream = _write_folded_checkpoint(model_dir, tmp, fold_affine=fold_affine, dtype=dtype,
                                                   trust_remote_code=trust_remote_code, after_fold=after_fold,
                                                   step=step)
-        report["verification"] = verify_by_blocks(model_dir, tmp, report, dtype=dtype,
-                                                  trust_remote_code=trust_remote_code, stream_map=stream, step=step)
-        if not report["verification"]["ok"]:
-            raise FoldVerificationError(f"{failure_summary(report['verification'])}; nothing was written to {out_dir}")
+        report = report.with_verification(verify_by_blocks(model_dir, tmp, report, dtype=dtype,
+                                                           trust_remote_code=trust_remote_code, stream_map=stream,
+                                                           step=step))
+        if not report.verification["ok"]:
+            raise FoldVerificationError(f"{failure_summary(report.verification)}; nothing was written to {out_dir}")
         step("writing the report")
-        report = write_report_files(report, tmp)
-    report["out_dir"] = str(Path(out_dir).absolute())
-    return report
+        written = write_report_files(report, tmp)
+    return {**written, "out_dir": str(Path(out_dir).absolute())}
 
 
 def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool, dtype: str | None,
                              trust_remote_code: bool, after_fold: PlanAfterFold | None,
-                             step: Callable[[str], None]) -> tuple[dict[str, Any], Callable | None]:
+                             step: Callable[[str], None]) -> tuple[FolderReport, Callable | None]:
     """Plan, then rewrite every shard into ``folder`` (config and side files too); returns the
-    report dict without verification, and the after-fold step's stream map (None without one).
+    report without verification, and the after-fold step's stream map (None without one).
     ``folder`` is private: nothing here is checked yet."""
     out_dtype = DTYPES[dtype] if dtype else None
     t0 = time.perf_counter()
@@ -112,28 +113,33 @@ def _write_folded_checkpoint(model_dir: Path, folder: Path, *, fold_affine: bool
     streaming = {"bytes_read": checkpoint.bytes_read, "bytes_written": written, "plan_seconds": round(t_plan, 2),
                  "read_seconds": round(checkpoint.read_seconds, 2), "math_seconds": round(rewrite.math_seconds, 2),
                  "seconds": round(time.perf_counter() - t0, 2)}
-    layout = {"swapped": swapped_from_plan(report.plan)}
+    layout = Layout(swapped_from_plan(report.plan))  # planned within what the stock class loads
     if after is not None:  # parameters the class lacks (a created lm_head.bias): normfold.from_pretrained adds them
         stock = stock_parameter_shapes(skeleton.config, type(skeleton))
-        layout["extra_parameters"] = [{"name": name, "shape": rewrite.output_meta(key)[1]}
-                                      for name, key in sorted(rewrite.created.items()) if name not in stock]
+        layout = Layout(layout.swapped, extra_parameters=tuple(
+            NamedShape(name, tuple(rewrite.output_meta(key)[1]))
+            for name, key in sorted(rewrite.created.items()) if name not in stock), stock_compatible=False)
     saved_dtype = dtype or stored_dtype_name(model_dir)
-    out = folder_report(report, layout, saved_dtype=saved_dtype,
-                        model=describe_model(skeleton, model_dir), fold_affine=fold_affine, skipped_files=skipped_files,
-                        streaming=streaming, **({} if after is None else after.sections))
     rotation = None if after is None else after.sections.get("rotation")
-    out["recipe"] = Recipe(command="fold" if rotation is None else "rotate", streaming=True, fold_affine=fold_affine,
-                           dtype=dtype, rotation=None if rotation is None else Rotation(
-                               rotation["method"], int(rotation["seed"]))).to_dict()
+    out = folder_report(report, layout, saved_dtype=saved_dtype,
+                        model=describe_model(skeleton, model_dir), fold_affine=fold_affine,
+                        skipped_files=SkippedFile.listed(skipped_files), streaming=streaming,
+                        stock_warning=None if after is None else after.stock_warning,
+                        recipe=Recipe(command="fold" if rotation is None else "rotate", streaming=True,
+                                      fold_affine=fold_affine, dtype=dtype, rotation=None if rotation is None else
+                                      Rotation(rotation["method"], int(rotation["seed"]))))
+    if after is not None:
+        for name, section in after.sections.items():
+            out = out.with_section(name, section)
     return out, None if after is None else after.stream
 
 
-def swapped_from_plan(plan: FoldPlan) -> list[dict[str, Any]]:
+def swapped_from_plan(plan: FoldPlan) -> tuple[SwappedNorm, ...]:
     """The report's ``swapped`` entries (what ``normfold.from_pretrained`` swaps back in) read from the
     plan: the in-memory fold reads them from the folded model (``normfold.hf.saving.swapped_norms``)."""
-    return [{"path": s.path, "normalized_shape": [s.normalized_shape], "eps": s.eps, "weight": s.elementwise_affine,
-             "bias": s.elementwise_affine and s.bias, **({"offset": s.offset} if s.offset else {})}
-            for s in plan.swap if s.to == "RMSNorm"]
+    return tuple(SwappedNorm(s.path, (s.normalized_shape,), s.eps, s.elementwise_affine,
+                             s.elementwise_affine and s.bias, s.offset or 0.0)
+                 for s in plan.swap if s.to == "RMSNorm")
 
 
 def _write_config(config, folder: Path, *, untied: bool, dtype: torch.dtype | None) -> None:

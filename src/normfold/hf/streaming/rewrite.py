@@ -30,12 +30,14 @@ class AfterFold:
     of ``dims`` or of a slice of it cut along another dim than ``dims[name]`` (a row-wise map: the
     executor applies it slice by slice, so no whole table exists in its compute dtype); ``stream``
     maps the folded model's residual stream to the new one (x ↦ x·Q), for the per-block proof;
-    ``sections`` go into the report."""
+    ``sections`` go into the report by name, and ``stock_warning`` says why the folder it writes is for
+    ``normfold.from_pretrained`` only."""
 
     dims: dict[str, int]
     tensor: Callable[[str, torch.Tensor], torch.Tensor]
     stream: Callable[[torch.Tensor], torch.Tensor]
     sections: dict[str, Any]
+    stock_warning: str
 
     def maps(self) -> list[TensorMap]:
         """The executor's steps: one row-wise map a tensor."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from torch import nn
 from ..._progress import progress
 from ..._text import first_line
 from ..load import CheckpointError, check_model_dir
+from ..folder_report import FolderReport, SwappedNorm
 from ..report import read_folder_report
 from ..saving import DTYPES
 from .blocks import (Call, StreamMap, affine_moved_out, call_block, check_loaded_block, check_shell, compare_copies,
@@ -22,7 +23,7 @@ from .checkpoint import Checkpoint, StoredKeys, stored_dtype_name
 from .planning import meta_skeleton
 
 
-def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, report: dict[str, Any] | None = None,
+def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, report: FolderReport | None = None,
                      *, dtype: str | None = None, trust_remote_code: bool = False,
                      stream_map: StreamMap | None = None, step: Callable[[str], None] = lambda _: None) -> dict[str, Any]:
     """Prove a folded checkpoint equal to its original without loading either whole (the argument is
@@ -49,18 +50,19 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
     if stored_name not in DTYPES:
         raise CheckpointError(f"dtype must be one of {', '.join(DTYPES)}, got {stored_name!r}")
     stored = DTYPES[stored_name]
-    swapped = report["swapped"]
+    swapped = report.layout.swapped
+    plan = report.fold.plan
     skeleton = meta_skeleton(orig_dir, trust_remote_code)
-    stacks = stacks_of(skeleton, swapped, [c["fqn"] for c in report.get("plan", {}).get("center", [])])
+    stacks = stacks_of(skeleton, swapped, [c["fqn"] for c in plan.get("center", [])])
     # γ/β the fold moved out of a stack (into the head): its blocks are compared without them, the shell holds its last block
-    affine_folds = report.get("plan", {}).get("affine_fold", [])
+    affine_folds = plan.get("affine_fold", [])
     moved = {stack: affine_moved_out(affine_folds, stack) for stack in stacks}
     shell_blocks = {stack: n - 1 for stack, (n, _) in stacks.items() if moved[stack]}
     step("checking the embeddings, final norm and head in float64")
     try:
         shell, calls = check_shell(orig_dir, folded_dir, swapped, {s: c for s, (_, c) in stacks.items()},
                                    stored_dtype=stored, trust_remote_code=trust_remote_code, stream_map=stream_map,
-                                   extra_parameters=[e["name"] for e in report.get("extra_parameters", [])],
+                                   extra_parameters=[e.name for e in report.layout.extra_parameters],
                                    shell_blocks=shell_blocks)
     except Exception as err:  # a model that cannot run cut short: not proved, so not ok
         why = f"could not run the model cut to one block per stack: {first_line(err)}"
@@ -104,7 +106,7 @@ def verify_by_blocks(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike,
 
 
 def _check_stack(skeleton: nn.Module, orig: StoredKeys, folded: StoredKeys, paths: list[str], centered: bool,
-                 call: Call | None, swapped: list[dict[str, Any]], stored: torch.dtype,
+                 call: Call | None, swapped: Sequence[SwappedNorm], stored: torch.dtype,
                  stream_map: StreamMap | None = None,
                  moved_affine: list[str] = ()) -> tuple[list[dict[str, Any]], list[str], set[str], int]:
     """Every block of one stack (``paths``, in order) on the original's stream: each block whose
