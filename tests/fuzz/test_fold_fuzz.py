@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from fold_fuzz import (BATCH, TIME, Block, FuzzModel, Spec, _aliases_input, _brute_force, _judge_claim, _Recorder,
+from centering_oracle import Recorder
+from fold_fuzz import (BATCH, TIME, Block, FuzzModel, Spec, _aliases_input, _brute_force, _judge_claim,
                        _smaller, check_compiled_fused, check_seed, check_spec, generate, make_inputs,
                        with_residual_adds, written_model, written_source)
 
@@ -146,7 +147,7 @@ def test_recorded_norm_input_survives_a_later_in_place_op():
                   Block("norm", (1,), 8, {"kind": "layer_norm_plain", "groups": 1}),
                   Block("in_place", (1,), 8, {"kind": "relu"})], (2, 3))
     model = FuzzModel(spec).double().eval()
-    recorder = _Recorder(model.b1)
+    recorder = Recorder(model.b1)
     ids, x = make_inputs(spec, 0)
     with torch.no_grad():
         seen = model.b0(x)
