@@ -57,14 +57,24 @@ RESULTS = REPO / "benchmarks" / "results"
 OTHER_BATCH, OTHER_LENGTH = 3, 7  # the second proof's inputs: another batch size and length than the example
 SECONDS_PER_TYPE = 120            # a type that takes longer to build and fold is reported as skipped
 BRUTE_FORCE_SECONDS = 90        # the missed-fold brute force of one row judges no new norm after this long
-COLUMNS = ["model_type", "model_class", "status", "norms", "folded", "affine_folded", "missed", "capture",
-           "error_class", "other_inputs_error", "compared_in", "tolerance", "seconds", "refused", "missed_folds",
-           "detail"]
+COLUMNS = ["model_type", "model_class", "status", "norms", "folded", "affine_folded", "missed", "not_judged",
+           "capture", "error_class", "other_inputs_error", "compared_in", "tolerance", "seconds", "refused",
+           "missed_folds", "detail"]
 
 
 def _zoo_helpers():
     """tests/hf/test_zoo_folders.py: the config size rules the tests already build their zoo with."""
-    spec = importlib.util.spec_from_file_location("_zoo_folders", REPO / "tests" / "hf" / "test_zoo_folders.py")
+    return _load_by_path("_zoo_folders", REPO / "tests" / "hf" / "test_zoo_folders.py")
+
+
+def _testers_module():
+    """benchmarks/hf_testers.py: transformers' ModelTesters read from a checkout (``--tests``)."""
+    return _load_by_path("_hf_testers", REPO / "benchmarks" / "hf_testers.py")
+
+
+def _load_by_path(name: str, path: Path):
+    """The module at ``path`` (not a package: this script is itself loaded by path in the tests)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
@@ -182,9 +192,10 @@ def fold_and_prove(row: dict, model: nn.Module, example: dict, other: dict) -> N
         if proof.compared_in == "float64":
             row.update(missed_folds(model, [n for n in norms if not n.foldable], [example, other]))
         else:
-            row.update(missed="", missed_folds="not judged: the model does not run in float64")
+            row.update(missed="", not_judged=len(norms) - row["folded"],
+                       missed_folds="not judged: the model does not run in float64")
     except FoldError as err:
-        row.update(status="FoldError", detail=_line(err), error_class=error_class(str(err), eager_error(model, example)))
+        row.update(status="FoldError", detail=_line(err), error_class=error_class(_line(err), eager_error(model, example)))
 
 
 def capture_route(report) -> str:
@@ -197,8 +208,9 @@ EXPORT_LIMIT_MARKERS = ("torch.export could not capture", "GuardOnDataDependentS
 
 
 def error_class(message: str, eager: str | None) -> str:
-    """The reason class of a FoldError (``message``), given ``eager``, the original model's own error on
-    the same inputs run eagerly (None when it runs):
+    """The reason class of a FoldError (``message``: its first line, which says which step failed and why;
+    a later line may quote a capture route), given ``eager``, the original model's own error on the same
+    inputs run eagerly (None when it runs):
 
     - "missing input": the original model itself fails on the inputs (``eager`` is set): the example
       was wrong, not the fold;
@@ -231,7 +243,7 @@ def missed_folds(model: nn.Module, unfolded, calls: list[dict]) -> dict:
     from centering_oracle import brute_force, call_model
 
     if not unfolded:
-        return {"missed": 0, "missed_folds": ""}
+        return {"missed": 0, "not_judged": 0, "missed_folds": ""}
     model64 = copy.deepcopy(model).double().eval()
     calls64 = [{k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in c.items()}
                for c in calls]
@@ -241,14 +253,14 @@ def missed_folds(model: nn.Module, unfolded, calls: list[dict]) -> dict:
     deadline, found, not_judged = time.monotonic() + BRUTE_FORCE_SECONDS, [], []
     for norm in unfolded:
         if time.monotonic() > deadline:
-            not_judged.append(norm.path)
+            not_judged.append(f"{norm.path} (past {BRUTE_FORCE_SECONDS} s)")
             continue
         try:
             module = model64.get_submodule(norm.path)
             dim = 1 if getattr(module, "data_format", None) == "channels_first" else -1
             verdict = brute_force(model64, recipes, norm.path, calls64, reference, norm_dim=dim)
         except _TimeBox:  # the row's time box: what was found stays, the rest is not judged
-            not_judged.append(f"{norm.path} and the norms after it (time box)")
+            not_judged += [f"{n.path} (time box)" for n in unfolded[unfolded.index(norm):]]
             break
         except Exception as err:  # noqa: BLE001  a norm the oracle cannot run on (no module at the path, ...)
             not_judged.append(f"{norm.path} ({type(err).__name__})")
@@ -256,7 +268,7 @@ def missed_folds(model: nn.Module, unfolded, calls: list[dict]) -> dict:
         if verdict.verdict == "missed":
             found.append(f"{norm.path}: {verdict.detail} (engine: {norm.reason})")
     text = "; ".join(found + ([f"not judged: {', '.join(not_judged)}"] if not_judged else []))
-    return {"missed": len(found), "missed_folds": text.replace("|", "/")}
+    return {"missed": len(found), "not_judged": len(not_judged), "missed_folds": text.replace("|", "/")}
 
 
 def centering_recipes(model: nn.Module) -> dict[str, tuple[int, int | None]]:
@@ -456,7 +468,8 @@ def write_markdown(rows: list[dict], path: Path, command: str, not_reached: list
         f"FoldError by reason class: {_error_classes(rows) or 'none'}. Captured through submodules: "
         f"{sum(r['capture'].startswith('submodules') for r in rows)} rows. Missed folds by brute force "
         f"(tests/fuzz/centering_oracle.py on each norm left unfolded): {sum(_count(r['missed']) for r in rows)} "
-        f"in {sum(_count(r['missed']) > 0 for r in rows)} rows.", "",
+        f"in {sum(_count(r['missed']) > 0 for r in rows)} rows; unfolded norms not judged (time box, float32 "
+        f"model, no module at the path): {sum(_count(r['not_judged']) for r in rows)}.", "",
     ]
     columns = columns_of(rows)
     if "folded_before" in columns:
@@ -529,15 +542,6 @@ def _rss_gb(pid: int) -> float:
         return 0.0
     kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
     return kib / 2 ** 20
-
-
-def _testers_module():
-    """benchmarks/hf_testers.py (loaded by path: this script is loaded by path in the tests too)."""
-    spec = importlib.util.spec_from_file_location("_hf_testers", REPO / "benchmarks" / "hf_testers.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def main(argv: list[str] | None = None) -> int:
