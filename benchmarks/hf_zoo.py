@@ -56,7 +56,8 @@ sys.path.insert(0, str(REPO / "tests" / "fuzz"))  # centering_oracle: the fuzzer
 RESULTS = REPO / "benchmarks" / "results"
 OTHER_BATCH, OTHER_LENGTH = 3, 7  # the second proof's inputs: another batch size and length than the example
 SECONDS_PER_TYPE = 120            # a type that takes longer to build and fold is reported as skipped
-BRUTE_FORCE_SECONDS = 90        # the missed-fold brute force of one row judges no new norm after this long
+BRUTE_FORCE_SECONDS = 90          # the missed-fold brute force of one row judges no new norm after this long
+                                  # (--brute-force-seconds sets it, for a slow type run on its own)
 COLUMNS = ["model_type", "model_class", "status", "norms", "folded", "affine_folded", "missed", "not_judged",
            "capture", "error_class", "other_inputs_error", "compared_in", "tolerance", "seconds", "refused",
            "missed_folds", "detail"]
@@ -86,7 +87,7 @@ class _TimeBox(BaseException):
 
 
 def _alarm(signum, frame):
-    raise _TimeBox(f"took more than {SECONDS_PER_TYPE + BRUTE_FORCE_SECONDS} s")
+    raise _TimeBox(f"took more than {SECONDS_PER_TYPE + BRUTE_FORCE_SECONDS:g} s")
 
 
 def tiny_model(model_type: str, zoo, **config_fields) -> nn.Module:
@@ -153,7 +154,7 @@ def _time_box(row: dict):
     FoldError an "EXCEPTION" row (a bug of normfold: the table must show it, not stop); sets ``seconds``."""
     start = time.perf_counter()
     signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(SECONDS_PER_TYPE + BRUTE_FORCE_SECONDS)
+    signal.alarm(int(SECONDS_PER_TYPE + BRUTE_FORCE_SECONDS))
     try:
         yield
     except _TimeBox as err:
@@ -253,7 +254,7 @@ def missed_folds(model: nn.Module, unfolded, calls: list[dict]) -> dict:
     deadline, found, not_judged = time.monotonic() + BRUTE_FORCE_SECONDS, [], []
     for norm in unfolded:
         if time.monotonic() > deadline:
-            not_judged.append(f"{norm.path} (past {BRUTE_FORCE_SECONDS} s)")
+            not_judged.append(f"{norm.path} (past {BRUTE_FORCE_SECONDS:g} s)")
             continue
         try:
             module = model64.get_submodule(norm.path)
@@ -511,9 +512,10 @@ def _commit() -> str:
 def isolated_tester_rows(model_type: str, root: Path, max_rss_gb: float) -> list[dict]:
     """:func:`tester_rows` of one type in a child process (this script with ``--rows-of``), killed when its
     resident memory passes ``max_rss_gb`` (one "skipped" row saying so) or it runs past two time boxes."""
-    command = [sys.executable, __file__, "--tests", str(root), "--rows-of", model_type]
+    command = [sys.executable, __file__, "--tests", str(root), "--rows-of", model_type,
+               "--brute-force-seconds", str(BRUTE_FORCE_SECONDS)]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    limit_s, start, peak = 2 * (SECONDS_PER_TYPE + BRUTE_FORCE_SECONDS) + 120, time.monotonic(), 0.0
+    limit_s, start, peak = int(2 * (SECONDS_PER_TYPE + BRUTE_FORCE_SECONDS) + 120), time.monotonic(), 0.0
     why = None
     while child.poll() is None:
         peak = max(peak, _rss_gb(child.pid))
@@ -545,6 +547,7 @@ def _rss_gb(pid: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global BRUTE_FORCE_SECONDS  # --brute-force-seconds
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="*", help="model types (default: every type of CONFIG_MAPPING)")
     parser.add_argument("--out", default=str(RESULTS / "hf_zoo"), help="output stem (.csv and .md are added)")
@@ -558,8 +561,13 @@ def main(argv: list[str] | None = None) -> int:
                         "class, each type in a child process")
     parser.add_argument("--max-rss-gb", type=float, default=5.0, help="with --tests: stop a type whose process "
                         "holds more memory than this (a 'skipped' row)")
+    parser.add_argument("--brute-force-seconds", type=float, default=BRUTE_FORCE_SECONDS, help="the missed-fold "
+                        "brute force of one row judges no new norm after this long (the rest: not judged)")
     parser.add_argument("--rows-of", metavar="TYPE", help=argparse.SUPPRESS)  # the child process of --tests
     args = parser.parse_args(argv)
+    if args.brute_force_seconds <= 0:
+        parser.error(f"--brute-force-seconds must be > 0, got {args.brute_force_seconds:g}")
+    BRUTE_FORCE_SECONDS = args.brute_force_seconds  # read by every row's time box and the brute force
     if args.tests is not None and not (args.tests / "tests" / "models").is_dir():
         parser.error(f"--tests needs a transformers checkout with tests/models/, got {args.tests}")
     if args.reached_only and not args.before:
@@ -579,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
         command += f" --before {args.before}" + (" --reached-only" if args.reached_only else "")
     if args.tests is not None:
         command += f" --tests {args.tests} --max-rss-gb {args.max_rss_gb:g}"
+    if args.brute_force_seconds != parser.get_default("brute_force_seconds"):
+        command += f" --brute-force-seconds {args.brute_force_seconds:g}"
     if args.reached_only:
         types = list(dict.fromkeys([*reached_types(before), *(args.types or [])]))
     else:

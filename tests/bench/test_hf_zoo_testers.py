@@ -196,6 +196,12 @@ def test_the_tests_option_needs_a_checkout_with_tests_models(hf_zoo, tmp_path, c
     assert "--tests needs a transformers checkout" in capsys.readouterr().err
 
 
+def test_a_brute_force_budget_that_is_not_positive_is_refused(hf_zoo, capsys):
+    with pytest.raises(SystemExit):
+        hf_zoo.main(["--types", "bert", "--brute-force-seconds", "0"])
+    assert "--brute-force-seconds must be > 0, got 0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(("message", "eager", "expected"), [
     (("LlavaModel (llava): verifying (running both models) failed: ValueError: Image features and image tokens "
       "do not match"), "ValueError: Image features and image tokens do not match", "missing input"),
