@@ -8,18 +8,37 @@ then the same plan proved again on inputs of another batch size and length (3 x 
 folded, affine-folded, the error on those other inputs, each refused norm's reason, and for a model
 the engine refuses, its FoldError. Any other exception is a bug and says so in the ``status`` column.
 
+Every row also says how the model was captured (``capture``: "whole", or "submodules: ..." when
+torch.export could not capture the whole model), a FoldError's reason class (``error_class``, see
+:func:`error_class`: "missing input" when the original model itself fails on the inputs, "export limit"
+when it runs but torch.export cannot capture it, "normfold refusal" otherwise), and the missed folds
+found by brute force (``missed``, ``missed_folds``): for each LayerNorm the engine left unfolded, the
+fuzzer's oracle (tests/fuzz/centering_oracle.py) centers the parameters its input depends on and checks
+numerically, in float64, whether that makes the input zero-mean and keeps every output.
+
+``--tests PATH`` (issue 33 item 5): configs and inputs from transformers' own ModelTesters, read from a
+checkout of its test suite (benchmarks/hf_testers.py; the suite is not on PyPI), for the bare model and
+the main head class of each type; a type whose tester cannot be loaded is a "no tester" row with why.
+Each type runs in a child process, stopped past ``--max-rss-gb``.
+
     python benchmarks/hf_zoo.py                         # every type: benchmarks/results/hf_zoo.{csv,md}
     python benchmarks/hf_zoo.py --types bert gpt2 vit   # some types only
     python benchmarks/hf_zoo.py --before benchmarks/results/hf_zoo.csv --reached-only --out /tmp/after
         # only the types the earlier table reached with a LayerNorm or a FoldError, each row with the
         # earlier folded count (``folded_before``) and a summary of the types whose count rose or fell
+    python benchmarks/hf_zoo.py --tests /tmp/transformers-tests --types led vits --out /tmp/zoo_testers
+        # transformers' ModelTesters (a checkout's tests/models/<name>/test_modeling_<name>.py)
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import copy
 import csv
 import importlib.util
+import inspect
+import json
 import platform
 import re
 import signal
@@ -33,16 +52,30 @@ import torch
 from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "fuzz"))  # centering_oracle: the fuzzer's brute force, as fuzz_fold.py imports it
 RESULTS = REPO / "benchmarks" / "results"
 OTHER_BATCH, OTHER_LENGTH = 3, 7  # the second proof's inputs: another batch size and length than the example
 SECONDS_PER_TYPE = 120            # a type that takes longer to build and fold is reported as skipped
-COLUMNS = ["model_type", "model_class", "status", "norms", "folded", "affine_folded", "other_inputs_error",
-           "compared_in", "tolerance", "seconds", "refused", "detail"]
+BRUTE_FORCE_SECONDS = 90          # the missed-fold brute force of one row judges no new norm after this long
+                                  # (--brute-force-seconds sets it, for a slow type run on its own)
+COLUMNS = ["model_type", "model_class", "status", "norms", "folded", "affine_folded", "missed", "not_judged",
+           "capture", "error_class", "other_inputs_error", "compared_in", "tolerance", "seconds", "refused",
+           "missed_folds", "detail"]
 
 
 def _zoo_helpers():
     """tests/hf/test_zoo_folders.py: the config size rules the tests already build their zoo with."""
-    spec = importlib.util.spec_from_file_location("_zoo_folders", REPO / "tests" / "hf" / "test_zoo_folders.py")
+    return _load_by_path("_zoo_folders", REPO / "tests" / "hf" / "test_zoo_folders.py")
+
+
+def _testers_module():
+    """benchmarks/hf_testers.py: transformers' ModelTesters read from a checkout (``--tests``)."""
+    return _load_by_path("_hf_testers", REPO / "benchmarks" / "hf_testers.py")
+
+
+def _load_by_path(name: str, path: Path):
+    """The module at ``path`` (not a package: this script is itself loaded by path in the tests)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
@@ -54,7 +87,7 @@ class _TimeBox(BaseException):
 
 
 def _alarm(signum, frame):
-    raise _TimeBox(f"took more than {SECONDS_PER_TYPE} s")
+    raise _TimeBox(f"took more than {SECONDS_PER_TYPE + BRUTE_FORCE_SECONDS:g} s")
 
 
 def tiny_model(model_type: str, zoo, **config_fields) -> nn.Module:
@@ -98,42 +131,32 @@ def has_layer_norm(model: nn.Module) -> bool:
 
 def fold_row(model_type: str, zoo) -> dict:
     """One row of the table for ``model_type`` (never raises: the status column says what happened)."""
-    from normfold.engine import FoldError, fold
-    from normfold.engine.pipeline import apply_fold, prove_fold
     from normfold.hf.inputs import example_inputs_for
 
     row = dict.fromkeys(COLUMNS, "")
     row["model_type"] = model_type
-    start = time.perf_counter()
-    signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(SECONDS_PER_TYPE)
-    try:
+    with _time_box(row):
         try:
             model = tiny_model(model_type, zoo)
             example = example_inputs_for(model)
+            other = example_inputs_for(model, batch=OTHER_BATCH, seq=OTHER_LENGTH, seed=1)
         except _TimeBox:
             raise
         except Exception as err:  # noqa: BLE001  the shrunk default config builds no model: skipped, with why
             return {**row, "status": "skipped", "detail": f"no tiny model: {type(err).__name__}: {_line(err)}"}
-        row["model_class"] = type(model).__name__
-        if not has_layer_norm(model):
-            return {**row, "status": "no LayerNorm"}
-        try:
-            folded, report = fold(model, example)
-            norms = [n for n in report.norms if n.kind == "LayerNorm"]
-            if not norms:  # the module named like a LayerNorm computes something else
-                return {**row, "status": "no LayerNorm"}
-            row.update(norms=len(norms), folded=sum(n.foldable for n in norms),
-                       affine_folded=sum(n.affine_folded for n in norms))
-            row["refused"] = _reasons(norms)
-            other = example_inputs_for(model, batch=OTHER_BATCH, seq=OTHER_LENGTH, seed=1)
-            proof = prove_fold(model, apply_fold(model, report.plan), other, report.plan)
-            row.update(other_inputs_error=f"{proof.max_rel_error:.1e}", compared_in=proof.compared_in,
-                       tolerance=f"{proof.tolerance:.1e}")
-            row["status"] = "proved" if proof.ok else "WRONG"
-            row["detail"] = proof.fallback or (proof.why or "")
-        except FoldError as err:
-            row.update(status="FoldError", detail=_line(err))
+        fold_and_prove(row, model, example, other)
+    return row
+
+
+@contextlib.contextmanager
+def _time_box(row: dict):
+    """Run a row's work within SECONDS_PER_TYPE (else status "skipped"), any exception other than a
+    FoldError an "EXCEPTION" row (a bug of normfold: the table must show it, not stop); sets ``seconds``."""
+    start = time.perf_counter()
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(int(SECONDS_PER_TYPE + BRUTE_FORCE_SECONDS))
+    try:
+        yield
     except _TimeBox as err:
         row.update(status="skipped", detail=str(err))
     except Exception as err:  # noqa: BLE001  a bug of normfold: the table must show it, not stop
@@ -141,7 +164,217 @@ def fold_row(model_type: str, zoo) -> dict:
     finally:
         signal.alarm(0)
         row["seconds"] = f"{time.perf_counter() - start:.1f}"
-    return row
+
+
+def fold_and_prove(row: dict, model: nn.Module, example: dict, other: dict) -> None:
+    """Fill ``row`` for ``model``: fold on ``example``, prove the plan again on ``other``, the capture
+    route, a FoldError's reason class, and the brute force over the norms left unfolded."""
+    from normfold.engine import FoldError, fold
+    from normfold.engine.pipeline import apply_fold, prove_fold
+
+    row["model_class"] = type(model).__name__
+    if not has_layer_norm(model):
+        row["status"] = "no LayerNorm"
+        return
+    try:
+        _, report = fold(model, example)
+        norms = [n for n in report.norms if n.kind == "LayerNorm"]
+        if not norms:  # the module named like a LayerNorm computes something else
+            row["status"] = "no LayerNorm"
+            return
+        row.update(norms=len(norms), folded=sum(n.foldable for n in norms),
+                   affine_folded=sum(n.affine_folded for n in norms), capture=capture_route(report))
+        row["refused"] = _reasons(norms)
+        proof = prove_fold(model, apply_fold(model, report.plan), other, report.plan)
+        row.update(other_inputs_error=f"{proof.max_rel_error:.1e}", compared_in=proof.compared_in,
+                   tolerance=f"{proof.tolerance:.1e}")
+        row["status"] = "proved" if proof.ok else "WRONG"
+        row["detail"] = proof.fallback or (proof.why or "")
+        if proof.compared_in == "float64":
+            row.update(missed_folds(model, [n for n in norms if not n.foldable], [example, other]))
+        else:
+            row.update(missed="", not_judged=len(norms) - row["folded"],
+                       missed_folds="not judged: the model does not run in float64")
+    except FoldError as err:
+        row.update(status="FoldError", detail=_line(err), error_class=error_class(_line(err), eager_error(model, example)))
+
+
+def capture_route(report) -> str:
+    """"whole", or "submodules: a, b" when torch.export could not capture the whole model."""
+    return f"submodules: {', '.join(report.captured_through)}" if report.captured_through else "whole"
+
+
+EXPORT_LIMIT_MARKERS = ("torch.export could not capture", "GuardOnDataDependentSymNode", "data-dependent",
+                        "Could not extract specialized integer", "Could not guard on data-dependent")
+
+
+def error_class(message: str, eager: str | None) -> str:
+    """The reason class of a FoldError (``message``: its first line, which says which step failed and why;
+    a later line may quote a capture route), given ``eager``, the original model's own error on the same
+    inputs run eagerly (None when it runs):
+
+    - "missing input": the original model itself fails on the inputs (``eager`` is set): the example
+      was wrong, not the fold;
+    - "export limit": it runs eagerly, and the message is torch.export's (data-dependent control flow,
+      an object export does not trace): export cannot capture it, and no submodule route saved it;
+    - "normfold refusal": it runs and export captured it: normfold itself refused (an analysis or
+      planning error, a failed or impossible proof, an overflow)."""
+    if eager is not None:
+        return f"missing input ({eager})"
+    if any(marker in message for marker in EXPORT_LIMIT_MARKERS):
+        return "export limit"
+    return "normfold refusal"
+
+
+def eager_error(model: nn.Module, example: dict) -> str | None:
+    """The original model's error on ``example`` run eagerly ("Type: first line"), None when it runs."""
+    try:
+        with torch.no_grad():
+            model(**example)
+    except Exception as err:  # noqa: BLE001  the model's own code: whatever it raises is the answer
+        return f"{type(err).__name__}: {_line(err)[:150]}"
+    return None
+
+
+def missed_folds(model: nn.Module, unfolded, calls: list[dict]) -> dict:
+    """``missed`` (count) and ``missed_folds`` ("path: what centering folds it (engine: its reason)"; ...)
+    by the fuzzer's brute-force oracle (``tests/fuzz/centering_oracle.py``) on a float64 copy of
+    ``model``: for each norm in ``unfolded``, does centering its producers make its input zero-mean and
+    keep every output? Norms it could not judge within BRUTE_FORCE_SECONDS are listed as not judged."""
+    from centering_oracle import brute_force, call_model
+
+    if not unfolded:
+        return {"missed": 0, "not_judged": 0, "missed_folds": ""}
+    model64 = copy.deepcopy(model).double().eval()
+    calls64 = [{k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in c.items()}
+               for c in calls]
+    with torch.no_grad():
+        reference = [call_model(model64, c) for c in calls64]
+    recipes = centering_recipes(model64)
+    deadline, found, not_judged = time.monotonic() + BRUTE_FORCE_SECONDS, [], []
+    for norm in unfolded:
+        if time.monotonic() > deadline:
+            not_judged.append(f"{norm.path} (past {BRUTE_FORCE_SECONDS:g} s)")
+            continue
+        try:
+            module = model64.get_submodule(norm.path)
+            dim = 1 if getattr(module, "data_format", None) == "channels_first" else -1
+            verdict = brute_force(model64, recipes, norm.path, calls64, reference, norm_dim=dim)
+        except _TimeBox:  # the row's time box: what was found stays, the rest is not judged
+            not_judged += [f"{n.path} (time box)" for n in unfolded[unfolded.index(norm):]]
+            break
+        except Exception as err:  # noqa: BLE001  a norm the oracle cannot run on (no module at the path, ...)
+            not_judged.append(f"{norm.path} ({type(err).__name__})")
+            continue
+        if verdict.verdict == "missed":
+            found.append(f"{norm.path}: {verdict.detail} (engine: {norm.reason})")
+    text = "; ".join(found + ([f"not judged: {', '.join(not_judged)}"] if not_judged else []))
+    return {"missed": len(found), "not_judged": len(not_judged), "missed_folds": text.replace("|", "/")}
+
+
+def centering_recipes(model: nn.Module) -> dict[str, tuple[int, int | None]]:
+    """Each parameter's output-feature dim (and group) for the brute force: Linear and Conv weights and
+    biases dim 0 (per group of a grouped conv), a transposed conv's weight dim 1, an Embedding table dim 1,
+    transformers' Conv1D weight (in, out) dim 1; a norm's own γ/β none (not a linear map); any other
+    parameter its last dim (added position tables, tokens). A wrong recipe can only miss a fold, never
+    invent one: the oracle checks every output numerically."""
+    recipes = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if "norm" in type(module).__name__.lower():
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if p.dim() == 0:
+                continue
+            groups = getattr(module, "groups", 1) if isinstance(module, nn.modules.conv._ConvNd) else 1
+            if isinstance(module, nn.modules.conv._ConvTransposeNd):
+                recipe = (1 if name == "weight" else 0, None)
+            elif isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
+                recipe = (0, p.shape[0] // groups if groups > 1 else None)
+            elif isinstance(module, (nn.Embedding, nn.EmbeddingBag)) or type(module).__name__ == "Conv1D":
+                recipe = (1 if p.dim() == 2 else 0, None)
+            else:
+                recipe = (p.dim() - 1, None)
+            recipes[f"{prefix}.{name}" if prefix else name] = recipe
+    return recipes
+
+
+# the task mappings a main head class is taken from, in this order (then every other, alphabetically)
+HEAD_MAPPINGS = ("CAUSAL_LM", "IMAGE_TEXT_TO_TEXT", "MULTIMODAL_LM", "SEQ_TO_SEQ_CAUSAL_LM", "SPEECH_SEQ_2_SEQ",
+                 "MASKED_LM", "SEQUENCE_CLASSIFICATION", "IMAGE_CLASSIFICATION", "AUDIO_CLASSIFICATION", "CTC",
+                 "VIDEO_CLASSIFICATION", "TEXT_TO_WAVEFORM", "TEXT_TO_SPECTROGRAM", "OBJECT_DETECTION")
+
+
+def model_classes(config, zoo) -> list[type]:
+    """The bare model class of ``config`` (AutoModel's) and its main head class: the first class a task
+    mapping of HEAD_MAPPINGS lists for the type, then of any other mapping; each once."""
+    from transformers.models.auto import modeling_auto  # not at the top: transformers is optional
+
+    classes = []
+    try:
+        classes.append(zoo._bare_model_class(config))
+    except (KeyError, ValueError):  # a type with task heads only (no AutoModel entry)
+        pass
+    others = sorted(n[len("MODEL_FOR_"):-len("_MAPPING_NAMES")] for n in dir(modeling_auto)
+                    if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING_NAMES"))
+    for task in [*HEAD_MAPPINGS, *(t for t in others if t not in HEAD_MAPPINGS)]:
+        name = getattr(modeling_auto, f"MODEL_FOR_{task}_MAPPING_NAMES", {}).get(config.model_type)
+        name = name[0] if isinstance(name, (list, tuple)) else name
+        head = getattr(zoo.transformers, name, None) if name else None
+        if head is not None:
+            if head not in classes:
+                classes.append(head)
+            break
+    return classes
+
+
+def tester_rows(model_type: str, root: Path, zoo, testers) -> list[dict]:
+    """The rows of ``model_type`` with transformers' own tester config and inputs (``hf_testers``): its
+    bare model and its main head class, each folded on the tester's inputs and proved again on the
+    tester's inputs of another seed; one "no tester" row (with why) when its tester cannot be loaded."""
+    row = dict.fromkeys(COLUMNS, "")
+    row["model_type"] = model_type
+    try:
+        config, example, tester = testers.tester_inputs(model_type, root, seed=0)
+        other = testers.tester_inputs(model_type, root, seed=1)[1]
+    except Exception as err:  # noqa: BLE001  TesterError, or the suite's code failing on this checkout
+        return [{**row, "status": "no tester", "detail": f"{type(err).__name__}: {_line(err)}"}]
+    rows = []
+    for cls in model_classes(config, zoo):
+        rows.append({**row, "model_class": cls.__name__, "detail": tester})
+        with _time_box(rows[-1]):
+            try:
+                model = _tester_model(cls, config)
+            except _TimeBox:
+                raise
+            except Exception as err:  # noqa: BLE001  the tester's config builds no such model: skipped, with why
+                rows[-1].update(status="skipped", detail=f"no model: {type(err).__name__}: {_line(err)}")
+                continue
+            fold_and_prove(rows[-1], model, accepted_inputs(model, example), accepted_inputs(model, other))
+            rows[-1]["detail"] = f"{tester}; {rows[-1]['detail']}".rstrip("; ")
+    return rows
+
+
+def _tester_model(cls: type, config) -> nn.Module:
+    """``cls`` on a copy of a tester's config, eager attention and no cache (as normfold's own example
+    inputs ask: a cache object is no output to compare), in eval mode, randomised."""
+    config = copy.deepcopy(config)
+    for part in {id(c): c for c in (config, config.get_text_config(), config.get_text_config(decoder=True))}.values():
+        if getattr(part, "use_cache", None):
+            part.use_cache = False
+    if hasattr(config, "_attn_implementation"):
+        config._attn_implementation = "eager"  # the same graph on every torch version
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    randomise_constant_parameters(model)
+    return model
+
+
+def accepted_inputs(model: nn.Module, inputs: dict) -> dict:
+    """``inputs`` less those ``model.forward`` does not name (all of them when it takes ``**kwargs``)."""
+    parameters = inspect.signature(model.forward).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return dict(inputs)
+    return {k: v for k, v in inputs.items() if k in parameters}
 
 
 def _line(err: BaseException) -> str:
@@ -233,6 +466,11 @@ def write_markdown(rows: list[dict], path: Path, command: str, not_reached: list
         f"With a LayerNorm: {len(tried)}; norms {sum(int(r['norms'] or 0) for r in tried)}, folded "
         f"{sum(int(r['folded'] or 0) for r in tried)}; wrong claims {statuses['WRONG']}; exceptions other than "
         f"FoldError {statuses['EXCEPTION']}.", "",
+        f"FoldError by reason class: {_error_classes(rows) or 'none'}. Captured through submodules: "
+        f"{sum(r['capture'].startswith('submodules') for r in rows)} rows. Missed folds by brute force "
+        f"(tests/fuzz/centering_oracle.py on each norm left unfolded): {sum(_count(r['missed']) for r in rows)} "
+        f"in {sum(_count(r['missed']) > 0 for r in rows)} rows; unfolded norms not judged (time box, float32 "
+        f"model, no module at the path): {sum(_count(r['not_judged']) for r in rows)}.", "",
     ]
     columns = columns_of(rows)
     if "folded_before" in columns:
@@ -242,6 +480,12 @@ def write_markdown(rows: list[dict], path: Path, command: str, not_reached: list
     if not_reached:
         lines += ["", f"Not reached within --max-minutes ({len(not_reached)}): {', '.join(not_reached)}"]
     path.write_text("\n".join(lines) + "\n")
+
+
+def _error_classes(rows: list[dict]) -> str:
+    """"12 export limit, 3 missing input, ...": the FoldError rows by reason class (its words before any "(")."""
+    counts = collections.Counter(r["error_class"].split(" (")[0] for r in rows if r["status"] == "FoldError")
+    return ", ".join(f"{n} {what}" for what, n in counts.most_common())
 
 
 def columns_of(rows: list[dict]) -> list[str]:
@@ -265,7 +509,45 @@ def _commit() -> str:
         return "unknown"
 
 
+def isolated_tester_rows(model_type: str, root: Path, max_rss_gb: float) -> list[dict]:
+    """:func:`tester_rows` of one type in a child process (this script with ``--rows-of``), killed when its
+    resident memory passes ``max_rss_gb`` (one "skipped" row saying so) or it runs past two time boxes."""
+    command = [sys.executable, __file__, "--tests", str(root), "--rows-of", model_type,
+               "--brute-force-seconds", str(BRUTE_FORCE_SECONDS)]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    limit_s, start, peak = int(2 * (SECONDS_PER_TYPE + BRUTE_FORCE_SECONDS) + 120), time.monotonic(), 0.0
+    why = None
+    while child.poll() is None:
+        peak = max(peak, _rss_gb(child.pid))
+        if peak > max_rss_gb:
+            why = f"resident memory passed {max_rss_gb:g} GB: stopped"
+        elif time.monotonic() - start > limit_s:
+            why = f"took more than {limit_s} s: stopped"
+        if why:
+            child.kill()
+            child.wait()
+            break
+        time.sleep(0.5)
+    out = child.stdout.read().strip().splitlines()
+    if why is None and child.returncode == 0 and out:
+        return json.loads(out[-1])
+    row = {**dict.fromkeys(COLUMNS, ""), "model_type": model_type, "status": "skipped"}
+    row["detail"] = why or f"the child process ended with code {child.returncode}"
+    return [row]
+
+
+def _rss_gb(pid: int) -> float:
+    """The resident memory of process ``pid`` in GB (0 when it is gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0.0
+    kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
+    return kib / 2 ** 20
+
+
 def main(argv: list[str] | None = None) -> int:
+    global BRUTE_FORCE_SECONDS  # --brute-force-seconds
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="*", help="model types (default: every type of CONFIG_MAPPING)")
     parser.add_argument("--out", default=str(RESULTS / "hf_zoo"), help="output stem (.csv and .md are added)")
@@ -274,19 +556,39 @@ def main(argv: list[str] | None = None) -> int:
                         "adds its folded count as folded_before, and which types rose or fell")
     parser.add_argument("--reached-only", action="store_true", help="with --before: only the types it reached "
                         "with a LayerNorm or a FoldError (plus any --types)")
+    parser.add_argument("--tests", metavar="PATH", type=Path, help="a checkout of transformers (its tests/ folder is "
+                        "read): each type's config and inputs from its own ModelTester, bare model and main head "
+                        "class, each type in a child process")
+    parser.add_argument("--max-rss-gb", type=float, default=5.0, help="with --tests: stop a type whose process "
+                        "holds more memory than this (a 'skipped' row)")
+    parser.add_argument("--brute-force-seconds", type=float, default=BRUTE_FORCE_SECONDS, help="the missed-fold "
+                        "brute force of one row judges no new norm after this long (the rest: not judged)")
+    parser.add_argument("--rows-of", metavar="TYPE", help=argparse.SUPPRESS)  # the child process of --tests
     args = parser.parse_args(argv)
+    if args.brute_force_seconds <= 0:
+        parser.error(f"--brute-force-seconds must be > 0, got {args.brute_force_seconds:g}")
+    BRUTE_FORCE_SECONDS = args.brute_force_seconds  # read by every row's time box and the brute force
+    if args.tests is not None and not (args.tests / "tests" / "models").is_dir():
+        parser.error(f"--tests needs a transformers checkout with tests/models/, got {args.tests}")
     if args.reached_only and not args.before:
         parser.error("--reached-only needs --before CSV")
     before = read_table(args.before) if args.before else None
     warnings.filterwarnings("ignore")
     zoo = _zoo_helpers()
     zoo.transformers.logging.set_verbosity_error()
+    if args.rows_of:
+        print(json.dumps(tester_rows(args.rows_of, args.tests, zoo, _testers_module())), flush=True)
+        return 0
     stem = Path(args.out)
     command = "python benchmarks/hf_zoo.py" + (f" --types {' '.join(args.types)}" if args.types else "")
     if args.max_minutes is not None:
         command += f" --max-minutes {args.max_minutes:g}"
     if before is not None:
         command += f" --before {args.before}" + (" --reached-only" if args.reached_only else "")
+    if args.tests is not None:
+        command += f" --tests {args.tests} --max-rss-gb {args.max_rss_gb:g}"
+    if args.brute_force_seconds != parser.get_default("brute_force_seconds"):
+        command += f" --brute-force-seconds {args.brute_force_seconds:g}"
     if args.reached_only:
         types = list(dict.fromkeys([*reached_types(before), *(args.types or [])]))
     else:
@@ -300,12 +602,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_minutes is not None and time.monotonic() - start > 60 * args.max_minutes:
                 write_markdown(rows, stem.with_suffix(".md"), command, not_reached=types[i:])
                 break
-            rows.append(fold_row(model_type, zoo))
-            if before is not None:
-                rows[-1]["folded_before"] = folded_before(rows[-1], before)
-            writer.writerow(rows[-1])
+            new = (isolated_tester_rows(model_type, args.tests, args.max_rss_gb) if args.tests is not None
+                   else [fold_row(model_type, zoo)])
+            for row in new:
+                if before is not None:
+                    row["folded_before"] = folded_before(row, before)
+                writer.writerow(row)
+                print(" | ".join(str(row[c]) for c in COLUMNS[:9]), flush=True)
+            rows += new
             handle.flush()
-            print(" | ".join(str(rows[-1][c]) for c in COLUMNS[:7]), flush=True)
             write_markdown(rows, stem.with_suffix(".md"), command, not_reached=types[i + 1:])
     if before is not None:
         print(f"folded norms before → after: {folded_summary(rows)}", flush=True)

@@ -1,4 +1,5 @@
-"""``fold_fuzz`` is a plain module beside the tests (``benchmarks/fuzz_fold.py`` imports it too):
+"""``fold_fuzz`` and ``centering_oracle`` are plain modules beside the tests (``benchmarks/fuzz_fold.py``
+and ``benchmarks/hf_zoo.py`` import them too):
 put this folder on sys.path so it imports under any pytest import mode."""
 import sys
 from pathlib import Path

@@ -12,6 +12,7 @@ with ``fold_affine=False``) and judges every LayerNorm with checks that do not u
   own): center every linear-map parameter the LN input depends on along its output dim, greedily
   drop the ones not needed for a zero-mean LN input, and if the LN input is then zero-mean and every
   model output unchanged, a fold existed: a *missed* fold (not a bug, a gap). Otherwise *confirmed*.
+  That oracle is ``centering_oracle.brute_force``, which ``benchmarks/hf_zoo.py`` applies to real models.
 
 The generator knows, for every parameter it creates, which dim is its "output feature" dim (the
 centering recipe); the checks use only that and autograd, never the engine's rules.
@@ -29,11 +30,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from centering_oracle import MEAN_TOL, REL_TOL, NormVerdict, Recorder, brute_force, mean_ratio, rel_error
+
 BATCH, TIME = 2, 4            # T = 4 lets a Conv2d see the sequence as a 2×2 image
 VOCAB = 10                    # token ids in [0, 10); also the width of a tied lm-head output
 WIDTHS = (4, 6, 8, 12, 16)    # feature widths: small (fast export) with several divisors (heads, groups)
-REL_TOL = 1e-9                # float64: folding is exact up to rounding
-MEAN_TOL = 1e-9               # |mean| / rms of a row that counts as zero-mean in float64
 NUM_CHECK_INPUTS = 3          # fresh random inputs each property is checked on
 
 
@@ -375,51 +376,6 @@ def make_inputs(spec: Spec, seed: int, dtype=torch.float64) -> tuple[Tensor, Ten
 
 # --------------------------------------------------------------------------- independent checks
 
-def _rel_error(ref: Tensor, out: Tensor) -> float:
-    if ref.shape != out.shape:
-        return math.inf
-    scale = ref.abs().max().item()
-    diff = (ref - out).abs().max().item()
-    return diff / scale if scale > 0 else diff
-
-
-def _mean_ratio(x: Tensor) -> float:
-    """max over rows of |mean| / rms along the last dim."""
-    rms = x.square().mean(-1).sqrt().clamp_min(1e-300)
-    return (x.mean(-1).abs() / rms).max().item()
-
-
-def _center(t: Tensor, dim: int, group: int | None) -> Tensor:
-    """t minus its mean along dim (per contiguous group). Written here, not imported from the
-    engine, so that the brute force shares no code with what it checks."""
-    if group is None:
-        return t - t.mean(dim, keepdim=True)
-    moved = t.movedim(dim, -1)
-    parts = moved.reshape(*moved.shape[:-1], -1, group)
-    return (parts - parts.mean(-1, keepdim=True)).reshape(moved.shape).movedim(-1, dim)
-
-
-class _Recorder:
-    """Forward pre-hook that keeps a copy of the last input of one module (a copy: a later in-place op
-    may overwrite the tensor itself; clone() keeps the autograd link)."""
-
-    def __init__(self, module: nn.Module):
-        self.value = None
-        self.handle = module.register_forward_pre_hook(self)
-
-    def __call__(self, module, inputs):
-        self.value = inputs[0].clone()
-
-
-@dataclass
-class NormVerdict:
-    path: str
-    claimed: bool          # the engine said foldable
-    verdict: str           # "folded" | "wrong" | "confirmed" | "missed"
-    detail: str = ""
-    engine_reason: str = ""
-
-
 @dataclass
 class SeedResult:
     seed: int
@@ -490,13 +446,13 @@ def _judge_claim(folded: nn.Module, path: str, inputs, outputs_equal: bool, rel:
     module = folded.get_submodule(path)
     if not isinstance(module, RMSNorm):
         return NormVerdict(path, True, "wrong", f"claimed foldable but the folded model has {type(module).__name__} there")
-    recorder = _Recorder(module)
+    recorder = Recorder(module)
     ratio = 0.0
     try:
         with torch.no_grad():
             for i in inputs:
                 folded(*i)
-                ratio = max(ratio, _mean_ratio(recorder.value.double()))
+                ratio = max(ratio, mean_ratio(recorder.value.double()))
     finally:
         recorder.handle.remove()
     if not outputs_equal:
@@ -507,90 +463,8 @@ def _judge_claim(folded: nn.Module, path: str, inputs, outputs_equal: bool, rel:
 
 
 def _brute_force(model: FuzzModel, path: str, inputs, reference) -> NormVerdict:
-    """Is there a centering of linear-map parameters that makes this LN's input zero-mean and keeps
-    every output? Each name of a tied tensor is its own variable (a fold may untie)."""
-    from torch.func import functional_call
-
-    module = model.get_submodule(path)
-    names = dict(model.named_parameters(remove_duplicate=False))
-    recorder = _Recorder(module)
-
-    def run(values: dict[str, Tensor], i):
-        with torch.no_grad():
-            out = functional_call(model, values, i, tie_weights=False, strict=False)
-        return out, recorder.value
-
-    try:
-        base = {n: p.detach() for n, p in names.items()}
-        ratio = max(_mean_ratio(run(base, i)[1]) for i in inputs)
-        if ratio <= MEAN_TOL:
-            return NormVerdict(path, False, "missed", "its input is already zero-mean on random inputs")
-        ancestors = _ancestors(model, names, inputs[0], recorder)
-        for mode in ("whole", "norm_width"):
-            chosen = [n for n in ancestors if n in model.recipes]
-            width = module.normalized_shape[-1]
-            centered = {n: _center(base[n], *_group_for(model.recipes[n], base[n], mode, width)) for n in chosen}
-
-            def zero_mean(selected) -> bool:
-                values = {**base, **{n: centered[n] for n in selected}}
-                return all(_mean_ratio(run(values, i)[1]) <= MEAN_TOL for i in inputs)
-
-            if not chosen or not zero_mean(chosen):
-                continue
-            for n in list(chosen):  # greedy: keep only the parameters the zero mean needs
-                if zero_mean([m for m in chosen if m != n]):
-                    chosen.remove(n)
-            values = {**base, **{n: centered[n] for n in chosen}}
-            rel = max(_rel_error(r, o) for i, ref in zip(inputs, reference) for r, o in zip(ref, run(values, i)[0]))
-            if rel <= REL_TOL:
-                return NormVerdict(path, False, "missed", f"centering {sorted(chosen)} ({mode}) folds it")
-        return NormVerdict(path, False, "confirmed")
-    finally:
-        recorder.handle.remove()
-
-
-def _group_for(recipe: tuple[int, int | None], t: Tensor, mode: str, width: int) -> tuple[int, int | None]:
-    dim, group = recipe
-    if mode == "norm_width" and group is None and t.shape[dim] % width == 0 and t.shape[dim] != width:
-        return dim, width  # e.g. a per-head LayerNorm over D reads a Linear's outputs in groups of D
-    return dim, group
-
-
-def _ancestors(model: nn.Module, names: dict[str, Tensor], inputs, recorder: _Recorder) -> list[str]:
-    """Parameter names the recorded module's input depends on (nonzero gradient of a random
-    projection of it), each tied name separately."""
-    from torch.func import functional_call
-
-    leaves = {n: p.detach().clone().requires_grad_(True) for n, p in names.items()}
-    try:
-        with torch.enable_grad():
-            functional_call(model, leaves, inputs, tie_weights=False, strict=False)
-            value = recorder.value
-            if value is None or not value.requires_grad:
-                return []
-            probe = torch.randn(value.shape, generator=torch.Generator().manual_seed(0), dtype=value.dtype)
-            grads = torch.autograd.grad((value * probe).sum(), list(leaves.values()), allow_unused=True)
-    except RuntimeError:  # an in-place op overwrote a value autograd saved: perturb each name instead
-        return _ancestors_by_perturbation(model, names, inputs, recorder)
-    return [n for n, g in zip(leaves, grads) if g is not None and g.abs().max().item() > 0]
-
-
-def _ancestors_by_perturbation(model: nn.Module, names: dict[str, Tensor], inputs, recorder: _Recorder) -> list[str]:
-    """Parameter names whose random perturbation changes the recorded module's input."""
-    from torch.func import functional_call
-
-    base = {n: p.detach() for n, p in names.items()}
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        functional_call(model, base, inputs, tie_weights=False, strict=False)
-        reference = recorder.value.clone()
-        found = []
-        for n, p in base.items():
-            functional_call(model, {**base, n: p + torch.randn(p.shape, generator=gen, dtype=p.dtype)}, inputs,
-                            tie_weights=False, strict=False)
-            if not torch.equal(recorder.value, reference):
-                found.append(n)
-    return found
+    """The oracle (``centering_oracle.brute_force``) over the generator's centering recipes."""
+    return brute_force(model, model.recipes, path, inputs, reference)
 
 
 # --------------------------------------------------------------------------- shrinking
@@ -813,4 +687,4 @@ def _compiled_outputs(model: nn.Module, inputs: list) -> list | None:
 
 
 def _max_rel_error(reference: list, outputs: list) -> float:
-    return max(_rel_error(r, o) for rs, os in zip(reference, outputs, strict=True) for r, o in zip(rs, os, strict=True))
+    return max(rel_error(r, o) for rs, os in zip(reference, outputs, strict=True) for r, o in zip(rs, os, strict=True))

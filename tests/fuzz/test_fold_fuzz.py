@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from fold_fuzz import (BATCH, TIME, Block, FuzzModel, Spec, _aliases_input, _brute_force, _judge_claim, _Recorder,
+from centering_oracle import Recorder, needed
+from fold_fuzz import (BATCH, TIME, Block, FuzzModel, Spec, _aliases_input, _brute_force, _judge_claim,
                        _smaller, check_compiled_fused, check_seed, check_spec, generate, make_inputs,
                        with_residual_adds, written_model, written_source)
 
@@ -146,12 +147,25 @@ def test_recorded_norm_input_survives_a_later_in_place_op():
                   Block("norm", (1,), 8, {"kind": "layer_norm_plain", "groups": 1}),
                   Block("in_place", (1,), 8, {"kind": "relu"})], (2, 3))
     model = FuzzModel(spec).double().eval()
-    recorder = _Recorder(model.b1)
+    recorder = Recorder(model.b1)
     ids, x = make_inputs(spec, 0)
     with torch.no_grad():
         seen = model.b0(x)
         model(ids, x)
     assert (seen < 0).any() and torch.equal(recorder.value, seen)
+
+
+def test_the_brute_force_keeps_only_the_centerings_it_needs_in_fewer_runs_than_names():
+    names = [f"p{i}" for i in range(64)]
+    runs = []
+
+    def holds(subset):  # p3 and p40 together make the norm's input zero-mean
+        runs.append(len(subset))
+        return {"p3", "p40"} <= set(subset)
+
+    assert needed(names, holds) == ["p3", "p40"]
+    assert len(runs) < len(names)  # dropping one name at a time takes 64 runs
+    assert needed(["p3", "p40"], holds) == ["p3", "p40"]  # nothing to drop: both stay
 
 
 def test_brute_force_treats_each_tied_name_on_its_own():

@@ -53,9 +53,13 @@ def shrink(config):
     for name, value in list(vars(config).items()):
         if name in SMALL_SIZES and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             setattr(config, name, SMALL_SIZES[name])
+    top = SMALL_SIZES["vocab_size"] - 1
     for name, value in list(vars(config).items()):  # special tokens must stay inside the shrunk vocabulary
         if name.endswith("_token_id") and isinstance(value, int) and value >= SMALL_SIZES["vocab_size"]:
             setattr(config, name, 1)
+        elif name.endswith("_token_index") and isinstance(value, int) and value >= SMALL_SIZES["vocab_size"]:
+            setattr(config, name, top)  # LLaVA's image token (image_token_id reads it): one id of its own each
+            top -= 1
     for tower in TOWERS:
         sub = getattr(config, tower, None)
         if isinstance(sub, transformers.PretrainedConfig):
@@ -160,6 +164,14 @@ def test_analyze_says_what_fold_did_for_every_norm(zoo_fold, model_type, capsys)
 
 # ------------------------------------------------------------------------------- example inputs by modality
 
+
+
+@pytest.mark.parametrize("model_type", ["llava", "paligemma", "video_llava"])
+def test_shrink_keeps_the_image_and_video_tokens_inside_the_vocabulary_each_its_own(model_type):
+    config = _config(model_type)
+    vocab = config.get_text_config().vocab_size
+    tokens = [getattr(config, name) for name in ("image_token_id", "video_token_id") if hasattr(config, name)]
+    assert tokens and all(0 <= t < vocab for t in tokens) and len(set(tokens)) == len(tokens)
 
 
 def test_untie_config_leaves_a_vision_model_without_input_embeddings_as_it_is():

@@ -1,0 +1,253 @@
+"""benchmarks/hf_zoo.py --tests PATH (issue 33 item 5): transformers' own ModelTesters, read from a checkout
+without its test_modeling_common, give each type its config and valid inputs; a tester that cannot be loaded
+is a "no tester" row, not a crash; a FoldError gets its reason class; and every norm the engine leaves
+unfolded is judged by the fuzzer's brute-force oracle (the missed-fold column)."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[2]
+
+# a tester file the way transformers' suite writes one: helpers from test_modeling_common (absent here),
+# decorators from testing_utils, a module-level constant, the tester, and the test case it feeds
+BERT_TESTS = '''
+import unittest
+
+from transformers import BertConfig, is_torch_available
+from transformers.testing_utils import require_torch, slow, torch_device
+
+from ...test_configuration_common import ConfigTester
+from ...test_modeling_common import ModelTesterMixin, floats_tensor, ids_tensor, random_attention_mask
+
+if is_torch_available():
+    import torch
+
+    from transformers import BertForMaskedLM, BertModel
+
+VOCAB = 50
+
+
+@require_torch
+class BertModelTester:
+    def __init__(self, parent, batch_size=3, seq_length=6, vocab_size=VOCAB, hidden_size=16, type_vocab_size=2):
+        self.parent = parent
+        self.batch_size = batch_size
+        self.seq_length = seq_length
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.type_vocab_size = type_vocab_size
+
+    def get_config(self):
+        return BertConfig(vocab_size=self.vocab_size, hidden_size=self.hidden_size, num_hidden_layers=1,
+                          num_attention_heads=2, intermediate_size=32, type_vocab_size=self.type_vocab_size,
+                          max_position_embeddings=16)
+
+    def prepare_config_and_inputs(self):
+        input_ids = ids_tensor([self.batch_size, self.seq_length], self.vocab_size)
+        input_mask = random_attention_mask([self.batch_size, self.seq_length])
+        token_type_ids = ids_tensor([self.batch_size, self.seq_length], self.type_vocab_size)
+        labels = ids_tensor([self.batch_size], 2)
+        return self.get_config(), input_ids, token_type_ids, input_mask, labels
+
+    def prepare_config_and_inputs_for_common(self):
+        config, input_ids, token_type_ids, input_mask, labels = self.prepare_config_and_inputs()
+        self.parent.assertEqual(input_ids.device.type, torch_device)
+        return config, {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": input_mask,
+                        "labels": labels}
+
+
+@require_torch
+class BertModelTest(ModelTesterMixin, unittest.TestCase):
+    def setUp(self):
+        self.model_tester = BertModelTester(self)
+        self.config_tester = ConfigTester(self, config_class=BertConfig, hidden_size=37)
+'''
+
+# a base tester in another file of the suite (as causal_lm_tester.py is), imported relatively
+CAUSAL_LM_TESTER = '''
+from .test_modeling_common import ids_tensor
+
+
+class CausalLMModelTester:
+    config_class = None
+
+    def __init__(self, parent, batch_size=2, seq_length=5, vocab_size=40):
+        self.parent, self.batch_size, self.seq_length, self.vocab_size = parent, batch_size, seq_length, vocab_size
+
+    def prepare_config_and_inputs_for_common(self):
+        config = self.config_class(vocab_size=self.vocab_size, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+        return config, {"input_ids": ids_tensor([self.batch_size, self.seq_length], self.vocab_size)}
+'''
+GPT2_TESTS = '''
+from transformers import GPT2Config
+
+from ...causal_lm_tester import CausalLMModelTester
+
+
+class GPT2ModelTester(CausalLMModelTester):
+    config_class = GPT2Config
+'''
+
+# a tester that needs a helper of the suite normfold does not provide
+OPT_TESTS = '''
+from transformers import OPTConfig
+
+from ...test_modeling_common import ids_tensor, _prepare_4d_causal_mask
+
+
+class OPTModelTester:
+    def __init__(self, parent):
+        self.parent = parent
+
+    def prepare_config_and_inputs_for_common(self):
+        ids = ids_tensor([2, 5], 50)
+        return OPTConfig(), {"input_ids": ids, "attention_mask": _prepare_4d_causal_mask(ids)}
+'''
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def hf_zoo():
+    return _load("_hf_zoo_testers", REPO / "benchmarks" / "hf_zoo.py")
+
+
+@pytest.fixture(scope="module")
+def zoo(hf_zoo):
+    return hf_zoo._zoo_helpers()
+
+
+@pytest.fixture()
+def checkout(tmp_path):
+    """A mini transformers checkout: bert, gpt2 (with its base tester) and opt (whose tester fails)."""
+    for name, text in {"models/bert/test_modeling_bert.py": BERT_TESTS, "models/gpt2/test_modeling_gpt2.py": GPT2_TESTS,
+                       "models/opt/test_modeling_opt.py": OPT_TESTS, "causal_lm_tester.py": CAUSAL_LM_TESTER}.items():
+        path = tmp_path / "tests" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return tmp_path
+
+
+def test_a_tester_is_loaded_without_the_suite_and_gives_valid_inputs_without_labels(hf_zoo, checkout):
+    testers = hf_zoo._testers_module()
+    config, inputs, tester = testers.tester_inputs("bert", checkout, seed=0)
+    assert tester == "BertModelTester" and config.model_type == "bert" and config.hidden_size == 16
+    assert set(inputs) == {"input_ids", "token_type_ids", "attention_mask"}  # labels left out
+    assert inputs["input_ids"].shape == (3, 6) and 0 <= int(inputs["input_ids"].min()) <= int(inputs["input_ids"].max()) < 50
+    mask = inputs["attention_mask"]
+    assert set(mask.unique().tolist()) <= {0, 1} and bool((mask[:, -1] == 1).all())  # no row masked out
+    other = testers.tester_inputs("bert", checkout, seed=1)[1]
+    assert not torch.equal(other["input_ids"], inputs["input_ids"])  # another seed, other values
+
+
+def test_the_bare_model_and_the_main_head_prove_on_the_testers_inputs(hf_zoo, zoo, checkout):
+    rows = hf_zoo.tester_rows("bert", checkout, zoo, hf_zoo._testers_module())
+    assert [r["model_class"] for r in rows] == ["BertModel", "BertLMHeadModel"]  # the causal-LM mapping lists it first
+    for row in rows:
+        assert row["status"] == "proved", row
+        assert row["capture"] == "whole" and row["compared_in"] == "float64" and int(row["norms"]) > 0
+        assert row["detail"].startswith("BertModelTester")
+        assert row["missed"] == 0 or row["missed_folds"]  # every missed fold is listed
+
+
+def test_a_base_tester_of_another_file_of_the_suite_is_loaded_from_the_checkout(hf_zoo, zoo, checkout):
+    rows = hf_zoo.tester_rows("gpt2", checkout, zoo, hf_zoo._testers_module())
+    assert [(r["model_class"], r["status"]) for r in rows] == [("GPT2Model", "proved"), ("GPT2LMHeadModel", "proved")]
+    assert all(int(r["folded"]) == int(r["norms"]) and r["missed"] == 0 for r in rows)  # pre-LN: every norm folds
+
+
+def test_a_tester_that_fails_or_is_missing_is_a_no_tester_row_with_the_reason(hf_zoo, zoo, checkout):
+    testers = hf_zoo._testers_module()
+    [failing] = hf_zoo.tester_rows("opt", checkout, zoo, testers)
+    assert failing["status"] == "no tester" and "_prepare_4d_causal_mask" in failing["detail"]
+    [missing] = hf_zoo.tester_rows("vit", checkout, zoo, testers)
+    assert missing["status"] == "no tester" and "no file tests/models/vit/test_modeling_vit.py" in missing["detail"]
+
+
+def test_the_table_runs_each_type_in_a_child_process_and_counts_the_no_tester_rows(hf_zoo, checkout, tmp_path):
+    out = tmp_path / "zoo"
+    assert hf_zoo.main(["--tests", str(checkout), "--types", "opt", "vit", "--out", str(out)]) == 0
+    with open(out.with_suffix(".csv"), newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert [(r["model_type"], r["status"]) for r in rows] == [("opt", "no tester"), ("vit", "no tester")]
+    table = out.with_suffix(".md").read_text()
+    assert "2 no tester" in table and f"--tests {checkout}" in table
+
+
+def test_the_tests_option_needs_a_checkout_with_tests_models(hf_zoo, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        hf_zoo.main(["--tests", str(tmp_path), "--types", "bert"])
+    assert "--tests needs a transformers checkout" in capsys.readouterr().err
+
+
+def test_a_brute_force_budget_that_is_not_positive_is_refused(hf_zoo, capsys):
+    with pytest.raises(SystemExit):
+        hf_zoo.main(["--types", "bert", "--brute-force-seconds", "0"])
+    assert "--brute-force-seconds must be > 0, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("message", "eager", "expected"), [
+    (("LlavaModel (llava): verifying (running both models) failed: ValueError: Image features and image tokens "
+      "do not match"), "ValueError: Image features and image tokens do not match", "missing input"),
+    (("LEDModel (led): planning (capture and analysis): torch.export could not capture LEDModel: "
+      "GuardOnDataDependentSymNode: Could not guard on data-dependent expression"), None, "export limit"),
+    (("VitsModel (vits): planning (capture and analysis) failed: GuardOnDataDependentSymNode: Could not extract "
+      "specialized integer from data-dependent expression u0"), None, "export limit"),
+    ("folded model differs from the original: float64 max relative error 8.829e-01 > 1e-09", None,
+     "normfold refusal"),
+    ("GPT2Model (gpt2): the plan overflows float16 at h.0.attn.c_attn.weight", None, "normfold refusal"),
+])
+def test_a_fold_error_is_classed_by_whether_the_original_runs_and_whose_error_it_is(hf_zoo, message, eager, expected):
+    assert hf_zoo.error_class(message, eager).split(" (")[0] == expected
+
+
+class _FlippedNorm(nn.Module):
+    """Linear -> flip along the sequence -> LayerNorm -> Linear: the engine has no rule for flip (it
+    refuses the norm), yet centering ``proj`` makes the norm's input zero-mean and changes no output."""
+
+    def __init__(self, through_proj: bool = True):
+        super().__init__()
+        self.through_proj = through_proj
+        self.proj, self.norm, self.head = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(self.norm(torch.flip(self.proj(x) if self.through_proj else x, dims=[1])))
+
+
+def test_the_brute_force_counts_a_norm_the_engine_refuses_but_centering_folds(hf_zoo):
+    row = dict.fromkeys(hf_zoo.COLUMNS, "")
+    calls = [{"x": torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(s))} for s in (0, 1)]
+    hf_zoo.fold_and_prove(row, _FlippedNorm().eval(), *calls)
+    assert row["status"] == "proved" and row["folded"] == 0 and row["missed"] == 1
+    assert row["missed_folds"].startswith("norm: centering ['proj.bias', 'proj.weight'] (whole) folds it")
+    assert "aten.flip" in row["missed_folds"]  # with the engine's reason
+
+
+def test_the_brute_force_confirms_a_norm_no_centering_can_fold(hf_zoo):
+    row = dict.fromkeys(hf_zoo.COLUMNS, "")
+    calls = [{"x": torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(s))} for s in (0, 1)]
+    hf_zoo.fold_and_prove(row, _FlippedNorm(through_proj=False).eval(), *calls)  # the input feeds the norm itself
+    assert row["status"] == "proved" and row["folded"] == 0 and row["missed"] == 0 and row["missed_folds"] == ""
+
+
+def test_the_centering_recipes_name_each_parameters_output_dim(hf_zoo):
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 6), nn.Conv1d(6, 6, 3, groups=2), nn.LayerNorm(6))
+    recipes = hf_zoo.centering_recipes(model)
+    assert recipes == {"0.weight": (1, None), "1.weight": (0, None), "1.bias": (0, None), "2.weight": (0, 3),
+                       "2.bias": (0, 3)}  # the norm's own γ/β are no linear map
