@@ -176,3 +176,32 @@ def test_cast_layer_norms_that_are_not_olmos_form_are_kept_with_the_reason(model
     assert type(folded.norm) is type(model.norm)
     (entry,) = [e for e in report.norms if e.path == "norm"]
     assert entry.reason.startswith(f"kept: {type(model.norm).__name__} ") and why in entry.reason, entry.reason
+
+
+class _PlainRMSNorm(_Base):
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class _SelectedRows(nn.Module):
+    """An RMSNorm over the rows a mask selects: their number is data-dependent (an unbacked size in the
+    trace, as in Idefics2's image rows), the width is fixed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.norm = nn.Linear(8, 16), _PlainRMSNorm()
+
+    def forward(self, x):
+        h = self.up(x)
+        return self.norm(h[h[:, 0] > 0])
+
+
+def test_a_norm_over_a_data_dependent_number_of_rows_is_recognised_by_its_fixed_width():
+    """Fails on main 16464e7: reading the norm's shape asked for the unbacked row count and planning
+    ended in "GuardOnDataDependentSymNode" (Idefics2 and VITS in the zoo)."""
+    torch.manual_seed(0)
+    model = _SelectedRows().eval()
+    x = torch.randn(6, 8)
+    folded, report = fold(model, (x,))
+    assert isinstance(folded.norm, RMSNorm) and report.verification.ok
+    assert "recognised as an RMSNorm" in next(e.reason for e in report.norms if e.path == "norm")

@@ -11,6 +11,7 @@ from typing import Callable, TypeVar
 
 import torch
 from torch import fx, nn
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from .._text import dtype_name, first_line
 from .errors import FoldError
@@ -194,7 +195,19 @@ def shape(node) -> tuple[int, ...] | None:
         return None
     try:
         return tuple(int(s) for s in val.shape)
-    except (TypeError, ValueError):  # symbolic sizes: treat as unknown
+    except (TypeError, ValueError, GuardOnDataDependentSymNode):  # symbolic sizes (unbacked too): unknown
+        return None
+
+
+def static_size(node, dim: int) -> int | None:
+    """The size of one dim of a node's tensor value when it is a number in the trace (None: not a
+    tensor, or a symbolic size), whatever the other dims are."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor) or not -val.dim() <= dim < val.dim():
+        return None
+    try:
+        return int(val.shape[dim])
+    except (TypeError, ValueError, GuardOnDataDependentSymNode):
         return None
 
 

@@ -37,7 +37,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._text import dtype_name
 from ..nn.kinds import LAYER_NORM_TYPES, RMS_NORM_TYPES, norm_kind
-from .graph import Captured, module_stack, op_name, op_packet, per_graph, shape
+from .graph import Captured, module_stack, op_name, op_packet, per_graph, shape, static_size
 from .op_kinds import CAST_OPS
 from .plan import SwapStep
 from .rules import METADATA_OPS, NormCall, norm_call
@@ -301,9 +301,12 @@ def rms_form(captured: Captured, path: str) -> RMSForm | str:
     extra = [n for n in nodes if n not in used]
     if extra:
         return f"computes {_op_list(extra)} besides x·rsqrt(mean(x², -1) + eps)·γ, not an RMSNorm of its input alone"
+    width = static_size(root, -1)
+    if width is None:
+        return "normalizes a last dim whose size the trace does not fix"
     dtype = _traced_dtype(t)
     cast = None if t is root else (dtype_name(dtype) if dtype is not None else "another dtype")
-    return RMSForm(weight, offset, eps, int(shape(root)[-1]), cast, after_cast and cast is not None)
+    return RMSForm(weight, offset, eps, width, cast, after_cast and cast is not None)
 
 
 def _rms_statistic(mean: fx.Node, used: set[fx.Node]) -> tuple[fx.Node, fx.Node, float] | str:
