@@ -183,3 +183,29 @@ def test_an_integer_output_beside_an_all_nan_one_compares_nothing():
     model = NanWithIntegerOutput().eval()
     result = verify(model, copy.deepcopy(model), (torch.randn(2, 3, 4),), tolerance=1e-9)
     assert not result.ok and "compared nothing" in result.why
+
+
+class NoisyInEval(nn.Module):
+    """Adds fresh noise in eval mode too (VITS's stochastic durations, ViLT's multinomial patch sampling)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
+
+    def forward(self, x):
+        return self.norm(self.proj(x)) + 0.1 * torch.randn(x.shape)
+
+
+def test_a_model_random_in_eval_mode_is_refused_with_that_reason_not_an_error_figure():
+    """Fails on main 681f23c: the refusal was "max relative error 1.2e-01 > 1e-09", blaming the fold."""
+    with pytest.raises(FoldError, match="itself gives other outputs on a second run .* random"):
+        fold(NoisyInEval().eval(), (torch.randn(2, 3, 4),))
+
+
+def test_a_deterministic_model_that_fails_its_proof_keeps_the_error_figure():
+    model = NoisyInEval().eval()
+    wrong = copy.deepcopy(model)
+    model.forward = lambda x: model.norm(model.proj(x))  # deterministic from here on
+    wrong.forward = lambda x: wrong.norm(wrong.proj(x)) * 1.5
+    result = verify(model, wrong, (torch.randn(2, 3, 4),), tolerance=1e-9)
+    assert not result.ok and result.why is None and "max relative error" in result.failure()

@@ -186,9 +186,33 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
         tolerance, rule = measured_tolerance(stored_own, stored_dtype)
     else:
         tolerance, rule = 0.0, "not measured: the outputs could not be compared"
-    return VerifyResult(outputs, max_rel, max_abs, own_rel, ratio, tolerance=tolerance, num_runs=len(inputs),
-                        tolerance_rule=rule, stored_dtype_own_error=stored_own, why=why, worst=worst,
-                        model_dtype_check=check)
+    result = VerifyResult(outputs, max_rel, max_abs, own_rel, ratio, tolerance=tolerance, num_runs=len(inputs),
+                          tolerance_rule=rule, stored_dtype_own_error=stored_own, why=why, worst=worst,
+                          model_dtype_check=check)
+    if not result.ok:  # only then: two more runs of the original, to say when no transform could be proved
+        result.why = _randomness(original, inputs[0]) or result.why
+    return result
+
+
+def _randomness(model: nn.Module, run) -> str | None:
+    """Why ``model`` cannot be proved equal to anything when its eval-mode forward is random (sampled
+    noise, stochastic durations: VITS; a multinomial: ViLT): two runs of the same input differ. None
+    when they agree."""
+    first, second = model_outputs(model, *run), model_outputs(model, *run)
+    pairs, why = _pair(first, second)
+    differing = ("outputs of other shapes or structure" if why is not None else
+                 next((f"{name} differs" for name, a, b, _ in pairs if not _same(a, b)), None))
+    if differing is None:
+        return None
+    return (f"the original model itself gives other outputs on a second run of the same input ({differing}): "
+            "its forward in eval mode is random (sampling, noise), so no comparison proves a transform of it; "
+            "make it deterministic (its sampling off, or a fixed seed inside its forward)")
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """Equal element by element, nan matching nan (an output that is nan twice did not change)."""
+    both_nan = (a.isnan() & b.isnan()) if a.is_floating_point() or a.is_complex() else False
+    return bool(((a == b) | both_nan).all())
 
 
 def _outputs_if_usable(reference: nn.Module, runs, own_outputs, dtype: torch.dtype):
