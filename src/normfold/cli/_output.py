@@ -55,6 +55,13 @@ def print_norm_table(report: dict) -> None:
     console().print(table)
     if report.get("capture_line"):  # torch.export could not capture the whole model
         console().print(report["capture_line"], markup=False, highlight=False)
+    if report.get("example_inputs"):  # a folder's: which route made them
+        console().print(example_inputs_line(report["example_inputs"]), markup=False, highlight=False)
+
+
+def example_inputs_line(described: dict[str, Any]) -> str:
+    """``example inputs: processor (BertTokenizerFast)``, or ``example inputs: config (<why not the processor>)``."""
+    return f"example inputs: {described['route']} ({described.get('processor') or described.get('why')})"
 
 
 _FIGURES = {  # verification figure -> how the table names it (a figure the result lacks is not shown)

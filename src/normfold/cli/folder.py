@@ -16,7 +16,7 @@ from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_model_dir, add
 
 _JSON_KEYS = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype",
               "streaming", "num_approximate", "calibration_min_cosine", "approximate", "skipped_files",
-              "traced_calls", "exactness_scope")
+              "traced_calls", "exactness_scope", "example_inputs")
 
 
 def _json_report(report: dict) -> dict:

@@ -67,29 +67,40 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     if not inputs:
         raise CheckpointError(f"cannot build example inputs for {type(config).__name__}: its forward takes none of "
                               f"input_ids, pixel_values, input_values, input_features")
+    return with_call_options(inputs, config, params, seq=seq, gen=gen)
+
+
+def with_call_options(inputs: dict[str, Any], config, params, *, seq: int = EXAMPLE_LENGTH,
+                      gen: torch.Generator | None = None) -> dict[str, Any]:
+    """``inputs`` (the model's own: ids, pixels, audio) with what every example call of it adds, whoever
+    made them: random decoder ids for an encoder-decoder (``seq`` of them, one row per input row) and
+    ``use_cache=False`` (no KV cache objects in the captured graph). ``params``: the forward's parameters."""
+    gen = torch.Generator().manual_seed(0) if gen is None else gen
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        inputs["decoder_input_ids"] = _token_ids(config.get_text_config(decoder=True), batch, seq, gen)
+        rows = next(v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor))
+        inputs["decoder_input_ids"] = _token_ids(config.get_text_config(decoder=True), rows, seq, gen)
     takes_more = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())  # LLaVA passes **kwargs on
     if "use_cache" in params or (takes_more and hasattr(config.get_text_config(), "use_cache")):
-        inputs["use_cache"] = False  # no KV cache objects in the captured graph
+        inputs["use_cache"] = False
     return inputs
 
 
 # the kinds of example call a command line can ask for: the main input the call passes (the default
 # call's own, or ``inputs_embeds``: the embeddings of its token ids, passed instead of the ids)
-_MAIN_INPUTS = ("input_ids", "pixel_values", "input_values", "input_features")
+MAIN_INPUTS = ("input_ids", "pixel_values", "input_values", "input_features")
 EMBEDS = "inputs_embeds"
 
 
-def example_calls_for(model: nn.Module, kinds=()) -> list[dict[str, Any]]:
-    """One example call per kind (``normfold fold --call KIND``), each built from :func:`example_inputs_for`:
+def example_calls_for(model: nn.Module, kinds=(), base: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One example call per kind (``normfold fold --call KIND``), each built from ``base`` (default
+    :func:`example_inputs_for`; a folder's: :func:`normfold.hf.folder_inputs.folder_example_inputs`):
     ``input_ids`` (or the model's other main input: ``pixel_values``, ...) is that call itself;
     ``inputs_embeds`` passes the embeddings of its token ids instead of the ids (the model's own input
     embedding layer on them, so they have the width the model reads). No kinds: the default call alone.
     A fold planned on several calls keeps what is exact for all of them. CheckpointError for a kind
     the model does not take, naming the ones it does."""
-    base = example_inputs_for(model)
-    available = [name for name in _MAIN_INPUTS if name in base]
+    base = example_inputs_for(model) if base is None else base
+    available = [name for name in MAIN_INPUTS if name in base]
     if "input_ids" in base and EMBEDS in inspect.signature(type(model).forward).parameters:
         available.append(EMBEDS)
     calls = []
@@ -196,7 +207,7 @@ def read_calibration_file(path: str | os.PathLike) -> list[str]:
 
 
 # a folder holds a tokenizer when it has one of these (transformers 5 otherwise builds an empty one from config.json)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
                     "spiece.model", "sentencepiece.bpe.model")
 
 
@@ -204,9 +215,9 @@ def load_tokenizer(model_dir: str | os.PathLike, *, trust_remote_code: bool = Fa
     """The folder's own tokenizer (offline), or CheckpointError when the folder has none."""
     transformers = require("transformers")
     path = check_model_dir(model_dir)
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"no tokenizer in {path} (needed to tokenize the calibration file): expected one of "
-                              f"{', '.join(_TOKENIZER_FILES)}")
+                              f"{', '.join(TOKENIZER_FILES)}")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True,
                                                                trust_remote_code=trust_remote_code)

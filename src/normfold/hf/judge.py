@@ -34,7 +34,7 @@ from ..engine.cosine_bar import DEFAULT_MIN_COSINE, check_cosine_bar
 from ..engine.errors import FoldError
 from .errors import CheckpointError
 from .folder import fold_folder, remake_saved
-from .inputs import example_inputs_for
+from .folder_inputs import folder_example_inputs
 from .load import check_model_dir, load_config, load_model, model_class_for
 from .output_dir import REPORT_JSON
 from .recipe import CalibrationRecord, Recipe, file_sha256
@@ -359,7 +359,7 @@ def _check_outputs(orig_dir: Path, folded_dir: Path, expected: dict[str, Any], r
                        DEFAULT_MIN_COSINE if min_cosine is None else min_cosine, recipe)
     stored = DTYPES[expected["saved_dtype"]]
     rms_paths = [s["path"] for s in expected.get("swapped", ()) if not s.get("approximate")]
-    inputs = example_inputs_for(original)
+    inputs = folder_example_inputs(original, orig_dir, trust_remote_code=trust_remote_code).inputs  # as fold made them
     result = verify(original, loaded, inputs, stored_dtype=stored, rms_norm_paths=rms_paths).to_dict()
     if result["ok"] and expected.get("stock_compatible"):  # what stock transformers loads must be the same model
         stock = verify(original, load_model(folded_dir, trust_remote_code=trust_remote_code), inputs,
