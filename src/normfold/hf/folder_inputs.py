@@ -69,20 +69,34 @@ def folder_example_inputs(model: nn.Module, model_dir: str | os.PathLike, *,
     return FolderInputs(inputs, PROCESSOR, processor=type(processor).__name__)
 
 
+# the loaders tried in turn: the whole processor, else one part alone (AutoProcessor wants every part its
+# model type names: a Wav2Vec2 folder with only a feature extractor does not load as Wav2Vec2Processor)
+_LOADERS = ("AutoProcessor", "AutoImageProcessor", "AutoFeatureExtractor", "AutoTokenizer")
+
+
 def _load_processor(path, trust_remote_code: bool):
-    """The folder's processor as ``AutoProcessor`` loads it offline (which falls back to the tokenizer,
-    image processor or feature extractor alone)."""
+    """The folder's processor as the first of :data:`_LOADERS` that loads it offline; the first one's
+    error when none does."""
     if not any((path / name).is_file() for name in PROCESSOR_FILES):
         raise _NotFromProcessor(f"no processor in the folder (none of {', '.join(PROCESSOR_FILES)})")
     transformers = require("transformers")
-    try:
-        processor = transformers.AutoProcessor.from_pretrained(path, local_files_only=True,
-                                                               trust_remote_code=trust_remote_code)
-    except Exception as err:  # noqa: BLE001  the processor's own code, whatever it raises: the config route says it
-        raise _NotFromProcessor(f"the folder's processor does not load: {type(err).__name__}: {first_line(err)}") from err
-    if processor is None or not callable(processor):
-        raise _NotFromProcessor(f"the folder's processor does not load: AutoProcessor gave {type(processor).__name__}")
-    return processor
+    has_tokenizer = any((path / name).is_file() for name in TOKENIZER_FILES)
+    errors = []
+    for loader in _LOADERS:
+        try:
+            processor = getattr(transformers, loader).from_pretrained(path, local_files_only=True,
+                                                                      trust_remote_code=trust_remote_code)
+        except Exception as err:  # noqa: BLE001  the processor's own code, whatever it raises: the config route says it
+            errors.append(f"{loader}: {type(err).__name__}: {first_line(err)}")
+            continue
+        if isinstance(processor, transformers.PreTrainedTokenizerBase) and not has_tokenizer:
+            # transformers 5 builds an empty tokenizer from config.json alone: no tokens of the folder's own
+            errors.append(f"{loader} gave a tokenizer without vocabulary (no tokenizer file)")
+        elif processor is not None and callable(processor):
+            return processor
+        else:
+            errors.append(f"{loader} gave {type(processor).__name__}")
+    raise _NotFromProcessor(f"the folder's processor does not load: {errors[0]}")
 
 
 def _processor_inputs(model: nn.Module, processor, config_inputs: dict[str, Any]) -> dict[str, Any]:
