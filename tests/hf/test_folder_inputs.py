@@ -143,6 +143,11 @@ def test_a_broken_processor_config_falls_back_to_the_config_route_with_the_reaso
     assert code == 0, err
     assert f"example inputs: config ({made.why})" in out
     assert json.loads((tmp_path / "folded" / REPORT_JSON).read_text())["example_inputs"]["why"] == made.why
+    assert str(folder) in made.why  # transformers names the folder: the original, moved, still verifies
+    moved = tmp_path / "moved"
+    shutil.move(folder, moved)
+    code, out, err = _cli(capsys, "verify", moved, tmp_path / "folded")
+    assert code == 0, out + err
 
 
 def test_inputs_the_model_refuses_fall_back_to_the_config_route_with_the_models_words(tmp_path):

@@ -55,10 +55,11 @@ MeasurePromise = Callable[[nn.Module, nn.Module, Path, Path, float, Recipe], dic
 StreamMapFor = Callable[[Recipe], Callable]
 
 # Report sections that are measurements or descriptions, not claims about the result: re-made figures
-# may differ in their last digits (another machine, another thread count), paths and the example calls a
-# fold made in Python was traced on differ (verify proves on its own inputs); the seal covers them.
+# may differ in their last digits (another machine, another thread count), paths (also inside the words of why
+# the processor route was not taken) and the example calls a fold made in Python was traced on differ (verify
+# proves on its own inputs); the seal covers them.
 _MEASURED = {("verification",), ("streaming",), ("files",), ("digest",), ("model", "source"), ("traced_calls",),
-             ("recipe", "calibration", "path")}
+             ("recipe", "calibration", "path"), ("example_inputs", "why")}
 _FLOAT_RTOL, _FLOAT_ATOL = 1e-6, 1e-9  # other figures the re-made report recomputes (cosines, kept energy)
 
 
