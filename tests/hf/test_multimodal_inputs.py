@@ -138,7 +138,7 @@ def test_a_grid_model_gets_flattened_patches_and_one_image_token_per_merged_patc
 def test_an_idefics3_style_model_gets_one_image_per_row_with_its_pixel_mask(model_type):
     model = _image_text_model(model_type)
     inputs = example_inputs_for(model)
-    b, n, c, h, w = inputs["pixel_values"].shape
+    b, n, _, h, w = inputs["pixel_values"].shape
     assert (b, n) == (2, 1) and inputs["pixel_attention_mask"].shape == (b, n, h, w)
     assert inputs["pixel_attention_mask"].all()  # no padding pixels
     vision = model.config.vision_config

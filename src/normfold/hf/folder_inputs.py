@@ -23,7 +23,7 @@ from torch import nn
 from .._deps import require
 from .._text import first_line
 from ..engine.graph import eval_mode
-from .inputs import (MAIN_INPUTS, TOKENIZER_FILES, example_inputs_for, max_positions, with_call_options)
+from .inputs import MAIN_INPUTS, TOKENIZER_FILES, example_inputs_for, max_positions, with_call_options
 from .load import check_model_dir
 from .samples import SAMPLE_TEXTS, sample_audio, sample_images
 
