@@ -34,14 +34,17 @@ def _image_processor(model_type: str, config):
     """The type's image processor (its Pillow class: torchvision is optional), resizing to the model's image size."""
     names = image_processing_auto.IMAGE_PROCESSOR_MAPPING_NAMES[model_type]
     name = names.get("pil") or names.get("torchvision") if isinstance(names, dict) else names
-    processor = getattr(transformers, name)()
+    cls = getattr(transformers, name)
     side = getattr(getattr(config, "vision_config", None) or config, "image_size", None)
-    if isinstance(side, int):
-        for attribute in ("size", "crop_size"):
-            size = getattr(processor, attribute, None)
-            if isinstance(size, dict):
-                setattr(processor, attribute, {k: side if k in _SIDES else v for k, v in size.items()})
-    return processor
+    if not isinstance(side, int):
+        return cls()
+    sizes = {}  # the defaults' size and crop_size (dicts, or transformers' SizeDict), each side set to the model's
+    for attribute in ("size", "crop_size"):
+        size = getattr(cls(), attribute, None)
+        fields = size if isinstance(size, dict) else vars(size) if hasattr(size, "__dict__") else None
+        if fields:
+            sizes[attribute] = {k: side if k in _SIDES else v for k, v in fields.items() if v is not None}
+    return cls(**sizes)
 
 
 def _feature_extractor(model_type: str, config):
