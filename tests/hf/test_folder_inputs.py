@@ -172,3 +172,15 @@ def test_a_tokenizer_whose_ids_pass_the_vocabulary_falls_back(tmp_path):
     folder = _folder(tmp_path, "small-vocab", transformers.GPT2LMHeadModel(config), word_tokenizer())
     made = folder_example_inputs(load_model(folder), folder)
     assert made.route == CONFIG and made.why.startswith("the model refuses TokenizersBackend's inputs"), made.why
+
+
+def test_a_processor_whose_tokenizer_transformers_built_empty_is_not_taken(tmp_path):
+    """A CLIP folder with only an image processor: AutoProcessor builds CLIPProcessor around an empty
+    tokenizer made from config.json; the image processor alone is taken, and it makes no token ids."""
+    torch.manual_seed(0)
+    config = transformers.CLIPConfig(text_config={**TINY_VIT, "vocab_size": 99, "max_position_embeddings": 16},
+                                     vision_config=TINY_VIT, projection_dim=32)
+    folder = _folder(tmp_path, "clip", transformers.CLIPModel(config),
+                     transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}))
+    made = folder_example_inputs(load_model(folder), folder)
+    assert made.route == CONFIG and made.why.startswith("CLIPImageProcessor") and "makes no input_ids" in made.why, made.why

@@ -89,8 +89,10 @@ def _load_processor(path, trust_remote_code: bool):
         except Exception as err:  # noqa: BLE001  the processor's own code, whatever it raises: the config route says it
             errors.append(f"{loader}: {type(err).__name__}: {first_line(err)}")
             continue
-        if isinstance(processor, transformers.PreTrainedTokenizerBase) and not has_tokenizer:
-            # transformers 5 builds an empty tokenizer from config.json alone: no tokens of the folder's own
+        tokenizer = (processor if isinstance(processor, transformers.PreTrainedTokenizerBase)
+                     else getattr(processor, "tokenizer", None))
+        if tokenizer is not None and not has_tokenizer:
+            # transformers 5 builds an empty tokenizer from config.json alone (CLIPProcessor's too): no tokens
             errors.append(f"{loader} gave a tokenizer without vocabulary (no tokenizer file)")
         elif processor is not None and callable(processor):
             return processor
