@@ -1,6 +1,7 @@
 """Example inputs a multimodal folder's model accepts, built from its config and its forward's signature:
 text with pixels wherever the forward takes both, one image token per image feature for models that
-merge image features into their text, boxes for document models, region features for LXMERT; and
+merge image features into their text (grids of flattened patches for Qwen2-VL and its kin, one image per
+row with its pixel mask for Idefics3), boxes for document models, region features for LXMERT; and
 `normfold fold DIR` over tiny folders of such types folds (exit 0, never a traceback)."""
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import io
 import pytest
 import torch
 
+import normfold
 from normfold.cli import main
+from normfold.engine.errors import FoldError
 from normfold.hf.inputs import example_inputs_for
 
 transformers = pytest.importorskip("transformers")
@@ -83,3 +86,83 @@ def test_fold_of_a_tiny_multimodal_folder_folds_with_valid_inputs(model_type, tm
     assert "Traceback" not in stderr.getvalue()
     assert code == 0, stderr.getvalue()
     assert (out / "normfold_report.json").is_file()
+
+
+# Vision towers that read grids of patches: the text's multimodal RoPE splits each head's 8 dims 2 / 1 / 1
+# (temporal, height, width: the defaults' sections are for 128-dim heads)
+TINY_GRID_VISION = dict(depth=1, num_heads=4, embed_dim=32, hidden_size=32, out_hidden_size=32, intermediate_size=64,
+                        patch_size=4, num_position_embeddings=64, deepstack_visual_indexes=[0])
+GRID_TYPES = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "glm4v"]
+MASKED_IMAGE_TYPES = ["idefics3", "smolvlm"]
+
+
+def _tiny_image_text(model_type: str):
+    """The default config of a Qwen2-VL- or Idefics3-style type, shrunk, its special tokens inside the vocabulary."""
+    config = transformers.CONFIG_MAPPING[model_type]()
+    text = config.get_text_config()
+    for name, value in {**TINY_TEXT, "num_key_value_heads": 2, "head_dim": 8}.items():
+        setattr(text, name, value)
+    if model_type in GRID_TYPES:  # the modeling code's default sections, when the config names none, are for 128
+        text.rope_parameters["mrope_section"] = [2, 1, 1]
+    vision = config.vision_config
+    for name, value in ({**TINY_VISION, "patch_size": 8} if model_type in MASKED_IMAGE_TYPES else TINY_GRID_VISION).items():
+        if hasattr(vision, name):
+            setattr(vision, name, value)
+    for i, name in enumerate(n for n in vars(config) if n.endswith("_token_id") and n != "pad_token_id"):
+        setattr(config, name, 90 + i)
+    return config
+
+
+def _image_text_model(model_type: str):
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(_tiny_image_text(model_type), attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("model_type", GRID_TYPES)
+def test_a_grid_model_gets_flattened_patches_and_one_image_token_per_merged_patch(model_type):
+    model = _image_text_model(model_type)
+    inputs = example_inputs_for(model)
+    vision, merge = model.config.vision_config, model.config.vision_config.spatial_merge_size
+    grid = inputs["image_grid_thw"]
+    assert grid.shape == (2, 3)  # one image per row
+    per_patch = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    assert inputs["pixel_values"].shape == (int(grid.prod(-1).sum()), per_patch)
+    tokens = inputs["input_ids"] == model.config.image_token_id
+    assert tokens.sum(dim=1).tolist() == (grid.prod(-1) // merge ** 2).tolist()
+    assert torch.equal(inputs["mm_token_type_ids"], tokens.int())  # M-RoPE: 1 where an image feature goes
+    with torch.no_grad():
+        model(**inputs)  # the model takes them
+
+
+@pytest.mark.parametrize("model_type", MASKED_IMAGE_TYPES)
+def test_an_idefics3_style_model_gets_one_image_per_row_with_its_pixel_mask(model_type):
+    model = _image_text_model(model_type)
+    inputs = example_inputs_for(model)
+    b, n, _, h, w = inputs["pixel_values"].shape
+    assert (b, n) == (2, 1) and inputs["pixel_attention_mask"].shape == (b, n, h, w)
+    assert inputs["pixel_attention_mask"].all()  # no padding pixels
+    vision = model.config.vision_config
+    per_image = (vision.image_size // vision.patch_size) ** 2 // model.config.scale_factor ** 2
+    assert (inputs["input_ids"] == model.config.image_token_id).sum(dim=1).tolist() == [per_image] * b
+    with torch.no_grad():
+        model(**inputs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "idefics3"])
+def test_the_fold_of_a_grid_or_masked_image_model_proves_or_refuses_for_a_reason_other_than_its_inputs(model_type):
+    """torch.export stops on these models' data-dependent control flow (issue 33, item 4): a FoldError
+    saying so is accepted, one about the inputs is not."""
+    model = _image_text_model(model_type)
+    inputs = example_inputs_for(model)
+    with torch.no_grad():
+        model(**inputs)  # what the fold is given runs: its FoldError cannot be about the inputs
+    try:
+        _, report = normfold.fold(model, inputs)
+    except FoldError as err:
+        message = str(err)
+        assert not any(name in message for name in ("grid_thw", "pixel_values", "pixel_attention_mask", "input_ids",
+                                                    "image features and image tokens", "same reduction dim")), message
+        assert "data-dependent" in message or "torch.export" in message, message
+    else:
+        assert report.verification.ok

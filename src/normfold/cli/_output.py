@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from .._deps import require
@@ -35,10 +35,12 @@ def steps(enabled: bool = True) -> Iterator:
         yield step if enabled else (lambda _description: None)
 
 
-def print_norm_table(rows: list[dict[str, Any]], architecture: str, capture_line: str | None = None) -> None:
+def print_norm_table(rows: list[dict[str, Any]], architecture: str, capture_line: str | None = None,
+                     example_inputs: Mapping[str, Any] | None = None) -> None:
     """One row per norm (:func:`normfold.hf.report.norm_rows`): does it become an RMSNorm (a kept norm is
     named by its kind: LayerNorm, RMSNorm), where its γ/β went, and why; then the submodules captured
-    when torch.export could not capture the whole model (``capture_line``)."""
+    when torch.export could not capture the whole model (``capture_line``) and, for a folder, where its
+    example inputs came from (``example_inputs``, the report's section)."""
     table_mod = require("rich.table")
     table = table_mod.Table(title=f"{architecture}: {sum(r['folded'] for r in rows)} of "
                                   f"{len(rows)} LayerNorms foldable", title_justify="left")
@@ -54,6 +56,13 @@ def print_norm_table(rows: list[dict[str, Any]], architecture: str, capture_line
     console().print(table)
     if capture_line:  # torch.export could not capture the whole model
         console().print(capture_line, markup=False, highlight=False)
+    if example_inputs:  # a folder's: which route made them
+        console().print(example_inputs_line(example_inputs), markup=False, highlight=False)
+
+
+def example_inputs_line(described: Mapping[str, Any]) -> str:
+    """``example inputs: processor (BertTokenizerFast)``, or ``example inputs: config (<why not the processor>)``."""
+    return f"example inputs: {described['route']} ({described.get('processor') or described.get('why')})"
 
 
 _FIGURES = {  # verification figure -> how the table names it (a figure the result lacks is not shown)

@@ -18,7 +18,7 @@ from ._common import EXIT_OK, EXIT_VERIFY_FAILED, UsageError, add_model_dir, add
 
 _JSON_KEYS = ("num_norms", "num_foldable", "norms", "verification", "model", "out_dir", "fold_affine", "saved_dtype",
               "streaming", "num_approximate", "calibration_min_cosine", "approximate", "skipped_files",
-              "traced_calls", "exactness_scope")
+              "traced_calls", "exactness_scope", "example_inputs")
 
 
 def _json_report(report: dict) -> dict:
@@ -34,7 +34,8 @@ def _run_analyze(args) -> int:
         print(json.dumps(_json_report(report), indent=2, default=str))
     else:
         fold = FoldSection.from_json(report, "the analysis")
-        output.print_norm_table(norm_rows(fold), report["model"]["architecture"], fold.capture_line)
+        output.print_norm_table(norm_rows(fold), report["model"]["architecture"], fold.capture_line,
+                                report.get("example_inputs"))
     return EXIT_OK
 
 
@@ -71,7 +72,8 @@ def _run_fold(args) -> int:
 
 def _print_folded(report: FolderReport) -> None:
     """The norm table and the verification of a folder written."""
-    output.print_norm_table(report_rows(report), report.model.architecture, report.fold.capture_line)
+    output.print_norm_table(report_rows(report), report.model.architecture, report.fold.capture_line,
+                            report.sections.get("example_inputs"))
     output.print_verification(report.verification)
 
 

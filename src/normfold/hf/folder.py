@@ -20,6 +20,7 @@ from ..engine import FoldVerificationError, fold_within, run_steps, verify
 from ..engine.pipeline import plan_fold, rms_norm_paths
 from ..engine.plan import FoldConfig
 from .card import render_markdown, write_model_card
+from .folder_inputs import folder_example_inputs
 from .inputs import (calibration_batches, example_calls_for, example_inputs_for, is_sentence_encoder, load_tokenizer,
                      read_calibration_file)
 from .load import CheckpointError, check_model_dir, load_model, read_json_object
@@ -57,14 +58,17 @@ def _checkpoint_dtype(model_dir: Path) -> torch.dtype:
 def analyze_folder(model_dir: str | os.PathLike, *, fold_affine: bool = True, trust_remote_code: bool = False,
                    keep=(), calls=(), step: Step = silent_step) -> dict[str, Any]:
     """The fold engine's per-norm analysis of a Hugging Face folder, planned as ``fold_folder`` plans it
-    with the same ``fold_affine``, ``keep`` and ``calls``: the two reports agree on every norm."""
+    with the same ``fold_affine``, ``keep``, ``calls`` and example inputs (the folder's processor's, else
+    its config's: ``example_inputs`` says which): the two reports agree on every norm."""
     step("loading")
     model = load_model(model_dir, trust_remote_code=trust_remote_code)
+    step("making example inputs")
+    base = folder_example_inputs(model, model_dir, trust_remote_code=trust_remote_code)
     step("analysing")  # planned as `normfold fold` plans it (stock-loadable), so the two reports agree
     constraints = stock_constraints(model, _checkpoint_dtype(Path(model_dir)), FoldConfig(fold_affine=fold_affine,
                                                                                           keep=keep))
-    return {**plan_fold(model, example_calls_for(model, calls), constraints).to_dict(),
-            "model": asdict(describe_model(model, model_dir))}
+    report = plan_fold(model, example_calls_for(model, calls, base.inputs), constraints).to_dict()
+    return {**report, "model": asdict(describe_model(model, model_dir)), "example_inputs": base.describe()}
 
 
 def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fold_affine: bool = True,
@@ -91,7 +95,9 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
     re-makes the folder from, and is sealed (:func:`normfold.hf.report.seal`). ``keep``: fnmatch
     patterns of norm module paths left as they are (not with ``approximate``, which would replace them).
     ``calls``: the kinds of example call to fold for (:func:`normfold.hf.inputs.example_calls_for`; default
-    the model's main input): only what is exact for every one folds.
+    the model's main input): only what is exact for every one folds. The example inputs are made by the
+    folder's own processor from normfold's samples, else from the config
+    (:func:`normfold.hf.folder_inputs.folder_example_inputs`); the report's ``example_inputs`` names the route.
     """
     model_dir = check_model_dir(model_dir)
     if dtype is not None and dtype not in DTYPES:
@@ -109,8 +115,10 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
     with atomic_output_dir(out_dir, overwrite=overwrite, protect=(model_dir,)) as tmp:
         step("loading")
         model = load_model(model_dir, trust_remote_code=trust_remote_code)
+        step("making example inputs")
+        base = folder_example_inputs(model, model_dir, trust_remote_code=trust_remote_code)
         step("folding and verifying in float64")
-        inputs = example_calls_for(model, calls)
+        inputs = example_calls_for(model, calls, base.inputs)
         folded, report = fold_for_stock(model, inputs, fold_affine=fold_affine, stored_dtype=save_dtype, keep=keep)
         require_norms(report, type(model).__name__)
         approx = None
@@ -133,6 +141,7 @@ def fold_folder(model_dir: str | os.PathLike, out_dir: str | os.PathLike, *, fol
                                           approximate_min_cosine=None if approx is None else approx.min_cosine,
                                           calibration=calibration, keep=tuple(keep), calls=tuple(calls)))
         out = out.with_verification({**out.verification, "saved_dtype_check": saved_check})
+        out = out.with_section("example_inputs", base.describe())
         if approx is not None:
             out = out.with_section("approximate", {**out.sections["approximate"], "compared": _compared(model)})
         save_folded(folded, tmp, dtype=save_dtype, normfold_only=not out.layout.stock_compatible)

@@ -339,7 +339,8 @@ class FolderReport:
     cannot be re-made; ``model``, ``fold_affine``, ``skipped_files``, ``streaming``, ``calibration``
     (a PCA rotation's text) and ``stock_warning`` are written by the paths that have them.
     ``sections``: the steps after the fold by the name each registered (``approximate`` and ``fuse``,
-    null when they did not run, ``rotation``), as their JSON. ``files`` and ``digest`` are the seal
+    null when they did not run, ``rotation``), as their JSON, and ``example_inputs`` (an in-memory
+    fold's: which route made the example inputs, ``hf.folder_inputs``). ``files`` and ``digest`` are the seal
     (``normfold.hf.report.seal``), None before it."""
 
     layout: Layout

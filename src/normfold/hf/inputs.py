@@ -32,7 +32,9 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     (+ attention mask) for text, pixel values for vision, waveforms (``input_values``) or log-mel
     features (``input_features``) for audio, ids and pixels together wherever the forward takes both
     (CLIP, SigLIP, GIT, UDOP), led by one image token per image feature for a model that merges them
-    into its text (LLaVA, PaliGemma: counted by its own ``get_image_features``, given a model); ordered
+    into its text (LLaVA, PaliGemma: counted by its own ``get_image_features``, given a model); images
+    as grids of flattened patches with their ``image_grid_thw`` (Qwen2-VL) or one image per row with
+    its ``pixel_attention_mask`` (Idefics3), wherever the forward takes those (:func:`_image_inputs`); ordered
     boxes per token for document models (``bbox``), region features and positions for LXMERT;
     decoder ids for encoder-decoders and ``use_cache=False``.
 
@@ -47,7 +49,7 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     gen = torch.Generator().manual_seed(seed)
     inputs: dict[str, Any] = {}
     if "pixel_values" in params:
-        inputs["pixel_values"] = _pixel_values(getattr(config, "vision_config", None) or config, batch, gen)
+        inputs.update(_image_inputs(getattr(config, "vision_config", None) or config, params, batch, gen))
     elif "input_values" in params:
         inputs["input_values"] = _waveform(getattr(config, "audio_config", None) or config, batch, seq, gen)
     elif "input_features" in params:
@@ -55,8 +57,10 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     if "input_ids" in params and "input_values" not in inputs and "input_features" not in inputs:
         ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels: text and image (CLIP, GIT, LayoutLMv3)
         if isinstance(model_or_config, nn.Module) and "pixel_values" in inputs:
-            ids = _with_image_tokens(model_or_config, ids, inputs["pixel_values"])
+            ids = _with_image_tokens(model_or_config, ids, {k: v for k, v in inputs.items() if k in _IMAGE_INPUTS})
         inputs["input_ids"] = ids
+        if "mm_token_type_ids" in params and isinstance(getattr(config, "image_token_id", None), int):
+            inputs["mm_token_type_ids"] = (ids == config.image_token_id).int()  # 1 where an image feature goes
         if "attention_mask" in params:
             inputs["attention_mask"] = torch.ones_like(ids)
         if "bbox" in params:  # document models: one box per token
@@ -67,29 +71,40 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     if not inputs:
         raise CheckpointError(f"cannot build example inputs for {type(config).__name__}: its forward takes none of "
                               f"input_ids, pixel_values, input_values, input_features")
+    return with_call_options(inputs, config, params, seq=seq, gen=gen)
+
+
+def with_call_options(inputs: dict[str, Any], config, params, *, seq: int = EXAMPLE_LENGTH,
+                      gen: torch.Generator | None = None) -> dict[str, Any]:
+    """``inputs`` (the model's own: ids, pixels, audio) with what every example call of it adds, whoever
+    made them: random decoder ids for an encoder-decoder (``seq`` of them, one row per input row) and
+    ``use_cache=False`` (no KV cache objects in the captured graph). ``params``: the forward's parameters."""
+    gen = torch.Generator().manual_seed(0) if gen is None else gen
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
-        inputs["decoder_input_ids"] = _token_ids(config.get_text_config(decoder=True), batch, seq, gen)
+        rows = next(v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor))
+        inputs["decoder_input_ids"] = _token_ids(config.get_text_config(decoder=True), rows, seq, gen)
     takes_more = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())  # LLaVA passes **kwargs on
     if "use_cache" in params or (takes_more and hasattr(config.get_text_config(), "use_cache")):
-        inputs["use_cache"] = False  # no KV cache objects in the captured graph
+        inputs["use_cache"] = False
     return inputs
 
 
 # the kinds of example call a command line can ask for: the main input the call passes (the default
 # call's own, or ``inputs_embeds``: the embeddings of its token ids, passed instead of the ids)
-_MAIN_INPUTS = ("input_ids", "pixel_values", "input_values", "input_features")
+MAIN_INPUTS = ("input_ids", "pixel_values", "input_values", "input_features")
 EMBEDS = "inputs_embeds"
 
 
-def example_calls_for(model: nn.Module, kinds=()) -> list[dict[str, Any]]:
-    """One example call per kind (``normfold fold --call KIND``), each built from :func:`example_inputs_for`:
+def example_calls_for(model: nn.Module, kinds=(), base: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One example call per kind (``normfold fold --call KIND``), each built from ``base`` (default
+    :func:`example_inputs_for`; a folder's: :func:`normfold.hf.folder_inputs.folder_example_inputs`):
     ``input_ids`` (or the model's other main input: ``pixel_values``, ...) is that call itself;
     ``inputs_embeds`` passes the embeddings of its token ids instead of the ids (the model's own input
     embedding layer on them, so they have the width the model reads). No kinds: the default call alone.
     A fold planned on several calls keeps what is exact for all of them. CheckpointError for a kind
     the model does not take, naming the ones it does."""
-    base = example_inputs_for(model)
-    available = [name for name in _MAIN_INPUTS if name in base]
+    base = example_inputs_for(model) if base is None else base
+    available = [name for name in MAIN_INPUTS if name in base]
     if "input_ids" in base and EMBEDS in inspect.signature(type(model).forward).parameters:
         available.append(EMBEDS)
     calls = []
@@ -122,23 +137,46 @@ def _token_ids(text_config, batch: int, seq: int, gen: torch.Generator) -> torch
     return torch.randint(0, vocab, (batch, seq if limit is None else min(seq, limit)), generator=gen)
 
 
-def _pixel_values(vision_config, batch: int, gen: torch.Generator) -> torch.Tensor:
-    """(B, C, H, W) random pixels at the config's image size (an int or (H, W))."""
+_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask")  # what describes the images of a call
+GRID_SIDE = 2  # merged patches along each side of a grid image (Qwen2-VL): 4 image tokens per image
+
+
+def _image_inputs(vision_config, params, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random images, one per row, in the layout the forward's parameters ask for:
+
+    - ``image_grid_thw`` (Qwen2-VL and its kin): each image a (1, h, w) grid of patches, h = w =
+      GRID_SIDE x ``spatial_merge_size``, its patches flattened: ``pixel_values`` (B·h·w, C·T·P·P), T
+      the ``temporal_patch_size``, P the ``patch_size``;
+    - ``pixel_attention_mask`` (Idefics2/3): ``pixel_values`` (B, 1, C, H, W), one image per row, with
+      an all-true (B, 1, H, W) mask (no padding);
+    - otherwise (B, C, H, W) pixels at the config's image size (an int or (H, W)).
+    """
+    channels = getattr(vision_config, "num_channels", None) or getattr(vision_config, "in_channels", None) or 3
+    patch, temporal = getattr(vision_config, "patch_size", None), getattr(vision_config, "temporal_patch_size", None)
+    if "image_grid_thw" in params and isinstance(patch, int) and isinstance(temporal, int):
+        side = GRID_SIDE * getattr(vision_config, "spatial_merge_size", 1)
+        grid = torch.tensor([[1, side, side]] * batch)  # (images, 3): temporal, height, width in patches
+        patches = torch.randn(batch * side * side, channels * temporal * patch * patch, generator=gen)
+        return {"pixel_values": patches, "image_grid_thw": grid}
     size = getattr(vision_config, "image_size", None) or 224
     h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
-    return torch.randn(batch, getattr(vision_config, "num_channels", 3), h, w, generator=gen)
+    if "pixel_attention_mask" in params:
+        return {"pixel_values": torch.randn(batch, 1, channels, h, w, generator=gen),
+                "pixel_attention_mask": torch.ones(batch, 1, h, w, dtype=torch.bool)}
+    return {"pixel_values": torch.randn(batch, channels, h, w, generator=gen)}
 
 
-def _with_image_tokens(model: nn.Module, ids: torch.Tensor, pixel_values: torch.Tensor) -> torch.Tensor:
+def _with_image_tokens(model: nn.Module, ids: torch.Tensor, images: dict[str, torch.Tensor]) -> torch.Tensor:
     """``ids`` led by one image token per image feature, for a model that merges image features into
-    its text at the positions of ``config.image_token_id`` (LLaVA, PaliGemma): as many per row as its
-    own ``get_image_features`` gives each image. ``ids`` unchanged for any other model."""
+    its text at the positions of ``config.image_token_id`` (LLaVA, PaliGemma, Qwen2-VL, Idefics3): as
+    many per row as its own ``get_image_features`` gives each row's image (``images``: the call's
+    image inputs, :func:`_image_inputs`). ``ids`` unchanged for any other model."""
     token = getattr(model.config, "image_token_id", None)
     if not isinstance(token, int) or not hasattr(model, "get_image_features"):
         return ids
     try:
         with torch.no_grad():
-            found = model.get_image_features(pixel_values=pixel_values)
+            found = model.get_image_features(**images)
     except Exception:  # noqa: BLE001  the model's own code, whatever it raises: plain text ids, as before
         return ids
     features = getattr(found, "pooler_output", None)
@@ -196,7 +234,7 @@ def read_calibration_file(path: str | os.PathLike) -> list[str]:
 
 
 # a folder holds a tokenizer when it has one of these (transformers 5 otherwise builds an empty one from config.json)
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
                     "spiece.model", "sentencepiece.bpe.model")
 
 
@@ -204,9 +242,9 @@ def load_tokenizer(model_dir: str | os.PathLike, *, trust_remote_code: bool = Fa
     """The folder's own tokenizer (offline), or CheckpointError when the folder has none."""
     transformers = require("transformers")
     path = check_model_dir(model_dir)
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
         raise CheckpointError(f"no tokenizer in {path} (needed to tokenize the calibration file): expected one of "
-                              f"{', '.join(_TOKENIZER_FILES)}")
+                              f"{', '.join(TOKENIZER_FILES)}")
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True,
                                                                trust_remote_code=trust_remote_code)

@@ -34,7 +34,7 @@ from ..engine.cosine_bar import DEFAULT_MIN_COSINE, check_cosine_bar
 from ..engine.errors import FoldError
 from .errors import CheckpointError
 from .folder import fold_folder, remake_saved
-from .inputs import example_inputs_for
+from .folder_inputs import folder_example_inputs
 from .load import check_model_dir, load_config, load_model, model_class_for
 from .output_dir import REPORT_JSON
 from .recipe import CalibrationRecord, Recipe, file_sha256
@@ -57,12 +57,13 @@ MeasurePromise = Callable[[nn.Module, nn.Module, Path, Path, float, Recipe], dic
 StreamMapFor = Callable[[Recipe], Callable]
 
 # Report sections that are measurements or descriptions, not claims about the result: re-made figures
-# may differ in their last digits (another machine, another thread count), paths and the example calls a
-# fold made in Python was traced on differ (verify proves on its own inputs); the seal covers them.
+# may differ in their last digits (another machine, another thread count), paths (also inside the words of why
+# the processor route was not taken) and the example calls a fold made in Python was traced on differ (verify
+# proves on its own inputs); the seal covers them.
 # A learned rotation's learning (its calibration and losses) describes how its bases were found: the folder
 # is re-made from the bases themselves, checked against the recipe's SHA-256, and judged by the result.
 _MEASURED = {("verification",), ("streaming",), ("files",), ("digest",), ("model", "source"), ("traced_calls",),
-             ("recipe", "calibration", "path"), ("rotation", "learning")}
+             ("recipe", "calibration", "path"), ("rotation", "learning"), ("example_inputs", "why")}
 _FLOAT_RTOL, _FLOAT_ATOL = 1e-6, 1e-9  # other figures the re-made report recomputes (cosines, kept energy)
 
 
@@ -364,7 +365,7 @@ def _check_outputs(orig_dir: Path, folded_dir: Path, expected: FolderReport, rec
                        DEFAULT_MIN_COSINE if min_cosine is None else min_cosine, recipe)
     stored = DTYPES[expected.saved_dtype]
     rms_paths = [s.path for s in expected.layout.swapped if not s.approximate]
-    inputs = example_inputs_for(original)
+    inputs = folder_example_inputs(original, orig_dir, trust_remote_code=trust_remote_code).inputs  # as fold made them
     result = verify(original, loaded, inputs, stored_dtype=stored, rms_norm_paths=rms_paths).to_dict()
     if result["ok"] and expected.layout.stock_compatible:  # what stock transformers loads must be the same model
         stock = verify(original, load_model(folded_dir, trust_remote_code=trust_remote_code), inputs,
