@@ -209,3 +209,25 @@ def test_a_deterministic_model_that_fails_its_proof_keeps_the_error_figure():
     wrong.forward = lambda x: wrong.norm(wrong.proj(x)) * 1.5
     result = verify(model, wrong, (torch.randn(2, 3, 4),), tolerance=1e-9)
     assert not result.ok and result.why is None and "max relative error" in result.failure()
+
+
+class GridSized(nn.Module):
+    """Takes per-image grid sizes (t, h, w) as integers it checks, as Qwen2-VL's ``image_grid_thw``."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
+        self.register_buffer("per_temporal_size", torch.tensor([0.0, 2.0]))  # sizes 0 and 1 only
+
+    def forward(self, x, grid):
+        # a permuted grid is no grid the model was given: its temporal sizes index past the table
+        return self.norm(self.proj(x)) * self.per_temporal_size[grid[:, 0]].unsqueeze(-1)
+
+
+def test_a_fresh_input_the_original_rejects_keeps_the_examples_integers_and_varies_its_floats():
+    """Fails on main ad1184d: the proof's fresh inputs permuted the grid's numbers, the original raised on
+    them, and the fold ended in "verifying failed: IndexError" (Qwen2-VL's image_grid_thw)."""
+    grid = torch.tensor([[1, 2, 3], [1, 4, 5], [1, 6, 7], [1, 8, 9]])
+    _, report = fold(GridSized().eval(), {"x": torch.randn(4, 4), "grid": grid})
+    assert report.verification.ok and report.verification.num_runs == 3
+    assert report.num_foldable == 1

@@ -128,12 +128,21 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
             stored_dtype, exact_transform, judge_model_dtype, reference_transform) -> VerifyResult:
     """:func:`verify` once its arguments are checked."""
     generator = torch.Generator().manual_seed(seed)
+    examples = [call for call in calls for _ in range(1 + num_random)]  # the example each input is made from
     inputs = [run for call in calls for run in [call] + [fresh_inputs_like(call, generator) for _ in range(num_random)]]
-    runs = [cast_floats(run, dtype) for run in inputs]
     model_dtype = _float_dtype(original)
     own_outputs = None  # the original in its own dtype: the returned model's bar, the stored own error, the fallback
     if model_dtype is not None and model_dtype != dtype:
-        own_outputs = [model_outputs(original, *cast_floats(run, model_dtype)) for run in inputs]
+        own_outputs = []
+        for i, run in enumerate(inputs):
+            try:
+                own_outputs.append(model_outputs(original, *cast_floats(run, model_dtype)))
+            except Exception:  # noqa: BLE001  the original rejects this fresh input (permuted grid sizes, image tokens)
+                if run is examples[i]:
+                    raise
+                inputs[i] = fresh_inputs_like(examples[i], generator, keep_integers=True)
+                own_outputs.append(model_outputs(original, *cast_floats(inputs[i], model_dtype)))
+    runs = [cast_floats(run, dtype) for run in inputs]
 
     # Each model runs once per input: the original's outputs are recorded before its copy is folded.
     reference = _cast_copy(original, dtype)
@@ -473,7 +482,7 @@ def cast_floats(value, dtype):
 FRESH_FLOAT_NOISE = 0.1  # fresh float inputs: the example plus this fraction of its RMS times normal noise
 
 
-def fresh_inputs_like(value, generator: torch.Generator):
+def fresh_inputs_like(value, generator: torch.Generator, *, keep_integers: bool = False):
     """Fresh inputs of the same shapes built from the user's example ``value`` (a call or any pytree),
     each keeping its set of valid values.
 
@@ -483,7 +492,9 @@ def fresh_inputs_like(value, generator: torch.Generator):
     many rows share one permutation, so related inputs (ids, token types, an integer mask) move
     together. Float tensors: x + 0.1·rms(x)·z, z ~ N(0, 1), on finite elements (inf/nan kept), except
     0/1 masks, which stay as they are (noise would make them something no model was given). Bools,
-    complex and other values: copied.
+    complex and other values: copied. ``keep_integers``: integer tensors copied too (for a model that
+    rejects permuted ones: grid sizes such as Qwen2-VL's ``image_grid_thw``, which the proof then
+    varies through the floats only).
     """
     permutations: dict[int, Tensor] = {}  # number of rows -> its one permutation
 
@@ -496,7 +507,7 @@ def fresh_inputs_like(value, generator: torch.Generator):
     def fresh(t: Tensor) -> Tensor:
         if t.is_floating_point():
             return t.clone() if is_binary_mask(t) else _perturbed(t, generator)
-        if t.dtype != torch.bool and not t.is_complex() and t.dim():
+        if t.dtype != torch.bool and not t.is_complex() and t.dim() and not keep_integers:
             return permuted(t)
         return t.clone()
 
