@@ -52,8 +52,9 @@ def test_model_export_cannot_capture_raises_fold_error_with_exports_reason_and_a
     assert isinstance(info.value.__cause__, Exception)  # the export error stays attached
 
 
-def test_example_inputs_the_model_cannot_run_raise_fold_error():
-    with pytest.raises(FoldError, match="could not capture"):
+def test_example_inputs_the_model_cannot_run_raise_example_inputs_error_with_the_models_own_reason():
+    with pytest.raises(normfold.ExampleInputsError, match="the original model itself raises RuntimeError: mat1 and "
+                       "mat2 shapes cannot be multiplied"):  # its eager error, not export's
         normfold.fold(_foldable_model(), (torch.randn(2, 5),))  # width 5 into Linear(8, ·)
 
 

@@ -20,7 +20,7 @@ from .ops import layer_norm, rms_norm
 
 # Imported eagerly (torch only). ``normfold.fold`` is only the function (the engine it wraps is the
 # subpackage ``normfold.engine``); the function ``convert`` shadows the module ``normfold.convert``.
-from .engine import FoldError, FoldPlan, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze, verify
+from .engine import ExampleInputsError, FoldError, FoldPlan, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze, verify
 from .convert import ApproximateConfig, FoldConfig, FuseConfig, QuantizeConfig, RotateConfig, convert, fold
 from .rotate import LearnConfig, RotationReport, rotate  # the function shadows the subpackage, as fold does
 from .quantize import QuantizeReport, quantize  # likewise
@@ -52,6 +52,7 @@ _LAZY_MODULES = {"cbwc": "normfold.train.cbwc", "hf": "normfold.hf", "train": "n
 __all__ = [
     "ops", "nn", "rms_norm", "layer_norm", "RMSNorm", "FusedAddRMSNorm",
     "analyze", "fold", "verify", "FoldPlan", "FoldReport", "NormEntry", "VerifyResult", "FoldError", "FoldVerificationError",
+    "ExampleInputsError",
     "convert", "FoldConfig", "FuseConfig", "ApproximateConfig", "RotateConfig",
     "rotate", "RotationReport", "LearnConfig", "quantize", "QuantizeConfig", "QuantizeReport",
     *_LAZY, *_LAZY_MODULES,

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from normfold.engine import analyze, fold
-from normfold.engine import FoldError, FoldPlan, transform
+from normfold.engine import ExampleInputsError, FoldError, FoldPlan, transform
 from normfold.engine.pipeline import prove_fold
 from normfold.engine.verify import fresh_inputs_like, verify
 
@@ -135,8 +135,9 @@ def test_a_wrong_fold_of_a_model_that_cannot_run_in_float64_still_fails_in_float
 def test_a_float64_model_that_raises_is_a_fold_error_not_a_fallback():
     model = NoFloat64().double()  # its own dtype is float64: there is no lower dtype to fall back to
     inputs = tuple(t.double() for t in _x())
-    with pytest.raises(FoldError, match=r"NoFloat64: planning .*torch.export could not capture"):
-        fold(model, inputs)  # it raises while traced, too
+    with pytest.raises(ExampleInputsError, match=r"not valid for NoFloat64: the original model itself raises "
+                       r"RuntimeError: value cannot be converted"):
+        fold(model, inputs)  # it raises eagerly too: the inputs are at fault, not export
     with pytest.raises(FoldError, match=r"NoFloat64: verifying \(running both models\) failed: RuntimeError"):
         prove_fold(model, model, inputs, FoldPlan())
 

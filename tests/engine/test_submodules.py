@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import normfold
-from normfold.engine import FoldError
+from normfold.engine import ExampleInputsError, FoldError
 
 from tiny_models import nontrivial_layer_norms
 
@@ -124,6 +124,14 @@ def test_a_model_without_a_capturable_submodule_still_raises_exports_error():
 
     with pytest.raises(FoldError, match="torch.export could not capture NoBlocks"):
         normfold.analyze(NoBlocks(), (_x(),))
+
+
+def test_inputs_the_original_itself_rejects_are_an_example_inputs_error_not_an_export_limit():
+    model = nn.Sequential(Block(), Block())  # takes (B, T, C): an input of width C + 1 fails eagerly too
+    with pytest.raises(ExampleInputsError, match=r"not valid for Sequential: the original model itself raises "
+                       r"RuntimeError: .*shapes cannot be multiplied") as info:
+        normfold.analyze(model, (torch.randn(2, 3, C + 1),))
+    assert isinstance(info.value, ValueError) and isinstance(info.value, FoldError)  # the caller's argument
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .errors import FoldError, FoldVerificationError
+from .errors import ExampleInputsError, FoldError, FoldVerificationError
 from .pipeline import fold_step, plan_fold
 from .plan import FoldConfig, FoldPlan, PlanConstraints
 from .report import FoldReport, NormEntry, VerifyResult
@@ -74,5 +74,5 @@ def fold_within(model: nn.Module, example_inputs, config: FoldConfig) -> tuple[n
     return folded, sections[FoldConfig]
 
 
-__all__ = ["analyze", "fold", "fold_within", "verify", "FoldReport", "NormEntry", "VerifyResult", "FoldError",
+__all__ = ["analyze", "fold", "fold_within", "verify", "FoldReport", "NormEntry", "VerifyResult", "FoldError", "ExampleInputsError",
            "FoldVerificationError", "FoldPlan", "FoldConfig", "PlanConstraints", "run_steps"]

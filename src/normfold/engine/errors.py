@@ -21,6 +21,12 @@ class KeepPatternError(FoldError, ValueError):
     A ValueError (the caller's argument), and a FoldError subclass so the pipeline passes it on as it is."""
 
 
+class ExampleInputsError(FoldError, ValueError):
+    """The example inputs are not valid for the model: the original model itself raises on them when run
+    eagerly, so a capture failure says nothing about the model. A ValueError (the caller's argument), and
+    a FoldError subclass so the pipeline passes it on as it is."""
+
+
 class CheckpointError(ValueError):
     """A folder cannot be read as a model, or the output folder cannot be written: a user error."""
 

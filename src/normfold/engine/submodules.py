@@ -24,7 +24,7 @@ from torch.export.graph_signature import InputKind
 
 from .._text import first_line
 from ..nn.kinds import norm_kind, norm_modules
-from .errors import FoldError
+from .errors import ExampleInputsError, FoldError, model_name
 from .graph import (Captured, capture, eval_mode, export_call, parameter_aliases, path_in_root,
                     split_example_inputs)
 
@@ -54,13 +54,16 @@ def capture_calls(model: nn.Module, calls: list) -> CapturedCalls:
 
 def capture_submodules(model: nn.Module, calls: list, whole_model_error: str) -> CapturedCalls | None:
     """The largest submodules holding norms that export captures for every input the calls gave them,
-    merged per call (module docstring); None when the model does not run eagerly on the calls, or no
-    such submodule exists."""
+    merged per call (module docstring); None when no such submodule exists. ExampleInputsError when the
+    model does not run eagerly on the calls either: then the inputs are at fault, not export."""
     splits = [split_example_inputs(call) for call in calls]
     try:
         recording = _record(model, splits, frozenset())
-    except Exception:  # noqa: BLE001  the model fails on these inputs eagerly too: the export error says it
-        return None
+    except Exception as err:  # noqa: BLE001  the model's own code, whatever it raises: the inputs are wrong
+        raise ExampleInputsError(
+            f"the example inputs are not valid for {model_name(model)}: the original model itself raises "
+            f"{type(err).__name__}: {first_line(err, 300)} when run eagerly on them; pass inputs the model "
+            f"accepts") from err
     found: dict[str, list[list[tuple[int, torch.export.ExportedProgram]]]] = {}
     frontier = _candidates(model, "", recording)
     while frontier:
