@@ -5,14 +5,12 @@ right behaviour and is marked ``xfail(strict=True)`` with the engineer who owns 
 """
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
 import normfold
-from normfold import FoldError, FoldVerificationError
+from normfold import FoldError
 from normfold.ops import layer_norm, rms_norm
 
 X = (2, 4, 8)  # (B, T, C) example input of the small models below
