@@ -232,3 +232,22 @@ def test_a_fresh_input_the_original_rejects_keeps_the_examples_integers_and_vari
     _, report = fold(GridSized().eval(), {"x": torch.randn(4, 4), "grid": grid})
     assert report.verification.ok and report.verification.num_runs == 3
     assert report.num_foldable == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_proof_says_which_fresh_inputs_kept_the_examples_integers_in_any_model_dtype(dtype):
+    """Fails on main af93d81: the remade inputs went unreported, and a float64 model (no lower dtype to run
+    the fresh inputs in first) ended in "verifying failed: IndexError"."""
+    grid = torch.tensor([[1, 2, 3], [1, 4, 5], [1, 6, 7], [1, 8, 9]])
+    model = GridSized().to(dtype).eval()
+    result = verify(model, copy.deepcopy(model), {"x": torch.randn(4, 4, dtype=dtype), "grid": grid}, num_random=2)
+    assert result.ok and result.num_runs == 3
+    assert result.integers_kept.startswith("input 1, 2: the original rejects the example's integers permuted (IndexError")
+    assert result.integers_kept in str(result) and result.to_dict()["integers_kept"] == result.integers_kept
+
+
+def test_fresh_inputs_the_original_runs_are_not_reported_as_remade():
+    model = GridSized().eval()
+    grid = torch.ones(4, 3, dtype=torch.long)  # permuted: the same grid
+    result = verify(model, copy.deepcopy(model), {"x": torch.randn(4, 4), "grid": grid}, num_random=2)
+    assert result.ok and result.integers_kept is None and "kept" not in str(result)

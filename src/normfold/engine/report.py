@@ -93,6 +93,7 @@ class VerifyResult:
     fallback: str | None = None    # why it is not float64 (the model cannot run in float64), else None
     worst: WorstElement | None = None              # where the judged comparison's error is largest
     model_dtype_check: ModelDtypeCheck | None = None  # set when the returned model is judged in its own dtype
+    integers_kept: str | None = None  # which fresh inputs kept the example's integers (the original rejected them permuted)
 
     @property
     def ok(self) -> bool:
@@ -127,7 +128,8 @@ class VerifyResult:
         rule = "" if self.tolerance_rule == "fixed" else f" = {self.tolerance_rule}"
         worst = "" if self.worst is None or self.max_rel_error <= self.tolerance else f", worst at {self.worst}"
         checked = "" if self.model_dtype_check is None else f"; {self.model_dtype_check}"
-        return (f"verify: {'OK' if self.ok else 'FAILED'} over {self.num_runs} inputs{fallback}; "
+        kept = "" if self.integers_kept is None else f"; {self.integers_kept}"
+        return (f"verify: {'OK' if self.ok else 'FAILED'} over {self.num_runs} inputs{fallback}{kept}; "
                 f"{self.compared_in} max rel err "
                 f"{self.max_rel_error:.1e} (tolerance {self.tolerance:.1e}{rule}){worst}, max abs err "
                 f"{self.max_abs_error:.1e}; model dtype max rel err {own}{checked}; "

@@ -128,20 +128,11 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
             stored_dtype, exact_transform, judge_model_dtype, reference_transform) -> VerifyResult:
     """:func:`verify` once its arguments are checked."""
     generator = torch.Generator().manual_seed(seed)
-    examples = [call for call in calls for _ in range(1 + num_random)]  # the example each input is made from
-    inputs = [run for call in calls for run in [call] + [fresh_inputs_like(call, generator) for _ in range(num_random)]]
     model_dtype = _float_dtype(original)
-    own_outputs = None  # the original in its own dtype: the returned model's bar, the stored own error, the fallback
-    if model_dtype is not None and model_dtype != dtype:
-        own_outputs = []
-        for i, run in enumerate(inputs):
-            try:
-                own_outputs.append(model_outputs(original, *cast_floats(run, model_dtype)))
-            except Exception:  # noqa: BLE001  the original rejects this fresh input (permuted grid sizes, image tokens)
-                if run is examples[i]:
-                    raise
-                inputs[i] = fresh_inputs_like(examples[i], generator, keep_integers=True)
-                own_outputs.append(model_outputs(original, *cast_floats(inputs[i], model_dtype)))
+    inputs, own_outputs, integers_kept = _inputs_the_original_runs(original, calls, num_random, generator,
+                                                                   model_dtype or dtype)
+    if model_dtype is None or model_dtype == dtype:
+        own_outputs = None  # the original in its own dtype: the returned model's bar, the stored own error, the fallback
     runs = [cast_floats(run, dtype) for run in inputs]
 
     # Each model runs once per input: the original's outputs are recorded before its copy is folded.
@@ -151,8 +142,10 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
     ref_outputs, unusable = _outputs_if_usable(reference, runs, own_outputs, dtype)
     if unusable is not None:
         del reference
-        return _verify_in_own_dtype(original, folded, inputs, own_outputs, unusable, rms_norm_paths=rms_norm_paths,
-                                    rounding_dtype=stored_dtype or model_dtype, generator=generator)
+        result = _verify_in_own_dtype(original, folded, inputs, own_outputs, unusable, rms_norm_paths=rms_norm_paths,
+                                      rounding_dtype=stored_dtype or model_dtype, generator=generator)
+        result.integers_kept = integers_kept
+        return result
     if judge_model_dtype and model_dtype == dtype:
         candidate = folded  # the returned model is itself in the comparison's dtype: judged as it is
     elif exact_transform is not None:
@@ -197,10 +190,37 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
         tolerance, rule = 0.0, "not measured: the outputs could not be compared"
     result = VerifyResult(outputs, max_rel, max_abs, own_rel, ratio, tolerance=tolerance, num_runs=len(inputs),
                           tolerance_rule=rule, stored_dtype_own_error=stored_own, why=why, worst=worst,
-                          model_dtype_check=check)
+                          model_dtype_check=check, integers_kept=integers_kept)
     if not result.ok:  # only then: two more runs of the original, to say when no transform could be proved
         result.why = _randomness(original, inputs[0]) or result.why
     return result
+
+
+def _inputs_the_original_runs(original: nn.Module, calls, num_random: int, generator: torch.Generator,
+                              run_dtype: torch.dtype) -> tuple[list, list, str | None]:
+    """Each example call followed by ``num_random`` fresh inputs like it (:func:`fresh_inputs_like`), every
+    one run on ``original`` in ``run_dtype`` (its own) first: a fresh input it rejects (permuted integers
+    that are sizes or positions: Qwen2-VL's ``image_grid_thw``) is made again with the example's integers,
+    its floats varied. Returns (inputs, the original's outputs on them, what was remade in words or None);
+    an example the original rejects raises its own error."""
+    inputs, outputs, remade = [], [], []
+    for call in calls:
+        inputs.append(call)
+        outputs.append(model_outputs(original, *cast_floats(call, run_dtype)))
+        for _ in range(num_random):
+            fresh = fresh_inputs_like(call, generator)
+            try:
+                outputs.append(model_outputs(original, *cast_floats(fresh, run_dtype)))
+            except Exception as err:  # noqa: BLE001  the model's own code: it rejects these integers, whatever it raises
+                remade.append((len(inputs), f"{type(err).__name__}: {first_line(err, 120)}"))
+                fresh = fresh_inputs_like(call, generator, keep_integers=True)
+                outputs.append(model_outputs(original, *cast_floats(fresh, run_dtype)))
+            inputs.append(fresh)
+    if not remade:
+        return inputs, outputs, None
+    which = ", ".join(str(i) for i, _ in remade)
+    return inputs, outputs, (f"input {which}: the original rejects the example's integers permuted "
+                             f"({remade[0][1]}): made again with them kept, floats varied")
 
 
 def _randomness(model: nn.Module, run) -> str | None:
