@@ -193,10 +193,8 @@ def shape(node) -> tuple[int, ...] | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor):
         return None
-    try:
-        return tuple(int(s) for s in val.shape)
-    except (TypeError, ValueError, GuardOnDataDependentSymNode):  # symbolic sizes (unbacked too): unknown
-        return None
+    sizes = tuple(static_size(node, dim) for dim in range(val.dim()))
+    return None if None in sizes else sizes  # a symbolic size (unbacked too): the shape is unknown
 
 
 def static_size(node, dim: int) -> int | None:
