@@ -212,6 +212,29 @@ def test_a_deterministic_model_that_fails_its_proof_keeps_the_error_figure():
     assert not result.ok and result.why is None and "max relative error" in result.failure()
 
 
+class ReorderedSums(nn.Module):
+    """Deterministic up to rounding: each run adds noise of a few float32 ulps, as a GPU reduction whose
+    order varies between runs (atomics) does."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
+
+    def forward(self, x):
+        y = self.norm(self.proj(x))
+        return y + y.abs() * 4 * torch.finfo(y.dtype).eps * torch.randn(y.shape, dtype=y.dtype)
+
+
+def test_runs_that_differ_by_rounding_only_are_not_called_random_and_the_failure_keeps_its_figure():
+    """Fails on main af93d81: any difference between two runs, rounding too, made the failure "random"."""
+    model = ReorderedSums().eval()
+    wrong = copy.deepcopy(model)
+    with torch.no_grad():
+        wrong.proj.weight.mul_(1.01)
+    result = verify(model, wrong, (torch.randn(2, 3, 4),))
+    assert not result.ok and result.why is None and "max relative error" in result.failure()
+
+
 class GridSized(nn.Module):
     """Takes per-image grid sizes (t, h, w) as integers it checks, as Qwen2-VL's ``image_grid_thw``."""
 
