@@ -4,6 +4,7 @@ model eagerly (normfold.engine.submodules)."""
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -80,6 +81,24 @@ def test_a_model_with_a_data_dependent_branch_at_the_top_folds_its_blocks_exactl
     assert isinstance(folded.a.ln, normfold.RMSNorm) and isinstance(folded.b.ln, normfold.RMSNorm)
     assert "captured through submodules: a, b" in str(report)
     assert report.to_dict()["captured_through"] == ["a", "b"]
+
+
+def test_a_failed_whole_model_capture_writes_nothing_to_stderr(capsys):
+    """Fails on main af93d81: torch.export printed the partial graph of the failed capture to stderr (pages
+    of `def forward(self, arg0_1: ...)` before the fold's own report)."""
+    logging.disable(logging.NOTSET)  # torch's own warnings too, as a user sees them
+    normfold.fold(_non_trivial(Branching()), (_x(),))
+    assert capsys.readouterr().err == ""
+
+
+def test_a_successful_capture_still_writes_what_the_model_itself_warns(capsys):
+    class Warns(Block):
+        def forward(self, x):
+            print("the model's own warning", file=sys.stderr)
+            return super().forward(x)
+
+    normfold.analyze(Warns(), (_x(),))
+    assert "the model's own warning" in capsys.readouterr().err
 
 
 def test_a_norm_reading_a_submodules_input_is_kept_although_the_whole_graph_would_fold_it():

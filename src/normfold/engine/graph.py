@@ -5,6 +5,9 @@ The exported program is only read: the fold engine edits a copy of the user's ow
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
+import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import Callable, TypeVar
@@ -140,13 +143,36 @@ def export_call(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exp
     ``FoldError`` with export's own first line when it cannot capture it."""
     with eval_mode(model), torch.no_grad():
         try:
-            return torch.export.export(model, args, kwargs, strict=False)
+            with _stderr_kept_only_on_success():
+                return torch.export.export(model, args, kwargs, strict=False)
         except Exception as exc:  # export raises many exception types; all mean "cannot capture"
             raise FoldError(
                 f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: "
                 f"{first_line(exc)}. Try other example inputs "
                 "(e.g. use_cache=False for Hugging Face models), or fold a submodule that export can capture."
             ) from exc
+
+
+# torch.export's loggers that speak of a failed capture (a warning per data-dependent size it cannot place)
+_EXPORT_FAILURE_LOGGERS = ("torch.fx.experimental.symbolic_shapes", "torch._subclasses.fake_tensor")
+
+
+@contextlib.contextmanager
+def _stderr_kept_only_on_success():
+    """What an export attempt writes to stderr, written there only if it succeeds: on failure torch.export
+    prints the partial graph (pages of it) and logs warnings, and normfold says why in one line, often
+    after capturing submodules instead. Its failure loggers are quieted for the attempt."""
+    held, loggers = io.StringIO(), [logging.getLogger(name) for name in _EXPORT_FAILURE_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+    sys.stderr.write(held.getvalue())  # reached on success only: the model's own warnings, kept
 
 
 def parameter_aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
