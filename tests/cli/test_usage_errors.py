@@ -75,3 +75,15 @@ def test_train_help_gives_the_readmes_examples_and_the_readme_the_help_ones():
     assert sorted(readme_lines) == sorted(train_cli.EXAMPLES)
     help_text = subcommand_parsers(build_parser())["train"].format_help()
     assert all(example in help_text for example in train_cli.EXAMPLES)
+
+
+def test_a_config_its_class_validators_reject_is_one_line_naming_the_validators_reason(capsys, tmp_path):
+    """Fails on main af93d81: huggingface_hub's StrictDataclassClassValidationError is no ValueError, so the
+    CLI said "fold cannot handle this model (not a known refusal)" with a first line naming only the validator."""
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text('{"model_type": "gemma3_text", "num_hidden_layers": 2, '
+                                          '"layer_types": ["full_attention", "full_attention", "full_attention"]}')
+    code, err = _run(capsys, "analyze", tmp_path)
+    assert code == EXIT_USAGE and err.strip().splitlines() == [
+        f"normfold: error: unsupported or unreadable config in {tmp_path}: Class validation error for validator "
+        "'validate_layer_type': ValueError: `num_hidden_layers` (2) must be equal to the number of `layer_types` (3)"]

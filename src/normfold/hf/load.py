@@ -84,14 +84,29 @@ def load_config(model_dir: str | os.PathLike, *, trust_remote_code: bool = False
         fields = {k: v for k, v in raw.items() if k not in ("model_type", REAL_MODEL_TYPE_KEY)}
         try:
             config = transformers.AutoConfig.for_model(real_model_type(raw, path / "config.json"), **fields)
-        except (ValueError, KeyError, TypeError) as err:
-            raise CheckpointError(f"unsupported or unreadable config in {path}: {first_line(err)}") from err
+        except (ValueError, KeyError, TypeError, *_validation_errors()) as err:
+            raise CheckpointError(f"unsupported or unreadable config in {path}: {_config_error(err)}") from err
         config.transformers_weights = weight_source(path).entry  # what transformers then loads
         return config
     try:
         return transformers.AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
-        raise CheckpointError(f"unsupported or unreadable config in {path}: {first_line(err)}") from err
+    except (ValueError, KeyError, OSError, json.JSONDecodeError, *_validation_errors()) as err:
+        raise CheckpointError(f"unsupported or unreadable config in {path}: {_config_error(err)}") from err
+
+
+def _validation_errors() -> tuple[type[Exception], ...]:
+    """The errors of a config that its class's validators reject (huggingface_hub's strict dataclasses,
+    which transformers' configs are; not ValueErrors): () with a huggingface_hub that has none."""
+    errors = require("huggingface_hub").errors
+    return tuple(e for e in (getattr(errors, "StrictDataclassError", None),) if e is not None)
+
+
+def _config_error(err: BaseException) -> str:
+    """A config error in one line: its own first line, and its cause's where that line only names a
+    validator ("Class validation error for validator 'validate_layer_type':")."""
+    line = first_line(err)
+    cause = err.__cause__
+    return f"{line} {type(cause).__name__}: {first_line(cause)}" if line.endswith(":") and cause else line
 
 
 def _config_json(path: Path) -> dict[str, Any]:
