@@ -158,6 +158,17 @@ def test_inputs_the_model_refuses_fall_back_to_the_config_route_with_the_models_
     assert made.inputs["pixel_values"].shape[-2:] == (32, 32)
 
 
+def test_a_processor_that_returns_a_bare_tensor_falls_back_with_that_reason(tmp_path, monkeypatch):
+    """Fails on main af93d81: IdeficsImageProcessor returns its pixel tensor, not a dict, and `normfold fold`
+    ended in "fold cannot handle this model: AttributeError: 'Tensor' object has no attribute 'items'"."""
+    folder = _vit(tmp_path)
+    original = transformers.ViTImageProcessor.__call__
+    monkeypatch.setattr(transformers.ViTImageProcessor, "__call__",
+                        lambda self, *a, **k: original(self, *a, **k)["pixel_values"])  # as Idefics' does
+    made = folder_example_inputs(load_model(folder), folder)
+    assert made.route == CONFIG and made.why.endswith("returns a Tensor, not named inputs"), made.why
+
+
 def test_a_processor_that_makes_no_main_input_the_model_takes_falls_back(tiny_dirs, tmp_path):
     folder = tmp_path / "gpt2"
     shutil.copytree(tiny_dirs["gpt2"], folder)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,6 +111,8 @@ def _processor_inputs(model: nn.Module, processor, config_inputs: dict[str, Any]
         made = _apply(processor, model, {k for k in MAIN_INPUTS if k in config_inputs})
     except Exception as err:  # noqa: BLE001  the processor's own code, whatever it raises
         raise _NotFromProcessor(f"{name} fails on normfold's samples: {type(err).__name__}: {first_line(err)}") from err
+    if not isinstance(made, Mapping):  # IdeficsImageProcessor returns the pixel tensor itself
+        raise _NotFromProcessor(f"{name} returns a {type(made).__name__}, not named inputs")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     inputs = {k: v.to(dtype) if v.is_floating_point() else v
               for k, v in made.items() if k in params and isinstance(v, torch.Tensor)}
