@@ -47,6 +47,7 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
         forward = model_class_for(config).forward
     params = inspect.signature(forward).parameters
     gen = torch.Generator().manual_seed(seed)
+    seq = _poolable_length(config, seq)
     inputs: dict[str, Any] = {}
     if "pixel_values" in params:
         inputs.update(_image_inputs(getattr(config, "vision_config", None) or config, params, batch, gen))
@@ -65,6 +66,8 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
             inputs["attention_mask"] = torch.ones_like(ids)
         if "bbox" in params:  # document models: one box per token
             inputs["bbox"] = _boxes(*ids.shape, getattr(config, "max_2d_position_embeddings", _BOX_SCALE + 1) - 1, gen)
+        if "lang_ids" in params and getattr(config, "languages", None):  # X-MOD: one language adapter per row
+            inputs["lang_ids"] = torch.arange(ids.shape[0]) % len(config.languages)  # (B,)
     if "visual_feats" in params and "visual_pos" in params and hasattr(config, "visual_feat_dim"):
         inputs["visual_feats"] = torch.randn(batch, seq, config.visual_feat_dim, generator=gen)  # LXMERT's regions
         inputs["visual_pos"] = _boxes(batch, seq, _BOX_SCALE, gen) / _BOX_SCALE  # normalized to [0, 1]
@@ -128,6 +131,14 @@ def max_positions(text_config) -> int | None:
     config), or None when the config sets no bound (a value <= 0, XLNet's -1, means unbounded)."""
     limits = (getattr(text_config, name, None) for name in ("max_position_embeddings", "n_positions"))
     return min([v for v in limits if isinstance(v, int) and v > 0], default=None)
+
+
+def _poolable_length(config, seq: int) -> int:
+    """``seq``, or more for a model that pools its sequence between blocks (Funnel: ``block_sizes``, each
+    block after the first halving it): 2 ** blocks tokens, so that every block still has 2 tokens beside
+    the CLS token it keeps apart."""
+    blocks = getattr(config, "block_sizes", None)
+    return max(seq, 2 ** len(blocks)) if isinstance(blocks, (list, tuple)) else seq
 
 
 def _token_ids(text_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
