@@ -30,11 +30,17 @@ SMALL_SIZES = {
     "intermediate_size": 64, "ffn_dim": 64, "d_ff": 64, "d_inner": 64, "n_inner": 64, "encoder_ffn_dim": 64,
     "decoder_ffn_dim": 64, "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "encoder_attention_heads": 4,
     "decoder_attention_heads": 4, "num_key_value_heads": 2, "d_head": 8, "head_dim": 8, "d_kv": 8,
-    "image_size": 32, "patch_size": 8, "vocab_size": 99, "max_position_embeddings": 64, "n_positions": 64,
+    "image_size": 32, "patch_size": 8, "vocab_size": 99, "decoder_vocab_size": 99, "max_position_embeddings": 64, "n_positions": 64,
     "max_source_positions": 16, "max_target_positions": 16, "num_mel_bins": 8, "projection_dim": 32,
     "projection_size": 32,
     # LayoutLMv2/v3's spatial embeddings concatenate 4 coordinate and 2 shape embeddings: 4·4 + 2·8 = 32
     "coordinate_size": 4, "shape_size": 8,
+    # rotary slices at most the head size 32 / 4 = 8: GPT-J/CodeGen's rotary_dim, the MLA query/key rope part
+    # (DeepSeek-V3 and kin point head_dim at it) beside its no-rope part, values and low-rank projections
+    "rotary_dim": 4, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "kv_lora_rank": 16,
+    "q_lora_rank": 16, "index_head_dim": 16, "index_n_heads": 4,
+    # BROS projects each box pair's sinusoid embedding to one head's size, 32 / 4
+    "dim_bbox_projection": 8,
 }
 TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config")
 
@@ -49,10 +55,17 @@ MODEL_TYPES = [
 
 
 def shrink(config):
-    """The config with every size field in SMALL_SIZES set small, in each tower too (returned for chaining)."""
+    """The config with every size field in SMALL_SIZES set small, in each tower too (returned for chaining);
+    a multi-head attention default (as many key/value heads as heads: ESMC normalizes keys over the whole
+    hidden size) stays multi-head, and sizes its constructor derived from shrunk ones are derived again."""
+    multi_head = getattr(config, "num_key_value_heads", None) == getattr(config, "num_attention_heads", None)
     for name, value in list(vars(config).items()):
         if name in SMALL_SIZES and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             setattr(config, name, SMALL_SIZES[name])
+    if multi_head and isinstance(getattr(config, "num_key_value_heads", None), int):
+        config.num_key_value_heads = config.num_attention_heads
+    if isinstance(getattr(config, "qk_head_dim", None), int):  # MLA: a query/key head is its no-rope and rope parts
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     top = SMALL_SIZES["vocab_size"] - 1
     for name, value in list(vars(config).items()):  # special tokens must stay inside the shrunk vocabulary
         if name.endswith("_token_id") and isinstance(value, int) and value >= SMALL_SIZES["vocab_size"]:
@@ -67,8 +80,19 @@ def shrink(config):
     return config
 
 
-# fields a size rule cannot derive: GPT-Neo lists one attention type per layer
-CONFIG_OVERRIDES = {"gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2}}
+# fields a size rule cannot derive (they win over SMALL_SIZES): GPT-Neo lists one attention type per layer;
+# LiLT's layout embeddings concatenate 6 slices of hidden_size // 6, so its hidden size is a multiple of 6
+CONFIG_OVERRIDES = {"gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
+                    "lilt": {"hidden_size": 48}}
+
+
+def shrunk_config(model_type: str):
+    """The default config of ``model_type`` shrunk, its CONFIG_OVERRIDES set last."""
+    overrides = CONFIG_OVERRIDES.get(model_type, {})
+    config = shrink(transformers.CONFIG_MAPPING[model_type](**overrides))
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
 
 
 def _bare_model_class(config) -> type:
@@ -78,7 +102,7 @@ def _bare_model_class(config) -> type:
 
 def _config(model_type: str):
     """The shrunk config naming the bare model, as the saved tiny folders do."""
-    config = shrink(transformers.CONFIG_MAPPING[model_type](**CONFIG_OVERRIDES.get(model_type, {})))
+    config = shrunk_config(model_type)
     config.architectures = [_bare_model_class(config).__name__]
     return config
 
@@ -248,3 +272,20 @@ def test_an_unexpected_engine_error_is_one_line_with_exit_2_naming_the_command(t
     monkeypatch.setenv("NORMFOLD_TRACEBACK", "1")  # for a bug report: the error with its traceback
     with pytest.raises(RuntimeError, match="without overflow"):
         main(argv)
+
+
+# shrunk configs whose sizes must agree with each other: rotary slices (GPT-J/CodeGen's rotary_dim, MLA's rope
+# head dim), multi-head attention kept multi-head (ESMC), LiLT's sixths, BROS's box projection, Marian's
+# decoder vocabulary
+AGREEING_SIZES = ["codegen", "gptj", "deepseek_v32", "hy_v4", "esmc", "lilt", "bros", "marian"]
+
+
+@pytest.mark.parametrize("model_type", AGREEING_SIZES)
+def test_a_shrunk_default_config_builds_a_model_that_runs_on_its_example_inputs(model_type):
+    config = shrunk_config(model_type)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = _bare_model_class(config)(config).eval()
+    for inputs in (example_inputs_for(model), example_inputs_for(model, batch=3, seq=7, seed=1)):
+        with torch.no_grad():
+            model(**inputs)
