@@ -93,7 +93,7 @@ def _alarm(signum, frame):
 def tiny_model(model_type: str, zoo, **config_fields) -> nn.Module:
     """The bare model of ``model_type`` from its shrunk default config (``config_fields`` set on it
     last), in eval mode, randomised."""
-    config = zoo.shrink(zoo.transformers.CONFIG_MAPPING[model_type](**zoo.CONFIG_OVERRIDES.get(model_type, {})))
+    config = zoo.shrunk_config(model_type)
     if hasattr(config, "num_key_value_heads") and config.num_key_value_heads is None:  # a default left unset
         config.num_key_value_heads = config.num_attention_heads  # (Nemotron's): plain multi-head attention
     for name, value in config_fields.items():

@@ -23,7 +23,7 @@ from normfold.cli import EXIT_OK, main
 from normfold.engine import FoldError
 from normfold.hf.inputs import example_inputs_for
 from normfold.hf.output_dir import REPORT_JSON
-from test_zoo_folders import CONFIG_OVERRIDES, shrink
+from test_zoo_folders import shrunk_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,7 +54,7 @@ def head_folder(tmp_path_factory):
 
     def folder(model_type: str):
         if model_type not in built:
-            config = shrink(transformers.CONFIG_MAPPING[model_type](**CONFIG_OVERRIDES.get(model_type, {})))
+            config = shrunk_config(model_type)
             cls = head_class(model_type)
             config.architectures = [cls.__name__]
             torch.manual_seed(0)

@@ -1,9 +1,12 @@
-"""Calibration inputs: sentences tokenized into padded batches, with a bar over the batches."""
+"""Example inputs that the original model runs on (text families whose forward or config asks for more than
+ids), and calibration inputs: sentences tokenized into padded batches, with a bar over the batches."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from normfold.hf.inputs import calibration_batches, load_tokenizer
+import normfold
+from normfold.hf.inputs import calibration_batches, example_inputs_for, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,3 +23,38 @@ def test_calibration_batches_show_a_bar_over_the_batches_only_when_progress_is_o
     assert [len(b["input_ids"]) for b in batches] == [2, 2, 1]
     err = capsys.readouterr().err
     assert ("calibration" in err and "| 0/3 " in err) if setting == "1" else err == ""
+
+
+TINY_BERT_LIKE = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                      max_position_embeddings=64)
+
+
+def _runs_on_its_example_inputs(config, model_class=None) -> dict:
+    """The example inputs of a tiny random model of ``config`` (its AutoModel unless ``model_class``), after
+    checking the original runs on them."""
+    torch.manual_seed(0)
+    model = (model_class(config) if model_class else transformers.AutoModel.from_config(config)).eval()
+    inputs = example_inputs_for(model)
+    with torch.no_grad():
+        model(**inputs)
+    return inputs
+
+
+def test_a_model_with_language_adapters_gets_one_language_per_row_and_its_fold_proves():
+    """X-MOD routes each row through its language's adapter: without ``lang_ids`` (or a default language
+    set on the model) its forward raises 'Input language unknown'."""
+    config = transformers.XmodConfig(**TINY_BERT_LIKE, languages=("en_XX", "de_DE"))
+    inputs = _runs_on_its_example_inputs(config)
+    assert inputs["lang_ids"].tolist() == [0, 1]  # both adapters in the proof
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(config).eval()
+    _, report = normfold.fold(model, inputs)  # raises unless the fold is proved on these inputs
+    assert report.verification is not None and report.norms
+
+
+def test_a_model_pooling_its_sequence_between_blocks_gets_enough_tokens_for_every_block():
+    """Funnel halves its sequence after each block but the first, keeping the CLS token apart: 4 tokens
+    are too few for 3 blocks (its own code fails to broadcast its CLS mask)."""
+    config = transformers.FunnelConfig(vocab_size=99, block_sizes=[1, 1, 1], d_model=32, n_head=4, d_head=8,
+                                       d_inner=64, num_decoder_layers=1)
+    assert _runs_on_its_example_inputs(config, transformers.FunnelModel)["input_ids"].shape == (2, 8)

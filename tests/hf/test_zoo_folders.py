@@ -5,6 +5,7 @@ offline from each type's default config, shrunk."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import json
 from dataclasses import dataclass
@@ -30,13 +31,25 @@ SMALL_SIZES = {
     "intermediate_size": 64, "ffn_dim": 64, "d_ff": 64, "d_inner": 64, "n_inner": 64, "encoder_ffn_dim": 64,
     "decoder_ffn_dim": 64, "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "encoder_attention_heads": 4,
     "decoder_attention_heads": 4, "num_key_value_heads": 2, "d_head": 8, "head_dim": 8, "d_kv": 8,
-    "image_size": 32, "patch_size": 8, "vocab_size": 99, "max_position_embeddings": 64, "n_positions": 64,
+    "image_size": 32, "patch_size": 8, "vocab_size": 99, "decoder_vocab_size": 99, "max_position_embeddings": 64, "n_positions": 64,
     "max_source_positions": 16, "max_target_positions": 16, "num_mel_bins": 8, "projection_dim": 32,
     "projection_size": 32,
     # LayoutLMv2/v3's spatial embeddings concatenate 4 coordinate and 2 shape embeddings: 4·4 + 2·8 = 32
     "coordinate_size": 4, "shape_size": 8,
+    # rotary slices at most the head size 32 / 4 = 8: GPT-J/CodeGen's rotary_dim, the MLA query/key rope part
+    # (DeepSeek-V3 and kin point head_dim at it) beside its no-rope part, values and low-rank projections
+    "rotary_dim": 4, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "kv_lora_rank": 16,
+    "q_lora_rank": 16, "index_head_dim": 16, "index_n_heads": 4,
+    # BROS projects each box pair's sinusoid embedding to one head's size, 32 / 4
+    "dim_bbox_projection": 8,
+    # Qwen2-VL-style vision towers: their heads (num_heads) and the width they hand the text model
+    "num_heads": 4, "out_hidden_size": 32,
+    # Llama 4's vision projector (input and output) and what its tower hands on; MiniMax-M3-VL's projector
+    "projector_input_dim": 32, "projector_output_dim": 32, "vision_output_dim": 32, "projector_hidden_size": 32,
+    # Gemma 3 pools each image's 4 x 4 patches to mm_tokens_per_image: 2 x 2 tokens, a pooling kernel of 2
+    "mm_tokens_per_image": 4,
 }
-TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config")
+TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config", "encoder", "decoder")
 
 # one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
 # channels-first norms, audio (waveform and log-mel), two-tower multimodal, character-level, RMSNorm-only
@@ -48,11 +61,22 @@ MODEL_TYPES = [
 ]
 
 
+def split_evenly(total: int, parts: int) -> list[int]:
+    """``total`` as ``parts`` near-equal ints, the larger first: a multimodal rotary embedding's sections
+    (temporal, height, width: Qwen2-VL's ``mrope_section``) over the shrunk head's rotary frequencies."""
+    return [total // parts + (i < total % parts) for i in range(parts)]
+
+
 def shrink(config):
-    """The config with every size field in SMALL_SIZES set small, in each tower too (returned for chaining)."""
+    """The config with every size field in SMALL_SIZES set small, in each tower too (returned for chaining);
+    a multi-head attention default (as many key/value heads as heads: ESMC normalizes keys over the whole
+    hidden size) stays multi-head, and the sizes its constructor derived from shrunk ones are derived again."""
+    multi_head = getattr(config, "num_key_value_heads", None) == getattr(config, "num_attention_heads", None)
     for name, value in list(vars(config).items()):
         if name in SMALL_SIZES and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             setattr(config, name, SMALL_SIZES[name])
+    if multi_head and isinstance(getattr(config, "num_key_value_heads", None), int):
+        config.num_key_value_heads = config.num_attention_heads
     top = SMALL_SIZES["vocab_size"] - 1
     for name, value in list(vars(config).items()):  # special tokens must stay inside the shrunk vocabulary
         if name.endswith("_token_id") and isinstance(value, int) and value >= SMALL_SIZES["vocab_size"]:
@@ -64,11 +88,48 @@ def shrink(config):
         sub = getattr(config, tower, None)
         if isinstance(sub, transformers.PretrainedConfig):
             shrink(sub)
+    derive_sizes_again(config)
     return config
 
 
-# fields a size rule cannot derive: GPT-Neo lists one attention type per layer
-CONFIG_OVERRIDES = {"gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2}}
+def derive_sizes_again(config) -> None:
+    """Sizes a config's constructor derives from others, derived again from the shrunk ones (its towers shrunk
+    first): an MLA query/key head is its no-rope and rope parts (DeepSeek-V3 and kin); a multimodal rotary's
+    sections split the head's rotary frequencies (Qwen2-VL's ``mrope_section``); a Llama 4 vision MLP's width
+    is what pixel shuffle makes of a patch (``hidden_size / ratio²``); MiniMax-M3-VL's merged patch is
+    ``spatial_merge_size²`` text-width features."""
+    if isinstance(getattr(config, "qk_head_dim", None), int):
+        config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
+        heads = getattr(config, "num_attention_heads", None) or SMALL_SIZES["num_attention_heads"]
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        rope["mrope_section"] = split_evenly(head_dim // 2, len(rope["mrope_section"]))
+    ratio = getattr(config, "pixel_shuffle_ratio", None)
+    if isinstance(ratio, float) and hasattr(config, "projector_input_dim"):  # a Llama 4 vision tower
+        config.intermediate_size = int(config.hidden_size / ratio ** 2)
+    if isinstance(getattr(config, "merged_hidden_size", None), int):
+        config.merged_hidden_size = config.text_config.hidden_size * config.vision_config.spatial_merge_size ** 2
+
+
+# fields a size rule cannot derive (they win over SMALL_SIZES): GPT-Neo lists one attention type per layer;
+# LiLT's layout embeddings concatenate 6 slices of hidden_size // 6, so its hidden size is a multiple of 6;
+# GLM-4V and GLM-OCR's text rotary defaults its mrope_section in code: made explicit, shrink fits it to the head
+_GLM_MROPE_TEXT = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}}
+CONFIG_OVERRIDES = {"gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
+                    "lilt": {"hidden_size": 48},
+                    "glm4v": {"text_config": _GLM_MROPE_TEXT}, "glm_ocr": {"text_config": _GLM_MROPE_TEXT}}
+
+
+def shrunk_config(model_type: str):
+    """The default config of ``model_type`` shrunk, its CONFIG_OVERRIDES set last (a tower's, given as a
+    dict, only to the constructor: the shrink rules fit it)."""
+    overrides = CONFIG_OVERRIDES.get(model_type, {})
+    config = shrink(transformers.CONFIG_MAPPING[model_type](**copy.deepcopy(overrides)))
+    for name, value in overrides.items():
+        if name not in TOWERS:
+            setattr(config, name, value)
+    return config
 
 
 def _bare_model_class(config) -> type:
@@ -78,7 +139,7 @@ def _bare_model_class(config) -> type:
 
 def _config(model_type: str):
     """The shrunk config naming the bare model, as the saved tiny folders do."""
-    config = shrink(transformers.CONFIG_MAPPING[model_type](**CONFIG_OVERRIDES.get(model_type, {})))
+    config = shrunk_config(model_type)
     config.architectures = [_bare_model_class(config).__name__]
     return config
 
@@ -248,3 +309,32 @@ def test_an_unexpected_engine_error_is_one_line_with_exit_2_naming_the_command(t
     monkeypatch.setenv("NORMFOLD_TRACEBACK", "1")  # for a bug report: the error with its traceback
     with pytest.raises(RuntimeError, match="without overflow"):
         main(argv)
+
+
+# shrunk configs whose sizes must agree with each other: rotary slices (GPT-J/CodeGen's rotary_dim, MLA's rope
+# head dim, GLM-OCR's mrope sections), multi-head attention kept multi-head (ESMC), LiLT's sixths, BROS's box
+# projection, Marian's decoder vocabulary, Gemma 3's image pooling, MiniMax-M3-VL's merged patches, T5Gemma 2's
+# encoder towers (its images sized by the encoder's vision config, its image tokens counted by the encoder)
+AGREEING_SIZES = ["codegen", "gptj", "deepseek_v32", "hy_v4", "esmc", "lilt", "bros", "marian", "gemma3", "glm_ocr",
+                  "minimax_m3_vl", "t5gemma2"]
+
+
+@pytest.mark.parametrize("model_type", AGREEING_SIZES)
+def test_a_shrunk_default_config_builds_a_model_that_runs_on_its_example_inputs(model_type):
+    config = shrunk_config(model_type)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = _bare_model_class(config)(config).eval()
+    for inputs in (example_inputs_for(model), example_inputs_for(model, batch=3, seq=7, seed=1)):
+        with torch.no_grad():
+            model(**inputs)
+
+
+def test_a_vision_model_output_without_pooled_features_counts_its_patches_as_image_tokens():
+    """Llama 4's ``get_image_features`` returns its vision model's output (``last_hidden_state``, no
+    ``pooler_output``): 4 x 4 patches pixel-shuffled by 0.5 are 4 image tokens per image. (Its forward
+    itself then fails in transformers 5.24's own code: ``outputs.image_outputs`` of a text output.)"""
+    config = shrunk_config("llama4")
+    torch.manual_seed(0)
+    inputs = example_inputs_for(_bare_model_class(config)(config).eval())
+    assert (inputs["input_ids"] == config.image_token_id).sum(dim=1).tolist() == [4, 4]

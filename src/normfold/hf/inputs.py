@@ -47,9 +47,10 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
         forward = model_class_for(config).forward
     params = inspect.signature(forward).parameters
     gen = torch.Generator().manual_seed(seed)
+    seq = _poolable_length(config, seq)
     inputs: dict[str, Any] = {}
     if "pixel_values" in params:
-        inputs.update(_image_inputs(getattr(config, "vision_config", None) or config, params, batch, gen))
+        inputs.update(_image_inputs(_vision_config(config), params, batch, gen))
     elif "input_values" in params:
         inputs["input_values"] = _waveform(getattr(config, "audio_config", None) or config, batch, seq, gen)
     elif "input_features" in params:
@@ -65,6 +66,8 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
             inputs["attention_mask"] = torch.ones_like(ids)
         if "bbox" in params:  # document models: one box per token
             inputs["bbox"] = _boxes(*ids.shape, getattr(config, "max_2d_position_embeddings", _BOX_SCALE + 1) - 1, gen)
+        if "lang_ids" in params and getattr(config, "languages", None):  # X-MOD: one language adapter per row
+            inputs["lang_ids"] = torch.arange(ids.shape[0]) % len(config.languages)  # (B,)
     if "visual_feats" in params and "visual_pos" in params and hasattr(config, "visual_feat_dim"):
         inputs["visual_feats"] = torch.randn(batch, seq, config.visual_feat_dim, generator=gen)  # LXMERT's regions
         inputs["visual_pos"] = _boxes(batch, seq, _BOX_SCALE, gen) / _BOX_SCALE  # normalized to [0, 1]
@@ -130,6 +133,24 @@ def max_positions(text_config) -> int | None:
     return min([v for v in limits if isinstance(v, int) and v > 0], default=None)
 
 
+def _vision_config(config):
+    """The config that sizes the model's images: its ``vision_config``, its encoder's (T5Gemma 2: the images
+    go through the encoder), or the config itself (a vision model)."""
+    for holder in (config, getattr(config, "encoder", None)):
+        vision = getattr(holder, "vision_config", None)
+        if vision is not None:
+            return vision
+    return config
+
+
+def _poolable_length(config, seq: int) -> int:
+    """``seq``, or more for a model that pools its sequence between blocks (Funnel: ``block_sizes``, each
+    block after the first halving it): 2 ** blocks tokens, so that every block still has 2 tokens beside
+    the CLS token it keeps apart."""
+    blocks = getattr(config, "block_sizes", None)
+    return max(seq, 2 ** len(blocks)) if isinstance(blocks, (list, tuple)) else seq
+
+
 def _token_ids(text_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
     """(B, T) random ids below the vocabulary size, T at most the model's positions."""
     vocab = getattr(text_config, "vocab_size", None) or CHARACTER_VOCAB
@@ -168,19 +189,19 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator) -> di
 
 def _with_image_tokens(model: nn.Module, ids: torch.Tensor, images: dict[str, torch.Tensor]) -> torch.Tensor:
     """``ids`` led by one image token per image feature, for a model that merges image features into
-    its text at the positions of ``config.image_token_id`` (LLaVA, PaliGemma, Qwen2-VL, Idefics3): as
-    many per row as its own ``get_image_features`` gives each row's image (``images``: the call's
+    its text at the positions of ``config.image_token_id`` (LLaVA, PaliGemma, Qwen2-VL, Idefics3; T5Gemma 2's
+    encoder: :func:`_image_merger`): as many per row as its own ``get_image_features`` gives each row's image (``images``: the call's
     image inputs, :func:`_image_inputs`). ``ids`` unchanged for any other model."""
-    token = getattr(model.config, "image_token_id", None)
-    if not isinstance(token, int) or not hasattr(model, "get_image_features"):
+    merger = _image_merger(model)
+    token = getattr(getattr(merger, "config", None), "image_token_id", None)
+    if merger is None or not isinstance(token, int):
         return ids
     try:
         with torch.no_grad():
-            found = model.get_image_features(**images)
+            found = merger.get_image_features(**images)
     except Exception:  # noqa: BLE001  the model's own code, whatever it raises: plain text ids, as before
         return ids
-    features = getattr(found, "pooler_output", None)
-    features = found if features is None else features  # a ModelOutput's projected features, or the tensor itself
+    features = _image_features(found)
     parts = features if isinstance(features, (list, tuple)) else [features]
     if not all(isinstance(f, torch.Tensor) and f.dim() >= 2 for f in parts):
         return ids
@@ -189,6 +210,27 @@ def _with_image_tokens(model: nn.Module, ids: torch.Tensor, images: dict[str, to
         return ids
     text = ids.masked_fill(ids == token, 1 if token == 0 else 0)  # no image token among the text
     return torch.cat([torch.full((ids.shape[0], total // ids.shape[0]), token, dtype=ids.dtype), text], dim=1)
+
+
+def _image_merger(model: nn.Module) -> nn.Module | None:
+    """The module that merges image features into the text: the model (LLaVA), or its encoder for an
+    encoder-decoder whose encoder reads the images (T5Gemma 2); None when neither does."""
+    if hasattr(model, "get_image_features"):
+        return model
+    get_encoder = getattr(model, "get_encoder", None)
+    encoder = get_encoder() if callable(get_encoder) else None
+    return encoder if hasattr(encoder, "get_image_features") else None
+
+
+def _image_features(found):
+    """The image features in what a model's ``get_image_features`` returned: a ModelOutput's projected
+    ``pooler_output``, else its ``last_hidden_state`` (Llama 4: its vision model's output, adapted patches
+    that its projector keeps one to one), else ``found`` itself (a tensor or a list of them)."""
+    for name in ("pooler_output", "last_hidden_state"):
+        features = getattr(found, name, None)
+        if features is not None:
+            return features
+    return found
 
 
 def _boxes(batch: int, count: int, bound: int, gen: torch.Generator) -> torch.Tensor:
