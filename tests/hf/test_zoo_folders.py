@@ -68,7 +68,8 @@ def shrink(config):
 
 
 # fields a size rule cannot derive: GPT-Neo lists one attention type per layer
-CONFIG_OVERRIDES = {"gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2}}
+CONFIG_OVERRIDES = {"gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
+                    "voxtral": {"audio_token_id": 24}}  # its default is None (no audio token): its checkpoints' id
 
 
 def _bare_model_class(config) -> type:

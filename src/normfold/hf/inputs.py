@@ -50,14 +50,12 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     inputs: dict[str, Any] = {}
     if "pixel_values" in params:
         inputs.update(_image_inputs(getattr(config, "vision_config", None) or config, params, batch, gen))
-    elif "input_values" in params:
-        inputs["input_values"] = _waveform(getattr(config, "audio_config", None) or config, batch, seq, gen)
-    elif "input_features" in params:
-        inputs["input_features"] = _log_mel_features(getattr(config, "audio_config", None) or config, batch, gen)
-    if "input_ids" in params and "input_values" not in inputs and "input_features" not in inputs:
-        ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels: text and image (CLIP, GIT, LayoutLMv3)
-        if isinstance(model_or_config, nn.Module) and "pixel_values" in inputs:
-            ids = _with_image_tokens(model_or_config, ids, {k: v for k, v in inputs.items() if k in _IMAGE_INPUTS})
+    elif "input_values" in params or "input_features" in params:
+        inputs.update(_audio_inputs(getattr(config, "audio_config", None) or config, params, batch, seq, gen))
+    if "input_ids" in params:
+        ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels or audio: text and media (CLIP, Voxtral)
+        if isinstance(model_or_config, nn.Module):
+            ids = _with_media_tokens(model_or_config, ids, inputs)
         inputs["input_ids"] = ids
         if "mm_token_type_ids" in params and isinstance(getattr(config, "image_token_id", None), int):
             inputs["mm_token_type_ids"] = (ids == config.image_token_id).int()  # 1 where an image feature goes
@@ -166,28 +164,45 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator) -> di
     return {"pixel_values": torch.randn(batch, channels, h, w, generator=gen)}
 
 
-def _with_image_tokens(model: nn.Module, ids: torch.Tensor, images: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``ids`` led by one image token per image feature, for a model that merges image features into
-    its text at the positions of ``config.image_token_id`` (LLaVA, PaliGemma, Qwen2-VL, Idefics3): as
-    many per row as its own ``get_image_features`` gives each row's image (``images``: the call's
-    image inputs, :func:`_image_inputs`). ``ids`` unchanged for any other model."""
-    token = getattr(model.config, "image_token_id", None)
-    if not isinstance(token, int) or not hasattr(model, "get_image_features"):
-        return ids
+def _with_media_tokens(model: nn.Module, ids: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``ids`` led by one placeholder token per media feature, for a model that merges image or audio
+    features into its text at the positions of its config's ``image_token_id`` (LLaVA, PaliGemma,
+    Qwen2-VL, Idefics3) or ``audio_token_id`` / ``audio_token_index`` (Voxtral, GraniteSpeech): as
+    many per row as its own ``get_image_features`` / ``get_audio_features`` gives each row's media
+    (``inputs``: the call's media inputs, :func:`_image_inputs`, :func:`_audio_inputs`). ``ids``
+    unchanged for any other model."""
+    for field, method, names in _MEDIA:
+        token = getattr(model.config, field, None)
+        media = {k: v for k, v in inputs.items() if k in names}
+        if isinstance(token, int) and hasattr(model, method) and media:
+            return _led_by_tokens(ids, token, _feature_count(getattr(model, method), media, ids, token))
+    return ids
+
+
+def _feature_count(get_features, media: dict[str, torch.Tensor], ids: torch.Tensor, token: int) -> int | None:
+    """How many feature vectors ``get_features`` (a model's ``get_image_features`` or
+    ``get_audio_features``) makes of ``media`` over the whole batch, None when it fails or gives no
+    tensors."""
+    media = {k: v for k, v in media.items() if k in inspect.signature(get_features).parameters}
     try:
         with torch.no_grad():
-            found = model.get_image_features(**images)
+            found = get_features(**media)
     except Exception:  # noqa: BLE001  the model's own code, whatever it raises: plain text ids, as before
-        return ids
+        return None
     features = getattr(found, "pooler_output", None)
     features = found if features is None else features  # a ModelOutput's projected features, or the tensor itself
     parts = features if isinstance(features, (list, tuple)) else [features]
     if not all(isinstance(f, torch.Tensor) and f.dim() >= 2 for f in parts):
+        return None
+    return sum(f.numel() // f.shape[-1] for f in parts)  # feature vectors over the whole batch
+
+
+def _led_by_tokens(ids: torch.Tensor, token: int, total: int | None) -> torch.Tensor:
+    """(B, total / B + T) ``ids`` led by ``total / B`` placeholder ``token``s per row, the token itself
+    taken out of the text; ``ids`` unchanged when ``total`` is None or does not split evenly over the rows."""
+    if total is None or total % ids.shape[0]:
         return ids
-    total = sum(f.numel() // f.shape[-1] for f in parts)  # feature vectors over the whole batch
-    if total % ids.shape[0]:
-        return ids
-    text = ids.masked_fill(ids == token, 1 if token == 0 else 0)  # no image token among the text
+    text = ids.masked_fill(ids == token, 1 if token == 0 else 0)  # no placeholder token among the text
     return torch.cat([torch.full((ids.shape[0], total // ids.shape[0]), token, dtype=ids.dtype), text], dim=1)
 
 
@@ -195,6 +210,32 @@ def _boxes(batch: int, count: int, bound: int, gen: torch.Generator) -> torch.Te
     """(B, N, 4) integer boxes (x0, y0, x1, y1) in [0, bound], with x0 <= x1 and y0 <= y1."""
     corners = torch.randint(0, bound + 1, (batch, count, 2, 2), generator=gen)  # two (x, y) corners per box
     return torch.cat([corners.min(dim=2).values, corners.max(dim=2).values], dim=-1)
+
+
+_AUDIO_INPUTS = ("input_values", "input_features", "input_features_mask", "padding_mask")  # what describes the audio of a call
+
+
+def _audio_inputs(audio_config, params, batch: int, seq: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random audio, one clip per row: a waveform (``input_values``, :func:`_waveform`) wherever the
+    forward takes one, else log-mel features (``input_features``, :func:`_log_mel_features`); with an
+    all-ones mask over its last axis (samples or frames: nothing padded) for each of
+    ``input_features_mask`` and ``padding_mask`` that the forward takes."""
+    if "input_values" in params:
+        audio = {"input_values": _waveform(audio_config, batch, seq, gen)}  # (B, S)
+    else:
+        audio = {"input_features": _log_mel_features(audio_config, batch, gen)}  # (B, mel bins, frames)
+    clip = next(iter(audio.values()))
+    for mask in ("input_features_mask", "padding_mask"):
+        if mask in params:
+            audio[mask] = torch.ones(clip.shape[0], clip.shape[-1], dtype=torch.long)  # (B, S or frames)
+    return audio
+
+
+# what a model that merges media features into its text reads: the config field of the placeholder
+# token, the method that computes the features, and the inputs that describe the media
+_MEDIA = (("image_token_id", "get_image_features", _IMAGE_INPUTS),
+          ("audio_token_id", "get_audio_features", _AUDIO_INPUTS),
+          ("audio_token_index", "get_audio_features", _AUDIO_INPUTS))
 
 
 def _waveform(audio_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
