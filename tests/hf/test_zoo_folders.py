@@ -70,6 +70,12 @@ def shrink(config):
 # fields a size rule cannot derive: GPT-Neo lists one attention type per layer
 CONFIG_OVERRIDES = {"gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
                     "voxtral": {"audio_token_id": 24}}  # its default is None (no audio token): its checkpoints' id
+# Granite Speech's Q-Former projector (not a tower the size rules shrink) reads the audio encoder's
+# hidden states: its encoder_hidden_size is the shrunk encoder's hidden_dim (its default, 1408, is no one's)
+_GRANITE_PROJECTOR = {"projector_config": {"model_type": "blip_2_qformer", "hidden_size": 32, "num_hidden_layers": 1,
+                                           "num_attention_heads": 4, "intermediate_size": 64,
+                                           "encoder_hidden_size": SMALL_SIZES["hidden_dim"]}}
+CONFIG_OVERRIDES.update({"granite_speech": _GRANITE_PROJECTOR, "granite_speech_plus": _GRANITE_PROJECTOR})
 
 
 def _bare_model_class(config) -> type:

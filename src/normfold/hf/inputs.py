@@ -41,17 +41,18 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     Deterministic (seeded); the values are random: folding is exact for any input.
     """
     if isinstance(model_or_config, nn.Module):
-        config, forward = model_or_config.config, type(model_or_config).forward
+        config, model_class = model_or_config.config, type(model_or_config)
     else:
         config = model_or_config
-        forward = model_class_for(config).forward
-    params = inspect.signature(forward).parameters
+        model_class = model_class_for(config)
+    params = inspect.signature(model_class.forward).parameters
     gen = torch.Generator().manual_seed(seed)
     inputs: dict[str, Any] = {}
     if "pixel_values" in params:
         inputs.update(_image_inputs(getattr(config, "vision_config", None) or config, params, batch, gen))
     elif "input_values" in params or "input_features" in params:
-        inputs.update(_audio_inputs(getattr(config, "audio_config", None) or config, params, batch, seq, gen))
+        inputs.update(_audio_inputs(getattr(config, "audio_config", None) or config, params,
+                                    _audio_mask_params(model_class, params), batch, seq, gen))
     if "input_ids" in params:
         ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels or audio: text and media (CLIP, Voxtral)
         if isinstance(model_or_config, nn.Module):
@@ -215,18 +216,30 @@ def _boxes(batch: int, count: int, bound: int, gen: torch.Generator) -> torch.Te
 _AUDIO_INPUTS = ("input_values", "input_features", "input_features_mask", "padding_mask")  # what describes the audio of a call
 
 
-def _audio_inputs(audio_config, params, batch: int, seq: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def _audio_mask_params(model_class, params) -> set[str]:
+    """The audio masks over samples or frames that a call may pass: those the model's own
+    ``get_audio_features`` reads (AudioFlamingo3, MOSS: the encoder's frames), all of ``params`` for a
+    model without one. A forward's ``input_features_mask`` that its ``get_audio_features`` does not
+    read masks something else (Granite Speech: the projected features), so none is built for it."""
+    get_features = getattr(model_class, "get_audio_features", None)
+    if get_features is None:
+        return set(params)
+    return set(params) & set(inspect.signature(get_features).parameters)
+
+
+def _audio_inputs(audio_config, params, mask_params, batch: int, seq: int,
+                  gen: torch.Generator) -> dict[str, torch.Tensor]:
     """Random audio, one clip per row: a waveform (``input_values``, :func:`_waveform`) wherever the
-    forward takes one, else log-mel features (``input_features``, :func:`_log_mel_features`); with an
-    all-ones mask over its last axis (samples or frames: nothing padded) for each of
-    ``input_features_mask`` and ``padding_mask`` that the forward takes."""
+    forward's ``params`` take one, else log-mel features (``input_features``, :func:`_log_mel_features`);
+    with an all-ones mask over its last axis (samples or frames: nothing padded) for each of
+    ``input_features_mask`` and ``padding_mask`` among ``mask_params`` (:func:`_audio_mask_params`)."""
     if "input_values" in params:
         audio = {"input_values": _waveform(audio_config, batch, seq, gen)}  # (B, S)
     else:
         audio = {"input_features": _log_mel_features(audio_config, batch, gen)}  # (B, mel bins, frames)
     clip = next(iter(audio.values()))
     for mask in ("input_features_mask", "padding_mask"):
-        if mask in params:
+        if mask in mask_params:
             audio[mask] = torch.ones(clip.shape[0], clip.shape[-1], dtype=torch.long)  # (B, S or frames)
     return audio
 
