@@ -36,7 +36,8 @@ SMALL_SIZES = {
     # LayoutLMv2/v3's spatial embeddings concatenate 4 coordinate and 2 shape embeddings: 4·4 + 2·8 = 32
     "coordinate_size": 4, "shape_size": 8,
 }
-TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config")
+TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config",
+          "adaptor_config")  # FunASR's adaptor: its output width is the shrunk text width
 
 # one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
 # channels-first norms, audio (waveform and log-mel), two-tower multimodal, character-level, RMSNorm-only
