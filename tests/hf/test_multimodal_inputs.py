@@ -166,3 +166,54 @@ def test_the_fold_of_a_grid_or_masked_image_model_proves_or_refuses_for_a_reason
         assert "data-dependent" in message or "torch.export" in message, message
     else:
         assert report.verification.ok
+
+
+AUDIO_TEXT_TYPES = ["audioflamingo3", "glmasr", "moss_transcribe_diarize"]
+
+
+def _zoo_rules():
+    """tests/hf/test_zoo_folders.py: the zoo's shrink rules and config overrides."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("_zoo_rules", Path(__file__).with_name("test_zoo_folders.py"))
+    zoo = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclasses look their module up
+    spec.loader.exec_module(zoo)
+    return zoo
+
+
+def _audio_text_config(model_type: str):
+    """The default config of a text+audio type with every size small (the zoo's shrink rules and
+    overrides), its audio token inside the vocabulary."""
+    zoo = _zoo_rules()
+    return zoo.shrink(transformers.CONFIG_MAPPING[model_type](**zoo.CONFIG_OVERRIDES.get(model_type, {})))
+
+
+def _audio_text_model(model_type: str):
+    config = _audio_text_config(model_type)
+    torch.manual_seed(0)
+    return _zoo_rules()._bare_model_class(config)(config).eval()
+
+
+@pytest.mark.parametrize("model_type", AUDIO_TEXT_TYPES)
+def test_a_model_merging_audio_features_into_text_gets_one_audio_token_per_feature(model_type):
+    """Token ids beside the audio (none were built before), led by as many ``audio_token_id`` as the
+    model's own ``get_audio_features`` makes, and an all-ones mask for each audio mask it takes."""
+    model = _audio_text_model(model_type)
+    inputs = example_inputs_for(model)
+    assert inputs["input_features_mask"].shape == (2, inputs["input_features"].shape[-1])
+    assert inputs["input_features_mask"].all()  # nothing padded
+    audio = {k: v for k, v in inputs.items() if k in ("input_features", "input_features_mask", "padding_mask")}
+    with torch.no_grad():
+        features = model.get_audio_features(**audio).pooler_output
+        model(**inputs)  # runs: the tokens and the features match
+    tokens = inputs["input_ids"] == model.config.audio_token_id
+    assert int(tokens.sum()) == features.numel() // features.shape[-1] > 0
+
+
+def test_an_audio_mask_is_built_only_where_the_models_get_audio_features_reads_it():
+    """Granite Speech's forward takes an ``input_features_mask`` over its projected features, not over
+    the frames (its ``get_audio_features`` reads none): an all-ones frame mask would index them wrongly."""
+    assert "input_features_mask" in example_inputs_for(_audio_text_config("audioflamingo3"))
+    assert "input_features_mask" not in example_inputs_for(_audio_text_config("granite_speech"))

@@ -49,7 +49,8 @@ SMALL_SIZES = {
     # Gemma 3 pools each image's 4 x 4 patches to mm_tokens_per_image: 2 x 2 tokens, a pooling kernel of 2
     "mm_tokens_per_image": 4,
 }
-TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config", "encoder", "decoder")
+TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config", "encoder", "decoder",
+          "adaptor_config")  # FunASR's adaptor: its output width is the shrunk text width
 
 # one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
 # channels-first norms, audio (waveform and log-mel), two-tower multimodal, character-level, RMSNorm-only
@@ -118,16 +119,23 @@ def derive_sizes_again(config) -> None:
 _GLM_MROPE_TEXT = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}}
 CONFIG_OVERRIDES = {"gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
                     "lilt": {"hidden_size": 48},
-                    "glm4v": {"text_config": _GLM_MROPE_TEXT}, "glm_ocr": {"text_config": _GLM_MROPE_TEXT}}
+                    "glm4v": {"text_config": _GLM_MROPE_TEXT}, "glm_ocr": {"text_config": _GLM_MROPE_TEXT},
+                    "voxtral": {"audio_token_id": 24}}  # its default is None (no audio token): its checkpoints' id
+# Granite Speech's Q-Former projector (not a tower the size rules shrink) reads the audio encoder's
+# hidden states: its encoder_hidden_size is the shrunk encoder's hidden_dim (its default, 1408, is no one's)
+_GRANITE_PROJECTOR = {"projector_config": {"model_type": "blip_2_qformer", "hidden_size": 32, "num_hidden_layers": 1,
+                                           "num_attention_heads": 4, "intermediate_size": 64,
+                                           "encoder_hidden_size": SMALL_SIZES["hidden_dim"]}}
+CONFIG_OVERRIDES.update({"granite_speech": _GRANITE_PROJECTOR, "granite_speech_plus": _GRANITE_PROJECTOR})
 
 
 def shrunk_config(model_type: str):
-    """The default config of ``model_type`` shrunk, its CONFIG_OVERRIDES set last (a tower's, given as a
-    dict, only to the constructor: the shrink rules fit it)."""
+    """The default config of ``model_type`` shrunk, its CONFIG_OVERRIDES set last (a sub-config's, given as a
+    dict, only to the constructor: the shrink rules fit a tower's)."""
     overrides = CONFIG_OVERRIDES.get(model_type, {})
     config = shrink(transformers.CONFIG_MAPPING[model_type](**copy.deepcopy(overrides)))
     for name, value in overrides.items():
-        if name not in TOWERS:
+        if name not in TOWERS and not isinstance(value, dict):
             setattr(config, name, value)
     return config
 

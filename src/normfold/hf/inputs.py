@@ -41,24 +41,23 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     Deterministic (seeded); the values are random: folding is exact for any input.
     """
     if isinstance(model_or_config, nn.Module):
-        config, forward = model_or_config.config, type(model_or_config).forward
+        config, model_class = model_or_config.config, type(model_or_config)
     else:
         config = model_or_config
-        forward = model_class_for(config).forward
-    params = inspect.signature(forward).parameters
+        model_class = model_class_for(config)
+    params = inspect.signature(model_class.forward).parameters
     gen = torch.Generator().manual_seed(seed)
     seq = _poolable_length(config, seq)
     inputs: dict[str, Any] = {}
     if "pixel_values" in params:
         inputs.update(_image_inputs(_vision_config(config), params, batch, gen))
-    elif "input_values" in params:
-        inputs["input_values"] = _waveform(getattr(config, "audio_config", None) or config, batch, seq, gen)
-    elif "input_features" in params:
-        inputs["input_features"] = _log_mel_features(getattr(config, "audio_config", None) or config, batch, gen)
-    if "input_ids" in params and "input_values" not in inputs and "input_features" not in inputs:
-        ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels: text and image (CLIP, GIT, LayoutLMv3)
-        if isinstance(model_or_config, nn.Module) and "pixel_values" in inputs:
-            ids = _with_image_tokens(model_or_config, ids, {k: v for k, v in inputs.items() if k in _IMAGE_INPUTS})
+    elif "input_values" in params or "input_features" in params:
+        inputs.update(_audio_inputs(getattr(config, "audio_config", None) or config, params,
+                                    _audio_mask_params(model_class, params), batch, seq, gen))
+    if "input_ids" in params:
+        ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels or audio: text and media (CLIP, Voxtral)
+        if isinstance(model_or_config, nn.Module):
+            ids = _with_media_tokens(model_or_config, ids, inputs)
         inputs["input_ids"] = ids
         if "mm_token_type_ids" in params and isinstance(getattr(config, "image_token_id", None), int):
             inputs["mm_token_type_ids"] = (ids == config.image_token_id).int()  # 1 where an image feature goes
@@ -187,43 +186,61 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator) -> di
     return {"pixel_values": torch.randn(batch, channels, h, w, generator=gen)}
 
 
-def _with_image_tokens(model: nn.Module, ids: torch.Tensor, images: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``ids`` led by one image token per image feature, for a model that merges image features into
-    its text at the positions of ``config.image_token_id`` (LLaVA, PaliGemma, Qwen2-VL, Idefics3; T5Gemma 2's
-    encoder: :func:`_image_merger`): as many per row as its own ``get_image_features`` gives each row's image (``images``: the call's
-    image inputs, :func:`_image_inputs`). ``ids`` unchanged for any other model."""
-    merger = _image_merger(model)
-    token = getattr(getattr(merger, "config", None), "image_token_id", None)
-    if merger is None or not isinstance(token, int):
-        return ids
-    try:
-        with torch.no_grad():
-            found = merger.get_image_features(**images)
-    except Exception:  # noqa: BLE001  the model's own code, whatever it raises: plain text ids, as before
-        return ids
-    features = _image_features(found)
-    parts = features if isinstance(features, (list, tuple)) else [features]
-    if not all(isinstance(f, torch.Tensor) and f.dim() >= 2 for f in parts):
-        return ids
-    total = sum(f.numel() // f.shape[-1] for f in parts)  # feature vectors over the whole batch
-    if total % ids.shape[0]:
-        return ids
-    text = ids.masked_fill(ids == token, 1 if token == 0 else 0)  # no image token among the text
-    return torch.cat([torch.full((ids.shape[0], total // ids.shape[0]), token, dtype=ids.dtype), text], dim=1)
+def _with_media_tokens(model: nn.Module, ids: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``ids`` led by one placeholder token per media feature, for a model that merges image or audio
+    features into its text at the positions of its config's ``image_token_id`` (LLaVA, PaliGemma,
+    Qwen2-VL, Idefics3) or ``audio_token_id`` / ``audio_token_index`` (Voxtral, GraniteSpeech): as
+    many per row as its own ``get_image_features`` / ``get_audio_features`` gives each row's media
+    (``inputs``: the call's media inputs, :func:`_image_inputs`, :func:`_audio_inputs`); the merging
+    module is the model or its encoder (:func:`_media_merger`). ``ids`` unchanged for any other model."""
+    for field, method, names in _MEDIA:
+        merger = _media_merger(model, method)
+        token = getattr(getattr(merger, "config", None), field, None)
+        media = {k: v for k, v in inputs.items() if k in names}
+        if isinstance(token, int) and merger is not None and media:
+            return _led_by_tokens(ids, token, _feature_count(getattr(merger, method), media))
+    return ids
 
 
-def _image_merger(model: nn.Module) -> nn.Module | None:
-    """The module that merges image features into the text: the model (LLaVA), or its encoder for an
-    encoder-decoder whose encoder reads the images (T5Gemma 2); None when neither does."""
-    if hasattr(model, "get_image_features"):
+def _media_merger(model: nn.Module, method: str) -> nn.Module | None:
+    """The module that merges media features into the text (it has ``method``, e.g. ``get_image_features``):
+    the model (LLaVA), or its encoder for an encoder-decoder whose encoder reads the media (T5Gemma 2);
+    None when neither does."""
+    if hasattr(model, method):
         return model
     get_encoder = getattr(model, "get_encoder", None)
     encoder = get_encoder() if callable(get_encoder) else None
-    return encoder if hasattr(encoder, "get_image_features") else None
+    return encoder if hasattr(encoder, method) else None
 
 
-def _image_features(found):
-    """The image features in what a model's ``get_image_features`` returned: a ModelOutput's projected
+def _feature_count(get_features, media: dict[str, torch.Tensor]) -> int | None:
+    """How many feature vectors ``get_features`` (a model's ``get_image_features`` or
+    ``get_audio_features``) makes of ``media`` over the whole batch, None when it fails or gives no
+    tensors."""
+    media = {k: v for k, v in media.items() if k in inspect.signature(get_features).parameters}
+    try:
+        with torch.no_grad():
+            found = get_features(**media)
+    except Exception:  # noqa: BLE001  the model's own code, whatever it raises: plain text ids, as before
+        return None
+    features = _media_features(found)
+    parts = features if isinstance(features, (list, tuple)) else [features]
+    if not all(isinstance(f, torch.Tensor) and f.dim() >= 2 for f in parts):
+        return None
+    return sum(f.numel() // f.shape[-1] for f in parts)  # feature vectors over the whole batch
+
+
+def _led_by_tokens(ids: torch.Tensor, token: int, total: int | None) -> torch.Tensor:
+    """(B, total / B + T) ``ids`` led by ``total / B`` placeholder ``token``s per row, the token itself
+    taken out of the text; ``ids`` unchanged when ``total`` is None or does not split evenly over the rows."""
+    if total is None or total % ids.shape[0]:
+        return ids
+    text = ids.masked_fill(ids == token, 1 if token == 0 else 0)  # no placeholder token among the text
+    return torch.cat([torch.full((ids.shape[0], total // ids.shape[0]), token, dtype=ids.dtype), text], dim=1)
+
+
+def _media_features(found):
+    """The features in what a model's ``get_image_features`` / ``get_audio_features`` returned: a ModelOutput's projected
     ``pooler_output``, else its ``last_hidden_state`` (Llama 4: its vision model's output, adapted patches
     that its projector keeps one to one), else ``found`` itself (a tensor or a list of them)."""
     for name in ("pooler_output", "last_hidden_state"):
@@ -237,6 +254,44 @@ def _boxes(batch: int, count: int, bound: int, gen: torch.Generator) -> torch.Te
     """(B, N, 4) integer boxes (x0, y0, x1, y1) in [0, bound], with x0 <= x1 and y0 <= y1."""
     corners = torch.randint(0, bound + 1, (batch, count, 2, 2), generator=gen)  # two (x, y) corners per box
     return torch.cat([corners.min(dim=2).values, corners.max(dim=2).values], dim=-1)
+
+
+_AUDIO_INPUTS = ("input_values", "input_features", "input_features_mask", "padding_mask")  # what describes the audio of a call
+
+
+def _audio_mask_params(model_class, params) -> set[str]:
+    """The audio masks over samples or frames that a call may pass: those the model's own
+    ``get_audio_features`` reads (AudioFlamingo3, MOSS: the encoder's frames), all of ``params`` for a
+    model without one. A forward's ``input_features_mask`` that its ``get_audio_features`` does not
+    read masks something else (Granite Speech: the projected features), so none is built for it."""
+    get_features = getattr(model_class, "get_audio_features", None)
+    if get_features is None:
+        return set(params)
+    return set(params) & set(inspect.signature(get_features).parameters)
+
+
+def _audio_inputs(audio_config, params, mask_params, batch: int, seq: int,
+                  gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random audio, one clip per row: a waveform (``input_values``, :func:`_waveform`) wherever the
+    forward's ``params`` take one, else log-mel features (``input_features``, :func:`_log_mel_features`);
+    with an all-ones mask over its last axis (samples or frames: nothing padded) for each of
+    ``input_features_mask`` and ``padding_mask`` among ``mask_params`` (:func:`_audio_mask_params`)."""
+    if "input_values" in params:
+        audio = {"input_values": _waveform(audio_config, batch, seq, gen)}  # (B, S)
+    else:
+        audio = {"input_features": _log_mel_features(audio_config, batch, gen)}  # (B, mel bins, frames)
+    clip = next(iter(audio.values()))
+    for mask in ("input_features_mask", "padding_mask"):
+        if mask in mask_params:
+            audio[mask] = torch.ones(clip.shape[0], clip.shape[-1], dtype=torch.long)  # (B, S or frames)
+    return audio
+
+
+# what a model that merges media features into its text reads: the config field of the placeholder
+# token, the method that computes the features, and the inputs that describe the media
+_MEDIA = (("image_token_id", "get_image_features", _IMAGE_INPUTS),
+          ("audio_token_id", "get_audio_features", _AUDIO_INPUTS),
+          ("audio_token_index", "get_audio_features", _AUDIO_INPUTS))
 
 
 def _waveform(audio_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
