@@ -35,6 +35,8 @@ SMALL_SIZES = {
     "projection_size": 32,
     # LayoutLMv2/v3's spatial embeddings concatenate 4 coordinate and 2 shape embeddings: 4·4 + 2·8 = 32
     "coordinate_size": 4, "shape_size": 8,
+    # grid vision towers (GLM-4V, HunYuan-VL): their heads, and the width they project to (the text's hidden_size)
+    "num_heads": 4, "out_hidden_size": 32,
 }
 TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config")
 
