@@ -62,11 +62,35 @@ def shrink(config):
         elif name.endswith("_token_index") and isinstance(value, int) and value >= SMALL_SIZES["vocab_size"]:
             setattr(config, name, top)  # LLaVA's image token (image_token_id reads it): one id of its own each
             top -= 1
+    _fit_mrope_sections(config)
     for tower in TOWERS:
         sub = getattr(config, tower, None)
         if isinstance(sub, transformers.PretrainedConfig):
             shrink(sub)
     return config
+
+
+def _fit_mrope_sections(config) -> None:
+    """Multimodal RoPE (Qwen2-VL, GLM-4V) splits each head's rotary half into temporal / height / width
+    sections that the defaults size for 128-dim heads (in the config, or in the modeling code when a
+    config that takes ``mrope_section`` names none): rescaled to the shrunk head's rotary half
+    (head_dim x ``partial_rotary_factor`` / 2), each section floored, the rest given to the first."""
+    rope = getattr(config, "rope_parameters", None)
+    takes_sections = "mrope_section" in (getattr(type(config), "ignore_keys_at_rope_validation", None) or ())
+    if not isinstance(rope, dict) or not (takes_sections or "mrope_section" in rope):
+        return
+    sections = rope.get("mrope_section") or [1, 1, 1]  # temporal, height, width
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or not isinstance(getattr(config, "hidden_size", None), int):
+        return
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
+    half = int(head_dim * factor) // 2
+    if sum(sections) == half:
+        return
+    fitted = [section * half // sum(sections) for section in sections]
+    fitted[0] += half - sum(fitted)
+    rope["mrope_section"] = fitted
 
 
 # fields a size rule cannot derive: GPT-Neo lists one attention type per layer
