@@ -173,6 +173,9 @@ def test_the_fold_of_a_grid_or_masked_image_model_proves_or_refuses_for_a_reason
 # (Cosmos3-Edge, GLM-Image: one frame per patch), ``merge_sizes``/``image_merge_sizes`` (VideoLLaMA3)
 GRID_TOWER_TYPES = ["glm_image_vision", "cosmos3_edge_vision", "hunyuan_vl_vision", "muse_spark_vision",
                     "video_llama_3_vision", "cosmos3_edge", "video_llama_3"]
+# patch layouts without a grid: a packed strip with target_sizes (MiniCPM-V towers), NaFlex patches with
+# spatial_shapes (LFM2-VL), bare flattened patches straight into the text (Fuyu, NeoMME: no vision tower)
+PATCH_LAYOUT_TYPES = ["minicpmv4_7_vision", "lfm2_vl", "fuyu"]
 TINY_TOWER = dict(hidden_size=32, num_hidden_layers=1, depth=1, num_attention_heads=4, num_heads=4,
                   intermediate_size=64, patch_size=8, out_hidden_size=32)
 
@@ -202,3 +205,14 @@ def test_a_grid_tower_gets_its_grid_under_its_own_name_with_patches_of_its_width
     assert inputs["pixel_values"].shape[0] == int(grid.prod(-1).sum())  # one flattened patch a row
     with torch.no_grad():
         model(**inputs)  # the model takes them
+
+
+@pytest.mark.parametrize("model_type", PATCH_LAYOUT_TYPES)
+def test_a_patch_layout_model_gets_patches_it_takes_and_one_image_token_per_feature(model_type):
+    model = _tiny_grid_tower_model(model_type)
+    inputs = example_inputs_for(model)
+    with torch.no_grad():
+        model(**inputs)  # the model takes them (and, for a VLM, as many image tokens as image features)
+    token = getattr(model.config, "image_token_id", None)
+    if isinstance(token, int) and "input_ids" in inputs:
+        assert (inputs["input_ids"] == token).sum() > 0
