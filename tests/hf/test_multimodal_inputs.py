@@ -217,3 +217,51 @@ def test_an_audio_mask_is_built_only_where_the_models_get_audio_features_reads_i
     the frames (its ``get_audio_features`` reads none): an all-ones frame mask would index them wrongly."""
     assert "input_features_mask" in example_inputs_for(_audio_text_config("audioflamingo3"))
     assert "input_features_mask" not in example_inputs_for(_audio_text_config("granite_speech"))
+# grid vision towers and VLMs whose configs name the grid, the merge and the frames per patch otherwise
+# than Qwen2-VL: ``grid_thw`` (the towers), ``merge_size``/``patch_temporal`` (Muse), no temporal size
+# (Cosmos3-Edge, GLM-Image: one frame per patch), ``merge_sizes``/``image_merge_sizes`` (VideoLLaMA3)
+GRID_TOWER_TYPES = ["glm_image_vision", "cosmos3_edge_vision", "hunyuan_vl_vision", "muse_spark_vision",
+                    "video_llama_3_vision", "cosmos3_edge", "video_llama_3"]
+# patch layouts without a grid: a packed strip with target_sizes (MiniCPM-V towers), NaFlex patches with
+# spatial_shapes (LFM2-VL), bare flattened patches straight into the text (Fuyu, NeoMME: no vision tower)
+PATCH_LAYOUT_TYPES = ["minicpmv4_7_vision", "lfm2_vl", "fuyu"]
+TINY_TOWER = dict(hidden_size=32, num_hidden_layers=1, depth=1, num_attention_heads=4, num_heads=4,
+                  intermediate_size=64, patch_size=8, out_hidden_size=32)
+
+
+def _tiny_grid_tower_model(model_type: str):
+    """The default config of ``model_type`` with its vision tower (or itself) and its text shrunk."""
+    config = transformers.CONFIG_MAPPING[model_type]()
+    text = config.get_text_config()
+    if text is not config:
+        for name, value in {**TINY_TEXT, "num_key_value_heads": 2, "head_dim": 8}.items():
+            setattr(text, name, value)
+    for name, value in TINY_TOWER.items():
+        if hasattr(getattr(config, "vision_config", None) or config, name):
+            setattr(getattr(config, "vision_config", None) or config, name, value)
+    for i, name in enumerate(n for n in vars(config) if n.endswith("_token_id") and n != "pad_token_id"):
+        setattr(config, name, 90 + i)
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(config, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("model_type", GRID_TOWER_TYPES)
+def test_a_grid_tower_gets_its_grid_under_its_own_name_with_patches_of_its_width(model_type):
+    model = _tiny_grid_tower_model(model_type)
+    inputs = example_inputs_for(model)
+    grid = inputs.get("grid_thw", inputs.get("image_grid_thw"))
+    assert grid is not None and grid.shape == (2, 3)  # one image per row
+    assert inputs["pixel_values"].shape[0] == int(grid.prod(-1).sum())  # one flattened patch a row
+    with torch.no_grad():
+        model(**inputs)  # the model takes them
+
+
+@pytest.mark.parametrize("model_type", PATCH_LAYOUT_TYPES)
+def test_a_patch_layout_model_gets_patches_it_takes_and_one_image_token_per_feature(model_type):
+    model = _tiny_grid_tower_model(model_type)
+    inputs = example_inputs_for(model)
+    with torch.no_grad():
+        model(**inputs)  # the model takes them (and, for a VLM, as many image tokens as image features)
+    token = getattr(model.config, "image_token_id", None)
+    if isinstance(token, int) and "input_ids" in inputs:
+        assert (inputs["input_ids"] == token).sum() > 0

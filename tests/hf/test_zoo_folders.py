@@ -62,12 +62,6 @@ MODEL_TYPES = [
 ]
 
 
-def split_evenly(total: int, parts: int) -> list[int]:
-    """``total`` as ``parts`` near-equal ints, the larger first: a multimodal rotary embedding's sections
-    (temporal, height, width: Qwen2-VL's ``mrope_section``) over the shrunk head's rotary frequencies."""
-    return [total // parts + (i < total % parts) for i in range(parts)]
-
-
 def shrink(config):
     """The config with every size field in SMALL_SIZES set small, in each tower too (returned for chaining);
     a multi-head attention default (as many key/value heads as heads: ESMC normalizes keys over the whole
@@ -85,6 +79,7 @@ def shrink(config):
         elif name.endswith("_token_index") and isinstance(value, int) and value >= SMALL_SIZES["vocab_size"]:
             setattr(config, name, top)  # LLaVA's image token (image_token_id reads it): one id of its own each
             top -= 1
+    _fit_mrope_sections(config)
     for tower in TOWERS:
         sub = getattr(config, tower, None)
         if isinstance(sub, transformers.PretrainedConfig):
@@ -95,17 +90,11 @@ def shrink(config):
 
 def derive_sizes_again(config) -> None:
     """Sizes a config's constructor derives from others, derived again from the shrunk ones (its towers shrunk
-    first): an MLA query/key head is its no-rope and rope parts (DeepSeek-V3 and kin); a multimodal rotary's
-    sections split the head's rotary frequencies (Qwen2-VL's ``mrope_section``); a Llama 4 vision MLP's width
+    first): an MLA query/key head is its no-rope and rope parts (DeepSeek-V3 and kin); a Llama 4 vision MLP's width
     is what pixel shuffle makes of a patch (``hidden_size / ratio²``); MiniMax-M3-VL's merged patch is
     ``spatial_merge_size²`` text-width features."""
     if isinstance(getattr(config, "qk_head_dim", None), int):
         config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
-    rope = getattr(config, "rope_parameters", None)
-    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
-        heads = getattr(config, "num_attention_heads", None) or SMALL_SIZES["num_attention_heads"]
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        rope["mrope_section"] = split_evenly(head_dim // 2, len(rope["mrope_section"]))
     ratio = getattr(config, "pixel_shuffle_ratio", None)
     if isinstance(ratio, float) and hasattr(config, "projector_input_dim"):  # a Llama 4 vision tower
         config.intermediate_size = int(config.hidden_size / ratio ** 2)
@@ -138,6 +127,29 @@ def shrunk_config(model_type: str):
         if name not in TOWERS and not isinstance(value, dict):
             setattr(config, name, value)
     return config
+
+
+def _fit_mrope_sections(config) -> None:
+    """Multimodal RoPE (Qwen2-VL, GLM-4V) splits each head's rotary half into temporal / height / width
+    sections that the defaults size for 128-dim heads (in the config, or in the modeling code when a
+    config that takes ``mrope_section`` names none): rescaled to the shrunk head's rotary half
+    (head_dim x ``partial_rotary_factor`` / 2), each section floored, the rest given to the first."""
+    rope = getattr(config, "rope_parameters", None)
+    takes_sections = "mrope_section" in (getattr(type(config), "ignore_keys_at_rope_validation", None) or ())
+    if not isinstance(rope, dict) or not (takes_sections or "mrope_section" in rope):
+        return
+    sections = rope.get("mrope_section") or [1, 1, 1]  # temporal, height, width
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or not isinstance(getattr(config, "hidden_size", None), int):
+        return
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None)) or 1.0
+    half = int(head_dim * factor) // 2
+    if sum(sections) == half:
+        return
+    fitted = [section * half // sum(sections) for section in sections]
+    fitted[0] += half - sum(fitted)
+    rope["mrope_section"] = fitted
 
 
 def _bare_model_class(config) -> type:

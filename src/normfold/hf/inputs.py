@@ -50,7 +50,7 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     seq = _poolable_length(config, seq)
     inputs: dict[str, Any] = {}
     if "pixel_values" in params:
-        inputs.update(_image_inputs(_vision_config(config), params, batch, gen))
+        inputs.update(_image_inputs(_vision_config(config), params, batch, gen, model_config=config))
     elif "input_values" in params or "input_features" in params:
         inputs.update(_audio_inputs(getattr(config, "audio_config", None) or config, params,
                                     _audio_mask_params(model_class, params), batch, seq, gen))
@@ -157,27 +157,109 @@ def _token_ids(text_config, batch: int, seq: int, gen: torch.Generator) -> torch
     return torch.randint(0, vocab, (batch, seq if limit is None else min(seq, limit)), generator=gen)
 
 
-_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask")  # what describes the images of a call
+GRID_INPUTS = ("image_grid_thw", "grid_thw")  # the grid of each image: its name in a VLM's forward, in its vision tower's
+MERGE_SIZES = ("image_merge_sizes", "merge_sizes")  # VideoLLaMA3 (model, vision tower): each image's merge size
+TARGET_SIZES = "target_sizes"  # NaViT-style packers (MiniCPM-V): each image's (h, w) in patches
+SPATIAL_SHAPES = "spatial_shapes"  # SigLIP2 NaFlex (LFM2-VL): each image's (h, w) in patches
+_IMAGE_INPUTS = ("pixel_values", *GRID_INPUTS, *MERGE_SIZES, TARGET_SIZES, SPATIAL_SHAPES, "pixel_attention_mask")  # what describes a call's images
 GRID_SIDE = 2  # merged patches along each side of a grid image (Qwen2-VL): 4 image tokens per image
+_MERGE_FIELDS = ("spatial_merge_size", "merge_size", "merge_kernel_size")  # patches merged per side, by family
+_TEMPORAL_FIELDS = ("temporal_patch_size", "patch_temporal")  # frames per patch, by family (none: 1)
 
 
-def _image_inputs(vision_config, params, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def _config_int(config, names, default: int) -> int:
+    """The first of the config fields ``names`` that is set: an int, or the first of a list ((2, 2)
+    merge kernels), or ``default`` when none is."""
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)) and value:
+            value = value[0]
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return default
+
+
+def _reads_bare_patches(config) -> bool:
+    """Whether the model reads images as flattened patches with no vision tower of its own (Fuyu,
+    NeoMME: a config with an image token and a ``patch_size`` but no ``vision_config``)."""
+    return (getattr(config, "vision_config", None) is None and isinstance(getattr(config, "image_token_id", None), int)
+            and isinstance(getattr(config, "patch_size", None), int))
+
+
+def _bare_patch_inputs(config, channels: int, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """GRID_SIDE² flattened patches per image, ``pixel_values`` (B·n, C·P·P): each patch is one image
+    token, projected by a linear layer straight into the text."""
+    width = getattr(config, "patch_dim", None) or channels * config.patch_size ** 2
+    return {"pixel_values": torch.randn(batch * GRID_SIDE ** 2, width, generator=gen)}  # (B·n, C·P·P)
+
+
+def _naflex_inputs(vision_config, model_config, channels: int, batch: int,
+                   gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Each image's patches flattened in its row (SigLIP2 NaFlex, LFM2-VL): ``pixel_values`` (B, h·w, C·P·P)
+    with its ``spatial_shapes`` (B, 2) = (h, w) in patches, h = w = GRID_SIDE x the model's
+    ``downsample_factor`` (or merge size: the merged blocks must tile the grid), and an all-true
+    ``pixel_attention_mask`` (B, h·w) (no padding patches)."""
+    patch = vision_config.patch_size
+    side = GRID_SIDE * _config_int(model_config, ("downsample_factor", *_MERGE_FIELDS),
+                                   _config_int(vision_config, _MERGE_FIELDS, 1))
+    return {"pixel_values": torch.randn(batch, side * side, channels * patch * patch, generator=gen),  # (B, N, C·P·P)
+            SPATIAL_SHAPES: torch.tensor([[side, side]] * batch),  # (B, 2)
+            "pixel_attention_mask": torch.ones(batch, side * side, dtype=torch.bool)}  # (B, N)
+
+
+def _packed_strip_inputs(vision_config, channels: int, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Images packed patch after patch into one strip (MiniCPM-V's vision tower): ``pixel_values``
+    (1, C, P, B·h·w·P) with each image's ``target_sizes`` (B, 2) = (h, w) in patches, h = w =
+    GRID_SIDE x the window kernel (``window_kernel_size``; merges and windows must tile the grid)."""
+    patch = vision_config.patch_size
+    side = GRID_SIDE * _config_int(vision_config, ("window_kernel_size", *_MERGE_FIELDS), 1)
+    pixels = torch.randn(1, channels, patch, batch * side * side * patch, generator=gen)  # (1, C, P, N·P)
+    return {"pixel_values": pixels, TARGET_SIZES: torch.tensor([[side, side]] * batch)}  # (images, 2)
+
+
+def _grid_image_inputs(vision_config, params, grid_name: str, channels: int, batch: int,
+                       gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One image per row as a (1, h, w) grid of patches, h = w = GRID_SIDE x the merge size (the
+    config's ``spatial_merge_size``/``merge_size``/``merge_kernel_size``), its patches flattened:
+    ``pixel_values`` (B·h·w, C·T·P·P), T the frames per patch (``temporal_patch_size``/
+    ``patch_temporal``, 1 without), P the ``patch_size``; the grid under the forward's own name
+    (``image_grid_thw`` in a VLM, ``grid_thw`` in its vision tower) and, where the forward takes
+    them, each image's ``merge_sizes`` / ``image_merge_sizes`` (VideoLLaMA3)."""
+    patch = vision_config.patch_size
+    merge = _config_int(vision_config, _MERGE_FIELDS, 1)
+    temporal = _config_int(vision_config, _TEMPORAL_FIELDS, 1)
+    side = GRID_SIDE * merge
+    inputs = {"pixel_values": torch.randn(batch * side * side, channels * temporal * patch * patch, generator=gen),
+              grid_name: torch.tensor([[1, side, side]] * batch)}  # (images, 3): temporal, height, width in patches
+    for name in MERGE_SIZES:
+        if name in params:
+            inputs[name] = torch.full((batch,), merge)  # (images,)
+    return inputs
+
+
+def _image_inputs(vision_config, params, batch: int, gen: torch.Generator, *,
+                  model_config=None) -> dict[str, torch.Tensor]:
     """Random images, one per row, in the layout the forward's parameters ask for:
 
-    - ``image_grid_thw`` (Qwen2-VL and its kin): each image a (1, h, w) grid of patches, h = w =
-      GRID_SIDE x ``spatial_merge_size``, its patches flattened: ``pixel_values`` (B·h·w, C·T·P·P), T
-      the ``temporal_patch_size``, P the ``patch_size``;
+    - ``image_grid_thw`` or ``grid_thw`` (Qwen2-VL, GLM-4V and their vision towers): grids of
+      flattened patches, :func:`_grid_image_inputs`;
+    - no vision tower, an image token and a patch size (Fuyu, NeoMME): :func:`_bare_patch_inputs`;
+    - ``spatial_shapes`` (SigLIP2 NaFlex, LFM2-VL): :func:`_naflex_inputs`;
+    - ``target_sizes`` (MiniCPM-V's vision tower): images packed into one strip, :func:`_packed_strip_inputs`;
     - ``pixel_attention_mask`` (Idefics2/3): ``pixel_values`` (B, 1, C, H, W), one image per row, with
       an all-true (B, 1, H, W) mask (no padding);
     - otherwise (B, C, H, W) pixels at the config's image size (an int or (H, W)).
     """
     channels = getattr(vision_config, "num_channels", None) or getattr(vision_config, "in_channels", None) or 3
-    patch, temporal = getattr(vision_config, "patch_size", None), getattr(vision_config, "temporal_patch_size", None)
-    if "image_grid_thw" in params and isinstance(patch, int) and isinstance(temporal, int):
-        side = GRID_SIDE * getattr(vision_config, "spatial_merge_size", 1)
-        grid = torch.tensor([[1, side, side]] * batch)  # (images, 3): temporal, height, width in patches
-        patches = torch.randn(batch * side * side, channels * temporal * patch * patch, generator=gen)
-        return {"pixel_values": patches, "image_grid_thw": grid}
+    grid_name = next((name for name in GRID_INPUTS if name in params), None)
+    if grid_name is not None and isinstance(getattr(vision_config, "patch_size", None), int):
+        return _grid_image_inputs(vision_config, params, grid_name, channels, batch, gen)
+    if _reads_bare_patches(vision_config):
+        return _bare_patch_inputs(vision_config, channels, batch, gen)
+    if SPATIAL_SHAPES in params and isinstance(getattr(vision_config, "patch_size", None), int):
+        return _naflex_inputs(vision_config, model_config or vision_config, channels, batch, gen)
+    if TARGET_SIZES in params and isinstance(getattr(vision_config, "patch_size", None), int):
+        return _packed_strip_inputs(vision_config, channels, batch, gen)
     size = getattr(vision_config, "image_size", None) or 224
     h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
     if "pixel_attention_mask" in params:
