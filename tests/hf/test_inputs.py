@@ -58,3 +58,22 @@ def test_a_model_pooling_its_sequence_between_blocks_gets_enough_tokens_for_ever
     config = transformers.FunnelConfig(vocab_size=99, block_sizes=[1, 1, 1], d_model=32, n_head=4, d_head=8,
                                        d_inner=64, num_decoder_layers=1)
     assert _runs_on_its_example_inputs(config, transformers.FunnelModel)["input_ids"].shape == (2, 8)
+def test_a_model_masking_patches_by_noise_gets_seeded_noise_so_its_fold_proves():
+    """ViT-MAE ranks its patches by ``noise`` to mask them; without that input it draws its own on every
+    call, so two runs of the original differ and no fold of it can be proved."""
+    import torch
+
+    import normfold
+    from normfold.hf.inputs import example_inputs_for
+
+    config = transformers.ViTMAEConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                       intermediate_size=64, image_size=32, patch_size=8)
+    torch.manual_seed(0)
+    model = transformers.ViTMAEModel(config).eval()
+    inputs = example_inputs_for(model)
+    assert inputs["noise"].shape == (2, 16)  # (B, patches): (32 / 8)²
+    with torch.no_grad():
+        first, second = model(**inputs).last_hidden_state, model(**inputs).last_hidden_state
+    assert torch.equal(first, second)
+    _, report = normfold.fold(model, inputs)
+    assert report.verification.ok

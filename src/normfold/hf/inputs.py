@@ -70,6 +70,9 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     if "visual_feats" in params and "visual_pos" in params and hasattr(config, "visual_feat_dim"):
         inputs["visual_feats"] = torch.randn(batch, seq, config.visual_feat_dim, generator=gen)  # LXMERT's regions
         inputs["visual_pos"] = _boxes(batch, seq, _BOX_SCALE, gen) / _BOX_SCALE  # normalized to [0, 1]
+    if "noise" in params and "pixel_values" in inputs:
+        inputs["noise"] = _patch_masking_noise(getattr(config, "vision_config", None) or config,
+                                               inputs["pixel_values"], gen)
     if not inputs:
         raise CheckpointError(f"cannot build example inputs for {type(config).__name__}: its forward takes none of "
                               f"input_ids, pixel_values, input_values, input_features")
@@ -266,6 +269,17 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator, *,
         return {"pixel_values": torch.randn(batch, 1, channels, h, w, generator=gen),
                 "pixel_attention_mask": torch.ones(batch, 1, h, w, dtype=torch.bool)}
     return {"pixel_values": torch.randn(batch, channels, h, w, generator=gen)}
+
+
+def _patch_masking_noise(vision_config, pixel_values: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """(B, patches) seeded uniform noise for a forward that takes ``noise`` to rank its image patches
+    for random masking (ViT-MAE keeps the patches of lowest noise): without it the model draws its own
+    on every call, so its eval forward is random and no comparison could prove a fold of it. One value
+    per patch of ``pixel_values`` (B, C, H, W) at the config's ``patch_size`` (an int or (h, w))."""
+    patch = getattr(vision_config, "patch_size", None) or 16
+    ph, pw = (patch, patch) if isinstance(patch, int) else tuple(patch)[-2:]
+    patches = (pixel_values.shape[-2] // ph) * (pixel_values.shape[-1] // pw)
+    return torch.rand(pixel_values.shape[0], patches, generator=gen)  # (B, patches)
 
 
 def _with_media_tokens(model: nn.Module, ids: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
