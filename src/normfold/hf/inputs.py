@@ -13,6 +13,7 @@ from torch import nn
 from .._deps import require
 from .._progress import progress
 from .._text import first_line
+from .audio_inputs import audio_inputs_for
 from .load import CheckpointError, check_model_dir, model_class_for
 
 
@@ -50,10 +51,11 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     inputs: dict[str, Any] = {}
     if "pixel_values" in params:
         inputs.update(_image_inputs(getattr(config, "vision_config", None) or config, params, batch, gen))
-    elif "input_values" in params:
-        inputs["input_values"] = _waveform(getattr(config, "audio_config", None) or config, batch, seq, gen)
-    elif "input_features" in params:
-        inputs["input_features"] = _log_mel_features(getattr(config, "audio_config", None) or config, batch, gen)
+    elif "input_values" in params or "input_features" in params:
+        model = model_or_config if isinstance(model_or_config, nn.Module) else None
+        inputs.update(audio_inputs_for(_audio_config(config), params, batch, seq, gen, model,
+                                       finish=lambda audio: with_call_options(audio, config, params, seq=seq,
+                                                                              gen=torch.Generator().manual_seed(seed))))
     if "input_ids" in params and "input_values" not in inputs and "input_features" not in inputs:
         ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels: text and image (CLIP, GIT, LayoutLMv3)
         if isinstance(model_or_config, nn.Module) and "pixel_values" in inputs:
@@ -197,19 +199,10 @@ def _boxes(batch: int, count: int, bound: int, gen: torch.Generator) -> torch.Te
     return torch.cat([corners.min(dim=2).values, corners.max(dim=2).values], dim=-1)
 
 
-def _waveform(audio_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
-    """(B, S) random samples, S the fewest the convolutional feature encoder turns into ``seq`` frames:
-    each conv maps L to (L - k) // s + 1, so walking back L = (L' - 1) * s + k."""
-    samples = seq
-    for kernel, stride in reversed(list(zip(getattr(audio_config, "conv_kernel", ()), getattr(audio_config, "conv_stride", ())))):
-        samples = (samples - 1) * stride + kernel
-    return torch.randn(batch, samples, generator=gen)
-
-
-def _log_mel_features(audio_config, batch: int, gen: torch.Generator) -> torch.Tensor:
-    """(B, mel bins, frames) random features; Whisper-style encoders expect exactly 2 x their positions."""
-    frames = 2 * getattr(audio_config, "max_source_positions", 1500)
-    return torch.randn(batch, getattr(audio_config, "num_mel_bins", 80), frames, generator=gen)
+def _audio_config(config):
+    """The config that describes the audio input: the ``audio_config`` or ``encoder_config`` of a
+    composite model (an audio LM, an ASR encoder-decoder), else the config itself."""
+    return getattr(config, "audio_config", None) or getattr(config, "encoder_config", None) or config
 
 
 # ------------------------------------------------------------------------------- calibration text
