@@ -34,7 +34,12 @@ def _runs_on_its_example_inputs(config, model_class=None) -> dict:
     checking the original runs on them."""
     torch.manual_seed(0)
     model = (model_class(config) if model_class else transformers.AutoModel.from_config(config)).eval()
-    inputs = example_inputs_for(model)
+    return _model_runs_on_its_example_inputs(model)
+
+
+def _model_runs_on_its_example_inputs(model) -> dict:
+    """The model's example inputs, after checking that the original runs on them eagerly."""
+    inputs = example_inputs_for(model.eval())
     with torch.no_grad():
         model(**inputs)
     return inputs
@@ -77,3 +82,27 @@ def test_a_model_masking_patches_by_noise_gets_seeded_noise_so_its_fold_proves()
     assert torch.equal(first, second)
     _, report = normfold.fold(model, inputs)
     assert report.verification.ok
+def test_a_conformer_speech_encoder_gets_frames_by_mel_features():
+    """Parakeet-style encoders read (B, frames, mel), not Whisper's (B, mel, 3000)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.ParakeetEncoderConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                intermediate_size=64, num_mel_bins=8, subsampling_conv_channels=8)
+    inputs = _model_runs_on_its_example_inputs(transformers.ParakeetEncoder(config))
+    assert inputs["input_features"].shape[-1] == 8  # (B, frames, mel)
+
+
+def test_a_waveform_encoder_gets_a_mono_channel_axis_where_it_reads_one():
+    """OmniASR reads (B, 1, samples): a 2-D waveform was taken as one unbatched (channels=B, samples)."""
+    pytest.importorskip("transformers")
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hf_zoo.py"
+    spec = importlib.util.spec_from_file_location("_hf_zoo_for_test", path)
+    zoo_script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = zoo_script
+    spec.loader.exec_module(zoo_script)
+    model = zoo_script.tiny_model("omniasr_ctc", zoo_script._zoo_helpers())
+    inputs = _model_runs_on_its_example_inputs(model)
+    assert inputs["input_values"].dim() == 3  # (B, 1, S)

@@ -13,6 +13,7 @@ from torch import nn
 from .._deps import require
 from .._progress import progress
 from .._text import first_line
+from .audio_inputs import audio_inputs_for
 from .load import CheckpointError, check_model_dir, model_class_for
 
 
@@ -48,16 +49,29 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     params = inspect.signature(model_class.forward).parameters
     gen = torch.Generator().manual_seed(seed)
     seq = _poolable_length(config, seq)
-    inputs: dict[str, Any] = {}
+    model = model_or_config if isinstance(model_or_config, nn.Module) else None
     if "pixel_values" in params:
-        inputs.update(_image_inputs(_vision_config(config), params, batch, gen, model_config=config))
+        media = _image_inputs(_vision_config(config), params, batch, gen, model_config=config)
     elif "input_values" in params or "input_features" in params:
-        inputs.update(_audio_inputs(getattr(config, "audio_config", None) or config, params,
-                                    _audio_mask_params(model_class, params), batch, seq, gen))
+        def whole_call(audio: dict[str, Any]) -> dict[str, Any]:  # what a candidate layout is tried in
+            return _completed_call(model, config, params, dict(audio), batch, seq, torch.Generator().manual_seed(seed))
+
+        media = audio_inputs_for(_audio_config(config), params, _audio_mask_params(model_class, params), batch, seq,
+                                 gen, model, finish=whole_call)
+    else:
+        media = {}
+    return _completed_call(model, config, params, media, batch, seq, gen)
+
+
+def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, Any], batch: int, seq: int,
+                    gen: torch.Generator) -> dict[str, Any]:
+    """``inputs`` (the call's media: pixels, audio) with the rest of the call the forward's ``params`` take:
+    token ids led by the media's placeholder tokens (given the ``model``, :func:`_with_media_tokens`), their
+    masks, boxes and language ids, LXMERT's regions, masking noise, and the call options."""
     if "input_ids" in params:
         ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels or audio: text and media (CLIP, Voxtral)
-        if isinstance(model_or_config, nn.Module):
-            ids = _with_media_tokens(model_or_config, ids, inputs)
+        if model is not None:
+            ids = _with_media_tokens(model, ids, inputs)
         inputs["input_ids"] = ids
         if "mm_token_type_ids" in params and isinstance(getattr(config, "image_token_id", None), int):
             inputs["mm_token_type_ids"] = (ids == config.image_token_id).int()  # 1 where an image feature goes
@@ -355,6 +369,12 @@ def _boxes(batch: int, count: int, bound: int, gen: torch.Generator) -> torch.Te
 _AUDIO_INPUTS = ("input_values", "input_features", "input_features_mask", "padding_mask")  # what describes the audio of a call
 
 
+def _audio_config(config):
+    """The config that describes the audio input: the ``audio_config`` or ``encoder_config`` of a
+    composite model (an audio LM, an ASR encoder-decoder), else the config itself."""
+    return getattr(config, "audio_config", None) or getattr(config, "encoder_config", None) or config
+
+
 def _audio_mask_params(model_class, params) -> set[str]:
     """The audio masks over samples or frames that a call may pass: those the model's own
     ``get_audio_features`` reads (AudioFlamingo3, MOSS: the encoder's frames), all of ``params`` for a
@@ -366,43 +386,11 @@ def _audio_mask_params(model_class, params) -> set[str]:
     return set(params) & set(inspect.signature(get_features).parameters)
 
 
-def _audio_inputs(audio_config, params, mask_params, batch: int, seq: int,
-                  gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random audio, one clip per row: a waveform (``input_values``, :func:`_waveform`) wherever the
-    forward's ``params`` take one, else log-mel features (``input_features``, :func:`_log_mel_features`);
-    with an all-ones mask over its last axis (samples or frames: nothing padded) for each of
-    ``input_features_mask`` and ``padding_mask`` among ``mask_params`` (:func:`_audio_mask_params`)."""
-    if "input_values" in params:
-        audio = {"input_values": _waveform(audio_config, batch, seq, gen)}  # (B, S)
-    else:
-        audio = {"input_features": _log_mel_features(audio_config, batch, gen)}  # (B, mel bins, frames)
-    clip = next(iter(audio.values()))
-    for mask in ("input_features_mask", "padding_mask"):
-        if mask in mask_params:
-            audio[mask] = torch.ones(clip.shape[0], clip.shape[-1], dtype=torch.long)  # (B, S or frames)
-    return audio
-
-
 # what a model that merges media features into its text reads: the config field of the placeholder
 # token, the method that computes the features, and the inputs that describe the media
 _MEDIA = (("image_token_id", "get_image_features", _IMAGE_INPUTS),
           ("audio_token_id", "get_audio_features", _AUDIO_INPUTS),
           ("audio_token_index", "get_audio_features", _AUDIO_INPUTS))
-
-
-def _waveform(audio_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
-    """(B, S) random samples, S the fewest the convolutional feature encoder turns into ``seq`` frames:
-    each conv maps L to (L - k) // s + 1, so walking back L = (L' - 1) * s + k."""
-    samples = seq
-    for kernel, stride in reversed(list(zip(getattr(audio_config, "conv_kernel", ()), getattr(audio_config, "conv_stride", ())))):
-        samples = (samples - 1) * stride + kernel
-    return torch.randn(batch, samples, generator=gen)
-
-
-def _log_mel_features(audio_config, batch: int, gen: torch.Generator) -> torch.Tensor:
-    """(B, mel bins, frames) random features; Whisper-style encoders expect exactly 2 x their positions."""
-    frames = 2 * getattr(audio_config, "max_source_positions", 1500)
-    return torch.randn(batch, getattr(audio_config, "num_mel_bins", 80), frames, generator=gen)
 
 
 # ------------------------------------------------------------------------------- calibration text
