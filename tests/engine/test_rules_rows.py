@@ -207,3 +207,28 @@ def test_upsampling_and_average_pooling_over_space_fold_over_channels(name: str)
 def test_upsampling_along_the_normalized_dim_breaks():
     _, report = fold_checked(Spatial(SPATIAL_OPS["bilinear"], over_space=True), (_x(B, C, 4, 4),), {"norm": False})
     assert "aten.upsample_bilinear2d mixes entries along the normalized dim (a spatial dim)" in reason_of(report, "norm")
+
+
+class WhereBeside(nn.Module):
+    """Token embeddings read by a LayerNorm and, through ``where``, by a second LayerNorm beside a model
+    input (never zero-mean): centering the embeddings shifts the second norm's input by the rows' means,
+    a ones-vector shift where the condition is one per row, which that norm removes."""
+
+    def __init__(self, per_channel: bool):
+        super().__init__()
+        self.per_channel = per_channel
+        self.tok = nn.Embedding(11, C)
+        self.norm, self.norm2 = nn.LayerNorm(C), nn.LayerNorm(C)
+
+    def forward(self, ids, x):  # ids (B, T), x (B, T, C)
+        h = self.tok(ids)
+        condition = x > 0 if self.per_channel else (ids == IMAGE_TOKEN).unsqueeze(-1)  # (B, T, C) / (B, T, 1)
+        return self.norm(h), self.norm2(torch.where(condition, 0.0, h) + x)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_a_shift_through_where_reaches_a_norm_as_a_ones_vector_only_with_a_row_condition(per_channel: bool):
+    _, report = fold_checked(WhereBeside(per_channel), (_ids(), _x(B, T, C, seed=1)),
+                             {"norm": not per_channel, "norm2": False})
+    if per_channel:
+        assert "not closed" in reason_of(report, "norm")
