@@ -45,14 +45,22 @@ class RowWrite(nn.Module):
             h = h.masked_scatter(source.view(B, T, C) > 0, source)
         elif self.how == "scatter short rows":
             h = h.masked_scatter(rows.expand_as(h), source)
+        elif self.how == "where 0":
+            h = torch.where(rows, 0.0, h)
+        elif self.how == "where rows":
+            h = torch.where(rows, source.view(B, T, C), h)
+        elif self.how == "where 1":
+            h = torch.where(rows, h, 1.0)
+        elif self.how == "where per channel":
+            h = torch.where(source.view(B, T, C) > 0, source.view(B, T, C), h)
         return self.norm(h)
 
 
-@pytest.mark.parametrize("how", ["fill 0", "scatter rows"])
+@pytest.mark.parametrize("how", ["fill 0", "scatter rows", "where 0", "where rows"])
 def test_masked_fill_with_zero_and_masked_scatter_of_whole_rows_fold(how: str):
     _, report = fold_checked(RowWrite(how), (_ids(), _x(B * T, C, seed=1)), {"norm": True})
     assert "tok.weight" in report.norms[0].producers
-    assert ("proj.weight" in report.norms[0].producers) == (how == "scatter rows")
+    assert ("proj.weight" in report.norms[0].producers) == (how in ("scatter rows", "where rows"))
 
 
 @pytest.mark.parametrize("how, reason", [
@@ -60,6 +68,8 @@ def test_masked_fill_with_zero_and_masked_scatter_of_whole_rows_fold(how: str):
     ("fill per channel", "aten.masked_fill with a mask that varies along the normalized dim"),
     ("scatter per channel", "aten.masked_scatter with a mask that varies along the normalized dim"),
     ("scatter short rows", "source rows of 16 entries do not fill whole rows of 8"),
+    ("where 1", "aten.where picks the number 1.0, not 0"),
+    ("where per channel", "aten.where with a mask that varies along the normalized dim"),
 ])
 def test_a_fill_that_is_not_zero_or_writes_part_of_a_row_breaks(how: str, reason: str):
     width = 2 * C if how == "scatter short rows" else C
@@ -197,3 +207,28 @@ def test_upsampling_and_average_pooling_over_space_fold_over_channels(name: str)
 def test_upsampling_along_the_normalized_dim_breaks():
     _, report = fold_checked(Spatial(SPATIAL_OPS["bilinear"], over_space=True), (_x(B, C, 4, 4),), {"norm": False})
     assert "aten.upsample_bilinear2d mixes entries along the normalized dim (a spatial dim)" in reason_of(report, "norm")
+
+
+class WhereBeside(nn.Module):
+    """Token embeddings read by a LayerNorm and, through ``where``, by a second LayerNorm beside a model
+    input (never zero-mean): centering the embeddings shifts the second norm's input by the rows' means,
+    a ones-vector shift where the condition is one per row, which that norm removes."""
+
+    def __init__(self, per_channel: bool):
+        super().__init__()
+        self.per_channel = per_channel
+        self.tok = nn.Embedding(11, C)
+        self.norm, self.norm2 = nn.LayerNorm(C), nn.LayerNorm(C)
+
+    def forward(self, ids, x):  # ids (B, T), x (B, T, C)
+        h = self.tok(ids)
+        condition = x > 0 if self.per_channel else (ids == IMAGE_TOKEN).unsqueeze(-1)  # (B, T, C) / (B, T, 1)
+        return self.norm(h), self.norm2(torch.where(condition, 0.0, h) + x)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_a_shift_through_where_reaches_a_norm_as_a_ones_vector_only_with_a_row_condition(per_channel: bool):
+    _, report = fold_checked(WhereBeside(per_channel), (_ids(), _x(B, T, C, seed=1)),
+                             {"norm": not per_channel, "norm2": False})
+    if per_channel:
+        assert "not closed" in reason_of(report, "norm")

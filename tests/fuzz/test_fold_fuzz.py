@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from centering_oracle import Recorder, needed
+from centering_oracle import Recorder, brute_force, needed
 from fold_fuzz import (BATCH, TIME, Block, FuzzModel, Spec, _aliases_input, _brute_force, _judge_claim,
                        _smaller, check_compiled_fused, check_seed, check_spec, generate, make_inputs,
                        with_residual_adds, written_model, written_source)
@@ -187,6 +187,38 @@ def test_brute_force_treats_each_tied_name_on_its_own():
         reference = [model(*i) for i in inputs]
     verdict = _brute_force(model, "b2", inputs, reference)
     assert verdict.verdict == "missed" and verdict.detail.startswith("centering ['b1.weight']")
+
+
+class TinyWeightBranch(nn.Module):
+    """A centerable stream h read by the LayerNorm under test and, through a linear map of weights ~1e-13,
+    by a LayerNorm with eps 1e-6 (GOT-OCR2's vision neck: conv1 -> channels-first LayerNorm): the shift
+    centering h adds reaches that norm not as a ones-vector, but eps flattens it below the outputs' rounding."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+        self.b, self.neck_norm = nn.Linear(8, 8, bias=False), nn.LayerNorm(8, eps=1e-6)
+        with torch.no_grad():
+            self.b.weight.mul_(1e-12)
+            self.neck_norm.bias.normal_()
+
+    def forward(self, x):  # x (B, T, 8)
+        h = self.a(x)
+        return self.norm(h), self.neck_norm(self.b(h))
+
+
+def test_brute_force_does_not_call_a_fold_missed_that_holds_only_for_degenerate_weights():
+    """Centering a.weight and a.bias keeps both outputs to 1e-12 with these weights, yet it changes the
+    neck norm's input by a shift that is not a ones-vector: no rule could prove it, and with other weights
+    it changes the outputs. The oracle looks again with jittered weights and confirms the refusal (it
+    used to report a missed fold, as for GOT-OCR2's vision layers)."""
+    torch.manual_seed(0)
+    model = TinyWeightBranch().double().eval()
+    inputs = [(torch.randn(BATCH, TIME, 8, dtype=torch.float64),) for _ in range(2)]
+    with torch.no_grad():
+        reference = [model(*i) for i in inputs]
+    recipes = {"a.weight": (0, None), "a.bias": (0, None), "b.weight": (0, None)}
+    assert brute_force(model, recipes, "norm", inputs, reference).verdict == "confirmed"
 
 
 def test_rms_norm_with_eps_folds_its_affine_into_the_next_linear():

@@ -1,4 +1,4 @@
-"""Ops that treat every feature alike: masked fills and scatters, index writes, gather, repeat, roll,
+"""Ops that treat every feature alike: masked fills and scatters, where, index writes, gather, repeat, roll,
 reductions over other dims, average pooling and upsampling.
 
 Each op here moves, copies, averages or zeroes whole rows along the normalized dim, or permutes a
@@ -15,7 +15,7 @@ from ..graph import node_arg as _arg  # the short name reads better in the rules
 from ..graph import op_name, op_packet, shape
 from ..op_kinds import aten_packets, passes_values_on
 from .answers import Break, Requires, collect, make_need, only_at, rank
-from .elementwise import broadcast_operand, is_zero_literal
+from .elementwise import broadcast_dims, broadcast_operand, is_zero_literal
 
 _aten = torch.ops.aten
 
@@ -91,11 +91,42 @@ def zero_mean_masked_scatter(node, dim, group):
         node, [broadcast_operand(node, x, dim, group), make_need(source, rank(source) - 1, group)])
 
 
+def zero_mean_where(node, dim, group):
+    """Rows of x or rows of y, chosen by a condition constant along the dim (each may be a literal 0,
+    as in ``where(mask, x, 0)``): every output row is one input's row, and P acts row by row, so
+    where(c, P·x, P·y) = P·where(c, x, y). The rows chosen are masked_fill's (where(c, 0, x) is
+    masked_fill(x, c, 0)); a condition that varies along the dim mixes two rows' entries, and a
+    non-zero number is a constant row (not zero-mean)."""
+    if len(node.args) < 3:  # where(condition): the indices of its true entries, not a choice of rows
+        return Break(f"{op_name(node)} with one argument returns indices, not rows")
+    condition, x, y = node.args[0], node.args[1], node.args[2]
+    number = next((v for v in (x, y) if not isinstance(v, fx.Node) and not is_zero_literal(v)), None)
+    if number is not None:
+        return Break(f"{op_name(node)} picks the number {number!r}, not 0, for some rows: a constant row, not zero-mean")
+    return _mask_varies(node, condition, dim) or collect(
+        node, [broadcast_operand(node, x, dim, group), broadcast_operand(node, y, dim, group)])
+
+
 def shift_masked(node, operand, dims):
     """x + δ where the mask keeps x, the fill (or source) elsewhere: constant where δ and the mask are."""
     if not only_at(node, operand, 0):
         return None
-    return {d for d in dims if constant_along(node.args[1], rank(node), d)}
+    return _shift_where_rows_chosen(node, node.args[1], dims)
+
+
+def shift_where(node, operand, dims):
+    """where(c, x + δ, y) = where(c, x, y) + where(c, δ, 0) (likewise for y): constant where δ and the
+    condition are (each row a row of δ or of zeros). Not through the condition, nor an operand that
+    is both branches."""
+    if len(node.args) < 3 or node.args[0] is operand or not (only_at(node, operand, 1) or only_at(node, operand, 2)):
+        return None
+    return _shift_where_rows_chosen(node, node.args[0], broadcast_dims(node, operand, dims))
+
+
+def _shift_where_rows_chosen(node, mask, dims):
+    """The output dims among ``dims`` along which ``mask`` is constant: there a shift δ of the chosen
+    rows comes out as a row of δ or a row of zeros, constant either way."""
+    return {d for d in dims if constant_along(mask, rank(node), d)}
 
 
 def zero_mean_index_put(node, dim, group):
