@@ -48,8 +48,10 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     params = inspect.signature(forward).parameters
     gen = torch.Generator().manual_seed(seed)
     inputs: dict[str, Any] = {}
-    if "pixel_values" in params:
-        inputs.update(_image_inputs(getattr(config, "vision_config", None) or config, params, batch, gen))
+    vision_config = getattr(config, "vision_config", None) or config
+    if "pixel_values" in params or "pixel_values_videos" in params:
+        inputs.update(_clip_or_pair_inputs(config, vision_config, params, batch, gen)
+                      or _image_inputs(vision_config, params, batch, gen))
     elif "input_values" in params:
         inputs["input_values"] = _waveform(getattr(config, "audio_config", None) or config, batch, seq, gen)
     elif "input_features" in params:
@@ -151,19 +153,73 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator) -> di
       an all-true (B, 1, H, W) mask (no padding);
     - otherwise (B, C, H, W) pixels at the config's image size (an int or (H, W)).
     """
-    channels = getattr(vision_config, "num_channels", None) or getattr(vision_config, "in_channels", None) or 3
+    channels = _image_channels(vision_config)
     patch, temporal = getattr(vision_config, "patch_size", None), getattr(vision_config, "temporal_patch_size", None)
     if "image_grid_thw" in params and isinstance(patch, int) and isinstance(temporal, int):
         side = GRID_SIDE * getattr(vision_config, "spatial_merge_size", 1)
         grid = torch.tensor([[1, side, side]] * batch)  # (images, 3): temporal, height, width in patches
         patches = torch.randn(batch * side * side, channels * temporal * patch * patch, generator=gen)
         return {"pixel_values": patches, "image_grid_thw": grid}
-    size = getattr(vision_config, "image_size", None) or 224
-    h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+    h, w = _image_side(vision_config)
     if "pixel_attention_mask" in params:
         return {"pixel_values": torch.randn(batch, 1, channels, h, w, generator=gen),
                 "pixel_attention_mask": torch.ones(batch, 1, h, w, dtype=torch.bool)}
     return {"pixel_values": torch.randn(batch, channels, h, w, generator=gen)}
+
+
+# keypoint matchers read images of any size (no position table) and set none; their cost grows fast with
+# it (EfficientLoFTR: ~1 s a call at 64 px, ~100 s at 224 px on one CPU core), and 64 px still leaves
+# each conv stage (stride 8 in all) and attention window several positions
+MATCHED_IMAGE_SIDE = 64
+
+
+def _clip_or_pair_inputs(config, vision_config, params, batch: int,
+                         gen: torch.Generator) -> dict[str, torch.Tensor] | None:
+    """Pixels for a forward that reads several images per row, or None for one image per row
+    (:func:`_image_inputs`):
+
+    - ``pixel_values_videos`` and no ``pixel_values`` (VideoPrism): clips, :func:`_video_clips`;
+    - ``pixel_values`` of a vision config with ``num_frames`` (TimeSformer, VideoMAE, ViViT, X-CLIP):
+      clips, :func:`_video_clips`;
+    - ``pixel_values`` of a keypoint matcher (``AutoModelForKeypointMatching`` maps its config:
+      LightGlue, EfficientLoFTR, SuperGlue): (B, 2, C, H, W), the two images it matches per row,
+      MATCHED_IMAGE_SIDE pixels square unless its config sets an image size.
+    """
+    if "pixel_values" not in params:
+        return {"pixel_values_videos": _video_clips(vision_config, batch, gen)}
+    if isinstance(getattr(vision_config, "num_frames", None), int):
+        return {"pixel_values": _video_clips(vision_config, batch, gen)}
+    if _is_keypoint_matcher(config):
+        channels, (h, w) = _image_channels(vision_config), _image_side(vision_config, MATCHED_IMAGE_SIDE)
+        return {"pixel_values": torch.randn(batch, 2, channels, h, w, generator=gen)}  # (B, 2, C, H, W)
+    return None
+
+
+def _video_clips(vision_config, batch: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, T, C, H, W) random clips, T the config's ``num_frames`` (1 when it sets none), at its image size:
+    video encoders' position embeddings count exactly that many frames (tubelets of them)."""
+    frames = getattr(vision_config, "num_frames", None) or 1
+    h, w = _image_side(vision_config)
+    return torch.randn(batch, frames, _image_channels(vision_config), h, w, generator=gen)
+
+
+def _is_keypoint_matcher(config) -> bool:
+    """Whether transformers' ``AutoModelForKeypointMatching`` maps ``config``: a model that matches the
+    keypoints of two images, so its ``pixel_values`` hold an image pair per row."""
+    transformers = require("transformers")
+    return type(config) in transformers.MODEL_FOR_KEYPOINT_MATCHING_MAPPING
+
+
+def _image_channels(vision_config) -> int:
+    """The config's colour channels (``num_channels`` or ``in_channels``), 3 when it sets none."""
+    return getattr(vision_config, "num_channels", None) or getattr(vision_config, "in_channels", None) or 3
+
+
+def _image_side(vision_config, default: int = 224) -> tuple[int, int]:
+    """(H, W) of the config's ``image_size`` (an int or a sequence ending in H, W), else of its
+    ``max_img_size`` (TVP pads every frame up to it, so a smaller one does not broadcast), else ``default``."""
+    size = getattr(vision_config, "image_size", None) or getattr(vision_config, "max_img_size", None) or default
+    return (size, size) if isinstance(size, int) else tuple(size)[-2:]
 
 
 def _with_image_tokens(model: nn.Module, ids: torch.Tensor, images: dict[str, torch.Tensor]) -> torch.Tensor:
