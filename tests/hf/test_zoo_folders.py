@@ -48,6 +48,9 @@ SMALL_SIZES = {
     "projector_input_dim": 32, "projector_output_dim": 32, "vision_output_dim": 32, "projector_hidden_size": 32,
     # Gemma 3 pools each image's 4 x 4 patches to mm_tokens_per_image: 2 x 2 tokens, a pooling kernel of 2
     "mm_tokens_per_image": 4,
+    # widths a config derives from hidden_size when built (ViT's pooler), or that must equal the projection
+    # (X-CLIP's multi-frame transformer reads the projected frame features)
+    "pooler_output_size": 32, "mit_hidden_size": 32, "mit_intermediate_size": 64,
 }
 TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config", "encoder", "decoder",
           "adaptor_config")  # FunASR's adaptor: its output width is the shrunk text width
@@ -65,13 +68,16 @@ MODEL_TYPES = [
 def shrink(config):
     """The config with every size field in SMALL_SIZES set small, in each tower too (returned for chaining);
     a multi-head attention default (as many key/value heads as heads: ESMC normalizes keys over the whole
-    hidden size) stays multi-head, and the sizes its constructor derived from shrunk ones are derived again."""
+    hidden size) stays multi-head, a field its type's CONFIG_OVERRIDES sets keeps that value (the override
+    knows what the rule cannot), and the sizes its constructor derived from shrunk ones are derived again."""
     multi_head = getattr(config, "num_key_value_heads", None) == getattr(config, "num_attention_heads", None)
+    kept = CONFIG_OVERRIDES.get(getattr(config, "model_type", None), {})
     for name, value in list(vars(config).items()):
-        if name in SMALL_SIZES and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if name in SMALL_SIZES and name not in kept and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             setattr(config, name, SMALL_SIZES[name])
     if multi_head and isinstance(getattr(config, "num_key_value_heads", None), int):
         config.num_key_value_heads = config.num_attention_heads
+    _keep_every_stage_a_pixel(config)
     top = SMALL_SIZES["vocab_size"] - 1
     for name, value in list(vars(config).items()):  # special tokens must stay inside the shrunk vocabulary
         if name.endswith("_token_id") and isinstance(value, int) and value >= SMALL_SIZES["vocab_size"]:
@@ -105,11 +111,31 @@ def derive_sizes_again(config) -> None:
 # fields a size rule cannot derive (they win over SMALL_SIZES): GPT-Neo lists one attention type per layer;
 # LiLT's layout embeddings concatenate 6 slices of hidden_size // 6, so its hidden size is a multiple of 6;
 # GLM-4V and GLM-OCR's text rotary defaults its mrope_section in code: made explicit, shrink fits it to the head
+# ALIGN projects text to its EfficientNet's output channels (640); EfficientLoFTR's attention runs at its CNN's
+# last width (256, 8 heads: rotary over 4x the head size; MLP 2x), LightGlue's at its SuperPoint's descriptor size
+# (256; MLP 2x); LW-DETR's default config projects no feature level (projector_scale_factors=()): one level, a
+# small windowed ViT backbone whose 2 x 2 windows tile the 14 x 14 patches of a 224 px image, fewer queries than
+# tokens; TVP pads each of its num_frames frames to max_img_size (448, 48 frames through a ResNet-50): 2 frames of
+# 96 px; DepthPro cuts its image into patch_size squares for DINOv2 towers whose image_size must equal it (384 px,
+# 12 layers each, hooks on layers 11 and 5): 32 px squares for 2-layer towers, hooks on their 2 layers
 _GLM_MROPE_TEXT = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]}}
 CONFIG_OVERRIDES = {"gpt_neo": {"attention_types": [[["global", "local"], 1]], "num_layers": 2},
                     "lilt": {"hidden_size": 48},
                     "glm4v": {"text_config": _GLM_MROPE_TEXT}, "glm_ocr": {"text_config": _GLM_MROPE_TEXT},
-                    "voxtral": {"audio_token_id": 24}}  # its default is None (no audio token): its checkpoints' id
+                    "voxtral": {"audio_token_id": 24},  # its default is None (no audio token): its checkpoints' id
+                    "align": {"projection_dim": 640},
+                    "efficientloftr": {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8,
+                                       "intermediate_size": 512},
+                    "lightglue": {"hidden_size": 256, "intermediate_size": 512},
+                    "lw_detr": {"projector_scale_factors": [1.0], "d_model": 32, "num_queries": 16, "backbone_config": {
+                        "model_type": "lw_detr_vit", "image_size": 224, "hidden_size": 32, "num_attention_heads": 4,
+                        "intermediate_size": 64, "num_hidden_layers": 4, "window_block_indices": [0, 2],
+                        "out_indices": [1, 3], "num_windows": 4}},
+                    "tvp": {"max_img_size": 96, "visual_prompt_size": 16, "num_frames": 2},
+                    "depth_pro": {"patch_size": 32, "intermediate_hook_ids": [1, 0], **{
+                        f"{tower}_model_config": {"model_type": "dinov2", "image_size": 32, "patch_size": 8,
+                                                  "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+                        for tower in ("image", "patch", "fov")}}}
 # Granite Speech's Q-Former projector (not a tower the size rules shrink) reads the audio encoder's
 # hidden states: its encoder_hidden_size is the shrunk encoder's hidden_dim (its default, 1408, is no one's)
 _GRANITE_PROJECTOR = {"projector_config": {"model_type": "blip_2_qformer", "hidden_size": 32, "num_hidden_layers": 1,
@@ -150,6 +176,15 @@ def _fit_mrope_sections(config) -> None:
     fitted = [section * half // sum(sections) for section in sections]
     fitted[0] += half - sum(fitted)
     rope["mrope_section"] = fitted
+
+
+def _keep_every_stage_a_pixel(config) -> None:
+    """A staged conv backbone (ConvNeXt: a patch_size stem, then one 2x downsampling per further entry of
+    hidden_sizes) gets an image_size its last stage still sees at least one pixel of: the shrunk
+    patch_size x 32 px image leaves too few pixels for 4 stages (a kernel larger than its input)."""
+    stages, patch, size = (getattr(config, name, None) for name in ("hidden_sizes", "patch_size", "image_size"))
+    if isinstance(stages, (list, tuple)) and isinstance(patch, int) and isinstance(size, int) and stages:
+        config.image_size = max(size, patch * 2 ** (len(stages) - 1))  # (H, W) at the last stage >= 1 x 1
 
 
 def _bare_model_class(config) -> type:
@@ -253,6 +288,21 @@ def test_shrink_keeps_the_image_and_video_tokens_inside_the_vocabulary_each_its_
     vocab = config.get_text_config().vocab_size
     tokens = [getattr(config, name) for name in ("image_token_id", "video_token_id") if hasattr(config, name)]
     assert tokens and all(0 <= t < vocab for t in tokens) and len(set(tokens)) == len(tokens)
+
+
+# types whose shrunk default config built a model that failed on any input of the size it asks for
+SHRUNK_CONSISTENTLY = ["convnext", "convnextv2", "align", "vision-text-dual-encoder", "xclip", "efficientloftr",
+                       "lightglue", "lw_detr", "depth_pro"]
+
+
+@pytest.mark.parametrize("model_type", SHRUNK_CONSISTENTLY)
+def test_the_shrunk_config_builds_a_model_that_runs_on_its_example_inputs(model_type):
+    config = _config(model_type)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = _bare_model_class(config)(config).eval()
+    with torch.no_grad():
+        model(**example_inputs_for(model))
 
 
 def test_untie_config_leaves_a_vision_model_without_input_embeddings_as_it_is():

@@ -50,8 +50,10 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     gen = torch.Generator().manual_seed(seed)
     seq = _poolable_length(config, seq)
     model = model_or_config if isinstance(model_or_config, nn.Module) else None
-    if "pixel_values" in params:
-        media = _image_inputs(_vision_config(config), params, batch, gen, model_config=config)
+    vision_config = _vision_config(config)
+    if "pixel_values" in params or "pixel_values_videos" in params:
+        media = (_clip_or_pair_inputs(config, vision_config, params, batch, gen)
+                 or _image_inputs(vision_config, params, batch, gen, model_config=config))
     elif "input_values" in params or "input_features" in params:
         def whole_call(audio: dict[str, Any]) -> dict[str, Any]:  # what a candidate layout is tried in
             return _completed_call(model, config, params, dict(audio), batch, seq, torch.Generator().manual_seed(seed))
@@ -267,7 +269,7 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator, *,
       an all-true (B, 1, H, W) mask (no padding);
     - otherwise (B, C, H, W) pixels at the config's image size (an int or (H, W)).
     """
-    channels = getattr(vision_config, "num_channels", None) or getattr(vision_config, "in_channels", None) or 3
+    channels = _image_channels(vision_config)
     grid_name = next((name for name in GRID_INPUTS if name in params), None)
     if grid_name is not None and isinstance(getattr(vision_config, "patch_size", None), int):
         return _grid_image_inputs(vision_config, params, grid_name, channels, batch, gen)
@@ -277,8 +279,7 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator, *,
         return _naflex_inputs(vision_config, model_config or vision_config, channels, batch, gen)
     if TARGET_SIZES in params and isinstance(getattr(vision_config, "patch_size", None), int):
         return _packed_strip_inputs(vision_config, channels, batch, gen)
-    size = getattr(vision_config, "image_size", None) or 224
-    h, w = (size, size) if isinstance(size, int) else tuple(size)[-2:]
+    h, w = _image_side(vision_config)
     if "pixel_attention_mask" in params:
         return {"pixel_values": torch.randn(batch, 1, channels, h, w, generator=gen),
                 "pixel_attention_mask": torch.ones(batch, 1, h, w, dtype=torch.bool)}
@@ -294,6 +295,61 @@ def _patch_masking_noise(vision_config, pixel_values: torch.Tensor, gen: torch.G
     ph, pw = (patch, patch) if isinstance(patch, int) else tuple(patch)[-2:]
     patches = (pixel_values.shape[-2] // ph) * (pixel_values.shape[-1] // pw)
     return torch.rand(pixel_values.shape[0], patches, generator=gen)  # (B, patches)
+
+
+# keypoint matchers read images of any size (no position table) and set none; their cost grows fast with
+# it (EfficientLoFTR: ~1 s a call at 64 px, ~100 s at 224 px on one CPU core), and 64 px still leaves
+# each conv stage (stride 8 in all) and attention window several positions
+MATCHED_IMAGE_SIDE = 64
+
+
+def _clip_or_pair_inputs(config, vision_config, params, batch: int,
+                         gen: torch.Generator) -> dict[str, torch.Tensor] | None:
+    """Pixels for a forward that reads several images per row, or None for one image per row
+    (:func:`_image_inputs`):
+
+    - ``pixel_values_videos`` and no ``pixel_values`` (VideoPrism): clips, :func:`_video_clips`;
+    - ``pixel_values`` of a vision config with ``num_frames`` (TimeSformer, VideoMAE, ViViT, X-CLIP):
+      clips, :func:`_video_clips`;
+    - ``pixel_values`` of a keypoint matcher (``AutoModelForKeypointMatching`` maps its config:
+      LightGlue, EfficientLoFTR, SuperGlue): (B, 2, C, H, W), the two images it matches per row,
+      MATCHED_IMAGE_SIDE pixels square unless its config sets an image size.
+    """
+    if "pixel_values" not in params:
+        return {"pixel_values_videos": _video_clips(vision_config, batch, gen)}
+    if isinstance(getattr(vision_config, "num_frames", None), int):
+        return {"pixel_values": _video_clips(vision_config, batch, gen)}
+    if _is_keypoint_matcher(config):
+        channels, (h, w) = _image_channels(vision_config), _image_side(vision_config, MATCHED_IMAGE_SIDE)
+        return {"pixel_values": torch.randn(batch, 2, channels, h, w, generator=gen)}  # (B, 2, C, H, W)
+    return None
+
+
+def _video_clips(vision_config, batch: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, T, C, H, W) random clips, T the config's ``num_frames`` (1 when it sets none), at its image size:
+    video encoders' position embeddings count exactly that many frames (tubelets of them)."""
+    frames = getattr(vision_config, "num_frames", None) or 1
+    h, w = _image_side(vision_config)
+    return torch.randn(batch, frames, _image_channels(vision_config), h, w, generator=gen)
+
+
+def _is_keypoint_matcher(config) -> bool:
+    """Whether transformers' ``AutoModelForKeypointMatching`` maps ``config``: a model that matches the
+    keypoints of two images, so its ``pixel_values`` hold an image pair per row."""
+    transformers = require("transformers")
+    return type(config) in transformers.MODEL_FOR_KEYPOINT_MATCHING_MAPPING
+
+
+def _image_channels(vision_config) -> int:
+    """The config's colour channels (``num_channels`` or ``in_channels``), 3 when it sets none."""
+    return getattr(vision_config, "num_channels", None) or getattr(vision_config, "in_channels", None) or 3
+
+
+def _image_side(vision_config, default: int = 224) -> tuple[int, int]:
+    """(H, W) of the config's ``image_size`` (an int or a sequence ending in H, W), else of its
+    ``max_img_size`` (TVP pads every frame up to it, so a smaller one does not broadcast), else ``default``."""
+    size = getattr(vision_config, "image_size", None) or getattr(vision_config, "max_img_size", None) or default
+    return (size, size) if isinstance(size, int) else tuple(size)[-2:]
 
 
 def _with_media_tokens(model: nn.Module, ids: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
