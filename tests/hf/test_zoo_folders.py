@@ -32,11 +32,12 @@ SMALL_SIZES = {
     "decoder_attention_heads": 4, "num_key_value_heads": 2, "d_head": 8, "head_dim": 8, "d_kv": 8,
     "image_size": 32, "patch_size": 8, "vocab_size": 99, "max_position_embeddings": 64, "n_positions": 64,
     "max_source_positions": 16, "max_target_positions": 16, "num_mel_bins": 8, "projection_dim": 32,
-    "projection_size": 32,
+    "projection_size": 32, "encoder_hidden_size": 32,  # a Q-Former's cross-attention reads the vision width (32)
     # LayoutLMv2/v3's spatial embeddings concatenate 4 coordinate and 2 shape embeddings: 4·4 + 2·8 = 32
     "coordinate_size": 4, "shape_size": 8,
 }
-TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config")
+TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config", "qformer_config",
+          "high_res_vision_config")
 
 # one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
 # channels-first norms, audio (waveform and log-mel), two-tower multimodal, character-level, RMSNorm-only
@@ -60,11 +61,41 @@ def shrink(config):
         elif name.endswith("_token_index") and isinstance(value, int) and value >= SMALL_SIZES["vocab_size"]:
             setattr(config, name, top)  # LLaVA's image token (image_token_id reads it): one id of its own each
             top -= 1
+    shrink_grid_pinpoints(config)
+    shrink_layer_lists(config)
+    if "image_token_index" in vars(config) and config.image_token_index is None and hasattr(config, "num_query_tokens"):
+        config.image_token_index = top  # a Q-Former's query outputs (BLIP-2) take the places of this token
     for tower in TOWERS:
         sub = getattr(config, tower, None)
         if isinstance(sub, transformers.PretrainedConfig):
             shrink(sub)
+    if isinstance(getattr(config, "vision_output_dim", None), int) and hasattr(config, "intermediate_layers_indices"):
+        # Mllama's projector reads the last state and each intermediate one, concatenated
+        config.vision_output_dim = config.hidden_size * (len(config.intermediate_layers_indices) + 1)
     return config
+
+
+def shrink_grid_pinpoints(config) -> None:
+    """LLaVA-NeXT's any-resolution layouts (``image_grid_pinpoints``, in pixels, 336 apart) as the one
+    layout of a single tile of the shrunk vision tower's ``image_size``: the defaults are no whole
+    number of shrunk tiles."""
+    vision = getattr(config, "vision_config", None)
+    if getattr(config, "image_grid_pinpoints", None) and vision is not None:
+        side = SMALL_SIZES["image_size"]
+        config.image_grid_pinpoints = [[side, side]]
+
+
+LAYER_INDEX_LISTS = ("global_attn_indexes", "intermediate_layers_indices", "cross_attention_layers")
+
+
+def shrink_layer_lists(config) -> None:
+    """Lists of layer indices (SAM's ``global_attn_indexes``, Mllama's intermediate and cross-attention
+    layers) kept within the shrunk layers: the last layer where none is left."""
+    layers = getattr(config, "num_hidden_layers", None)
+    for name in LAYER_INDEX_LISTS:
+        indices = getattr(config, name, None)
+        if isinstance(layers, int) and isinstance(indices, (list, tuple)) and indices:
+            setattr(config, name, [i for i in indices if i < layers] or [layers - 1])
 
 
 # fields a size rule cannot derive: GPT-Neo lists one attention type per layer

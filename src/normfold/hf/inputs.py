@@ -50,6 +50,7 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     inputs: dict[str, Any] = {}
     if "pixel_values" in params:
         inputs.update(_image_inputs(getattr(config, "vision_config", None) or config, params, batch, gen))
+        inputs.update(_companion_inputs(config, params, inputs, seq, gen))
     elif "input_values" in params:
         inputs["input_values"] = _waveform(getattr(config, "audio_config", None) or config, batch, seq, gen)
     elif "input_features" in params:
@@ -58,6 +59,8 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
         ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels: text and image (CLIP, GIT, LayoutLMv3)
         if isinstance(model_or_config, nn.Module) and "pixel_values" in inputs:
             ids = _with_image_tokens(model_or_config, ids, {k: v for k, v in inputs.items() if k in _IMAGE_INPUTS})
+        ids, positions = _with_latent_query_slots(config, params, ids)
+        inputs.update(positions)
         inputs["input_ids"] = ids
         if "mm_token_type_ids" in params and isinstance(getattr(config, "image_token_id", None), int):
             inputs["mm_token_type_ids"] = (ids == config.image_token_id).int()  # 1 where an image feature goes
@@ -137,7 +140,8 @@ def _token_ids(text_config, batch: int, seq: int, gen: torch.Generator) -> torch
     return torch.randint(0, vocab, (batch, seq if limit is None else min(seq, limit)), generator=gen)
 
 
-_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask")  # what describes the images of a call
+_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "image_sizes", "high_res_pixel_values",
+                 "aspect_ratio_ids", "aspect_ratio_mask")  # what describes the images of a call
 GRID_SIDE = 2  # merged patches along each side of a grid image (Qwen2-VL): 4 image tokens per image
 
 
@@ -166,6 +170,78 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator) -> di
     return {"pixel_values": torch.randn(batch, channels, h, w, generator=gen)}
 
 
+def _companion_inputs(config, params, inputs: dict[str, Any], seq: int, gen: torch.Generator) -> dict[str, Any]:
+    """What the forward needs beside the images it was given (``inputs``), named by its parameters:
+
+    - ``image_sizes``: each image's (height, width) in pixels (LLaVA-NeXT, its kin);
+    - ``aspect_ratio_ids`` / ``aspect_ratio_mask`` (tiled images, Mllama): every image one tile of
+      aspect ratio 1:1 (its 1-based id among ``supported_aspect_ratios``) padded to ``max_num_tiles``,
+      and ``pixel_values`` laid out (B, images, tiles, C, H, W) with zero padding tiles;
+    - ``high_res_pixel_values``: the same images at the size of ``high_res_vision_config`` (DeepSeek-VL hybrid);
+    - ``qformer_input_ids`` (+ mask): the instruction the Q-Former reads (InstructBLIP), ``seq`` ids of
+      its ``qformer_config`` vocabulary;
+    - ``task_inputs``: the task prompt's ``task_seq_len`` ids (OneFormer's text encoder vocabulary).
+    """
+    found: dict[str, Any] = {}
+    pixels = inputs.get("pixel_values")
+    vision = getattr(config, "vision_config", None) or config
+    if isinstance(pixels, torch.Tensor) and pixels.dim() == 4:
+        batch, channels, h, w = pixels.shape  # (B, C, H, W)
+        if "image_sizes" in params:
+            found.update(_any_resolution_images(config, pixels, gen))
+        ratios, tiles = getattr(vision, "supported_aspect_ratios", None), getattr(vision, "max_num_tiles", None)
+        if "aspect_ratio_ids" in params and ratios and isinstance(tiles, int):
+            padded = torch.zeros(batch, 1, tiles, channels, h, w, dtype=pixels.dtype)  # (B, images, tiles, C, H, W)
+            padded[:, 0, 0] = pixels
+            found["pixel_values"] = padded
+            found["aspect_ratio_ids"] = torch.full((batch, 1), [list(r) for r in ratios].index([1, 1]) + 1)
+            mask = torch.zeros(batch, 1, tiles, dtype=torch.long)  # (B, images, tiles): the first tile is real
+            mask[:, :, 0] = 1
+            found["aspect_ratio_mask"] = mask
+        high_res = getattr(config, "high_res_vision_config", None)
+        if "high_res_pixel_values" in params and high_res is not None:
+            size = getattr(high_res, "image_size", None) or h
+            found["high_res_pixel_values"] = torch.randn(batch, channels, size, size, generator=gen)
+    rows = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor)), EXAMPLE_BATCH)
+    qformer = getattr(config, "qformer_config", None)
+    if "qformer_input_ids" in params and qformer is not None:
+        found["qformer_input_ids"] = _token_ids(qformer, rows, seq, gen)
+        if "qformer_attention_mask" in params:
+            found["qformer_attention_mask"] = torch.ones_like(found["qformer_input_ids"])
+    task_length = getattr(config, "task_seq_len", None)
+    if "task_inputs" in params and isinstance(task_length, int):
+        vocab = getattr(config, "text_encoder_vocab_size", None) or CHARACTER_VOCAB
+        found["task_inputs"] = torch.randint(0, vocab, (rows, task_length), generator=gen)
+    return found
+
+
+def _any_resolution_images(config, pixels: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """``image_sizes`` (B, 2) for (B, C, H, W) ``pixels``: each image's (height, width). Where the config
+    lays images out at any resolution (``image_grid_pinpoints``, LLaVA-NeXT), each image is its first
+    layout's size, cut into its H x W tiles plus the whole image resized: ``pixel_values`` (B, 1 + tiles, C, H, W)."""
+    batch, channels, h, w = pixels.shape
+    layouts = getattr(config, "image_grid_pinpoints", None)
+    if not layouts or layouts[0][0] % h or layouts[0][1] % w:
+        return {"image_sizes": torch.tensor([[h, w]] * batch)}
+    height, width = layouts[0]
+    tiles = 1 + (height // h) * (width // w)
+    return {"image_sizes": torch.tensor([[height, width]] * batch),
+            "pixel_values": torch.randn(batch, tiles, channels, h, w, generator=gen)}
+
+
+def _with_latent_query_slots(config, params, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """For a forward that places its image's ``latent_query_num`` query embeddings at the positions its
+    ``image_embeds_position_mask`` marks (Kosmos-2): ``ids`` led by that many slots (the ids there are
+    replaced by the image embeddings) and the (B, T) mask, 1 at the slots. Otherwise ``ids`` as they are."""
+    slots = getattr(config, "latent_query_num", None)
+    if "image_embeds_position_mask" not in params or not isinstance(slots, int):
+        return ids, {}
+    ids = torch.cat([torch.ones(ids.shape[0], slots, dtype=ids.dtype), ids], dim=1)  # (B, slots + T)
+    mask = torch.zeros_like(ids)
+    mask[:, :slots] = 1
+    return ids, {"image_embeds_position_mask": mask}
+
+
 def _with_image_tokens(model: nn.Module, ids: torch.Tensor, images: dict[str, torch.Tensor]) -> torch.Tensor:
     """``ids`` led by one image token per image feature, for a model that merges image features into
     its text at the positions of ``config.image_token_id`` (LLaVA, PaliGemma, Qwen2-VL, Idefics3): as
@@ -176,7 +252,7 @@ def _with_image_tokens(model: nn.Module, ids: torch.Tensor, images: dict[str, to
         return ids
     try:
         with torch.no_grad():
-            found = model.get_image_features(**images)
+            found = model.get_image_features(**_accepted(model.get_image_features, images))
     except Exception:  # noqa: BLE001  the model's own code, whatever it raises: plain text ids, as before
         return ids
     features = getattr(found, "pooler_output", None)
@@ -189,6 +265,14 @@ def _with_image_tokens(model: nn.Module, ids: torch.Tensor, images: dict[str, to
         return ids
     text = ids.masked_fill(ids == token, 1 if token == 0 else 0)  # no image token among the text
     return torch.cat([torch.full((ids.shape[0], total // ids.shape[0]), token, dtype=ids.dtype), text], dim=1)
+
+
+def _accepted(function, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The ``kwargs`` that ``function`` takes by name (all of them where it takes ``**kwargs``)."""
+    params = inspect.signature(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def _boxes(batch: int, count: int, bound: int, gen: torch.Generator) -> torch.Tensor:
