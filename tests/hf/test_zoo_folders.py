@@ -62,13 +62,13 @@ def shrink(config):
             setattr(config, name, top)  # LLaVA's image token (image_token_id reads it): one id of its own each
             top -= 1
     shrink_grid_pinpoints(config)
-    shrink_layer_lists(config)
     if "image_token_index" in vars(config) and config.image_token_index is None and hasattr(config, "num_query_tokens"):
         config.image_token_index = top  # a Q-Former's query outputs (BLIP-2) take the places of this token
     for tower in TOWERS:
         sub = getattr(config, tower, None)
         if isinstance(sub, transformers.PretrainedConfig):
             shrink(sub)
+    shrink_layer_lists(config)
     if isinstance(getattr(config, "vision_output_dim", None), int) and hasattr(config, "intermediate_layers_indices"):
         # Mllama's projector reads the last state and each intermediate one, concatenated
         config.vision_output_dim = config.hidden_size * (len(config.intermediate_layers_indices) + 1)
@@ -85,17 +85,20 @@ def shrink_grid_pinpoints(config) -> None:
         config.image_grid_pinpoints = [[side, side]]
 
 
-LAYER_INDEX_LISTS = ("global_attn_indexes", "intermediate_layers_indices", "cross_attention_layers")
+LAYER_INDEX_LISTS = ("global_attn_indexes", "intermediate_layers_indices", "cross_attention_layers",
+                     "vision_feature_layers")
 
 
 def shrink_layer_lists(config) -> None:
     """Lists of layer indices (SAM's ``global_attn_indexes``, Mllama's intermediate and cross-attention
-    layers) kept within the shrunk layers: the last layer where none is left."""
-    layers = getattr(config, "num_hidden_layers", None)
+    layers, VipLLaVA's ``vision_feature_layers`` of its vision tower, negative ones counted from the end)
+    kept within the shrunk layers: the last layer where none is left."""
+    tower = getattr(config, "vision_config", None)
     for name in LAYER_INDEX_LISTS:
         indices = getattr(config, name, None)
+        layers = getattr(tower if name.startswith("vision_") and tower is not None else config, "num_hidden_layers", None)
         if isinstance(layers, int) and isinstance(indices, (list, tuple)) and indices:
-            setattr(config, name, [i for i in indices if i < layers] or [layers - 1])
+            setattr(config, name, [i for i in indices if -layers <= i < layers] or [layers - 1])
 
 
 # fields a size rule cannot derive: GPT-Neo lists one attention type per layer
