@@ -68,6 +68,7 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
             inputs["attention_mask"] = torch.ones_like(ids)
         if "bbox" in params:  # document models: one box per token
             inputs["bbox"] = _boxes(*ids.shape, getattr(config, "max_2d_position_embeddings", _BOX_SCALE + 1) - 1, gen)
+    inputs.update(_cross_attended_images(params, inputs))
     if "visual_feats" in params and "visual_pos" in params and hasattr(config, "visual_feat_dim"):
         inputs["visual_feats"] = torch.randn(batch, seq, config.visual_feat_dim, generator=gen)  # LXMERT's regions
         inputs["visual_pos"] = _boxes(batch, seq, _BOX_SCALE, gen) / _BOX_SCALE  # normalized to [0, 1]
@@ -173,7 +174,9 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator) -> di
 def _companion_inputs(config, params, inputs: dict[str, Any], seq: int, gen: torch.Generator) -> dict[str, Any]:
     """What the forward needs beside the images it was given (``inputs``), named by its parameters:
 
-    - ``image_sizes``: each image's (height, width) in pixels (LLaVA-NeXT, its kin);
+    - ``image_sizes``: each image's (height, width) in pixels, where the config lays images out at any
+      resolution or the vision tower reads them (LLaVA-NeXT, Pixtral; not LLaVA, whose forward takes
+      them for its Pixtral towers only);
     - ``aspect_ratio_ids`` / ``aspect_ratio_mask`` (tiled images, Mllama): every image one tile of
       aspect ratio 1:1 (its 1-based id among ``supported_aspect_ratios``) padded to ``max_num_tiles``,
       and ``pixel_values`` laid out (B, images, tiles, C, H, W) with zero padding tiles;
@@ -187,7 +190,7 @@ def _companion_inputs(config, params, inputs: dict[str, Any], seq: int, gen: tor
     vision = getattr(config, "vision_config", None) or config
     if isinstance(pixels, torch.Tensor) and pixels.dim() == 4:
         batch, channels, h, w = pixels.shape  # (B, C, H, W)
-        if "image_sizes" in params:
+        if "image_sizes" in params and _reads_image_sizes(config, vision):
             found.update(_any_resolution_images(config, pixels, gen))
         ratios, tiles = getattr(vision, "supported_aspect_ratios", None), getattr(vision, "max_num_tiles", None)
         if "aspect_ratio_ids" in params and ratios and isinstance(tiles, int):
@@ -215,6 +218,20 @@ def _companion_inputs(config, params, inputs: dict[str, Any], seq: int, gen: tor
     return found
 
 
+def _reads_image_sizes(config, vision_config) -> bool:
+    """Whether a forward's optional ``image_sizes`` is read for this config: any-resolution layouts
+    (``image_grid_pinpoints``), or a vision tower whose own forward takes ``image_sizes`` (Pixtral)."""
+    if getattr(config, "image_grid_pinpoints", None):
+        return True
+    if vision_config is config:
+        return False
+    try:
+        tower = model_class_for(vision_config)
+    except CheckpointError:
+        return False
+    return "image_sizes" in inspect.signature(tower.forward).parameters
+
+
 def _any_resolution_images(config, pixels: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """``image_sizes`` (B, 2) for (B, C, H, W) ``pixels``: each image's (height, width). Where the config
     lays images out at any resolution (``image_grid_pinpoints``, LLaVA-NeXT), each image is its first
@@ -227,6 +244,17 @@ def _any_resolution_images(config, pixels: torch.Tensor, gen: torch.Generator) -
     tiles = 1 + (height // h) * (width // w)
     return {"image_sizes": torch.tensor([[height, width]] * batch),
             "pixel_values": torch.randn(batch, tiles, channels, h, w, generator=gen)}
+
+
+def _cross_attended_images(params, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """For a forward whose text cross-attends to a list of images per row through an
+    ``image_attention_mask`` (B, T, images) (IDEFICS): the (B, C, H, W) pixels as one image per row,
+    (B, 1, C, H, W), seen by every token. Nothing for any other forward."""
+    pixels, ids = inputs.get("pixel_values"), inputs.get("input_ids")
+    if "image_attention_mask" not in params or not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or ids is None:
+        return {}
+    return {"pixel_values": pixels.unsqueeze(1),  # (B, 1, C, H, W)
+            "image_attention_mask": torch.ones(*ids.shape, 1, dtype=torch.long)}  # (B, T, 1)
 
 
 def _with_latent_query_slots(config, params, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
