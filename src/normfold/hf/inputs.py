@@ -59,8 +59,9 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
         ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels: text and image (CLIP, GIT, LayoutLMv3)
         if isinstance(model_or_config, nn.Module) and "pixel_values" in inputs:
             ids = _with_image_tokens(model_or_config, ids, {k: v for k, v in inputs.items() if k in _IMAGE_INPUTS})
-        ids, positions = _with_latent_query_slots(config, params, ids)
-        inputs.update(positions)
+        if "pixel_values" in inputs:  # slots for the image given (Kosmos-2.5 reads flattened patches instead)
+            ids, positions = _with_latent_query_slots(config, params, ids)
+            inputs.update(positions)
         inputs["input_ids"] = ids
         if "mm_token_type_ids" in params and isinstance(getattr(config, "image_token_id", None), int):
             inputs["mm_token_type_ids"] = (ids == config.image_token_id).int()  # 1 where an image feature goes
