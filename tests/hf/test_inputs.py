@@ -66,8 +66,6 @@ def test_a_model_pooling_its_sequence_between_blocks_gets_enough_tokens_for_ever
 def test_a_model_masking_patches_by_noise_gets_seeded_noise_so_its_fold_proves():
     """ViT-MAE ranks its patches by ``noise`` to mask them; without that input it draws its own on every
     call, so two runs of the original differ and no fold of it can be proved."""
-    import torch
-
     import normfold
     from normfold.hf.inputs import example_inputs_for
 
@@ -122,16 +120,48 @@ VIDEO_CONFIGS = {  # video encoders: position embeddings over num_frames (tubele
 
 @pytest.mark.parametrize("model_type", sorted(VIDEO_CONFIGS))
 def test_a_video_encoder_gets_clips_of_its_num_frames_that_it_runs_on(model_type):
-    import torch
-
-    from normfold.hf.inputs import example_inputs_for
-
     config = VIDEO_CONFIGS[model_type]()
     model = transformers.AutoModel.from_config(config).eval()
     inputs = example_inputs_for(model)
     (name, clips), = inputs.items()
     assert name == ("pixel_values_videos" if model_type == "videoprism" else "pixel_values")
     assert clips.shape == (2, 4, 3, 32, 32)  # (B, T, C, H, W)
+# ------------------------------------------------------------- vision-language models without grids
+
+VLM_TEXT = dict(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                max_position_embeddings=128, num_key_value_heads=2)
+VLM_VISION = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, image_size=32,
+                  patch_size=8)
+
+
+def _vlm(model_type: str):
+    """A tiny vision-language model of ``model_type`` whose images are laid out without a grid of patches."""
+    if model_type == "llava_next":  # any resolution: each image cut into tiles of one of its layouts
+        config = transformers.LlavaNextConfig(vision_config=transformers.CLIPVisionConfig(**VLM_VISION),
+                                              text_config=transformers.LlamaConfig(**VLM_TEXT), image_token_index=98,
+                                              image_grid_pinpoints=[[32, 64]], projector_hidden_act="gelu")
+    elif model_type == "instructblip":  # a Q-Former reading an instruction of its own vocabulary
+        config = transformers.InstructBlipConfig(
+            vision_config=VLM_VISION, text_config=transformers.OPTConfig(vocab_size=99, hidden_size=32, ffn_dim=64,
+                                                                         num_hidden_layers=1, num_attention_heads=4,
+                                                                         word_embed_proj_dim=32).to_dict(),
+            qformer_config=dict(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=64, encoder_hidden_size=32), num_query_tokens=4,
+            image_token_index=98)
+    elif model_type == "kosmos-2":  # image embeddings placed where a position mask says
+        config = transformers.Kosmos2Config(text_config=dict(vocab_size=99, embed_dim=32, layers=1, attention_heads=4,
+                                                             ffn_dim=64), vision_config=VLM_VISION, latent_query_num=4)
+    else:
+        raise KeyError(model_type)
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(config, attn_implementation="eager").eval()
+
+
+def test_an_any_resolution_model_gets_image_sizes_and_each_image_cut_into_the_tiles_of_its_layout():
+    model = _vlm("llava_next")
+    inputs = example_inputs_for(model)
+    assert inputs["image_sizes"].tolist() == [[32, 64]] * 2
+    assert inputs["pixel_values"].shape == (2, 1 + 1 * 2, 3, 32, 32)  # the whole image and its 1 x 2 tiles
     with torch.no_grad():
         model(**inputs)
 
@@ -146,13 +176,16 @@ def test_the_fold_of_a_video_encoder_proves_on_its_clips():
 
 
 def test_a_keypoint_matcher_gets_an_image_pair_per_row_that_it_runs_on():
-    import torch
-
-    from normfold.hf.inputs import MATCHED_IMAGE_SIDE, example_inputs_for
+    from normfold.hf.inputs import MATCHED_IMAGE_SIDE
 
     model = transformers.EfficientLoFTRModel(transformers.EfficientLoFTRConfig(num_hidden_layers=1)).eval()
     inputs = example_inputs_for(model)
     assert inputs["pixel_values"].shape == (2, 2, 3, MATCHED_IMAGE_SIDE, MATCHED_IMAGE_SIDE)  # (B, 2, C, H, W)
+def test_a_q_former_model_gets_its_instruction_ids_within_the_q_former_vocabulary():
+    model = _vlm("instructblip")
+    inputs = example_inputs_for(model)
+    ids = inputs["qformer_input_ids"]
+    assert ids.shape[0] == 2 and int(ids.max()) < 50 and inputs["qformer_attention_mask"].shape == ids.shape
     with torch.no_grad():
         model(**inputs)
 
@@ -162,3 +195,10 @@ def test_frames_padded_to_max_img_size_get_that_size():
 
     config = transformers.TvpConfig(max_img_size=96, visual_prompt_size=16, num_frames=2)
     assert example_inputs_for(config)["pixel_values"].shape == (2, 2, 3, 96, 96)
+def test_a_model_placing_image_queries_by_a_position_mask_gets_one_slot_per_query():
+    model = _vlm("kosmos-2")
+    inputs = example_inputs_for(model)
+    mask = inputs["image_embeds_position_mask"]
+    assert mask.shape == inputs["input_ids"].shape and mask.sum(dim=1).tolist() == [4, 4]
+    with torch.no_grad():
+        model(**inputs)

@@ -33,7 +33,7 @@ SMALL_SIZES = {
     "decoder_attention_heads": 4, "num_key_value_heads": 2, "d_head": 8, "head_dim": 8, "d_kv": 8,
     "image_size": 32, "patch_size": 8, "vocab_size": 99, "decoder_vocab_size": 99, "max_position_embeddings": 64, "n_positions": 64,
     "max_source_positions": 16, "max_target_positions": 16, "num_mel_bins": 8, "projection_dim": 32,
-    "projection_size": 32,
+    "projection_size": 32, "encoder_hidden_size": 32,  # a Q-Former's cross-attention reads the vision width (32)
     # LayoutLMv2/v3's spatial embeddings concatenate 4 coordinate and 2 shape embeddings: 4·4 + 2·8 = 32
     "coordinate_size": 4, "shape_size": 8,
     # rotary slices at most the head size 32 / 4 = 8: GPT-J/CodeGen's rotary_dim, the MLA query/key rope part
@@ -53,7 +53,8 @@ SMALL_SIZES = {
     "pooler_output_size": 32, "mit_hidden_size": 32, "mit_intermediate_size": 64,
 }
 TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config", "encoder", "decoder",
-          "adaptor_config")  # FunASR's adaptor: its output width is the shrunk text width
+          "adaptor_config",  # FunASR's adaptor: its output width is the shrunk text width
+          "qformer_config", "high_res_vision_config")
 
 # one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
 # channels-first norms, audio (waveform and log-mel), two-tower multimodal, character-level, RMSNorm-only
@@ -86,11 +87,18 @@ def shrink(config):
             setattr(config, name, top)  # LLaVA's image token (image_token_id reads it): one id of its own each
             top -= 1
     _fit_mrope_sections(config)
+    shrink_grid_pinpoints(config)
+    if "image_token_index" in vars(config) and config.image_token_index is None and hasattr(config, "num_query_tokens"):
+        config.image_token_index = top  # a Q-Former's query outputs (BLIP-2) take the places of this token
     for tower in TOWERS:
         sub = getattr(config, tower, None)
         if isinstance(sub, transformers.PretrainedConfig):
             shrink(sub)
     derive_sizes_again(config)
+    shrink_layer_lists(config)
+    if isinstance(getattr(config, "vision_output_dim", None), int) and hasattr(config, "intermediate_layers_indices"):
+        # Mllama's projector reads the last state and each intermediate one, concatenated
+        config.vision_output_dim = config.hidden_size * (len(config.intermediate_layers_indices) + 1)
     return config
 
 
@@ -185,6 +193,32 @@ def _keep_every_stage_a_pixel(config) -> None:
     stages, patch, size = (getattr(config, name, None) for name in ("hidden_sizes", "patch_size", "image_size"))
     if isinstance(stages, (list, tuple)) and isinstance(patch, int) and isinstance(size, int) and stages:
         config.image_size = max(size, patch * 2 ** (len(stages) - 1))  # (H, W) at the last stage >= 1 x 1
+
+
+def shrink_grid_pinpoints(config) -> None:
+    """LLaVA-NeXT's any-resolution layouts (``image_grid_pinpoints``, in pixels, 336 apart) as the one
+    layout of a single tile of the shrunk vision tower's ``image_size``: the defaults are no whole
+    number of shrunk tiles."""
+    vision = getattr(config, "vision_config", None)
+    if getattr(config, "image_grid_pinpoints", None) and vision is not None:
+        side = SMALL_SIZES["image_size"]
+        config.image_grid_pinpoints = [[side, side]]
+
+
+LAYER_INDEX_LISTS = ("global_attn_indexes", "intermediate_layers_indices", "cross_attention_layers",
+                     "vision_feature_layers")
+
+
+def shrink_layer_lists(config) -> None:
+    """Lists of layer indices (SAM's ``global_attn_indexes``, Mllama's intermediate and cross-attention
+    layers, VipLLaVA's ``vision_feature_layers`` of its vision tower, negative ones counted from the end)
+    kept within the shrunk layers: the last layer where none is left."""
+    tower = getattr(config, "vision_config", None)
+    for name in LAYER_INDEX_LISTS:
+        indices = getattr(config, name, None)
+        layers = getattr(tower if name.startswith("vision_") and tower is not None else config, "num_hidden_layers", None)
+        if isinstance(layers, int) and isinstance(indices, (list, tuple)) and indices:
+            setattr(config, name, [i for i in indices if -layers <= i < layers] or [layers - 1])
 
 
 def _bare_model_class(config) -> type:

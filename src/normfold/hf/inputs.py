@@ -54,6 +54,7 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     if "pixel_values" in params or "pixel_values_videos" in params:
         media = (_clip_or_pair_inputs(config, vision_config, params, batch, gen)
                  or _image_inputs(vision_config, params, batch, gen, model_config=config))
+        media.update(_companion_inputs(config, params, media, seq, gen))
     elif "input_values" in params or "input_features" in params:
         def whole_call(audio: dict[str, Any]) -> dict[str, Any]:  # what a candidate layout is tried in
             return _completed_call(model, config, params, dict(audio), batch, seq, torch.Generator().manual_seed(seed))
@@ -74,6 +75,9 @@ def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, A
         ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels or audio: text and media (CLIP, Voxtral)
         if model is not None:
             ids = _with_media_tokens(model, ids, inputs)
+        if "pixel_values" in inputs:  # slots for the image given (Kosmos-2.5 reads flattened patches instead)
+            ids, positions = _with_latent_query_slots(config, params, ids)
+            inputs.update(positions)
         inputs["input_ids"] = ids
         if "mm_token_type_ids" in params and isinstance(getattr(config, "image_token_id", None), int):
             inputs["mm_token_type_ids"] = (ids == config.image_token_id).int()  # 1 where an image feature goes
@@ -83,6 +87,7 @@ def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, A
             inputs["bbox"] = _boxes(*ids.shape, getattr(config, "max_2d_position_embeddings", _BOX_SCALE + 1) - 1, gen)
         if "lang_ids" in params and getattr(config, "languages", None):  # X-MOD: one language adapter per row
             inputs["lang_ids"] = torch.arange(ids.shape[0]) % len(config.languages)  # (B,)
+    inputs.update(_cross_attended_images(params, inputs))
     if "visual_feats" in params and "visual_pos" in params and hasattr(config, "visual_feat_dim"):
         inputs["visual_feats"] = torch.randn(batch, seq, config.visual_feat_dim, generator=gen)  # LXMERT's regions
         inputs["visual_pos"] = _boxes(batch, seq, _BOX_SCALE, gen) / _BOX_SCALE  # normalized to [0, 1]
@@ -180,7 +185,8 @@ GRID_INPUTS = ("image_grid_thw", "grid_thw")  # the grid of each image: its name
 MERGE_SIZES = ("image_merge_sizes", "merge_sizes")  # VideoLLaMA3 (model, vision tower): each image's merge size
 TARGET_SIZES = "target_sizes"  # NaViT-style packers (MiniCPM-V): each image's (h, w) in patches
 SPATIAL_SHAPES = "spatial_shapes"  # SigLIP2 NaFlex (LFM2-VL): each image's (h, w) in patches
-_IMAGE_INPUTS = ("pixel_values", *GRID_INPUTS, *MERGE_SIZES, TARGET_SIZES, SPATIAL_SHAPES, "pixel_attention_mask")  # what describes a call's images
+_IMAGE_INPUTS = ("pixel_values", *GRID_INPUTS, *MERGE_SIZES, TARGET_SIZES, SPATIAL_SHAPES, "pixel_attention_mask",
+                 "image_sizes", "high_res_pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")  # what describes a call's images
 GRID_SIDE = 2  # merged patches along each side of a grid image (Qwen2-VL): 4 image tokens per image
 _MERGE_FIELDS = ("spatial_merge_size", "merge_size", "merge_kernel_size")  # patches merged per side, by family
 _TEMPORAL_FIELDS = ("temporal_patch_size", "patch_temporal")  # frames per patch, by family (none: 1)
@@ -352,6 +358,105 @@ def _image_side(vision_config, default: int = 224) -> tuple[int, int]:
     return (size, size) if isinstance(size, int) else tuple(size)[-2:]
 
 
+def _companion_inputs(config, params, inputs: dict[str, Any], seq: int, gen: torch.Generator) -> dict[str, Any]:
+    """What the forward needs beside the images it was given (``inputs``), named by its parameters:
+
+    - ``image_sizes``: each image's (height, width) in pixels, where the config lays images out at any
+      resolution or the vision tower reads them (LLaVA-NeXT, Pixtral; not LLaVA, whose forward takes
+      them for its Pixtral towers only);
+    - ``aspect_ratio_ids`` / ``aspect_ratio_mask`` (tiled images, Mllama): every image one tile of
+      aspect ratio 1:1 (its 1-based id among ``supported_aspect_ratios``) padded to ``max_num_tiles``,
+      and ``pixel_values`` laid out (B, images, tiles, C, H, W) with zero padding tiles;
+    - ``high_res_pixel_values``: the same images at the size of ``high_res_vision_config`` (DeepSeek-VL hybrid);
+    - ``qformer_input_ids`` (+ mask): the instruction the Q-Former reads (InstructBLIP), ``seq`` ids of
+      its ``qformer_config`` vocabulary;
+    - ``task_inputs``: the task prompt's ``task_seq_len`` ids (OneFormer's text encoder vocabulary).
+    """
+    found: dict[str, Any] = {}
+    pixels = inputs.get("pixel_values")
+    vision = getattr(config, "vision_config", None) or config
+    if isinstance(pixels, torch.Tensor) and pixels.dim() == 4:
+        batch, channels, h, w = pixels.shape  # (B, C, H, W)
+        if "image_sizes" in params and _reads_image_sizes(config, vision):
+            found.update(_any_resolution_images(config, pixels, gen))
+        ratios, tiles = getattr(vision, "supported_aspect_ratios", None), getattr(vision, "max_num_tiles", None)
+        if "aspect_ratio_ids" in params and ratios and isinstance(tiles, int):
+            padded = torch.zeros(batch, 1, tiles, channels, h, w, dtype=pixels.dtype)  # (B, images, tiles, C, H, W)
+            padded[:, 0, 0] = pixels
+            found["pixel_values"] = padded
+            found["aspect_ratio_ids"] = torch.full((batch, 1), [list(r) for r in ratios].index([1, 1]) + 1)
+            mask = torch.zeros(batch, 1, tiles, dtype=torch.long)  # (B, images, tiles): the first tile is real
+            mask[:, :, 0] = 1
+            found["aspect_ratio_mask"] = mask
+        high_res = getattr(config, "high_res_vision_config", None)
+        if "high_res_pixel_values" in params and high_res is not None:
+            size = getattr(high_res, "image_size", None) or h
+            found["high_res_pixel_values"] = torch.randn(batch, channels, size, size, generator=gen)
+    rows = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor)), EXAMPLE_BATCH)
+    qformer = getattr(config, "qformer_config", None)
+    if "qformer_input_ids" in params and qformer is not None:
+        found["qformer_input_ids"] = _token_ids(qformer, rows, seq, gen)
+        if "qformer_attention_mask" in params:
+            found["qformer_attention_mask"] = torch.ones_like(found["qformer_input_ids"])
+    task_length = getattr(config, "task_seq_len", None)
+    if "task_inputs" in params and isinstance(task_length, int):
+        vocab = getattr(config, "text_encoder_vocab_size", None) or CHARACTER_VOCAB
+        found["task_inputs"] = torch.randint(0, vocab, (rows, task_length), generator=gen)
+    return found
+
+
+def _reads_image_sizes(config, vision_config) -> bool:
+    """Whether a forward's optional ``image_sizes`` is read for this config: any-resolution layouts
+    (``image_grid_pinpoints``), or a vision tower whose own forward takes ``image_sizes`` (Pixtral)."""
+    if getattr(config, "image_grid_pinpoints", None):
+        return True
+    if vision_config is config:
+        return False
+    try:
+        tower = model_class_for(vision_config)
+    except CheckpointError:
+        return False
+    return "image_sizes" in inspect.signature(tower.forward).parameters
+
+
+def _any_resolution_images(config, pixels: torch.Tensor, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """``image_sizes`` (B, 2) for (B, C, H, W) ``pixels``: each image's (height, width). Where the config
+    lays images out at any resolution (``image_grid_pinpoints``, LLaVA-NeXT), each image is its first
+    layout's size, cut into its H x W tiles plus the whole image resized: ``pixel_values`` (B, 1 + tiles, C, H, W)."""
+    batch, channels, h, w = pixels.shape
+    layouts = getattr(config, "image_grid_pinpoints", None)
+    if not layouts or layouts[0][0] % h or layouts[0][1] % w:
+        return {"image_sizes": torch.tensor([[h, w]] * batch)}
+    height, width = layouts[0]
+    tiles = 1 + (height // h) * (width // w)
+    return {"image_sizes": torch.tensor([[height, width]] * batch),
+            "pixel_values": torch.randn(batch, tiles, channels, h, w, generator=gen)}
+
+
+def _cross_attended_images(params, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """For a forward whose text cross-attends to a list of images per row through an
+    ``image_attention_mask`` (B, T, images) (IDEFICS): the (B, C, H, W) pixels as one image per row,
+    (B, 1, C, H, W), seen by every token. Nothing for any other forward."""
+    pixels, ids = inputs.get("pixel_values"), inputs.get("input_ids")
+    if "image_attention_mask" not in params or not isinstance(pixels, torch.Tensor) or pixels.dim() != 4 or ids is None:
+        return {}
+    return {"pixel_values": pixels.unsqueeze(1),  # (B, 1, C, H, W)
+            "image_attention_mask": torch.ones(*ids.shape, 1, dtype=torch.long)}  # (B, T, 1)
+
+
+def _with_latent_query_slots(config, params, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """For a forward that places its image's ``latent_query_num`` query embeddings at the positions its
+    ``image_embeds_position_mask`` marks (Kosmos-2): ``ids`` led by that many slots (the ids there are
+    replaced by the image embeddings) and the (B, T) mask, 1 at the slots. Otherwise ``ids`` as they are."""
+    slots = getattr(config, "latent_query_num", None)
+    if "image_embeds_position_mask" not in params or not isinstance(slots, int):
+        return ids, {}
+    ids = torch.cat([torch.ones(ids.shape[0], slots, dtype=ids.dtype), ids], dim=1)  # (B, slots + T)
+    mask = torch.zeros_like(ids)
+    mask[:, :slots] = 1
+    return ids, {"image_embeds_position_mask": mask}
+
+
 def _with_media_tokens(model: nn.Module, ids: torch.Tensor, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """``ids`` led by one placeholder token per media feature, for a model that merges image or audio
     features into its text at the positions of its config's ``image_token_id`` (LLaVA, PaliGemma,
@@ -383,7 +488,7 @@ def _feature_count(get_features, media: dict[str, torch.Tensor]) -> int | None:
     """How many feature vectors ``get_features`` (a model's ``get_image_features`` or
     ``get_audio_features``) makes of ``media`` over the whole batch, None when it fails or gives no
     tensors."""
-    media = {k: v for k, v in media.items() if k in inspect.signature(get_features).parameters}
+    media = _accepted(get_features, media)
     try:
         with torch.no_grad():
             found = get_features(**media)
@@ -394,6 +499,14 @@ def _feature_count(get_features, media: dict[str, torch.Tensor]) -> int | None:
     if not all(isinstance(f, torch.Tensor) and f.dim() >= 2 for f in parts):
         return None
     return sum(f.numel() // f.shape[-1] for f in parts)  # feature vectors over the whole batch
+
+
+def _accepted(function, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The ``kwargs`` that ``function`` takes by name (all of them where it takes ``**kwargs``)."""
+    params = inspect.signature(function).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def _led_by_tokens(ids: torch.Tensor, token: int, total: int | None) -> torch.Tensor:
