@@ -92,8 +92,7 @@ def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, A
         inputs["visual_feats"] = torch.randn(batch, seq, config.visual_feat_dim, generator=gen)  # LXMERT's regions
         inputs["visual_pos"] = _boxes(batch, seq, _BOX_SCALE, gen) / _BOX_SCALE  # normalized to [0, 1]
     if "noise" in params and "pixel_values" in inputs:
-        inputs["noise"] = _patch_masking_noise(getattr(config, "vision_config", None) or config,
-                                               inputs["pixel_values"], gen)
+        inputs["noise"] = _patch_masking_noise(_vision_config(config), inputs["pixel_values"], gen)
     if not inputs:
         raise CheckpointError(f"cannot build example inputs for {type(config).__name__}: its forward takes none of "
                               f"input_ids, pixel_values, input_values, input_features")
@@ -374,7 +373,7 @@ def _companion_inputs(config, params, inputs: dict[str, Any], seq: int, gen: tor
     """
     found: dict[str, Any] = {}
     pixels = inputs.get("pixel_values")
-    vision = getattr(config, "vision_config", None) or config
+    vision = _vision_config(config)
     if isinstance(pixels, torch.Tensor) and pixels.dim() == 4:
         batch, channels, h, w = pixels.shape  # (B, C, H, W)
         if "image_sizes" in params and _reads_image_sizes(config, vision):
