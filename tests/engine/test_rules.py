@@ -749,3 +749,42 @@ def test_a_zeros_tensor_written_through_a_view_is_not_a_zero_source():
     assert not norm.foldable and "written in place through a view by aten.copy_" in norm.reason
     with torch.no_grad():  # and the model is unchanged, as the refusal promises
         torch.testing.assert_close(folded(ids), model(ids))
+
+
+# --------------------------------------------------------------------------- sizes the input decides
+
+
+class _RowsAMaskKeeps(nn.Module):
+    """Idefics3 / SmolVLM keep the images that are not padding (``pixel_values[real]``): every size after
+    that is a symbol of the trace, while the normalized dim stays a number. ``after`` is what the kept
+    rows go through before the norm."""
+
+    def __init__(self, after: str):
+        super().__init__()
+        self.after = after
+        self.proj = nn.Linear(C, C)
+        self.cls = nn.Parameter(torch.zeros(1, C))
+        self.norm = nn.LayerNorm(C // 2 if after == "half_rows" else C)
+        self.head = nn.Linear(C // 2 if after == "half_rows" else C, 3)
+
+    def forward(self, x, keep):  # x (N, C), keep (N,) bool
+        h = self.proj(x[keep])  # (u0, C): u0 is the number of True entries
+        if self.after == "half_rows":
+            h = h.reshape(-1, C // 2)  # (2·u0, C/2): each row's halves become rows
+        elif self.after == "cls_then_slice":
+            h = torch.cat([self.cls, h], 0)[1:]  # (u0 + 1, C) then rows 1..: needs u0 + 1 as a number
+        return self.head(self.norm(h))
+
+
+_KEEP = torch.tensor([True, False, True, True, False, True])
+
+
+@pytest.mark.parametrize("after", ["nothing", "half_rows"])
+def test_a_norm_folds_when_only_its_row_count_depends_on_the_input(after):
+    _, report = fold_checked(_RowsAMaskKeeps(after), (_x(6, C), _KEEP), {"norm": True})
+    assert report.norms[0].affine_folded, report.norms[0].reason  # its width is a number: γ/β move to head
+
+
+def test_a_rule_that_needs_a_size_the_input_decides_breaks_and_names_it():
+    _, report = fold_checked(_RowsAMaskKeeps("cls_then_slice"), (_x(6, C), _KEEP), {"norm": False})
+    assert "depends on the input's values" in report.norms[0].reason, report.norms[0].reason

@@ -14,7 +14,7 @@ from torch import fx, nn
 
 from ..nn.kinds import RMS_NORM_TYPES
 from .analyzed_norm import AnalyzedNorm
-from .graph import Captured, describe, op_packet, shape, single_use_param, use_alias
+from .graph import Captured, describe, op_packet, shape, single_use_param, static_size, use_alias
 from .op_kinds import passes_values_on
 from .plan import AffineFoldStep, PlanConstraints
 
@@ -61,15 +61,15 @@ def affine_steps(norm: AnalyzedNorm, model: nn.Module, captured: Captured, untie
     beta_fqn = single_use_param(call.bias, captured) if call.bias is not None else None
     if (call.weight is not None and gamma_fqn is None) or (call.bias is not None and beta_fqn is None):
         return [], "its γ/β are shared or not parameters"
-    if call.output is None or shape(call.output) is None:
+    if call.output is None or static_size(call.output, -1) is None:
         return [], "output not used"
-    width = shape(call.output)[-1]
+    width = static_size(call.output, -1)  # the rows may be counted by the input (a mask), the width is not
     steps, frontier = [], [call.output]
     while frontier:
         current = frontier.pop()
         for user in current.users:
             keeps_rows = op_packet(user) in _ROW_VIEWS or passes_values_on(user, casts=True)
-            if keeps_rows and user.args[0] is current and shape(user) and shape(user)[-1] == width:
+            if keeps_rows and user.args[0] is current and static_size(user, -1) == width:
                 frontier.append(user)
                 continue
             if user.op == "output":

@@ -33,7 +33,8 @@ from ..nn.kinds import LAYER_NORM_TYPES, RMS_NORM_TYPES
 from .affine import affine_steps
 from .analyzed_norm import AnalyzedNorm
 from .errors import FoldError, KeepPatternError
-from .graph import Captured, describe, module_path, module_stack, node_arg, shape, single_use_param, use_alias
+from .graph import (Captured, describe, module_path, module_stack, node_arg, shape, single_use_param, static_size,
+                    trace_shape, use_alias)
 from .graph import op_packet as _packet  # the short name reads better in the walks below
 from .layer_scale import LayerScale, find_layer_scales
 from .norm_forms import traced_form
@@ -138,7 +139,7 @@ def _is_ln_input(user: fx.Node, need: Need) -> bool:
     that stays absorbs the centering, one that folds has this very need as its root."""
     call = norm_call(user)
     return (call is not None and not call.is_rms and call.x is need.node and call.num_dims == 1
-            and need.dim == len(shape(need.node)) - 1 and need.group is None)
+            and need.dim == len(trace_shape(need.node)) - 1 and need.group is None)
 
 
 def _has_hooks(module: nn.Module) -> bool:
@@ -260,10 +261,10 @@ def _walk_norms(walker: Walker, norms: list[AnalyzedNorm]) -> None:
                 reasons.append((f"kept whole: normalizes over several dims together, "
                                 f"{tuple(norm.module.normalized_shape)} (only the last dim alone folds)", (), None))
                 continue
-            if shape(x) is None:
-                reasons.append(("kept: its input has no static shape in the trace", (), None))
+            if static_size(x, -1) is None:  # other dims may depend on the input (rows a mask keeps)
+                reasons.append(("kept: the size of its normalized dim is not static in the trace", (), None))
                 continue
-            root = make_need(x, len(shape(x)) - 1, None)
+            root = make_need(x, len(trace_shape(x)) - 1, None)
             result = walker.walk(root)
             if result.broken is not None:
                 where = result.blocking_path[-1]
@@ -541,8 +542,8 @@ def _absorbs(call: NormCall, x: fx.Node, dims: tuple[int, ...], folding: _Foldin
     if call.num_dims != 1:
         return _Failure(f"{where}, a LayerNorm over {call.num_dims} dims together (it absorbs a shift along all "
                         "of them, not along one)", False)
-    if len(shape(x)) - 1 not in dims:
-        return _Failure(f"{where}, which normalizes dim {len(shape(x)) - 1}, while the shift is constant along "
+    if len(trace_shape(x)) - 1 not in dims:
+        return _Failure(f"{where}, which normalizes dim {len(trace_shape(x)) - 1}, while the shift is constant along "
                         f"dims {dims} only", False)
     if call.node in folding.norm_paths:
         return _Failure(f"{folding.norm_paths[call.node]}, which folds to an RMSNorm (an RMSNorm does not absorb "
@@ -689,7 +690,7 @@ def _size_and_eps(norm: AnalyzedNorm) -> tuple[int, float]:
     """The normalized size and eps the norm's traced call used (a module's own attributes for an
     RMSNorm traced without an explicit eps)."""
     call, module = norm.calls[0], norm.module
-    size = shape(call.x)[-1] if shape(call.x) else module.normalized_shape[0]
+    size = static_size(call.x, -1) or module.normalized_shape[0]
     return int(size), float(module.eps if call.eps is None else call.eps)
 
 

@@ -223,6 +223,52 @@ def shape(node) -> tuple[int, ...] | None:
     return None if None in sizes else sizes  # a symbolic size (unbacked too): the shape is unknown
 
 
+class SymbolicSizeError(Exception):
+    """A rule did arithmetic or an ordering on a size that depends on the input's values: the rule
+    cannot decide, so the walk breaks there (never a guess from the example's sizes)."""
+
+
+class SymbolicSize:
+    """A size of the trace that depends on the input's values (an unbacked symbol: rows kept by a mask,
+    images that are not padding). Equal to the same expression and never to a number, so shape
+    comparisons stay exact; arithmetic, ordering and ``int()`` raise :class:`SymbolicSizeError`. The
+    export itself treats such a size as not 1 when it broadcasts, as ``!= 1`` does here."""
+
+    __slots__ = ("expr",)
+
+    def __init__(self, expr):
+        self.expr = expr  # the sympy expression of the trace's SymInt
+
+    def __eq__(self, other):
+        return isinstance(other, SymbolicSize) and self.expr == other.expr
+
+    def __hash__(self):
+        return hash(("SymbolicSize", self.expr))
+
+    def __repr__(self):
+        return f"SymbolicSize({self.expr})"
+
+    def _undecided(self, *_):
+        raise SymbolicSizeError(f"size {self.expr} depends on the input's values")
+
+    __int__ = __index__ = __bool__ = __lt__ = __le__ = __gt__ = __ge__ = _undecided
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _undecided
+    __floordiv__ = __rfloordiv__ = __truediv__ = __rtruediv__ = __mod__ = __rmod__ = __neg__ = _undecided
+
+
+def trace_shape(node) -> tuple | None:
+    """The shape of a node's tensor value as the trace knows it: numbers, and a :class:`SymbolicSize`
+    for each dim that depends on the input's values (None: not a tensor). The rules table reads this,
+    so a norm over a static last dim folds whatever the row count is; code that needs numbers uses
+    :func:`shape`."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    if not isinstance(val, torch.Tensor):
+        return None
+    sizes = (static_size(node, dim) for dim in range(val.dim()))
+    return tuple(SymbolicSize(val.shape[dim].node.expr) if size is None else size
+                 for dim, size in enumerate(sizes))
+
+
 def static_size(node, dim: int) -> int | None:
     """The size of one dim of a node's tensor value when it is a number in the trace (None: not a
     tensor, or a symbolic size), whatever the other dims are."""

@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 from torch import fx
 
-from ..graph import Captured, op_name, shape
+from ..graph import Captured, SymbolicSizeError, op_name, trace_shape
 from ..graph import node_arg as _arg  # the short name reads better below
 from ..op_kinds import CAST_OP_NAMES, COPY_OP_NAMES, DROPOUT_OP_NAMES, aten_packets, is_training_dropout
 from .answers import Answer, Break, Need, Part, Requires, Source, make_need, part_need, rank
@@ -165,8 +165,8 @@ def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> 
         return Break(f"model input {node.name} is not zero-mean by construction")
     if node.op != "call_function":  # get_attr constants and the like: not parameters, not centerable
         return Break(f"{node.op} node {node.name} is not in the rules table")
-    if shape(node) is None:
-        return Break(f"{op_name(node)}: output shape unknown (dynamic shapes are not supported)")
+    if trace_shape(node) is None:
+        return Break(f"{op_name(node)}: its output is not a tensor")
     rounding = rounding_cast(node, captured)
     if rounding is not None:
         return Break(rounding)
@@ -176,7 +176,10 @@ def classify(node: fx.Node, dim: int, group: int | None, captured: Captured) -> 
         return Break(f"{op_name(node)} is not in the rules table (unknown ops break)")
     if isinstance(dim, tuple) and rule not in BLOCK_RULES:
         return Break(f"{op_name(node)} would need zero mean jointly over dims {dim} (only layout ops and scaling by a number allow that)")
-    return rule(node, dim, group)
+    try:
+        return rule(node, dim, group)
+    except SymbolicSizeError as undecided:  # the rule needs a number the input decides
+        return Break(str(undecided))
 
 
 def _buffer_refusal(captured: Captured, node: fx.Node) -> Break | None:
@@ -193,10 +196,18 @@ def _buffer_refusal(captured: Captured, node: fx.Node) -> Break | None:
 
 def classify_part(need: Need, captured: Captured) -> Answer | None:
     """The answer for a question about a part of ``need.node``, or for a whole-node question that
-    a selection turns into one about a part of its input; None where no rule knows parts (the
-    caller then asks about the whole node with ``classify``)."""
+    a selection turns into one about a part of its input; None where no rule knows parts, or where
+    the part depends on a size the input decides (the caller then asks about the whole node with
+    ``classify``, a stronger question)."""
+    try:
+        return _part_answer(need, captured)
+    except SymbolicSizeError:
+        return None
+
+
+def _part_answer(need: Need, captured: Captured) -> Answer | None:
     node, dim, group = need.node, need.dim, need.group
-    if node.op != "call_function" or isinstance(dim, tuple) or shape(node) is None \
+    if node.op != "call_function" or isinstance(dim, tuple) or trace_shape(node) is None \
             or written_through_a_view(node) is not None:
         return None
     groups, where = (need.part.groups, dict(need.part.where)) if need.part is not None else (None, {})
@@ -238,10 +249,13 @@ Dims = tuple[int, ...]
 def shift_passes(node: fx.Node, operand: fx.Node, dims: Dims) -> Dims | None:
     """The output dims of ``node`` along which a shift of ``operand``, constant along ``dims``, comes out
     constant; None when ``node`` does not pass it (unknown ops, nonlinearities, mixing those dims)."""
-    if node.op != "call_function" or shape(node) is None or shape(operand) is None:
+    if node.op != "call_function" or trace_shape(node) is None or trace_shape(operand) is None:
         return None
     rule = SHIFT_RULES.get(getattr(node.target, "overloadpacket", node.target))
-    out = rule(node, operand, frozenset(dims)) if rule is not None else None
+    try:
+        out = rule(node, operand, frozenset(dims)) if rule is not None else None
+    except SymbolicSizeError:  # the rule needs a number the input decides: it does not pass the shift
+        return None
     return tuple(sorted(out)) if out else None
 
 

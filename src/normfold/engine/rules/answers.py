@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from torch import fx
 
-from ..graph import shape
+from ..graph import trace_shape
 
 
 class Need(NamedTuple):
@@ -64,7 +64,7 @@ def make_need(node: fx.Node, dim, group: int | None) -> Need:
         dim = tuple(sorted(dim))
         if len(dim) == 1:
             dim = dim[0]
-    s = shape(node)
+    s = trace_shape(node)
     if s is not None and group is not None and not isinstance(dim, tuple) and group == s[dim]:
         group = None
     return Need(node, dim, group)
@@ -73,10 +73,10 @@ def make_need(node: fx.Node, dim, group: int | None) -> Need:
 def part_need(node: fx.Node, dim: int, group: int | None, groups, where) -> Need:
     """A canonical Need for a part: no Part when it covers the whole node."""
     need = make_need(node, dim, group)
-    n_groups = shape(node)[dim] // (need.group or shape(node)[dim])
+    n_groups = trace_shape(node)[dim] // (need.group or trace_shape(node)[dim])
     groups = None if groups is None or set(groups) >= set(range(n_groups)) else frozenset(groups)
     where = tuple(sorted((d, frozenset(s)) for d, s in dict(where).items()
-                         if not set(s) >= set(range(shape(node)[d]))))
+                         if not set(s) >= set(range(trace_shape(node)[d]))))
     return need if groups is None and not where else need._replace(part=Part(groups, where))
 
 
@@ -93,7 +93,7 @@ def collect(node: fx.Node, parts) -> Answer:
 
 def rank(node: fx.Node) -> int:
     """The number of dims of ``node``'s output."""
-    return len(shape(node))
+    return len(trace_shape(node))
 
 
 def only_at(node: fx.Node, operand: fx.Node, index: int) -> bool:

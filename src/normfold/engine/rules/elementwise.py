@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from ..graph import node_arg as _arg  # the short name reads better in the rules below
-from ..graph import op_name, per_graph, shape
+from ..graph import op_name, per_graph, trace_shape
 from ..op_kinds import aten_packets, is_training_dropout, through_value_copies
 from .answers import Break, Need, Requires, Source, collect, make_need, only_at, rank
 from .writes import overwrites
@@ -57,9 +57,9 @@ def broadcast_operand(out: fx.Node, operand, dim: int, group: int | None) -> Nee
     if not isinstance(operand, fx.Node):
         return None if is_zero_literal(operand) else Break(
             f"{op_name(out)} adds the constant {operand!r} along the normalized dim")
-    s_out, s_in = shape(out), shape(operand)
+    s_out, s_in = trace_shape(out), trace_shape(operand)
     if s_in is None:
-        return Break(f"{op_name(out)}: operand {operand.name} has no static shape")
+        return Break(f"{op_name(out)}: operand {operand.name} is not a tensor")
     od = dim - (len(s_out) - len(s_in))
     if od < 0 or (s_in[od] == 1 and s_out[dim] != 1):  # constant along dim: only zeros keep the mean 0
         return None if is_zero_literal(operand) else Break(
@@ -75,7 +75,7 @@ def is_row_scalar(out: fx.Node, operand, dim: int) -> bool:
     """Constant along ``dim`` of the output: a number or a tensor of size 1 (or absent) there."""
     if not isinstance(operand, fx.Node):
         return isinstance(operand, (int, float, bool))
-    s_out, s_in = shape(out), shape(operand)
+    s_out, s_in = trace_shape(out), trace_shape(operand)
     if s_in is None:
         return False
     od = dim - (len(s_out) - len(s_in))
@@ -86,7 +86,7 @@ def broadcast_dims(out: fx.Node, operand: fx.Node, dims) -> set[int]:
     """Output dims of a broadcasting op along which the operand's shift is constant: its own dims
     (right-aligned) and every dim it is broadcast along (absent or of size 1 there)."""
     offset = rank(out) - rank(operand)
-    s_in, s_out = shape(operand), shape(out)
+    s_in, s_out = trace_shape(operand), trace_shape(out)
     spread = {d for d in range(rank(out)) if d < offset or (s_in[d - offset] == 1 and s_out[d] != 1)}
     return {d + offset for d in dims} | spread
 
@@ -153,7 +153,7 @@ def _expand_sum(root: fx.Node) -> LinearSum | None:
     stack = [root]
     while stack:  # the expandable region above root
         n = stack.pop()
-        if n not in parts_of and (parts := _linear_parts(n, shape(root))) is not None:
+        if n not in parts_of and (parts := _linear_parts(n, trace_shape(root))) is not None:
             parts_of[n] = parts
             stack.extend(part for part, _ in parts)
     if root not in parts_of:
@@ -182,11 +182,11 @@ def _expand_sum(root: fx.Node) -> LinearSum | None:
 
 def _linear_parts(n, out_shape) -> list[tuple[fx.Node, Fraction]] | None:
     """n = Σ k·part for an add / sub / neg / scaling by a finite number of shape ``out_shape`` (parts may broadcast)."""
-    if not isinstance(n, fx.Node) or n.op != "call_function" or shape(n) != out_shape:
+    if not isinstance(n, fx.Node) or n.op != "call_function" or trace_shape(n) != out_shape:
         return None
     packet, args = getattr(n.target, "overloadpacket", None), n.args
     nodes = [a for a in args if isinstance(a, fx.Node)]
-    if not all(_broadcasts_to(shape(a), out_shape) for a in nodes) or set(n.kwargs) - {"alpha"}:
+    if not all(_broadcasts_to(trace_shape(a), out_shape) for a in nodes) or set(n.kwargs) - {"alpha"}:
         return None
     numbers = [a for a in args if not isinstance(a, fx.Node)]
     if not all(isinstance(a, (int, float)) and not isinstance(a, bool) and math.isfinite(a) for a in numbers):

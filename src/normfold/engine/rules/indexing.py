@@ -12,7 +12,7 @@ import math
 from torch import fx
 
 from ..graph import node_arg as _arg  # the short name reads better in the rules below
-from ..graph import op_name, shape
+from ..graph import op_name, trace_shape
 from .answers import Break, Requires, make_need, only_at, rank
 from .norms import norm_call, norm_output_source
 
@@ -25,7 +25,7 @@ def _aligned_part(node, x, part_dim: int, dim: int, group, start: int, length: i
     """A contiguous part [start, start+length) of x along dim: exact iff groups align."""
     if part_dim != dim:
         return Requires((make_need(x, dim, group),))
-    total = shape(x)[dim]
+    total = trace_shape(x)[dim]
     if start == 0 and length == total:
         return Requires((make_need(x, dim, group),))
     g = group if group is not None else length
@@ -41,10 +41,10 @@ def zero_mean_slice(node, dim, group):
     step = _arg(node, 4, "step", 1)
     if ds == dim and step != 1:
         return Break(f"{op_name(node)} with step {step} along the normalized dim")
-    total = shape(x)[ds]
+    total = trace_shape(x)[ds]
     start = _arg(node, 2, "start", 0) or 0
     start = min(max(start + total if start < 0 else start, 0), total)
-    return _aligned_part(node, x, ds, dim, group, start, shape(node)[ds])
+    return _aligned_part(node, x, ds, dim, group, start, trace_shape(node)[ds])
 
 
 def shift_slice(node, operand, dims):
@@ -77,7 +77,7 @@ def zero_mean_index(node, dim, group):
     x, indices = node.args[0], list(node.args[1])
     r_in = rank(x)
     last_untouched = len(indices) < r_in or indices[r_in - 1] is None
-    if dim == rank(node) - 1 and last_untouched and shape(node)[-1] == shape(x)[-1]:
+    if dim == rank(node) - 1 and last_untouched and trace_shape(node)[-1] == trace_shape(x)[-1]:
         return Requires((make_need(x, r_in - 1, group),))
     return Break(f"{op_name(node)}: advanced indexing that touches the normalized dim")
 
@@ -111,11 +111,11 @@ def shift_getitem(node, operand, dims):
 
 
 def zero_mean_cat(node, dim, group):
-    parts = [p for p in node.args[0] if shape(p) is not None and math.prod(shape(p)) > 0]
+    parts = [p for p in node.args[0] if trace_shape(p) is not None and math.prod(trace_shape(p)) > 0]
     dc = _arg(node, 1, "dim", 0) % rank(node)
     if dc != dim:
         return Requires(tuple(make_need(p, dim, group) for p in parts))
-    if group is not None and all(shape(p)[dim] % group == 0 for p in parts):
+    if group is not None and all(trace_shape(p)[dim] % group == 0 for p in parts):
         return Requires(tuple(make_need(p, dim, group) for p in parts))
     return Break(f"{op_name(node)} along the normalized dim: centering each part does not center the whole")
 

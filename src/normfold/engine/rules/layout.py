@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from ..graph import shape
+from ..graph import trace_shape
 from .answers import Break, Requires, collect, make_need, only_at, rank
 from .elementwise import broadcast_dims, broadcast_operand, shift_same
 
@@ -56,7 +56,7 @@ def map_view_dim(in_s: tuple[int, ...], out_s: tuple[int, ...], dim, group: int 
 
 def zero_mean_view(node, dim, group):
     x = node.args[0]
-    mapped = map_view_dim(shape(x), shape(node), dim, group)
+    mapped = map_view_dim(trace_shape(x), trace_shape(node), dim, group)
     if isinstance(mapped, str):
         return Break(mapped)
     return Requires((make_need(x, *mapped),))
@@ -86,7 +86,7 @@ def shift_view(node, operand, dims):
     """A reshape: an output dim is constant where every input dim of its block (size > 1) is."""
     if not only_at(node, operand, 0):
         return None
-    in_s, out_s = shape(operand), shape(node)
+    in_s, out_s = trace_shape(operand), trace_shape(node)
     out = set()
     for ins, outs in view_groups(in_s, out_s):
         if all(d in dims or in_s[d] == 1 for d in ins):

@@ -7,7 +7,7 @@ centers. Along another dim (a batch or position) a linear map combines whole row
 from __future__ import annotations
 
 from ..graph import node_arg as _arg  # the short name reads better in the rules below
-from ..graph import op_name, shape
+from ..graph import op_name, trace_shape
 from .answers import Break, Requires, collect, make_need, only_at, rank
 from .elementwise import broadcast_operand
 
@@ -82,7 +82,7 @@ def zero_mean_conv(node, dim, group, *, transposed_index=None, groups_index=6):
     channel = 1 if rank(node) == rank(w) else 0
     if dim != channel:
         return Break(f"{op_name(node)} along a non-channel dim")
-    if groups != 1 and (transposed or not _within_conv_groups(shape(node)[channel] // groups, group)):
+    if groups != 1 and (transposed or not _within_conv_groups(trace_shape(node)[channel] // groups, group)):
         return Break(f"{op_name(node)} with groups={groups} is not a dense map over channels"
                      f"{'' if transposed else ' (only blocks inside one conv group are)'}")
     wdim = 1 if transposed else 0

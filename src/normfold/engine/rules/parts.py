@@ -16,7 +16,7 @@ import math
 from torch import fx
 
 from ..graph import node_arg as _arg  # the short name reads better below
-from ..graph import shape
+from ..graph import trace_shape
 from .answers import Requires, part_need, rank
 from .indexing import SPLIT_DIM_ARG
 from .layout import view_groups
@@ -35,13 +35,13 @@ def _picked(x: fx.Node, out_dim: int, ds: int, group, groups, where, indices: li
 def select_part(node, dim, group, groups, where):
     x = node.args[0]
     ds = node.args[1] % rank(x)
-    return _picked(x, dim, ds, group, groups, where, [node.args[2] % shape(x)[ds]], keep_dim=False)
+    return _picked(x, dim, ds, group, groups, where, [node.args[2] % trace_shape(x)[ds]], keep_dim=False)
 
 
 def slice_part(node, dim, group, groups, where):
     x = node.args[0]
     ds = _arg(node, 1, "dim", 0) % rank(x)
-    total = shape(x)[ds]
+    total = trace_shape(x)[ds]
     start, stop, step = (_arg(node, i, name, default) for i, name, default in
                          ((2, "start", 0), (3, "end", total), (4, "step", 1)))
     indices = list(range(total))[slice(start, stop, step)]
@@ -54,7 +54,7 @@ def _groups_of_part(x: fx.Node, dim: int, group, groups, where, indices: list[in
     """A contiguous part of the asked dim itself (``qkv.view(B, T, H, 3·D).split(D, -1)``'s q): its
     groups (the whole part, or its groups of ``group``) as groups of that dim of ``x``, when they
     align; None otherwise (the whole-node rule then decides)."""
-    start, length, total = indices[0], len(indices), shape(x)[dim]
+    start, length, total = indices[0], len(indices), trace_shape(x)[dim]
     g = group or length
     if start % g or length % g or total % g:
         return None
@@ -86,7 +86,7 @@ def view_part(node, dim, group, groups, where):
     head's 3·D, the groups h·3 + 0 again). Parts along dims the reshape keeps carry over;
     parts along dims it merges otherwise are dropped (asking about more is never wrong)."""
     x = node.args[0]
-    in_s, out_s = shape(x), shape(node)
+    in_s, out_s = trace_shape(x), trace_shape(node)
     blocks = view_groups(in_s, out_s)
     ins, outs = next((i, o) for i, o in blocks if dim in o)
     kept = {i_dims[0]: where[o_dims[0]] for i_dims, o_dims in blocks
@@ -113,7 +113,7 @@ def _merged_view_part(x: fx.Node, ins: list[int], g: int, groups, kept: dict) ->
     group 0 of each head's 3·D is index 0 of the 3 dim), as a part of ``x``: when ``g`` divides the
     innermost input dim and the groups are a product of indices along each merged dim (else None:
     the whole-node rule decides)."""
-    in_s = shape(x)
+    in_s = trace_shape(x)
     k = ins[-1]
     if in_s[k] % g:
         return None

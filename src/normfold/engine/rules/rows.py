@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from ..graph import node_arg as _arg  # the short name reads better in the rules below
-from ..graph import op_name, op_packet, shape
+from ..graph import op_name, op_packet, trace_shape
 from ..op_kinds import aten_packets, passes_values_on
 from .answers import Break, Requires, collect, make_need, only_at, rank
 from .elementwise import broadcast_dims, broadcast_operand, is_zero_literal
@@ -42,7 +42,7 @@ def constant_along(value, out_rank: int, dim: int) -> bool:
     values that are. Never a guess: anything else is False."""
     if not isinstance(value, fx.Node):
         return isinstance(value, (int, float, bool))
-    s = shape(value)
+    s = trace_shape(value)
     if s is None:
         return False
     d = dim - (out_rank - len(s))
@@ -80,13 +80,13 @@ def zero_mean_masked_scatter(node, dim, group):
     text embeddings). Source entries are taken in row-major order, so along the last dim a selected
     row is a whole row of source when source's rows have the same length."""
     x, mask, source = node.args[0], node.args[1], _arg(node, 2, "source")
-    if shape(source) is None:
-        return Break(f"{op_name(node)}: source {source.name} has no static shape")
+    if trace_shape(source) is None:
+        return Break(f"{op_name(node)}: source {source.name} is not a tensor")
     if dim != rank(node) - 1:
         return Break(f"{op_name(node)} along a dim other than the last: its source is read in row-major order")
-    if shape(source)[-1] != shape(node)[-1]:
-        return Break(f"{op_name(node)}: source rows of {shape(source)[-1]} entries do not fill whole rows of "
-                     f"{shape(node)[-1]}")
+    if trace_shape(source)[-1] != trace_shape(node)[-1]:
+        return Break(f"{op_name(node)}: source rows of {trace_shape(source)[-1]} entries do not fill whole rows of "
+                     f"{trace_shape(node)[-1]}")
     return _mask_varies(node, mask, dim) or collect(
         node, [broadcast_operand(node, x, dim, group), make_need(source, rank(source) - 1, group)])
 
@@ -134,8 +134,8 @@ def zero_mean_index_put(node, dim, group):
     values', or a sum of them; values broadcast right-aligned, so their last dim is the row. Writing
     along the last dim itself writes part of a row."""
     x, indices, values = node.args[0], list(node.args[1]), _arg(node, 2, "values")
-    if any(index is not None and shape(index) is None for index in indices):
-        return Break(f"{op_name(node)}: an index has no static shape")
+    if any(index is not None and trace_shape(index) is None for index in indices):
+        return Break(f"{op_name(node)}: an index is not a tensor")
     if dim != rank(node) - 1 or _indexes_last_dim(indices, rank(x)):
         return Break(f"{op_name(node)} writes along the normalized dim (only writes of whole rows of the last dim keep "
                      "rows zero-mean)")
@@ -167,10 +167,10 @@ def zero_mean_gather(node, dim, group):
     x, d, index = node.args[0], node.args[1] % rank(node), node.args[2]
     if d == dim:
         return Break(f"{op_name(node)} picks entries along the normalized dim")
-    if shape(index) is None:
-        return Break(f"{op_name(node)}: index {index.name} has no static shape")
-    if shape(index)[dim] != shape(x)[dim]:
-        return Break(f"{op_name(node)} keeps {shape(index)[dim]} of the {shape(x)[dim]} entries of each row")
+    if trace_shape(index) is None:
+        return Break(f"{op_name(node)}: index {index.name} is not a tensor")
+    if trace_shape(index)[dim] != trace_shape(x)[dim]:
+        return Break(f"{op_name(node)} keeps {trace_shape(index)[dim]} of the {trace_shape(x)[dim]} entries of each row")
     if not constant_along(index, rank(node), dim):
         return Break(f"{op_name(node)} with an index that varies along the normalized dim: a row mixes entries "
                      "of different rows")
@@ -192,7 +192,7 @@ def zero_mean_repeat(node, dim, group):
     new = rank(node) - rank(x)
     if dim < new:
         return Break(f"{op_name(node)} copies the tensor along a new normalized dim: a constant row")
-    n, count = shape(x)[dim - new], _repeat_counts(node)[dim]
+    n, count = trace_shape(x)[dim - new], _repeat_counts(node)[dim]
     if count != 1 and n == 1:
         return Break(f"{op_name(node)} fills the normalized dim from a single entry: a constant row")
     if count != 1 and group is not None and n % group and group % n:
