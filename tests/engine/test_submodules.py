@@ -117,6 +117,45 @@ def test_a_norm_reading_a_submodules_input_is_kept_although_the_whole_graph_woul
     assert next(e for e in through.norms if e.path == "a.ln").foldable and through.verification.ok
 
 
+class Handover(nn.Module):
+    """a's output goes to b as it is, while a branch on the input keeps export from the whole model:
+    ``after`` is what else the root does with a's output (nothing, return it too, write into it)."""
+
+    def __init__(self, after: str = "nothing"):
+        super().__init__()
+        self.a, self.b, self.after = Block(), NormFirst(), after
+
+    def forward(self, x):
+        h = self.a(x)
+        if x.sum() > 0:
+            x = x * 2
+        if self.after == "writes":
+            h.mul_(2)
+        out = self.b(h)
+        return (out, h) if self.after == "returns" else out
+
+
+def test_a_norm_reading_another_submodules_output_folds_when_the_root_hands_it_over_unchanged():
+    """Fails on main 4a5dfa8: b.ln was kept ("an input of b, computed outside the submodules torch.export
+    captured") although its input is a's output, a Linear."""
+    folded, report = normfold.fold(_non_trivial(Handover()), (_x(),))
+    assert report.captured_through == ["a", "b"]
+    assert {e.path: e.foldable for e in report.norms} == {"a.ln": True, "b.ln": True}
+    assert report.verification.ok and report.verification.max_rel_error < 1e-12
+    assert isinstance(folded.b.ln, normfold.RMSNorm)
+
+
+@pytest.mark.parametrize("after, reason", [
+    ("returns", "model output"),  # the root returns a's output too: centering a.out would change it
+    ("writes", "an input of b, computed outside"),  # written in place in between: not the tensor a returned
+])
+def test_a_handed_over_output_the_root_also_reads_or_writes_keeps_the_norm_behind_it(after, reason):
+    _, report = normfold.fold(_non_trivial(Handover(after)), (_x(),))
+    entry = next(e for e in report.norms if e.path == "b.ln")
+    assert not entry.foldable and reason in entry.reason, entry.reason
+    assert report.verification.ok
+
+
 def test_a_submodule_whose_layers_the_root_also_calls_is_not_captured_as_one():
     class Entangled(Branching):
         def forward(self, x):
@@ -125,10 +164,13 @@ def test_a_submodule_whose_layers_the_root_also_calls_is_not_captured_as_one():
                 h = h * 2
             return self.b(h)
 
-    report = normfold.analyze(_non_trivial(Entangled()), (_x(),))
-    assert report.captured_through == ["b"]
-    entry = next(e for e in report.norms if e.path == "a.ln")
-    assert not entry.foldable and "outside every submodule torch.export could capture" in entry.reason
+    _, report = normfold.fold(_non_trivial(Entangled()), (_x(),))
+    assert "a" not in report.captured_through and "b" in report.captured_through
+    # a's layers are captured one by one instead, a.ln's input wired to a.fc's output: it folds, and the
+    # second call of a.out (on x) is left as it was
+    assert report.captured_through[:3] == ["a.fc", "a.ln", "a.out"]
+    assert {e.path: e.foldable for e in report.norms} == {"a.ln": True, "b.ln": True}
+    assert report.verification.ok and report.verification.max_rel_error < 1e-12
 
 
 def test_a_model_without_a_capturable_submodule_still_raises_exports_error():
