@@ -16,6 +16,7 @@ from ..graph import op_name, op_packet, trace_shape
 from ..op_kinds import aten_packets, passes_values_on
 from .answers import Break, Requires, collect, make_need, only_at, rank
 from .elementwise import broadcast_dims, broadcast_operand, is_zero_literal
+from .writes import written_in_place
 
 _aten = torch.ops.aten
 
@@ -39,7 +40,8 @@ _ELEMENTWISE_PREDICATES = set(aten_packets("eq", "ne", "lt", "le", "gt", "ge", "
 def constant_along(value, out_rank: int, dim: int) -> bool:
     """``value`` (a number, or a tensor broadcast right-aligned to rank ``out_rank``) holds one entry all
     along ``dim``: a number, a size-1 or absent dim, or a broadcast (``expand``), cast or comparison of
-    values that are. Never a guess: anything else is False."""
+    values that are. A tensor written in place (or through a view) is not: its readers may see other
+    values than its producers computed. Never a guess: anything else is False."""
     if not isinstance(value, fx.Node):
         return isinstance(value, (int, float, bool))
     s = trace_shape(value)
@@ -48,6 +50,8 @@ def constant_along(value, out_rank: int, dim: int) -> bool:
     d = dim - (out_rank - len(s))
     if d < 0 or s[d] == 1:
         return True
+    if written_in_place(value) is not None:
+        return False
     packet = op_packet(value)
     if packet in _BROADCAST_OPS or passes_values_on(value, casts=True):
         return constant_along(value.args[0], len(s), d)
