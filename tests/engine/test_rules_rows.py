@@ -219,6 +219,12 @@ def _noise(*shape):
     return torch.rand(*shape, generator=torch.Generator().manual_seed(1))
 
 
+@pytest.mark.parametrize("how", ["repeat", "tile", "sliced", "transposed", "permuted", "selected", "offset"])
+def test_gather_by_an_index_repeated_along_the_features_folds(how: str):
+    _, report = fold_checked(GatherRows(how), (_x(B, T, C), _noise(B, T)), {"norm": True})
+    assert report.norms[0].producers == ("proj.bias", "proj.weight")
+
+
 @pytest.mark.parametrize("how, noise", [
     ("per entry", (B, T, C)), ("repeat columns", (B, T, 2)), ("offset per feature", (B, T)), ("written", (B, T))])
 def test_gather_by_an_index_that_varies_along_the_features_breaks(how: str, noise: tuple):
