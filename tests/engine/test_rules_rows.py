@@ -292,3 +292,30 @@ def test_a_shift_through_where_reaches_a_norm_as_a_ones_vector_only_with_a_row_c
                              {"norm": not per_channel, "norm2": False})
     if per_channel:
         assert "not closed" in reason_of(report, "norm")
+
+
+class GatherBeside(nn.Module):
+    """Token embeddings read by a LayerNorm and, gathered at the tokens that sort first by ``noise``, by a
+    second LayerNorm beside a model input (never zero-mean): centering the embeddings shifts the second
+    norm's input by the gathered rows' means, a ones-vector shift when the index is one per row."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(11, C)
+        self.norm, self.norm2 = nn.LayerNorm(C), nn.LayerNorm(C)
+
+    def forward(self, ids, noise, x):  # ids (B, T), noise (B, T) or (B, T, C), x (B, KEEP, C)
+        h = self.tok(ids)
+        index = torch.argsort(noise, dim=1)[:, :KEEP]
+        if index.dim() == 2:
+            index = index.unsqueeze(-1).repeat(1, 1, C)
+        return self.norm(h), self.norm2(torch.gather(h, 1, index) + x)
+
+
+@pytest.mark.parametrize("per_entry", [False, True])
+def test_a_shift_through_gather_reaches_a_norm_as_a_ones_vector_only_with_a_row_index(per_entry: bool):
+    noise = _noise(B, T, C) if per_entry else _noise(B, T)
+    _, report = fold_checked(GatherBeside(), (_ids(), noise, _x(B, KEEP, C, seed=1)),
+                             {"norm": not per_entry, "norm2": False})
+    if per_entry:
+        assert "aten.gather, which does not pass a ones-vector shift" in reason_of(report, "norm")

@@ -206,6 +206,19 @@ def zero_mean_gather(node, dim, group):
     return Requires((make_need(x, dim, group),))
 
 
+def shift_gather(node, operand, dims):
+    """gather is linear in x: gather(x + δ) = gather(x) + gather(δ), where gather(δ) at p is δ at p with
+    its coordinate along d replaced by index[p]. Along an output dim e ≠ d it is constant where δ is
+    constant along e and the coordinate read along d stays put as p_e moves (the index is constant
+    along e) or does not matter (δ is constant along d too). Along d itself it is constant where δ is,
+    or where the index is (every p_d then reads the same entry). Not through the index."""
+    if not only_at(node, operand, 0):
+        return None
+    d, index, r = node.args[1] % rank(node), node.args[2], rank(node)
+    out = {e for e in dims if d in dims or constant_along(index, r, e)}
+    return out | {d} if constant_along(index, r, d) else out
+
+
 def _repeat_counts(node) -> list[int]:
     """One count per output dim: ``repeat`` gives them all; ``tile`` pads missing leading ones with 1."""
     counts = list(node.args[1])
