@@ -33,7 +33,7 @@ _SPATIAL_DIMS = {packet: k for name, k in SPATIAL_OP_NAMES.items() for packet in
 # ops whose output entry at p is their first input's at q, each q_k a function of p_k alone (right-aligned; new
 # leading dims read no input dim): broadcasts (q_k = 0 or p_k), repeats (q_k = p_k mod n_k), slices (start + step·p_k)
 _PER_DIM_COPY_OPS = set(aten_packets("expand", "expand_as", "broadcast_to", "repeat", "tile", "slice"))
-# elementwise ops on masks and indices (comparisons, logic, integer arithmetic): constant along a dim where every
+# elementwise ops on masks and indices (comparisons, logic, arithmetic): constant along a dim where every
 # operand is
 _ELEMENTWISE_OPS = set(aten_packets("eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or",
                                     "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or", "__and__", "__or__",
