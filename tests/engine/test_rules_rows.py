@@ -172,6 +172,66 @@ def test_picking_entries_of_a_row_or_making_a_constant_row_breaks(how: str, out:
     assert reason in reason_of(report, "norm")
 
 
+KEEP = 3  # tokens a random masking keeps
+
+
+class GatherRows(nn.Module):
+    """ViT-MAE's random masking: a projection's rows gathered at the tokens that sort first by ``noise``,
+    by an index built from those token ids (B, KEEP) in one of the ways that keep it one per row, or
+    (the negative cases) not. With noise (B, T, k) the ids are (B, KEEP, k): k orders per row."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.proj = nn.Linear(C, C)
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, x, noise):  # (B, T, C), (B, T) or (B, T, k)
+        h = self.proj(x)
+        ids = torch.argsort(noise, dim=1)[:, :KEEP]
+        if self.how == "repeat":  # ViT-MAE: ids_keep.unsqueeze(-1).repeat(1, 1, dim)
+            index = ids.unsqueeze(-1).repeat(1, 1, C)
+        elif self.how == "tile":
+            index = torch.tile(ids.unsqueeze(-1), (1, C))
+        elif self.how == "sliced":
+            index = ids.unsqueeze(-1).expand(B, KEEP, 2 * C)[:, :, C:]
+        elif self.how == "transposed":
+            index = ids.unsqueeze(1).repeat(1, C, 1).transpose(1, 2)
+        elif self.how == "permuted":
+            index = ids.unsqueeze(1).repeat(1, C, 1).permute(0, 2, 1)
+        elif self.how == "selected":
+            index = ids[:, :, None, None].expand(B, KEEP, 2, C).select(2, 1)
+        elif self.how == "offset":
+            index = (ids.unsqueeze(-1).repeat(1, 1, C) + 1) % T
+        elif self.how == "offset per feature":
+            index = (ids.unsqueeze(-1).repeat(1, 1, C) + torch.arange(C)) % T
+        elif self.how == "repeat columns":  # (B, KEEP, 2) repeated: two orders alternating along the features
+            index = ids.repeat(1, 1, C // 2)
+        elif self.how == "per entry":  # a random permutation of the tokens for every feature
+            index = ids
+        elif self.how == "written":  # one per row, then its first feature overwritten
+            index = ids.unsqueeze(-1).expand(B, KEEP, C).clone()
+            index[..., 0] = 0
+        return self.norm(torch.gather(h, 1, index))
+
+
+def _noise(*shape):
+    return torch.rand(*shape, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("how", ["repeat", "tile", "sliced", "transposed", "permuted", "selected", "offset"])
+def test_gather_by_an_index_repeated_along_the_features_folds(how: str):
+    _, report = fold_checked(GatherRows(how), (_x(B, T, C), _noise(B, T)), {"norm": True})
+    assert report.norms[0].producers == ("proj.bias", "proj.weight")
+
+
+@pytest.mark.parametrize("how, noise", [
+    ("per entry", (B, T, C)), ("repeat columns", (B, T, 2)), ("offset per feature", (B, T)), ("written", (B, T))])
+def test_gather_by_an_index_that_varies_along_the_features_breaks(how: str, noise: tuple):
+    _, report = fold_checked(GatherRows(how), (_x(B, T, C), _noise(*noise)), {"norm": False})
+    assert "aten.gather with an index that varies along the normalized dim" in reason_of(report, "norm")
+
+
 class Spatial(nn.Module):
     """A 1x1 conv over channels, resampled or pooled over space, then a LayerNorm over the channels
     (channels moved last) or, for the negative case, over the last spatial dim."""
@@ -232,3 +292,30 @@ def test_a_shift_through_where_reaches_a_norm_as_a_ones_vector_only_with_a_row_c
                              {"norm": not per_channel, "norm2": False})
     if per_channel:
         assert "not closed" in reason_of(report, "norm")
+
+
+class GatherBeside(nn.Module):
+    """Token embeddings read by a LayerNorm and, gathered at the tokens that sort first by ``noise``, by a
+    second LayerNorm beside a model input (never zero-mean): centering the embeddings shifts the second
+    norm's input by the gathered rows' means, a ones-vector shift when the index is one per row."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(11, C)
+        self.norm, self.norm2 = nn.LayerNorm(C), nn.LayerNorm(C)
+
+    def forward(self, ids, noise, x):  # ids (B, T), noise (B, T) or (B, T, C), x (B, KEEP, C)
+        h = self.tok(ids)
+        index = torch.argsort(noise, dim=1)[:, :KEEP]
+        if index.dim() == 2:
+            index = index.unsqueeze(-1).repeat(1, 1, C)
+        return self.norm(h), self.norm2(torch.gather(h, 1, index) + x)
+
+
+@pytest.mark.parametrize("per_entry", [False, True])
+def test_a_shift_through_gather_reaches_a_norm_as_a_ones_vector_only_with_a_row_index(per_entry: bool):
+    noise = _noise(B, T, C) if per_entry else _noise(B, T)
+    _, report = fold_checked(GatherBeside(), (_ids(), noise, _x(B, KEEP, C, seed=1)),
+                             {"norm": not per_entry, "norm2": False})
+    if per_entry:
+        assert "aten.gather, which does not pass a ones-vector shift" in reason_of(report, "norm")

@@ -65,8 +65,8 @@ from .linear_maps import (shift_linear, shift_mm, zero_mean_addmm, zero_mean_bad
                           zero_mean_conv_transpose, zero_mean_embedding, zero_mean_linear, zero_mean_mm, zero_mean_sdpa)
 from .norms import NormCall, layer_norm_source, norm_call
 from .parts import select_part, slice_part, split_part, view_part
-from .rows import (SPATIAL_OP_NAMES, shift_masked, shift_reduce, shift_repeat, shift_roll, shift_spatial, shift_where,
-                   zero_mean_gather, zero_mean_index_copy, zero_mean_index_put, zero_mean_masked_fill,
+from .rows import (SPATIAL_OP_NAMES, shift_gather, shift_masked, shift_reduce, shift_repeat, shift_roll, shift_spatial,
+                   shift_where, zero_mean_gather, zero_mean_index_copy, zero_mean_index_put, zero_mean_masked_fill,
                    zero_mean_masked_scatter, zero_mean_reduce_other_dims, zero_mean_repeat, zero_mean_roll,
                    zero_mean_spatial, zero_mean_where)
 from .writes import in_place, live_nodes, shift_in_place, written_in_place, written_through_a_view
@@ -116,7 +116,7 @@ _TABLE: list[tuple[tuple[str, ...], Callable[[fx.Node, int, int | None], Answer]
     (("masked_scatter_",), in_place(zero_mean_masked_scatter), None),
     (("index_put",), zero_mean_index_put, None), (("index_put_",), in_place(zero_mean_index_put), None),
     (("index_copy",), zero_mean_index_copy, None), (("index_copy_",), in_place(zero_mean_index_copy), None),
-    (("gather",), zero_mean_gather, None),
+    (("gather",), zero_mean_gather, shift_gather),
     (("repeat", "tile"), zero_mean_repeat, shift_repeat),
     (("roll",), zero_mean_roll, shift_roll),
     (tuple(SPATIAL_OP_NAMES), zero_mean_spatial, shift_spatial),

@@ -16,6 +16,7 @@ from ..graph import op_name, op_packet, trace_shape
 from ..op_kinds import aten_packets, passes_values_on
 from .answers import Break, Requires, collect, make_need, only_at, rank
 from .elementwise import broadcast_dims, broadcast_operand, is_zero_literal
+from .writes import written_in_place
 
 _aten = torch.ops.aten
 
@@ -29,17 +30,31 @@ SPATIAL_OP_NAMES = {
     **dict.fromkeys(("upsample_nearest3d", "_upsample_nearest_exact3d", "upsample_trilinear3d", "avg_pool3d",
                      "adaptive_avg_pool3d", "_adaptive_avg_pool3d"), 3)}
 _SPATIAL_DIMS = {packet: k for name, k in SPATIAL_OP_NAMES.items() for packet in aten_packets(name)}
-_BROADCAST_OPS = set(aten_packets("expand", "expand_as", "broadcast_to"))
-# elementwise ops on masks and indices (comparisons, logic): constant along a dim where every operand is
-_ELEMENTWISE_PREDICATES = set(aten_packets("eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and",
-                                           "logical_or", "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or",
-                                           "__and__", "__or__", "__invert__"))
+# ops whose output entry at p is their first input's at q, each q_k a function of p_k alone (right-aligned; new
+# leading dims read no input dim): broadcasts (q_k = 0 or p_k), repeats (q_k = p_k mod n_k), slices (start + step·p_k)
+_PER_DIM_COPY_OPS = set(aten_packets("expand", "expand_as", "broadcast_to", "repeat", "tile", "slice"))
+# elementwise ops on masks and indices (comparisons, logic, arithmetic): constant along a dim where every
+# operand is
+_ELEMENTWISE_OPS = set(aten_packets("eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and", "logical_or",
+                                    "logical_xor", "bitwise_not", "bitwise_and", "bitwise_or", "__and__", "__or__",
+                                    "__invert__", "add", "sub", "mul", "div", "neg", "remainder", "floor_divide"))
 
 
 def constant_along(value, out_rank: int, dim: int) -> bool:
     """``value`` (a number, or a tensor broadcast right-aligned to rank ``out_rank``) holds one entry all
-    along ``dim``: a number, a size-1 or absent dim, or a broadcast (``expand``), cast or comparison of
-    values that are. Never a guess: anything else is False."""
+    along ``dim``, for every input: proved from its producers, never from the example's values.
+
+    - a number, or a dim of size 1 or absent (broadcast): one entry, whatever the values;
+    - a tensor written in place (or through a view) anywhere: no, its readers may see other values;
+    - a broadcast, repeat, tile or slice: its entry at p is the input's at q with each q_k a function
+      of p_k alone, so along ``dim`` it reads the input along the same dim (or no input dim, for a
+      new leading dim): constant where the input is;
+    - a copy or cast: the input's values; ``unsqueeze``, ``select``, ``permute``, ``transpose``: the
+      input's values with the dims renamed, constant where the input is along the dim it came from;
+    - an elementwise comparison, logic or arithmetic op: a function of its operands' entries at the
+      same position, constant where every operand is.
+
+    Anything else is False."""
     if not isinstance(value, fx.Node):
         return isinstance(value, (int, float, bool))
     s = trace_shape(value)
@@ -48,13 +63,23 @@ def constant_along(value, out_rank: int, dim: int) -> bool:
     d = dim - (out_rank - len(s))
     if d < 0 or s[d] == 1:
         return True
-    packet = op_packet(value)
-    if packet in _BROADCAST_OPS or passes_values_on(value, casts=True):
-        return constant_along(value.args[0], len(s), d)
+    if written_in_place(value) is not None:
+        return False
+    packet, x = op_packet(value), value.args[0] if value.args else None
+    if packet in _PER_DIM_COPY_OPS or passes_values_on(value, casts=True):
+        return constant_along(x, len(s), d)
     if packet == _aten.unsqueeze:  # the new dim has size 1 (caught above); the others are the input's
         new = value.args[1] % len(s)
-        return constant_along(value.args[0], len(s) - 1, d - (d > new))
-    if packet in _ELEMENTWISE_PREDICATES:  # eq(ids, k), ~mask, a & b: constant where every operand is
+        return constant_along(x, len(s) - 1, d - (d > new))
+    if packet == _aten.select:  # the selected dim is gone; the others are the input's
+        gone = value.args[1] % (len(s) + 1)
+        return constant_along(x, len(s) + 1, d + (d >= gone))
+    if packet == _aten.permute:
+        return constant_along(x, len(s), value.args[1][d] % len(s))
+    if packet == _aten.transpose:
+        a, b = value.args[1] % len(s), value.args[2] % len(s)
+        return constant_along(x, len(s), b if d == a else a if d == b else d)
+    if packet in _ELEMENTWISE_OPS:  # eq(ids, k), ~mask, a & b, ids + offset: constant where every operand is
         return all(constant_along(a, len(s), d) for a in value.args)
     return False
 
@@ -162,8 +187,12 @@ def zero_mean_index_copy(node, dim, group):
 
 
 def zero_mean_gather(node, dim, group):
-    """out[..., i, ..., k] = x[..., index[..., i, ..., k], ..., k] along another dim: a whole row of x
-    when the index is constant along the dim and as long as the row."""
+    """out[..., i, ..., k] = x[..., index[..., i, ..., k], ..., k] along another dim d. When the index
+    is constant along the normalized dim (:func:`constant_along`: proved from its producers, as
+    ViT-MAE's ``gather(x, 1, ids.unsqueeze(-1).repeat(1, 1, C))``) and as long as x's rows, every
+    output row is one whole row of x (the row at position index[..., i, ..., 0] along d), so gather
+    moves rows and commutes with P row by row: gather(P·x) = P·gather(x), per group too. An index
+    that may vary along the dim mixes entries of different rows; a shorter one keeps part of a row."""
     x, d, index = node.args[0], node.args[1] % rank(node), node.args[2]
     if d == dim:
         return Break(f"{op_name(node)} picks entries along the normalized dim")
@@ -175,6 +204,19 @@ def zero_mean_gather(node, dim, group):
         return Break(f"{op_name(node)} with an index that varies along the normalized dim: a row mixes entries "
                      "of different rows")
     return Requires((make_need(x, dim, group),))
+
+
+def shift_gather(node, operand, dims):
+    """gather is linear in x: gather(x + δ) = gather(x) + gather(δ), where gather(δ) at p is δ at p with
+    its coordinate along d replaced by index[p]. Along an output dim e ≠ d it is constant where δ is
+    constant along e and the coordinate read along d stays put as p_e moves (the index is constant
+    along e) or does not matter (δ is constant along d too). Along d itself it is constant where δ is,
+    or where the index is (every p_d then reads the same entry). Not through the index."""
+    if not only_at(node, operand, 0):
+        return None
+    d, index, r = node.args[1] % rank(node), node.args[2], rank(node)
+    out = {e for e in dims if d in dims or constant_along(index, r, e)}
+    return out | {d} if constant_along(index, r, d) else out
 
 
 def _repeat_counts(node) -> list[int]:
