@@ -100,3 +100,33 @@ def test_siglip2s_position_resize_in_float32_inside_a_float64_model_is_judged_by
     residual = [e for e in report.norms if e.path.startswith("encoder.") or e.path == "post_layernorm"]
     assert len(residual) == 5 and not any(e.foldable for e in residual)
     assert all("rounds float64 to float32" in e.reason and "at embeddings" in e.reason for e in residual), residual
+
+
+def test_a_float32_model_whose_fixed_cast_hides_in_its_own_trace_is_replanned_in_float64():
+    """Fails on main 3abda10 (FoldVerificationError, 7.5e-08 > 1e-9): in a float32 model ``.float()`` is a
+    no-op of the trace, so the analysis folds b; the float64 proof fails, and the plan read from a float64
+    copy's trace, where the cast rounds, keeps b with that reason while a still folds."""
+    torch.manual_seed(0)
+    model = CastBeside()
+    folded, report = normfold.fold(model, _inputs(torch.float32))
+    by_path = {e.path: e for e in report.norms}
+    assert not by_path["b"].foldable and "rounds float64 to float32" in by_path["b"].reason
+    assert "seen in a float64 trace" in by_path["b"].reason, by_path["b"].reason
+    assert report.verification.ok and report.verification.max_rel_error < 1e-12
+    assert report.traced_calls == [{"x": "tensor (4, 16) float32"}]  # the user's call, not the float64 copy's
+
+
+def test_siglip2_in_float32_folds_what_its_float64_trace_allows_instead_of_failing_the_proof():
+    """Fails on main 3abda10 (FoldVerificationError 1.1e-07 > 1e-9, the zoo's siglip2 rows): the position
+    resize's ``.float()`` is invisible in the float32 trace."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Siglip2VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                              num_attention_heads=2, num_channels=3, patch_size=4, num_patches=16)
+    torch.manual_seed(0)
+    model = transformers.Siglip2VisionModel(config).eval()
+    inputs = {"pixel_values": torch.randn(2, 12, 3 * 4 * 4),
+              "pixel_attention_mask": torch.ones(2, 12, dtype=torch.long), "spatial_shapes": torch.tensor([[3, 4], [3, 4]])}
+    folded, report = normfold.fold(model, inputs)
+    residual = [e for e in report.norms if e.path.startswith("encoder.") or e.path == "post_layernorm"]
+    assert len(residual) == 5 and not any(e.foldable for e in residual)
+    assert report.verification.ok

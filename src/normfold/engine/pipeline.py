@@ -31,7 +31,7 @@ from .report import FoldReport, NormEntry, VerifyResult
 from .steps import StepContext
 from .submodules import CapturedCalls, capture_calls
 from . import transform  # looked up at call time: tests substitute a broken apply_plan
-from .verify import FOLD_TOLERANCE, dtype_name, verify
+from .verify import FOLD_TOLERANCE, cast_copy, float_dtype, cast_floats, dtype_name, verify
 
 
 def plan_fold(model: nn.Module, example_inputs, constraints: FoldConfig = FoldConfig()) -> FoldReport:
@@ -201,7 +201,31 @@ def fold_step(model: nn.Module, calls: list, config: FoldConfig, context: StepCo
     context.captured = None if any(step.keep_module for step in report.plan.batchnorm) else captured
     if config.verify:
         report.verification = prove_fold(model, folded, calls, report.plan)
+        if _float64_error_too_large(report.verification) and float_dtype(model) != torch.float64:
+            replanned = _plan_in_float64(model, calls, config, report)
+            if replanned is not None:  # a cast the model's own dtype hid: the narrower plan, proved again
+                report, context.captured = replanned, None  # float64 graphs: not the folded model's forwards
+                folded = apply_fold(model, report.plan)
+                report.verification = prove_fold(model, folded, calls, report.plan)
     return folded, report
+
+
+def _float64_error_too_large(result: VerifyResult) -> bool:
+    return result.why is None and result.compared_in == "float64" and not result.max_rel_error <= result.tolerance
+
+
+def _plan_in_float64(model: nn.Module, calls: list, config: FoldConfig, report: FoldReport) -> FoldReport | None:
+    """The plan read from a float64 copy's trace, when it folds fewer norms than ``report``'s: there a cast
+    the code fixes to a narrower dtype (``.float()`` in a float32 model, a no-op in its own trace) shows,
+    and the rules keep the norms whose input passes through it (``rules/casts.py``); else None."""
+    double = cast_copy(model, torch.float64)
+    narrower, _ = plan_and_capture(double, [cast_floats(call, torch.float64) for call in calls], config)
+    folds = {e.path for e in report.norms if e.foldable}
+    if not {e.path for e in narrower.norms if e.foldable} < folds:
+        return None
+    note = "; seen in a float64 trace (the float64 proof of the plan read in the model's dtype failed)"
+    entries = [replace(e, reason=e.reason + note) if e.path in folds and not e.foldable else e for e in narrower.norms]
+    return replace(narrower, norms=entries, traced_calls=report.traced_calls)
 
 
 def rms_norm_paths(plan: FoldPlan) -> list[str]:

@@ -128,7 +128,7 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
             stored_dtype, exact_transform, judge_model_dtype, reference_transform) -> VerifyResult:
     """:func:`verify` once its arguments are checked."""
     generator = torch.Generator().manual_seed(seed)
-    model_dtype = _float_dtype(original)
+    model_dtype = float_dtype(original)
     inputs, own_outputs, integers_kept = _inputs_the_original_runs(original, calls, num_random, generator,
                                                                    model_dtype or dtype)
     if model_dtype is None or model_dtype == dtype:
@@ -136,7 +136,7 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
     runs = [cast_floats(run, dtype) for run in inputs]
 
     # Each model runs once per input: the original's outputs are recorded before its copy is folded.
-    reference = _cast_copy(original, dtype)
+    reference = cast_copy(original, dtype)
     if reference_transform is not None:
         reference = reference_transform(reference)
     ref_outputs, unusable = _outputs_if_usable(reference, runs, own_outputs, dtype)
@@ -182,7 +182,7 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
         else:
             low_outputs = own_outputs if stored_dtype == model_dtype else None
             if low_outputs is None:
-                low = _cast_copy(original, stored_dtype)
+                low = cast_copy(original, stored_dtype)
                 low_outputs = [model_outputs(low, *cast_floats(run, stored_dtype)) for run in inputs]
             stored_own = outputs_own_error(ref_outputs, low_outputs, stored_dtype, dtype)
         tolerance, rule = measured_tolerance(stored_own, stored_dtype)
@@ -276,7 +276,7 @@ def _verify_in_own_dtype(original: nn.Module, folded: nn.Module, inputs, own_out
     original's own error estimated by :func:`perturbed_own_error` (weights moved by one unit of
     ``rounding_dtype``, the dtype the folded weights were rounded to), with the multiple of a model
     run in its own dtype (``MODEL_DTYPE_OWN_ERROR_MULTIPLE``: both sides carry their own rounding)."""
-    model_dtype = _float_dtype(original)
+    model_dtype = float_dtype(original)
     runs = [cast_floats(run, model_dtype) for run in inputs]
     rows, why, ratio = _compare_watched(own_outputs, folded, runs, model_dtype, rms_norm_paths)
     fallback = f"the model cannot run in float64 ({unusable}): checked in {dtype_name(model_dtype)} instead"
@@ -334,8 +334,8 @@ def own_error(model: nn.Module, inputs: list[tuple[tuple, dict]], low_dtype: tor
     """Max error (:func:`rounding_error`) of ``model`` run in ``low_dtype`` (weights and float inputs
     cast) against the same model in ``dtype`` (``reference``: that copy, if the caller has one), over
     ``inputs``."""
-    reference = _cast_copy(model, dtype) if reference is None else reference
-    low = _cast_copy(model, low_dtype)
+    reference = cast_copy(model, dtype) if reference is None else reference
+    low = cast_copy(model, low_dtype)
     ref = [model_outputs(reference, *cast_floats(run, dtype)) for run in inputs]
     return outputs_own_error(ref, [model_outputs(low, *cast_floats(run, low_dtype)) for run in inputs], low_dtype, dtype)
 
@@ -471,14 +471,14 @@ def _is_plain_dataclass(value) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type) and type(value) not in pytree.SUPPORTED_NODES
 
 
-def _float_dtype(model: nn.Module) -> torch.dtype | None:
+def float_dtype(model: nn.Module) -> torch.dtype | None:
     for p in model.parameters():
         if p.is_floating_point():
             return p.dtype
     return None
 
 
-def _cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+def cast_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``model`` with its floating parameters and buffers in ``dtype``, each cast straight
     from the original (the deep copy's memo maps it to its cast, keeping ties): no intermediate copy
     in the model's own dtype."""
@@ -496,7 +496,7 @@ def _in_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     tensors = (*model.parameters(), *model.buffers())
     if all(t.dtype == dtype for t in tensors if t.is_floating_point()):
         return model
-    return _cast_copy(model, dtype)
+    return cast_copy(model, dtype)
 
 
 def cast_floats(value, dtype):

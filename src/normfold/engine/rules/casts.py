@@ -8,8 +8,9 @@ through such a cast cannot be made an exact RMSNorm, and the analysis refuses it
 (rather than letting the float64 proof fail). Which casts round is read from the trace: a cast to
 a float dtype narrower than the cast's input and than every floating parameter of the model
 cannot be "the model's dtype", so it is fixed in the code and rounds in the float64 proof too.
-A model traced in float32 shows ``.float()`` as a float32 -> float32 no-op: fold it in float64
-(``model.double()``) for the analysis to see that cast.
+A model traced in float32 shows ``.float()`` as a float32 -> float32 no-op: when the float64 proof of
+its plan fails, ``fold`` reads the plan again from a float64 copy's trace, where the cast shows
+(``pipeline._plan_in_float64``).
 """
 from __future__ import annotations
 
