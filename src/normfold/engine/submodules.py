@@ -19,19 +19,21 @@ is proved on the whole model, eagerly, as always.
 """
 from __future__ import annotations
 
+import contextlib
+import operator
 from dataclasses import dataclass, field
 
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export.graph_signature import InputKind
-from torch.overrides import TorchFunctionMode
 
 from .._text import first_line
 from ..nn.kinds import norm_kind, norm_modules
 from .errors import ExampleInputsError, FoldError, model_name
 from .graph import (Captured, capture, eval_mode, export_call, parameter_aliases, path_in_root,
                     split_example_inputs, static_size)
+from .wiring import CallWiring, Follower, Followed, GlueOp, Key, Unknown
 
 
 @dataclass
@@ -83,12 +85,12 @@ def capture_submodules(model: nn.Module, calls: list, whole_model_error: str) ->
         frontier = deeper
     if not found:
         return None
-    wiring = _record(model, splits, frozenset(found), wiring=True)
-    if not any(_analysable(model, path, per_call, wiring) for path, per_call in found.items()):
+    wirings = _wirings(model, splits, frozenset(found))
+    if not any(_analysable(model, path, per_call, wirings) for path, per_call in found.items()):
         return None  # nothing a norm could fold through: export's own error says more
     aliases = parameter_aliases(model)
-    graphs = [_merged([(seq, path, ep) for path, per_call in found.items() for seq, ep in per_call[i]], aliases,
-                      wiring.wired[i], wiring.read_elsewhere[i])
+    graphs = [_merged({seq: (path, ep) for path, per_call in found.items() for seq, ep in per_call[i]}, aliases,
+                      wirings[i], model)
               for i in range(len(calls))]
     uncaptured = tuple((path, kind) for path, _, kind in norm_modules(model)
                        if kind in ("LayerNorm", "RMSNorm") and path in recording.ran
@@ -96,59 +98,85 @@ def capture_submodules(model: nn.Module, calls: list, whole_model_error: str) ->
     return CapturedCalls(graphs, tuple(found), whole_model_error, uncaptured)
 
 
-def _analysable(model: nn.Module, path: str, per_call, wiring: _Recording) -> bool:
+def _analysable(model: nn.Module, path: str, per_call, wirings: list[CallWiring]) -> bool:
     """A captured submodule holds a norm whose input may be traced back: one inside it, below it, or the
-    submodule itself a norm whose input is wired to an earlier captured output in some call."""
+    submodule itself a norm whose input is wired to what the run followed, in some call."""
     module = model.get_submodule(path)
     if norm_kind(module) is None:
         return any(norm_kind(m) is not None for m in module.modules())
-    return any((order, 0) in wiring.wired[call] for call, programs in enumerate(per_call) for order, _ in programs)
+    return any((order, 0) in wirings[call].wired for call, programs in enumerate(per_call) for order, _ in programs)
 
 
 # --------------------------------------------------------------------------- recording the whole model's call
 
-Leaf = tuple[int, int]  # (order of a module call in the whole call, index of a leaf of its flattened inputs/outputs)
-
-
 @dataclass
 class _Recording:
     """What one eager run per call showed: which modules ran, which of them have modules run outside
-    their own calls, the inputs of the watched ones, per call: (order of the call, path, args, kwargs);
-    and per call, which inputs of watched calls are outputs of earlier ones (consumer leaf -> producer
-    leaf), and which of those outputs something other than a watched call's input reads."""
+    their own calls, and the inputs of the watched ones, per call: (order of the call, path, args, kwargs)."""
 
     ran: set[str] = field(default_factory=set)
     entangled: set[str] = field(default_factory=set)
     inputs: list[list[tuple[int, str, tuple, dict]]] = field(default_factory=list)
-    wired: list[dict[Leaf, Leaf]] = field(default_factory=list)
-    read_elsewhere: list[set[Leaf]] = field(default_factory=list)
 
 
-def _record(model: nn.Module, splits: list[tuple[tuple, dict]], watched: frozenset, *,
-            wiring: bool = False) -> _Recording:
-    """Run the model eagerly (eval mode, no gradients) on each call with hooks on every module; with
-    ``wiring``, also follow the watched calls' outputs (:class:`_Wiring`)."""
+def _record(model: nn.Module, splits: list[tuple[tuple, dict]], watched: frozenset) -> _Recording:
+    """Run the model eagerly (eval mode, no gradients) on each call with hooks on every module."""
     recording, active, seen = _Recording(), [], 0
-    wires = _Wiring() if wiring else None
 
     def enter(path: str, args: tuple, kwargs: dict) -> None:
         nonlocal seen
         recording.ran.add(path)
-        recording.entangled.update(a for a in _ancestors(path) if a not in {p for p, _ in active})
-        if path in watched:
-            if wires is not None:
-                wires.enter(seen, (args, kwargs))
-            # copies: the model may later write into a tensor it was given
+        recording.entangled.update(a for a in _ancestors(path) if a not in active)
+        if path in watched:  # copies: the model may later write into a tensor it was given
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().clone(), (args, kwargs))
             recording.inputs[-1].append((seen, path, args, kwargs))
+        seen += 1
+        active.append(path)
+
+    def leave(*_) -> None:  # returns None: a forward hook's value would replace the module's output
+        active.pop()
+
+    with _hooked(model, enter, leave):
+        for args, kwargs in splits:
+            recording.inputs.append([])
+            active.clear()
+            seen = 0
+            model(*args, **kwargs)
+    return recording
+
+
+def _wirings(model: nn.Module, splits: list[tuple[tuple, dict]], captured: frozenset) -> list[CallWiring]:
+    """One eager run per call under a :class:`~.wiring.Follower`: how the ``captured`` submodules' calls
+    connect (``wiring.py``). Calls are numbered as :func:`_record` numbers them (every module's entry)."""
+    follower, active, seen, wirings = Follower(model), [], 0, []
+
+    def enter(path: str, args: tuple, kwargs: dict) -> None:
+        nonlocal seen
+        if path in captured:
+            follower.enter(seen, (args, kwargs))
         active.append((path, seen))
         seen += 1
 
     def leave(_module, _args, output) -> None:  # returns None: a hook's value would replace the output
         path, order = active.pop()
-        if wires is not None and path in watched:
-            wires.leave(order, output)
+        if path in captured:
+            follower.leave(order, output)
 
+    with _hooked(model, enter, leave):
+        for args, kwargs in splits:
+            active.clear()
+            seen = 0
+            wirings.append(follower.start())
+            with follower:
+                output = model(*args, **kwargs)
+            follower.returned(output)
+    return wirings
+
+
+@contextlib.contextmanager
+def _hooked(model: nn.Module, enter, leave):
+    """``model`` in eval mode without gradients, ``enter(path, args, kwargs)`` called before every module's
+    forward and ``leave(module, args, output)`` after it (exceptions too)."""
     handles = []
     for path, module in model.named_modules():
         handles.append(module.register_forward_pre_hook(
@@ -156,84 +184,10 @@ def _record(model: nn.Module, splits: list[tuple[tuple, dict]], watched: frozens
         handles.append(module.register_forward_hook(leave, always_call=True))
     try:
         with eval_mode(model), torch.no_grad():
-            for args, kwargs in splits:
-                recording.inputs.append([])
-                active.clear()
-                seen = 0
-                if wires is None:
-                    model(*args, **kwargs)
-                    continue
-                wires.reset()
-                with wires:
-                    output = model(*args, **kwargs)
-                wires.returned(output)
-                recording.wired.append(wires.wired)
-                recording.read_elsewhere.append(wires.read_elsewhere)
+            yield
     finally:
         for handle in handles:
             handle.remove()
-    return recording
-
-
-class _Wiring(TorchFunctionMode):
-    """Follows the tensors the watched calls return through one eager run: an input of a watched call
-    that is such a tensor, the same object at the same version (nothing wrote it since), is wired to
-    it; any other torch call that reads it (outside the watched calls, or inside one that was not given
-    it), and the root's own output, makes it read elsewhere: its change would be seen there."""
-
-    def reset(self) -> None:
-        self.made: dict[int, tuple[torch.Tensor, Leaf, int]] = {}  # id -> (tensor, its leaf, its version)
-        self.given: list[set[int]] = []  # per active watched call, the ids of its input tensors
-        self.wired: dict[Leaf, Leaf] = {}
-        self.read_elsewhere: set[Leaf] = set()
-
-    def enter(self, order: int, inputs) -> None:
-        ids = set()
-        for index, leaf in enumerate(pytree.tree_leaves(inputs)):
-            if isinstance(leaf, torch.Tensor):
-                ids.add(id(leaf))
-                made = self._made(leaf)
-                if made is not None and made[2] == leaf._version:
-                    self.wired[(order, index)] = made[1]
-        self.given.append(ids)
-
-    def leave(self, order: int, output) -> None:
-        self.given.pop()
-        for index, leaf in enumerate(pytree.tree_leaves(output)):
-            if isinstance(leaf, torch.Tensor):
-                self.made[id(leaf)] = (leaf, (order, index), leaf._version)
-
-    def returned(self, output) -> None:
-        for leaf in pytree.tree_leaves(output):
-            if isinstance(leaf, torch.Tensor) and (made := self._made(leaf)) is not None:
-                self.read_elsewhere.add(made[1])
-
-    def _made(self, tensor: torch.Tensor):
-        made = self.made.get(id(tensor))
-        return made if made is not None and made[0] is tensor else None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not _reads_only_metadata(func):
-            given = self.given[-1] if self.given else ()
-            for leaf in pytree.tree_leaves((args, kwargs)):
-                if isinstance(leaf, torch.Tensor) and id(leaf) not in given and (made := self._made(leaf)) is not None:
-                    self.read_elsewhere.add(made[1])
-        return func(*args, **kwargs)
-
-
-_METADATA_METHODS = frozenset({"size", "dim", "numel", "stride", "is_floating_point", "is_complex", "element_size",
-                               "get_device", "is_contiguous", "__len__"})
-_METADATA_PROPERTIES = frozenset({"shape", "dtype", "device", "ndim", "is_cuda", "is_meta", "layout", "requires_grad",
-                                  "_version"})
-
-
-def _reads_only_metadata(func) -> bool:
-    """A torch call that reads a tensor's shape, dtype or device, never its values."""
-    name = getattr(func, "__name__", "")
-    if name == "__get__":
-        return getattr(getattr(func, "__self__", None), "__name__", None) in _METADATA_PROPERTIES
-    return name in _METADATA_METHODS
 
 
 def _ancestors(path: str) -> list[str]:
@@ -280,18 +234,61 @@ def _export_each(module: nn.Module, path: str, inputs) -> list[list[tuple[int, t
 
 # --------------------------------------------------------------------------- one graph per call
 
-def _merged(parts: list[tuple[int, str, torch.export.ExportedProgram]], aliases: dict[str, tuple[str, ...]],
-            wired: dict[Leaf, Leaf], read_elsewhere: set[Leaf]) -> Captured:
-    """The exported graphs of one call, in the order the call ran them, as one graph with the root's
-    names: parameters and buffers one placeholder per name; each part's inputs the earlier part's
-    output they are ``wired`` to, else its own placeholders; the parts' outputs the graph's outputs,
-    but for those read only by the parts they are wired to."""
+def _merged(parts: dict[int, tuple[str, torch.export.ExportedProgram]], aliases: dict[str, tuple[str, ...]],
+            wiring: CallWiring, model: nn.Module) -> Captured:
+    """The exported graphs of one call and the glue ops between them, in the order the call ran them, as
+    one graph with the root's names: parameters and buffers one placeholder per name; each input the node
+    it is wired to, else a placeholder of its own; the parts' outputs the graph's outputs, but for those
+    read only inside the graph; a glue op's outputs only where something outside reads them."""
     graph = fx.Graph()
     param_fqn, buffer_fqn, inputs_from, shared = {}, {}, {}, {}
-    made: dict[Leaf, fx.Node] = {}  # each part's output leaves, copied into the merged graph
-    consumed: set[Leaf] = set()
+    made: dict[Key, fx.Node] = {}  # what the run followed, as nodes of the merged graph
+    outputs: dict[Key, fx.Node] = {}  # the parts' output leaves, in order
+    consumed: set[Key] = set()
     unsaved, mutated = set(), set()  # buffers rebuilt at load, buffers the forward writes (root names)
-    for order, path, ep in sorted(parts, key=lambda part: part[0]):
+
+    def weight(fqn: str, kind, like) -> fx.Node:
+        if fqn not in shared:
+            shared[fqn] = graph.placeholder("p_" + fqn.replace(".", "_"))
+            shared[fqn].meta = dict(like.meta) if isinstance(like, fx.Node) else {"val": like}
+            (param_fqn if kind == InputKind.PARAMETER else buffer_fqn)[shared[fqn]] = fqn
+        return shared[fqn]
+
+    def outside(name: str, value, where: str) -> fx.Node:
+        node = graph.placeholder(name)
+        node.meta = dict(value.meta) if isinstance(value, fx.Node) else {"val": value}
+        inputs_from[node] = where
+        return node
+
+    glue_count = 0
+    for event in wiring.events:
+        if isinstance(event, GlueOp):
+            where = f"{getattr(event.func, 'overloadpacket', event.func)} between the captured submodules"
+
+            def argument(value, index=glue_count, where=where):
+                if isinstance(value, Followed):
+                    kind, *rest = value.key
+                    if kind in ("parameter", "buffer"):
+                        return weight(rest[0], InputKind.PARAMETER if kind == "parameter" else InputKind.BUFFER, value.value)
+                    if value.key in made:
+                        consumed.add(value.key)
+                        return made[value.key]
+                    return outside(f"glue_{index}_input", value.value, where)
+                if isinstance(value, Unknown):
+                    return outside(f"glue_{index}_input", value.value, where)
+                return value
+
+            node = graph.call_function(event.func, pytree.tree_map(argument, event.args, is_leaf=_is_argument),
+                                       pytree.tree_map(argument, event.kwargs, is_leaf=_is_argument))
+            node.meta["val"] = event.outputs[0] if event.single else list(event.outputs)
+            for index, value in enumerate(event.outputs):
+                if value is not None:
+                    made[("glue", glue_count, index)] = node if event.single else _item(graph, node, index, value)
+            glue_count += 1
+            continue
+        if event not in parts:
+            continue
+        order, (path, ep) = event, parts[event]
         owned = {spec.arg.name: (spec.kind, spec.target) for spec in ep.graph_signature.input_specs}
         user_leaf = {spec.arg.name: index for index, spec in enumerate(
             [spec for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT])}
@@ -300,36 +297,45 @@ def _merged(parts: list[tuple[int, str, torch.export.ExportedProgram]], aliases:
         val_map = {}
         for node in ep.graph.find_nodes(op="placeholder"):
             kind, target = owned.get(node.name, (None, None))
+            key = wiring.wired.get((order, user_leaf.get(node.name)))
             if kind in (InputKind.PARAMETER, InputKind.BUFFER):
-                fqn = f"{path}.{target}"
-                if fqn not in shared:
-                    shared[fqn] = _placeholder(graph, "p_" + fqn.replace(".", "_"), node)
-                    (param_fqn if kind == InputKind.PARAMETER else buffer_fqn)[shared[fqn]] = fqn
-                val_map[node] = shared[fqn]
-            elif (producer := _wired_node(node, made, wired.get((order, user_leaf.get(node.name))))) is not None:
+                val_map[node] = weight(f"{path}.{target}", kind, node)
+            elif (producer := _wired_node(node, made.get(key) if key is not None else None)) is not None:
                 val_map[node] = producer
-                consumed.add(wired[(order, user_leaf[node.name])])
+                consumed.add(key)
             else:
                 val_map[node] = _placeholder(graph, f"{path.replace('.', '_')}_{node.name}", node)
                 if kind == InputKind.USER_INPUT:
                     inputs_from[val_map[node]] = path
         copied = set(graph.nodes)
         returned = graph.graph_copy(ep.graph, val_map)  # the output leaves, flat, in the call's order
-        made.update(((order, index), value) for index, value in enumerate(returned))
+        for index, value in enumerate(returned):
+            made[("call", order, index)] = outputs[("call", order, index)] = value
         for node in graph.nodes:
             if node not in copied and "nn_module_stack" in node.meta:
                 node.meta["nn_module_stack"] = {key: (path_in_root(path, entry), kind)
                                                 for key, (entry, kind) in node.meta["nn_module_stack"].items()}
-    # an output read only by the parts it is wired to is not a model output: its change reaches those alone
-    graph.output(tuple(None if leaf in consumed - read_elsewhere else value for leaf, value in made.items()))
+    # a part's output read only inside the graph is not a model output: its change reaches those readers alone
+    kept = [None if key in consumed - wiring.read_elsewhere else value for key, value in outputs.items()]
+    kept += [made[key] for key in wiring.read_elsewhere if key[0] == "glue" and key in made]
+    graph.output(tuple(kept))
     return Captured(graph, param_fqn, buffer_fqn, aliases, inputs_from=inputs_from,
                     unsaved_buffers=frozenset(unsaved), mutated_buffers=frozenset(mutated))
 
 
-def _wired_node(node: fx.Node, made: dict[Leaf, fx.Node], producer: Leaf | None) -> fx.Node | None:
-    """The merged graph's node for the earlier output an input placeholder is wired to, when the two agree
-    on what the trace knows of the tensor (shape and dtype); else None (the input stays a placeholder)."""
-    value = made.get(producer) if producer is not None else None
+def _is_argument(value) -> bool:
+    return isinstance(value, (Followed, Unknown))
+
+
+def _item(graph: fx.Graph, node: fx.Node, index: int, value) -> fx.Node:
+    item = graph.call_function(operator.getitem, (node, index))
+    item.meta["val"] = value
+    return item
+
+
+def _wired_node(node: fx.Node, value: fx.Node | None) -> fx.Node | None:
+    """``value``, the merged graph's node an input placeholder is wired to, when the two agree on what the
+    trace knows of the tensor (shape and dtype); else None (the input stays a placeholder)."""
     if not isinstance(value, fx.Node):
         return None
     mine, theirs = node.meta.get("val"), value.meta.get("val")
