@@ -162,7 +162,8 @@ def test_a_sharded_folder_captured_through_submodules_folds_streamed_bitwise_as_
     report = _fold_both_ways_and_verify(source, tmp_path, capsys)
     assert "decoder" in report["captured_through"] and report["num_foldable"] > 0
     keys = Checkpoint(tmp_path / "streamed").meta
-    # stored once as shared.weight; the decoder's centered copy and the encoder's original one are stored apart
+    # stored once as shared.weight; the encoder's and the decoder's centered copies are stored apart (both
+    # embedding norms fold: the encoder's since the code between its captured submodules is followed)
     assert {"shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight"} <= keys.keys()
     assert "decoder.embed_tokens.weight" not in Checkpoint(source).meta
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ...engine.pipeline import plan_fold
-from ...engine.plan import FoldConfig, FoldPlan, UntieStep
+from ...engine.plan import CenterGroupsStep, CenterStep, FoldConfig, FoldPlan, UntieStep
 from ...engine.report import FoldReport
 from ...nn.kinds import GROUP_NORM_TYPES, LAYER_NORM_TYPES, RMS_NORM_TYPES
 from ..inputs import example_inputs_for
@@ -72,20 +72,27 @@ def _untie_what_stock_keeps_apart(plan: FoldPlan, skeleton: nn.Module, stored_ke
     the word embeddings makes transformers stop tying BERT's ``cls.predictions.decoder.bias`` to
     ``cls.predictions.bias`` too; the checkpoint stores that bias once, so a stock load would draw
     the other name at random (the in-memory fold stores each: ``saving.stock_state_dict``). The copy
-    is of the original tensor, as every untie step's."""
+    is of the original tensor, as every untie step's; where the plan centers the tied tensor under
+    another name of the group, the copy is centered the same way (LED's encoder and decoder embeddings,
+    both read centered by the analysis, which saw one tensor)."""
     with torch.device("meta"):
         stock = type(skeleton)._from_config(untied_config(skeleton.config))
     untied = {step.fqn for step in plan.untie}
-    added = []
+    added, centered = [], []
     for names in sorted(shared_names(skeleton) - shared_names(stock), key=sorted):
         stored = [name for name in sorted(names) if stored_keys.own_key(name) is not None]
         if not stored:  # nothing to copy: the shell check names the missing tensor
             continue
+        # the analysis saw one tensor: a name it centered under another name of the group reads it centered
+        centering = [step for step in (*plan.center, *plan.center_groups) if step.fqn in names - untied]
         for name in sorted(names - untied - {stored[0]}):
             if stored_keys.own_key(name) is None:
                 module_path, _, attr = name.rpartition(".")
                 added.append(UntieStep(module_path, attr, source_fqn=stored[0]))
-    return dataclasses.replace(plan, untie=[*plan.untie, *added])
+                centered += [dataclasses.replace(step, fqn=name) for step in centering if step.fqn != name]
+    return dataclasses.replace(plan, untie=[*plan.untie, *added],
+                               center=[*plan.center, *(s for s in centered if isinstance(s, CenterStep))],
+                               center_groups=[*plan.center_groups, *(s for s in centered if isinstance(s, CenterGroupsStep))])
 
 
 def _load_norm_parameters(skeleton: nn.Module, checkpoint: Checkpoint) -> None:
