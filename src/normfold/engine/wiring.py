@@ -84,12 +84,14 @@ class Follower(TorchDispatchMode):
         self.wiring = CallWiring()
         self.followed: dict[int, tuple[torch.Tensor, Key, int]] = {}  # id -> (tensor, key, version)
         self.given: list[set[int]] = []  # per active captured call, the ids of its input tensors
+        self.fresh: list[torch.Tensor] = []  # the last glue op's outputs, whose version is read at the next event
         for kind, named in (("parameter", self.model.named_parameters()), ("buffer", self.model.named_buffers())):
             for fqn, t in named:
                 self._follow(t, (kind, fqn))
         return self.wiring
 
     def enter(self, order: int, inputs) -> None:
+        self._settle()
         self.wiring.events.append(order)
         ids = set()
         for index, leaf in enumerate(pytree.tree_leaves(inputs)):
@@ -101,6 +103,7 @@ class Follower(TorchDispatchMode):
         self.given.append(ids)
 
     def leave(self, order: int, output) -> None:
+        self._settle()
         self.given.pop()
         for index, leaf in enumerate(pytree.tree_leaves(output)):
             if isinstance(leaf, torch.Tensor):
@@ -108,12 +111,22 @@ class Follower(TorchDispatchMode):
 
     def returned(self, output) -> None:
         """The root's own output: every followed tensor in it is seen by the caller."""
+        self._settle()
         for leaf in pytree.tree_leaves(output):
             if isinstance(leaf, torch.Tensor) and (key := self._key(leaf)) is not None:
                 self.wiring.read_elsewhere.add(key)
 
     def _follow(self, t: torch.Tensor, key: Key) -> None:
         self.followed[id(t)] = (t, key, t._version)
+
+    def _settle(self) -> None:
+        """Read the version of the last glue op's outputs now that the op has returned: a view made inside
+        the dispatch gets its base's version counter only on the way out (nothing can write in between:
+        a write is itself a dispatched op, and every event settles first)."""
+        for t in self.fresh:
+            if id(t) in self.followed and self.followed[id(t)][0] is t:
+                self.followed[id(t)] = (t, self.followed[id(t)][1], t._version)
+        self.fresh = []
 
     def _key(self, t: torch.Tensor) -> Key | None:
         """What ``t`` is, when followed and unchanged since; a followed tensor written since is marked
@@ -129,6 +142,7 @@ class Follower(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self._settle()
         out = func(*args, **kwargs)
         if self.paused:
             return out
@@ -168,3 +182,4 @@ class Follower(TorchDispatchMode):
         for position, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 self._follow(leaf, ("glue", index, position))
+                self.fresh.append(leaf)
