@@ -2,8 +2,9 @@
 a LayerNorm subclass scaling by (γ + 1) (Nemotron's LayerNorm1P) becomes an RMSNorm with offset 1,
 a channels-first LayerNorm (ConvNeXt's: permute → layer_norm → permute) becomes an RMSNorm between
 the same permutes (issue 33), a parameter-free module calling ``F.layer_norm`` (OLMo's) is replaced by a weightless
-RMSNorm, or kept naming the float32 casts around its norm. Each folded model is compared with the
-original in float64, with and without the fold's own verification."""
+RMSNorm, or kept naming the float32 casts around its norm; a LayerNorm whose output is cast back to its
+input's dtype (ESMC's) becomes an RMSNorm, which returns that dtype, and one cast through another dtype is kept.
+Each folded model is compared with the original in float64, with and without the fold's own verification."""
 from __future__ import annotations
 
 import copy
@@ -52,6 +53,21 @@ class Float32LayerNorm(nn.Module):
 
     def forward(self, x):
         return F.layer_norm(x.to(torch.float32), (x.shape[-1],), None, None, 1e-5).to(x.dtype)
+
+
+class DtypeRestoringLayerNorm(nn.LayerNorm):
+    """ESMC's EsmcLayerNorm: torch's LayerNorm with its output cast back to its input's dtype (under
+    autocast torch's would hand back float32)."""
+
+    def forward(self, x):
+        return super().forward(x).to(x.dtype)
+
+
+class Float32OutLayerNorm(nn.LayerNorm):
+    """Its output cast to float32 whatever the input's dtype: in a float64 model a cast that rounds."""
+
+    def forward(self, x):
+        return super().forward(x).to(torch.float32).to(x.dtype)
 
 
 class PreNormStack(nn.Module):
@@ -159,6 +175,43 @@ def test_a_norm_module_computing_in_float32_folds_naming_the_casts():
         assert "Float32LayerNorm computes a layer norm of its input cast to float32, cast back" in entry.reason, entry.reason
     assert all(isinstance(m, RMSNorm) and m.weight is None for m in folded.norms)
     assert report.verification.ok and report.verification.max_rel_error <= 1e-9  # against its math without the casts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_layer_norm_casting_its_output_back_to_its_input_dtype_folds(dtype):
+    # was kept: "DtypeRestoringLayerNorm computes aten.layer_norm → aten.to, not a layer norm of its input
+    # alone" (ESMC's EsmcLayerNorm, 9 norms of the zoo's esmc)
+    model = _randomised(PreNormStack(lambda: DtypeRestoringLayerNorm(DIM))).to(dtype)
+    folded, report = fold(model, {"ids": IDS})
+    for entry in report.norms:
+        assert entry.foldable, entry.reason
+        assert "casts its layer norm's output back to its input's dtype, as normfold's RMSNorm returns it" \
+            in entry.reason, entry.reason
+    assert all(type(m) is RMSNorm for m in folded.norms)
+    assert report.verification.ok
+    exact, own = _errors(model, folded, report.plan, OTHER_IDS)
+    assert exact < 1e-12 and own < {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 0.1}[dtype]
+    h = torch.randn(3, DIM, dtype=dtype)
+    for old, new in zip(model.norms, folded.norms):  # the swapped module returns the input's dtype, as the cast did
+        assert new(h).dtype == old(h).dtype == dtype
+
+
+@pytest.mark.parametrize("dtype, why", [
+    # float64: the cast to float32 rounds, which normfold's RMSNorm (returning float64) would not do
+    (torch.float64, "casting its layer norm's output to float32, not back to its input's float64"),
+    # float32: the trace shows both casts as float32 → float32; read as a cast back, the fixed one would
+    # round in the float64 proof (FoldVerificationError 1.3e-07 > 1e-09 instead of a kept norm)
+    (torch.float32, "casting its layer norm's output more than once: only one cast back to its input's dtype"),
+])
+def test_a_layer_norm_casting_its_output_through_a_fixed_dtype_is_kept_with_the_reason(dtype, why):
+    model = _randomised(PreNormStack(lambda: Float32OutLayerNorm(DIM))).to(dtype)
+    folded, report = fold(model, {"ids": IDS})  # no FoldVerificationError: nothing inexact is claimed
+    for entry in report.norms:
+        assert not entry.foldable
+        assert entry.reason.startswith("kept: Float32OutLayerNorm computes aten.layer_norm → aten.to → aten.to, ") \
+            and why in entry.reason, entry.reason
+    assert all(type(m) is Float32OutLayerNorm for m in folded.norms)
+    assert report.verification.ok and not report.plan.center
 
 
 def test_a_plan_with_an_offset_and_a_layer_scale_survives_the_json_round_trip():

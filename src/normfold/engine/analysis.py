@@ -633,6 +633,9 @@ def analyze_captured(model: nn.Module, captured: Captured, constraints: PlanCons
             if norm.form is not None and norm.form.cast:  # OLMo's: what the float64 proof compares against
                 norm.reason += (f"; {type(norm.module).__name__} computes a layer norm of its input cast to "
                                 f"{norm.form.cast}, cast back (proved in float64 without the casts)")
+            if norm.form is not None and norm.form.cast_back:  # ESMC's: the swap returns x's dtype as well
+                norm.reason += (f"; {type(norm.module).__name__} casts its layer norm's output back to its input's "
+                                "dtype, as normfold's RMSNorm returns it")
             parts = sorted((fqn, group, sorted(groups)) for fqn, _, group, groups in norm.params if groups is not None)
             if parts:  # which output groups of a fused projection reach this norm
                 norm.reason += "; only the groups it reads: " + ", ".join(

@@ -10,7 +10,10 @@ Nemotron's ``LayerNorm1P`` (``weight + 1``: offset 1) and a parameter-free modul
 x is zero-mean. OLMo's ``OlmoLayerNorm`` runs the parameter-free form between a cast of its input to
 float32 and a cast back (``NormForm.cast``): equal to it in exact arithmetic, so it becomes an RMSNorm
 the same way, proved in float64 against its own code with the casts removed (:func:`without_downcasts`)
-and in the model's dtype against the original as it is. A channels-first norm (ConvNeXt's, GotOcr2's,
+and in the model's dtype against the original as it is. ESMC's ``EsmcLayerNorm`` casts the layer
+norm's output (γ/β applied) back to its input's dtype, ``super().forward(x).to(x.dtype)``
+(``NormForm.cast_back``): normfold's RMSNorm returns its input's dtype too, so the swap computes the
+same cast; a cast of the output to another dtype keeps the module. A channels-first norm (ConvNeXt's, GotOcr2's,
 LW-DETR's) runs the same form between a permute of its input and the inverse permute of its output: an
 RMSNorm between the same permutes (``normfold.nn.PermutedRMSNorm``) once x is zero-mean over the
 normalized (channel) dim. Anything else the module runs (arithmetic on its input or output, γ/β inside
@@ -49,13 +52,15 @@ _aten = torch.ops.aten
 class NormForm:
     """y = LN(x)·(offset + γ) + β: the parameters the traced call reads (None: absent) and the offset;
     ``permute``: y = LN(x.permute(permute))·(offset + γ) + β, permuted back (empty: no permute);
-    ``cast``: y = LN(x cast to that dtype), cast back to x's dtype (OLMo's; None: no cast)."""
+    ``cast``: y = LN(x cast to that dtype), cast back to x's dtype (OLMo's; None: no cast);
+    ``cast_back``: y = LN(x)·(offset + γ) + β cast to x's dtype (ESMC's), what normfold's RMSNorm returns."""
 
     weight_fqn: str | None
     bias_fqn: str | None
     offset: float = 0.0
     permute: tuple[int, ...] = ()
     cast: str | None = None
+    cast_back: bool = False
 
 
 def module_nodes(captured: Captured, path: str) -> list[fx.Node]:
@@ -97,13 +102,23 @@ def traced_form(calls: list[NormCall], path: str, captured: Captured) -> NormFor
     form = forms.pop()
     order = _permuted_around(extra, calls)
     cast = _cast_around(extra, calls) if extra and order is None else None
-    if extra and order is None and cast is None:
+    back = _casts_after(extra, calls) if extra and order is None and cast is None else None
+    if extra and order is None and cast is None and back is None:
         return (f"computes {_ops_around(extra, calls)}, not a layer norm of its input alone "
                 "(normfold's RMSNorm normalizes its input's last dim, with nothing around it)")
     if cast is not None and (form.weight_fqn or form.bias_fqn):
         return (f"computes {_ops_around(extra, calls)} with γ/β inside the casts: only a parameter-free layer norm "
                 "between casts (OLMo's) is read as one")
-    return replace(form, permute=order or (), cast=cast)
+    other = next(((to, given) for given, chain in back or () for to in chain if to != given), None)
+    if other is not None:
+        return (f"computes {_ops_around(extra, calls)}, casting its layer norm's output to {dtype_name(other[0])}, "
+                f"not back to its input's {dtype_name(other[1])} (normfold's RMSNorm returns its input's dtype, "
+                "rounding nowhere else)")
+    if any(len(chain) > 1 for _, chain in back or ()):
+        return (f"computes {_ops_around(extra, calls)}, casting its layer norm's output more than once: only one cast "
+                "back to its input's dtype is read as normfold's RMSNorm's own (a chain of casts names a dtype fixed "
+                "in the code, which this trace shows as its input's and a float64 proof would round to)")
+    return replace(form, permute=order or (), cast=cast, cast_back=back is not None)
 
 
 def _permuted_around(extra: list[fx.Node], calls: list[NormCall]) -> tuple[int, ...] | None:
@@ -147,6 +162,36 @@ def _cast_around(extra: list[fx.Node], calls: list[NormCall]) -> str | None:
         dtypes.add(inner)
         pairs |= {before, after}
     return dtype_name(dtypes.pop()) if len(dtypes) == 1 and pairs == set(extra) else None
+
+
+def _casts_after(extra: list[fx.Node], calls: list[NormCall]) -> list[tuple[torch.dtype, tuple[torch.dtype, ...]]] | None:
+    """Per call, (x's dtype, the dtypes its casts go to) when the module's other ops are, for every call,
+    exactly a chain of floating casts of the norm's output, each read by the next alone (ESMC's
+    ``super().forward(x).to(x.dtype)``: one cast); else None. One cast to x's own dtype is what
+    normfold's RMSNorm does to its output anyway (it computes a 16-bit input's statistics, γ and β in
+    float32 and rounds once to x's dtype, as torch's layer norm does; under autocast torch's hands back
+    float32, which the cast rounds to x's dtype): the swap computes the same, cast included, in every
+    dtype. A cast to another dtype is not: it rounds (float32 in a float64 model) or changes the
+    output's dtype."""
+    chains, nodes = [], set()
+    for call in calls:
+        given = _traced_dtype(call.x)
+        node, users = call.output, _value_users(call.output) if call.output is not None else []
+        if given is None or len(users) != 1:
+            return None
+        dtypes = []
+        while len(users) == 1 and users[0] in extra and op_packet(users[0]) in CAST_OPS and users[0].args[0] is node:
+            node = users[0]
+            to = _traced_dtype(node)
+            if to is None or not to.is_floating_point:
+                return None
+            dtypes.append(to)
+            nodes.add(node)
+            users = _value_users(node)
+        if not dtypes:
+            return None
+        chains.append((given, tuple(dtypes)))
+    return chains if nodes == set(extra) else None
 
 
 def _value_users(node: fx.Node) -> list[fx.Node]:
