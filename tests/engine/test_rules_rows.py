@@ -319,3 +319,41 @@ def test_a_shift_through_gather_reaches_a_norm_as_a_ones_vector_only_with_a_row_
                              {"norm": not per_entry, "norm2": False})
     if per_entry:
         assert "aten.gather, which does not pass a ones-vector shift" in reason_of(report, "norm")
+
+
+class GridSampled(nn.Module):
+    """A learned position table (1, C, 4, 4) resampled by ``grid_sample`` at per-image grid points and
+    added to a 1x1-conv patch embedding, then a LayerNorm over the channels (GLM-Image's vision
+    embeddings); for the negative case, the sampled table alone is normalized over its last spatial dim."""
+
+    def __init__(self, mode: str, padding_mode: str, over_space: bool = False):
+        super().__init__()
+        self.mode, self.padding_mode, self.over_space = mode, padding_mode, over_space
+        self.conv = nn.Conv2d(C, C, 1)
+        self.pos = nn.Parameter(torch.randn(1, C, 4, 4))
+        self.norm = nn.LayerNorm(3 if over_space else C)
+
+    def forward(self, x, grid):  # x (B, C, 3, 3), grid (B, 3, 3, 2) in [-1.2, 1.2]: some points outside
+        pos = F.grid_sample(self.pos.expand(x.shape[0], -1, -1, -1), grid, mode=self.mode,
+                            padding_mode=self.padding_mode, align_corners=False)  # (B, C, 3, 3)
+        if self.over_space:
+            return self.norm(pos)
+        return self.norm((self.conv(x) + pos).permute(0, 2, 3, 1))
+
+
+def _grid(seed: int = 0):
+    return torch.rand(B, 3, 3, 2, generator=torch.Generator().manual_seed(seed)) * 2.4 - 1.2
+
+
+@pytest.mark.parametrize(("mode", "padding_mode"), [("bilinear", "zeros"), ("bicubic", "border"),
+                                                    ("nearest", "reflection")])
+def test_grid_sampling_a_position_table_folds_over_channels(mode: str, padding_mode: str):
+    _, report = fold_checked(GridSampled(mode, padding_mode), (_x(B, C, 3, 3), _grid()), {"norm": True})
+    assert report.norms[0].producers == ("conv.bias", "conv.weight", "pos")
+
+
+def test_grid_sampling_along_the_normalized_dim_breaks():
+    _, report = fold_checked(GridSampled("bilinear", "zeros", over_space=True), (_x(B, C, 3, 3), _grid()),
+                             {"norm": False})
+    assert "mixes entries along the normalized dim (its weights vary along every dim but the channels)" in reason_of(
+        report, "norm")

@@ -1,5 +1,5 @@
 """Ops that treat every feature alike: masked fills and scatters, where, index writes, gather, repeat, roll,
-reductions over other dims, average pooling and upsampling.
+reductions over other dims, average pooling, upsampling and grid sampling.
 
 Each op here moves, copies, averages or zeroes whole rows along the normalized dim, or permutes a
 row's entries, with the same choice for every entry of the row (a mask or an index that is
@@ -309,3 +309,26 @@ def shift_spatial(node, operand, dims):
     if not only_at(node, operand, 0):
         return None
     return {d for d in dims if d < rank(node) - _SPATIAL_DIMS[op_packet(node)]}
+
+
+GRID_SAMPLER_OP_NAMES = ("grid_sampler", "grid_sampler_2d", "grid_sampler_3d")
+
+
+def zero_mean_grid_sample(node, dim, group):
+    """Sampling x (N, C, *space) at grid points: out[n, c, p] = Σ_q w_n(p, q)·x[n, c, q] for every mode
+    (nearest, bilinear, bicubic) and padding (zeros, border, reflection), with weights from the grid
+    alone: the same for every channel, so centering over channels (dim 1) commutes with it (position
+    tables resized to an image's grid, as in GLM-Image). The weights differ per batch entry and mix
+    space, so along any other dim the op mixes the entries of a row."""
+    if dim != 1:
+        return Break(f"{op_name(node)} mixes entries along the normalized dim (its weights vary along every dim "
+                     "but the channels)")
+    return Requires((make_need(node.args[0], dim, group),))
+
+
+def shift_grid_sample(node, operand, dims):
+    """The same weights for every channel: a shift constant along the channels stays so; along the
+    batch dim the grid (hence the weights) may differ, and zero padding need not keep a constant."""
+    if not only_at(node, operand, 0):
+        return None
+    return {d for d in dims if d == 1}
