@@ -10,6 +10,12 @@ def test_public_api_is_exported():
         assert hasattr(normfold, name), name
 
 
+def test_learning_a_rotation_is_public_at_top_level():
+    """``normfold.learn_rotation`` learns the bases ``normfold.rotate(..., method="learned", bases=...)`` takes."""
+    from normfold.rotate import learn_rotation
+    assert normfold.learn_rotation is learn_rotation and "learn_rotation" in normfold.__all__
+
+
 def test_normfold_fold_is_only_the_function_and_the_engine_is_its_own_subpackage():
     """``import normfold.fold`` is no trap: no subpackage of that name hides behind the function."""
     import importlib.util

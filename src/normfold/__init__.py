@@ -22,7 +22,7 @@ from .ops import layer_norm, rms_norm
 # subpackage ``normfold.engine``); the function ``convert`` shadows the module ``normfold.convert``.
 from .engine import ExampleInputsError, FoldError, FoldPlan, FoldReport, FoldVerificationError, NormEntry, VerifyResult, analyze, verify
 from .convert import ApproximateConfig, FoldConfig, FuseConfig, QuantizeConfig, RotateConfig, convert, fold
-from .rotate import LearnConfig, RotationReport, rotate  # the function shadows the subpackage, as fold does
+from .rotate import LearnConfig, RotationReport, learn_rotation, rotate  # the function shadows the subpackage, as fold does
 from .quantize import QuantizeReport, quantize  # likewise
 
 __version__ = "0.1.0"
@@ -54,7 +54,7 @@ __all__ = [
     "analyze", "fold", "verify", "FoldPlan", "FoldReport", "NormEntry", "VerifyResult", "FoldError", "FoldVerificationError",
     "ExampleInputsError",
     "convert", "FoldConfig", "FuseConfig", "ApproximateConfig", "RotateConfig",
-    "rotate", "RotationReport", "LearnConfig", "quantize", "QuantizeConfig", "QuantizeReport",
+    "rotate", "learn_rotation", "RotationReport", "LearnConfig", "quantize", "QuantizeConfig", "QuantizeReport",
     *_LAZY, *_LAZY_MODULES,
 ]
 
