@@ -21,6 +21,7 @@ def test_export_writes_model_original_config_and_report_then_refuses_to_overwrit
                                                    "normfold_report.json", "original.onnx"]
     assert json.loads((out / "normfold_report.json").read_text()) == report
     onnx = report["onnx"]
+    assert report["schema_version"] == 1 and report["kind"] == "onnx_export"  # versioned like a folder's report
     assert report["num_folded"] == report["num_norms"] == 5 and report["fuse"] is True
     assert onnx["opset"] == 20 and onnx["target"] == "onnxruntime" and onnx["error"] <= onnx["tolerance"]
     assert onnx["input_names"] == ["input_ids", "attention_mask"] and onnx["output_names"] == ["logits"]
@@ -34,6 +35,9 @@ def test_export_writes_model_original_config_and_report_then_refuses_to_overwrit
         ids = numpy.ones((3, 6), dtype="int64")
         (logits,) = session.run(None, {"input_ids": ids, "attention_mask": ids})
         assert logits.shape == (3, 6, 96)
+    # verify reads folded Hugging Face folders: an export folder is named as such (was: "carries no digest (it was edited)")
+    assert main(["verify", str(tiny_dirs["gpt2"]), str(out)]) == EXIT_USAGE
+    assert "is an ONNX export folder (written by `normfold export`" in capsys.readouterr().err
     before = (out / "model.onnx").read_bytes()
     assert main(["export", str(tiny_dirs["gpt2"]), "-o", str(out)]) == EXIT_USAGE
     assert "output folder exists" in capsys.readouterr().err

@@ -24,6 +24,9 @@ from . import _output as output
 from ._common import EXIT_OK, UsageError, add_model_dir, add_trust_remote_code, model_dir
 
 MODEL_FILE, ORIGINAL_FILE, CONFIG_FILE = "model.onnx", "original.onnx", "config.json"
+# the layout of an export folder's normfold_report.json (kind "onnx_export"): raised when a key changes meaning,
+# so that a reader can tell this report from a folded Hugging Face folder's (hf/folder_report.py's schema)
+EXPORT_REPORT_SCHEMA = 1
 
 
 def _run_export(args) -> int:
@@ -69,7 +72,7 @@ def _summary(source, onnx: dict, fuse: bool, kv_cache: bool, fold_report, skippe
     """normfold_report.json: what was exported, how, and the proof (paths relative to the folder)."""
     for key in ("path", "original_path"):
         onnx[key] = Path(onnx[key]).name
-    return {"kind": "onnx_export", "model": str(source), "fuse": fuse, "kv_cache": kv_cache,
+    return {"schema_version": EXPORT_REPORT_SCHEMA, "kind": "onnx_export", "model": str(source), "fuse": fuse, "kv_cache": kv_cache,
             "num_norms": fold_report.num_norms,
             "num_folded": fold_report.num_foldable, "onnx": onnx, "skipped_files": skipped}
 

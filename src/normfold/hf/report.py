@@ -26,12 +26,16 @@ from .weight_files import weight_source
 def read_report_json(folder: Path) -> dict[str, Any]:
     """The folder's ``normfold_report.json`` as the JSON it holds, of this normfold's schema: what the
     seal and ``normfold verify``'s comparison read (they judge the bytes, not a reading of them);
-    CheckpointError when it is missing, not a JSON object, or of another schema version."""
+    CheckpointError when it is missing, not a JSON object, an ONNX export's, or of another schema version."""
     path = Path(folder) / REPORT_JSON
     if not path.is_file():
         raise CheckpointError(f"{path} not found: {folder} is not a folder normfold wrote (with `normfold fold`, "
                               "`normfold rotate` or normfold.save_pretrained)")
     data = read_json_object(path, "a normfold report")
+    if data.get("kind") == "onnx_export":  # the same file name, written by `normfold export` (cli/onnx_export.py)
+        raise CheckpointError(f"{folder} is an ONNX export folder (written by `normfold export`, proved in ONNX "
+                              "Runtime when written), not a folded Hugging Face folder: verify and from_pretrained "
+                              "read the folders `normfold fold` and `normfold rotate` write")
     check_schema(data, path)
     return data
 
