@@ -126,6 +126,15 @@ def test_kept_norms_are_grouped_by_cause_one_sentence_each_with_where_each_input
     assert "## Kept as LayerNorm (4)" in markdown
 
 
+def test_the_kept_heading_names_each_kind_kept_and_calls_no_rmsnorm_a_layernorm():
+    report = _residual_report()
+    rms = ReportNorm("final.rms", "RMSNorm", False, False, "blocked: aten.add at h.2: " + _CAUSE, blocker=_CAUSE,
+                     blocking_path=("aten.add", "h.2"))
+    mixed = _report([*report.fold.norms, rms], verification=report.fold.verification)
+    assert "## Kept as they were: 4 LayerNorm, 1 RMSNorm (5)" in render_markdown(mixed)
+    assert "Kept as LayerNorm" not in render_markdown(mixed)
+
+
 def test_each_folded_norm_counts_the_producers_centered_for_it_that_no_earlier_norm_had():
     markdown = render_markdown(_residual_report())
     assert "| `emb.ln` | 2 | kept in the RMSNorm: its output feeds aten.add at h.0, not a linear layer |" in markdown

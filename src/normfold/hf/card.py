@@ -7,6 +7,8 @@ norm says how many producers were centered for it that no earlier norm had cente
 """
 from __future__ import annotations
 
+import collections
+
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -99,7 +101,7 @@ def _approximate_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _kept_lines(norms: tuple[ReportNorm, ...], rows: list[dict[str, Any]]) -> list[str]:
-    """The norms kept as LayerNorms, grouped by cause: one sentence for each cause, then its norms with
+    """The norms kept as they were (LayerNorms, or the model's own RMSNorms), grouped by cause: one sentence for each cause, then its norms with
     where their input stops being zero-mean."""
     by_path = {n.path: n for n in norms}
     kept = [by_path[r["path"]] for r in rows if not r["folded"] and not r["approximate"]]
@@ -109,7 +111,10 @@ def _kept_lines(norms: tuple[ReportNorm, ...], rows: list[dict[str, Any]]) -> li
     for norm in kept:
         cause, where = blocking_cause(norm)
         groups.setdefault(cause, []).append((norm.path, where))
-    lines = ["", f"## Kept as LayerNorm ({len(kept)})"]
+    kinds = collections.Counter(norm.kind for norm in kept)  # RMSNorms the fold kept are no LayerNorms
+    title = f"Kept as {kept[0].kind}" if len(kinds) == 1 else "Kept as they were: " + ", ".join(
+        f"{n} {kind}" for kind, n in kinds.items())
+    lines = ["", f"## {title} ({len(kept)})"]
     for cause, norms in groups.items():
         count = f"{len(norms)} norm{'s' * (len(norms) != 1)}"
         lines += ["", f"**{count}**: {cause}.", ""]
