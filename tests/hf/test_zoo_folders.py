@@ -73,12 +73,16 @@ def shrink(config):
     knows what the rule cannot), and the sizes its constructor derived from shrunk ones are derived again."""
     multi_head = getattr(config, "num_key_value_heads", None) == getattr(config, "num_attention_heads", None)
     kept = CONFIG_OVERRIDES.get(getattr(config, "model_type", None), {})
+    merges_patches = _merges_patches(config)  # read before the sizes it compares are shrunk
     for name, value in list(vars(config).items()):
         if name in SMALL_SIZES and name not in kept and isinstance(value, int) and not isinstance(value, bool) and value > 0:
             setattr(config, name, SMALL_SIZES[name])
     if multi_head and isinstance(getattr(config, "num_key_value_heads", None), int):
         config.num_key_value_heads = config.num_attention_heads
     _keep_every_stage_a_pixel(config)
+    _fit_stage_heads(config)
+    if merges_patches:
+        _fit_windows(config)
     top = SMALL_SIZES["vocab_size"] - 1
     for name, value in list(vars(config).items()):  # special tokens must stay inside the shrunk vocabulary
         if name.endswith("_token_id") and isinstance(value, int) and value >= SMALL_SIZES["vocab_size"]:
@@ -193,6 +197,38 @@ def _keep_every_stage_a_pixel(config) -> None:
     stages, patch, size = (getattr(config, name, None) for name in ("hidden_sizes", "patch_size", "image_size"))
     if isinstance(stages, (list, tuple)) and isinstance(patch, int) and isinstance(size, int) and stages:
         config.image_size = max(size, patch * 2 ** (len(stages) - 1))  # (H, W) at the last stage >= 1 x 1
+
+
+def _fit_stage_heads(config) -> None:
+    """A hierarchical transformer (Swin: ``embed_dim`` doubled at each of the ``depths`` stages, one head
+    count a stage) whose default head counts do not divide the shrunk widths (3, 6, 12, 24 heads of
+    32·2^i features) gets one head more at each stage than the stage before's double: 1, 2, 4, 8, a
+    head of ``embed_dim`` features everywhere, as the defaults keep one head size across stages."""
+    heads, depths, width = (getattr(config, name, None) for name in ("num_heads", "depths", "embed_dim"))
+    if not (isinstance(heads, (list, tuple)) and isinstance(depths, (list, tuple)) and isinstance(width, int)):
+        return
+    if len(heads) == len(depths) and any((width * 2 ** i) % h for i, h in enumerate(heads)):
+        config.num_heads = [2 ** i for i in range(len(heads))]
+
+
+def _merges_patches(config) -> bool:
+    """A Swin-style config: its width doubles at each of its ``depths`` stages (patch merging halves the
+    token grid), so that ``hidden_size`` is ``embed_dim``·2^(stages - 1); Swin2SR keeps one width and grid."""
+    depths, width, hidden = (getattr(config, name, None) for name in ("depths", "embed_dim", "hidden_size"))
+    return (isinstance(depths, (list, tuple)) and isinstance(width, int) and isinstance(hidden, int)
+            and hidden == width * 2 ** (len(depths) - 1))
+
+
+def _fit_windows(config) -> None:
+    """Attention windows of ``window_size``² tokens over a grid that patch merging halves at each stage:
+    a stage whose grid is smaller than the window clamps its window but keeps a bias table sized for the
+    configured one (Swin: "size of tensor a (16) must match b (49)"). A window of 2 and an image whose
+    last stage still holds one window: (image / patch) / 2^(stages - 1) >= 2."""
+    window, patch, side = (getattr(config, name, None) for name in ("window_size", "patch_size", "image_size"))
+    if not all(isinstance(v, int) for v in (window, patch, side)):
+        return
+    config.window_size = min(window, 2)
+    config.image_size = max(side, patch * config.window_size * 2 ** (len(config.depths) - 1))
 
 
 def shrink_grid_pinpoints(config) -> None:
@@ -322,6 +358,18 @@ def test_shrink_keeps_the_image_and_video_tokens_inside_the_vocabulary_each_its_
     vocab = config.get_text_config().vocab_size
     tokens = [getattr(config, name) for name in ("image_token_id", "video_token_id") if hasattr(config, name)]
     assert tokens and all(0 <= t < vocab for t in tokens) and len(set(tokens)) == len(tokens)
+
+
+@pytest.mark.parametrize("model_type", ["swin", "swinv2", "donut-swin", "maskformer-swin"])
+def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a_window(model_type):
+    """3, 6, 12, 24 heads do not divide 32·2^i features, and a 4 x 4 grid under a 7 x 7 window breaks
+    Swin's bias table: the shrunk config runs on its example inputs (was "missing input" in the zoo table)."""
+    config = _config(model_type)
+    assert all((config.embed_dim * 2 ** i) % h == 0 for i, h in enumerate(config.num_heads))
+    assert config.image_size // config.patch_size // 2 ** (len(config.depths) - 1) >= config.window_size
+    model = _bare_model_class(config)(config).eval()
+    with torch.no_grad():
+        model(**example_inputs_for(model))
 
 
 def test_untie_config_leaves_a_vision_model_without_input_embeddings_as_it_is():
