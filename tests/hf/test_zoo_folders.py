@@ -154,6 +154,9 @@ _GRANITE_PROJECTOR = {"projector_config": {"model_type": "blip_2_qformer", "hidd
                                            "num_attention_heads": 4, "intermediate_size": 64,
                                            "encoder_hidden_size": SMALL_SIZES["hidden_dim"]}}
 CONFIG_OVERRIDES.update({"granite_speech": _GRANITE_PROJECTOR, "granite_speech_plus": _GRANITE_PROJECTOR})
+# Step3p7's forward builds a sliding-window mask for every call (modeling_step3p7.py: create_sliding_window_causal_mask,
+# unconditionally), which raises when the config sets no window, as its default does; checkpoints set one
+CONFIG_OVERRIDES["step3p7"] = {"text_config": {"sliding_window": 8}}
 
 
 def shrunk_config(model_type: str):
