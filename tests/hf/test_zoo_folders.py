@@ -157,6 +157,10 @@ CONFIG_OVERRIDES.update({"granite_speech": _GRANITE_PROJECTOR, "granite_speech_p
 # Step3p7's forward builds a sliding-window mask for every call (modeling_step3p7.py: create_sliding_window_causal_mask,
 # unconditionally), which raises when the config sets no window, as its default does; checkpoints set one
 CONFIG_OVERRIDES["step3p7"] = {"text_config": {"sliding_window": 8}}
+# SegGPT: a canvas of prompt above image, 64 x 32 px (8 x 4 patches; the default 896 x 448 is 6,272 tokens); the
+# prompt and image rows merge after the first layer, and the decoder reads both layers' states
+CONFIG_OVERRIDES["seggpt"] = {"image_size": [64, 32], "pretrain_image_size": 32, "merge_index": 0,
+                              "intermediate_hidden_state_indices": [0, 1]}
 
 
 def shrunk_config(model_type: str):
@@ -370,6 +374,17 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
     config = _config(model_type)
     assert all((config.embed_dim * 2 ** i) % h == 0 for i, h in enumerate(config.num_heads))
     assert config.image_size // config.patch_size // 2 ** (len(config.depths) - 1) >= config.window_size
+    model = _bare_model_class(config)(config).eval()
+    with torch.no_grad():
+        model(**example_inputs_for(model))
+
+
+@pytest.mark.parametrize("model_type", ["seggpt", "step3p7"])
+def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
+    """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
+    stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
+    mask on every call, which its default config (no window) cannot."""
+    config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():
         model(**example_inputs_for(model))

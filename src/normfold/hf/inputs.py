@@ -369,7 +369,10 @@ def _companion_inputs(config, params, inputs: dict[str, Any], seq: int, gen: tor
     - ``high_res_pixel_values``: the same images at the size of ``high_res_vision_config`` (DeepSeek-VL hybrid);
     - ``qformer_input_ids`` (+ mask): the instruction the Q-Former reads (InstructBLIP), ``seq`` ids of
       its ``qformer_config`` vocabulary;
-    - ``task_inputs``: the task prompt's ``task_seq_len`` ids (OneFormer's text encoder vocabulary).
+    - ``task_inputs``: the task prompt's ``task_seq_len`` ids (OneFormer's text encoder vocabulary);
+    - ``prompt_*`` images the forward requires (SegGPT's ``prompt_pixel_values`` and ``prompt_masks``: an
+      example image and its mask, painted as an image): random images of the pixels' shape, the pixels
+      cut to the top half of the config's canvas, which the forward stacks below the prompt.
     """
     found: dict[str, Any] = {}
     pixels = inputs.get("pixel_values")
@@ -391,6 +394,12 @@ def _companion_inputs(config, params, inputs: dict[str, Any], seq: int, gen: tor
         if "high_res_pixel_values" in params and high_res is not None:
             size = getattr(high_res, "image_size", None) or h
             found["high_res_pixel_values"] = torch.randn(batch, channels, size, size, generator=gen)
+        prompts = [name for name, param in params.items()
+                   if name.startswith("prompt_") and param.default is inspect.Parameter.empty]
+        if "prompt_pixel_values" in prompts:  # SegGPT stacks the prompt above the image: each is half the canvas
+            found["pixel_values"] = pixels = pixels[:, :, : h // 2]  # (B, C, H/2, W)
+        for name in prompts:
+            found[name] = torch.randn(pixels.shape, generator=gen)
     rows = next((v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor)), EXAMPLE_BATCH)
     qformer = getattr(config, "qformer_config", None)
     if "qformer_input_ids" in params and qformer is not None:
