@@ -196,7 +196,8 @@ def fold_and_prove(row: dict, model: nn.Module, example: dict, other: dict) -> N
             row.update(missed="", not_judged=len(norms) - row["folded"],
                        missed_folds="not judged: the model does not run in float64")
     except FoldError as err:
-        row.update(status="FoldError", detail=_line(err), error_class=error_class(_line(err), eager_error(model, example)))
+        row.update(status="FoldError", detail=_line(err), error_class=error_class(_line(err), eager_error(model, example),
+                                                                           row.get("model_type")))
 
 
 def capture_route(report) -> str:
@@ -208,17 +209,34 @@ EXPORT_LIMIT_MARKERS = ("torch.export could not capture", "GuardOnDataDependentS
                         "Could not extract specialized integer", "Could not guard on data-dependent")
 
 
-def error_class(message: str, eager: str | None) -> str:
+# model types whose forward fails in transformers' own code for every valid call of the kind the zoo makes, with
+# the error it raises there (matched, so that another error is still "missing input") and where the bug is
+TRANSFORMERS_BUGS = {
+    "llama4": ("object has no attribute 'image_outputs'",
+               "modeling_llama4.py: Llama4ForConditionalGeneration.forward reads outputs.image_outputs from its "
+               "language model's MoeCausalLMOutputWithPast, which has none (every call with return_dict=True)"),
+    "tvp": ("is invalid for input of size",
+            "modeling_tvp.py: add_2d_positional_embeddings views the (width, hidden) column table as "
+            "(batch_size, 1, width, hidden): every batch of more than one video fails"),
+}
+
+
+def error_class(message: str, eager: str | None, model_type: str | None = None) -> str:
     """The reason class of a FoldError (``message``: its first line, which says which step failed and why;
     a later line may quote a capture route), given ``eager``, the original model's own error on the same
     inputs run eagerly (None when it runs):
 
-    - "missing input": the original model itself fails on the inputs (``eager`` is set): the example
-      was wrong, not the fold;
+    - "transformers bug": the original fails in transformers' own code with the error
+      :data:`TRANSFORMERS_BUGS` records for ``model_type``, as it does for every valid call;
+    - "missing input": the original model itself fails on the inputs otherwise (``eager`` is set): the
+      example was wrong, not the fold;
     - "export limit": it runs eagerly, and the message is torch.export's (data-dependent control flow,
       an object export does not trace): export cannot capture it, and no submodule route saved it;
     - "normfold refusal": it runs and export captured it: normfold itself refused (an analysis or
       planning error, a failed or impossible proof, an overflow)."""
+    bug = TRANSFORMERS_BUGS.get(model_type)
+    if eager is not None and bug is not None and bug[0] in eager:
+        return f"transformers bug ({bug[1]})"
     if eager is not None:
         return f"missing input ({eager})"
     if any(marker in message for marker in EXPORT_LIMIT_MARKERS):

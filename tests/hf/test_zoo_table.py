@@ -132,3 +132,14 @@ def test_reached_only_needs_an_earlier_table(hf_zoo, capsys):
     with pytest.raises(SystemExit):
         hf_zoo.main(["--reached-only"])
     assert "--reached-only needs --before CSV" in capsys.readouterr().err
+
+
+def test_a_recorded_transformers_bug_is_its_own_class_only_with_the_error_it_records(hf_zoo):
+    """llama4 and tvp fail inside transformers for every call the zoo makes (file and cause recorded in
+    TRANSFORMERS_BUGS); another eager error of theirs, or that error of another type, stays "missing input"."""
+    message = "Llama4ForConditionalGeneration (llama4): the example inputs are not valid"
+    bug = "AttributeError: 'MoeCausalLMOutputWithPast' object has no attribute 'image_outputs'"
+    assert hf_zoo.error_class(message, bug, "llama4").startswith("transformers bug (modeling_llama4.py: ")
+    assert hf_zoo.error_class(message, "IndexError: index out of range in self", "llama4").startswith("missing input")
+    assert hf_zoo.error_class(message, bug, "llava").startswith("missing input")
+    assert hf_zoo.error_class(message, None, "llama4") == "normfold refusal"
