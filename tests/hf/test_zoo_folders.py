@@ -108,11 +108,14 @@ def shrink(config):
 
 def derive_sizes_again(config) -> None:
     """Sizes a config's constructor derives from others, derived again from the shrunk ones (its towers shrunk
-    first): an MLA query/key head is its no-rope and rope parts (DeepSeek-V3 and kin); a Llama 4 vision MLP's width
+    first): an MLA query/key head is its no-rope and rope parts (DeepSeek-V3 and kin); RADIO's flattened
+    patch is ``num_channels``·``patch_size``² features; a Llama 4 vision MLP's width
     is what pixel shuffle makes of a patch (``hidden_size / ratio²``); MiniMax-M3-VL's merged patch is
     ``spatial_merge_size²`` text-width features."""
     if isinstance(getattr(config, "qk_head_dim", None), int):
         config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+    if all(isinstance(getattr(config, name, None), int) for name in ("patch_dim", "patch_size", "num_channels")):
+        config.patch_dim = config.num_channels * config.patch_size ** 2  # RADIO's flattened patch: C·P·P features
     ratio = getattr(config, "pixel_shuffle_ratio", None)
     if isinstance(ratio, float) and hasattr(config, "projector_input_dim"):  # a Llama 4 vision tower
         config.intermediate_size = int(config.hidden_size / ratio ** 2)
@@ -379,11 +382,12 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
         model(**example_inputs_for(model))
 
 
-@pytest.mark.parametrize("model_type", ["seggpt", "step3p7"])
+@pytest.mark.parametrize("model_type", ["seggpt", "step3p7", "radio"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
-    mask on every call, which its default config (no window) cannot."""
+    mask on every call, which its default config (no window) cannot; RADIO's patch width is derived from
+    the patch size its constructor was given."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():
