@@ -167,6 +167,8 @@ CONFIG_OVERRIDES["muse_glimmer"] = {"out_hidden_size": 128}
 _SAM_PROMPT_GRID = {"image_size": SMALL_SIZES["image_size"], "patch_size": SMALL_SIZES["patch_size"]}
 CONFIG_OVERRIDES["sam"] = {"prompt_encoder_config": _SAM_PROMPT_GRID}
 CONFIG_OVERRIDES["sam_hq"] = {"prompt_encoder_config": _SAM_PROMPT_GRID, "mask_decoder_config": {"vit_dim": 32}}
+# RF-DETR's two-stage encoder picks num_queries proposals among the tiny image's tokens: 16, not 300
+CONFIG_OVERRIDES["rf_detr"] = {"num_queries": 16}
 # SegGPT: a canvas of prompt above image, 64 x 32 px (8 x 4 patches; the default 896 x 448 is 6,272 tokens); the
 # prompt and image rows merge after the first layer, and the decoder reads both layers' states
 CONFIG_OVERRIDES["seggpt"] = {"image_size": [64, 32], "pretrain_image_size": 32, "merge_index": 0,
@@ -389,13 +391,14 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
         model(**example_inputs_for(model))
 
 
-@pytest.mark.parametrize("model_type", ["seggpt", "step3p7", "radio", "muse_glimmer", "sam", "sam_hq"])
+@pytest.mark.parametrize("model_type", ["seggpt", "step3p7", "radio", "muse_glimmer", "sam", "sam_hq", "rf_detr"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
     mask on every call, which its default config (no window) cannot; RADIO's patch width is derived from
     the patch size its constructor was given; MuseGlimmer's adapter reads 2 x 2 shuffled vision states;
-    SAM's prompt encoder lays its dense embeddings on the vision patch grid."""
+    SAM's prompt encoder lays its dense embeddings on the vision patch grid; RF-DETR picks fewer proposals
+    than the tiny image has tokens."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():
