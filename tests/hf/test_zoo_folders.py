@@ -391,14 +391,16 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
         model(**example_inputs_for(model))
 
 
-@pytest.mark.parametrize("model_type", ["seggpt", "step3p7", "radio", "muse_glimmer", "sam", "sam_hq", "rf_detr"])
+@pytest.mark.parametrize("model_type", ["seggpt", "step3p7", "radio", "muse_glimmer", "sam", "sam_hq", "rf_detr",
+                                        "mimi_encoder"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
     mask on every call, which its default config (no window) cannot; RADIO's patch width is derived from
     the patch size its constructor was given; MuseGlimmer's adapter reads 2 x 2 shuffled vision states;
     SAM's prompt encoder lays its dense embeddings on the vision patch grid; RF-DETR picks fewer proposals
-    than the tiny image has tokens."""
+    than the tiny image has tokens; Mimi's encoder passes use_cache on itself (given twice when the call
+    adds it through **kwargs)."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():
@@ -511,3 +513,10 @@ def test_a_vision_model_output_without_pooled_features_counts_its_patches_as_ima
     torch.manual_seed(0)
     inputs = example_inputs_for(_bare_model_class(config)(config).eval())
     assert (inputs["input_ids"] == config.image_token_id).sum(dim=1).tolist() == [4, 4]
+
+
+def test_use_cache_goes_through_kwargs_only_to_a_text_model_of_another_config():
+    """LLaVA passes **kwargs on to its text model: the call turns its cache off there; Mimi's encoder is its own
+    text config and passes use_cache on itself, so the call must not add it (it was given twice)."""
+    assert example_inputs_for(_config("llava"))["use_cache"] is False
+    assert "use_cache" not in example_inputs_for(_config("mimi_encoder"))

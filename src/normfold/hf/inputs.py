@@ -108,8 +108,11 @@ def with_call_options(inputs: dict[str, Any], config, params, *, seq: int = EXAM
     if getattr(config, "is_encoder_decoder", False) and "decoder_input_ids" in params:
         rows = next(v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor))
         inputs["decoder_input_ids"] = _token_ids(config.get_text_config(decoder=True), rows, seq, gen)
-    takes_more = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())  # LLaVA passes **kwargs on
-    if "use_cache" in params or (takes_more and hasattr(config.get_text_config(), "use_cache")):
+    # a multimodal model (LLaVA) passes **kwargs on to its text model, which takes use_cache; a model that is its
+    # own text model and takes no use_cache passes it on itself where it has one (Mimi's encoder: given twice)
+    text = config.get_text_config()
+    passes_on = text is not config and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    if "use_cache" in params or (passes_on and hasattr(text, "use_cache")):
         inputs["use_cache"] = False
     return inputs
 
