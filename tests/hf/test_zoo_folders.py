@@ -392,7 +392,7 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
 
 
 @pytest.mark.parametrize("model_type", ["seggpt", "step3p7", "radio", "muse_glimmer", "sam", "sam_hq", "rf_detr",
-                                        "mimi_encoder"])
+                                        "mimi_encoder", "pe_audio"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
@@ -400,7 +400,7 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     the patch size its constructor was given; MuseGlimmer's adapter reads 2 x 2 shuffled vision states;
     SAM's prompt encoder lays its dense embeddings on the vision patch grid; RF-DETR picks fewer proposals
     than the tiny image has tokens; Mimi's encoder passes use_cache on itself (given twice when the call
-    adds it through **kwargs)."""
+    adds it through **kwargs); PE Audio reads its padding mask over frames (the call passes none)."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():

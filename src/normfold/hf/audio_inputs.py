@@ -79,13 +79,16 @@ def _runs_eagerly(model: nn.Module, inputs: dict[str, Any]) -> bool:
 
 def _waveform_candidates(audio_config, masks, batch: int, seq: int) -> Iterator[Candidate]:
     """Waveforms: (B, S) and (B, channels, S) for growing S, the fewest samples first, each with an
-    all-ones ``padding_mask`` (B, S) where ``masks`` names one; then an AST spectrogram (B, max_length,
+    all-ones ``padding_mask`` (B, S) where ``masks`` names one, then the same without it (the mask is
+    optional, and some models read it over frames, not samples); then an AST spectrogram (B, max_length,
     mel) where the config names both (AST reads it as ``input_values``)."""
     channels = getattr(audio_config, "audio_channels", 1)
-    for samples in _sample_counts(audio_config, seq):
-        for shape in ((batch, samples), (batch, channels, samples)):  # (B, S), (B, C, S)
-            yield _with_masks(lambda gen, shape=shape: {"input_values": torch.randn(*shape, generator=gen)},
-                              masks & {"padding_mask"}, batch, samples)
+    # with the padding mask over samples first; then without it, for a model that reads it over frames (PE Audio)
+    for mask in dict.fromkeys((frozenset(masks & {"padding_mask"}), frozenset())):
+        for samples in _sample_counts(audio_config, seq):
+            for shape in ((batch, samples), (batch, channels, samples)):  # (B, S), (B, C, S)
+                yield _with_masks(lambda gen, shape=shape: {"input_values": torch.randn(*shape, generator=gen)},
+                                  mask, batch, samples)
     mel, frames = _first_field(audio_config, MEL_FIELDS), getattr(audio_config, "max_length", None)
     if isinstance(mel, int) and isinstance(frames, int):
         yield lambda gen: {"input_values": torch.randn(batch, frames, mel, generator=gen)}  # (B, frames, mel)
