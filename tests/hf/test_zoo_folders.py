@@ -169,6 +169,10 @@ CONFIG_OVERRIDES["sam"] = {"prompt_encoder_config": _SAM_PROMPT_GRID}
 CONFIG_OVERRIDES["sam_hq"] = {"prompt_encoder_config": _SAM_PROMPT_GRID, "mask_decoder_config": {"vit_dim": 32}}
 # RF-DETR's two-stage encoder picks num_queries proposals among the tiny image's tokens: 16, not 300
 CONFIG_OVERRIDES["rf_detr"] = {"num_queries": 16}
+# Nemotron diarization's head reads the audio encoder's states (audio_hidden_size: the shrunk encoder width)
+# (the constructor checks the two agree, so the encoder's width is given to it too)
+CONFIG_OVERRIDES["nemotron3_diarization"] = {"head_config": {"audio_hidden_size": SMALL_SIZES["hidden_size"]},
+                                             "audio_config": {"hidden_size": SMALL_SIZES["hidden_size"]}}
 # SegGPT: a canvas of prompt above image, 64 x 32 px (8 x 4 patches; the default 896 x 448 is 6,272 tokens); the
 # prompt and image rows merge after the first layer, and the decoder reads both layers' states
 CONFIG_OVERRIDES["seggpt"] = {"image_size": [64, 32], "pretrain_image_size": 32, "merge_index": 0,
@@ -392,7 +396,7 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
 
 
 @pytest.mark.parametrize("model_type", ["seggpt", "step3p7", "radio", "muse_glimmer", "sam", "sam_hq", "rf_detr",
-                                        "mimi_encoder", "pe_audio"])
+                                        "mimi_encoder", "pe_audio", "nemotron3_diarization"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
