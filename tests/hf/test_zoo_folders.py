@@ -54,7 +54,8 @@ SMALL_SIZES = {
 }
 TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config", "encoder", "decoder",
           "adaptor_config",  # FunASR's adaptor: its output width is the shrunk text width
-          "qformer_config", "high_res_vision_config")
+          "qformer_config", "high_res_vision_config",
+          "semantic_model_config")  # NeuCodec and X-codec2's semantic branch: a whole Wav2Vec2-BERT
 
 # one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
 # channels-first norms, audio (waveform and log-mel), two-tower multimodal, character-level, RMSNorm-only
@@ -173,6 +174,8 @@ CONFIG_OVERRIDES["rf_detr"] = {"num_queries": 16}
 # (the constructor checks the two agree, so the encoder's width is given to it too)
 CONFIG_OVERRIDES["nemotron3_diarization"] = {"head_config": {"audio_hidden_size": SMALL_SIZES["hidden_size"]},
                                              "audio_config": {"hidden_size": SMALL_SIZES["hidden_size"]}}
+# NeuCodec and X-codec2 quantize the acoustic and semantic features side by side: 32 + 32 shrunk widths
+CONFIG_OVERRIDES.update(dict.fromkeys(("neucodec", "xcodec2"), {"quantization_dim": 2 * SMALL_SIZES["hidden_size"]}))
 # SegGPT: a canvas of prompt above image, 64 x 32 px (8 x 4 patches; the default 896 x 448 is 6,272 tokens); the
 # prompt and image rows merge after the first layer, and the decoder reads both layers' states
 CONFIG_OVERRIDES["seggpt"] = {"image_size": [64, 32], "pretrain_image_size": 32, "merge_index": 0,
@@ -396,7 +399,7 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
 
 
 @pytest.mark.parametrize("model_type", ["seggpt", "step3p7", "radio", "muse_glimmer", "sam", "sam_hq", "rf_detr",
-                                        "mimi_encoder", "pe_audio", "nemotron3_diarization"])
+                                        "mimi_encoder", "pe_audio", "nemotron3_diarization", "neucodec", "xcodec2"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
@@ -404,7 +407,8 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     the patch size its constructor was given; MuseGlimmer's adapter reads 2 x 2 shuffled vision states;
     SAM's prompt encoder lays its dense embeddings on the vision patch grid; RF-DETR picks fewer proposals
     than the tiny image has tokens; Mimi's encoder passes use_cache on itself (given twice when the call
-    adds it through **kwargs); PE Audio reads its padding mask over frames (the call passes none)."""
+    adds it through **kwargs); PE Audio reads its padding mask over frames (the call passes none); NeuCodec and
+    X-codec2 read 160-wide semantic features (a sub-config's width), X-codec2 one per codec frame."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():

@@ -127,7 +127,9 @@ def _feature_candidates(audio_config, masks, batch: int, seq: int) -> Iterator[C
     mels = _mel_widths(audio_config)
     whisper_frames = 2 * getattr(audio_config, "max_source_positions", WHISPER_FRAMES // 2)
     yield _features(batch, mels[0], whisper_frames, "mel_first", masks)
-    frame_counts = [seq * 8 * 2 ** k for k in range(MAX_FRAME_DOUBLINGS)]
+    # a conformer's subsampled frames first; then one frame per codec frame (X-codec2 joins its semantic features
+    # to the waveform's codec frames, seq of them, side by side)
+    frame_counts = [seq * 8 * 2 ** k for k in range(MAX_FRAME_DOUBLINGS)] + [seq]
     for layout in ("frames_first", "mel_first", "one_channel"):
         for mel in mels:
             for frames in frame_counts:
@@ -151,12 +153,16 @@ def _with_masks(build: Candidate, masks, batch: int, length: int) -> Candidate:
 def _mel_widths(audio_config) -> list[int]:
     """Candidate feature widths: the config's own (``num_mel_bins``, ``feature_size``, ...) first,
     and that times ``num_stacked_frames`` where the config stacks frames, then the common filter-bank
-    widths; the first is 80 where the config names none (Whisper's)."""
+    widths, then those its sub-configs name; the first is 80 where the config names none (Whisper's)."""
     named = [v for f in MEL_FIELDS if isinstance(v := getattr(audio_config, f, None), int)]
     stacked = getattr(audio_config, "num_stacked_frames", None)  # low-frame-rate features (FunASR): frames side by side
     if named and isinstance(stacked, int):
         named.append(named[0] * stacked)
-    return list(dict.fromkeys(named + list(COMMON_MEL_BINS)))
+    # a codec whose semantic branch is another model (NeuCodec, X-codec2: a Wav2Vec2-BERT reading 160 = 2 x 80),
+    # tried last so that a model that ran on the usual widths keeps its inputs
+    nested = [v for sub in vars(audio_config).values() if hasattr(sub, "to_dict") and not isinstance(sub, dict)
+              for f in MEL_FIELDS if isinstance(v := getattr(sub, f, None), int)]
+    return list(dict.fromkeys(named + list(COMMON_MEL_BINS) + nested))
 
 
 def _first_field(config, fields) -> Any:
