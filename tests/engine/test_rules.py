@@ -773,13 +773,16 @@ class _RowsAMaskKeeps(nn.Module):
             h = h.reshape(-1, C // 2)  # (2·u0, C/2): each row's halves become rows
         elif self.after == "cls_then_slice":
             h = torch.cat([self.cls, h], 0)[1:]  # (u0 + 1, C) then rows 1..: needs u0 + 1 as a number
+        elif self.after == "split_per_image":  # PaddleOCR-VL: the kept rows split into images of sizes the input decides
+            counts = torch.stack([keep[:3].sum(), keep[3:].sum()]).tolist()
+            h = torch.split(h, counts)[0]  # (u1, C): the first image's rows
         return self.head(self.norm(h))
 
 
 _KEEP = torch.tensor([True, False, True, True, False, True])
 
 
-@pytest.mark.parametrize("after", ["nothing", "half_rows"])
+@pytest.mark.parametrize("after", ["nothing", "half_rows", "split_per_image"])
 def test_a_norm_folds_when_only_its_row_count_depends_on_the_input(after):
     _, report = fold_checked(_RowsAMaskKeeps(after), (_x(6, C), _KEEP), {"norm": True})
     assert report.norms[0].affine_folded, report.norms[0].reason  # its width is a number: γ/β move to head

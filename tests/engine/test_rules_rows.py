@@ -357,3 +357,36 @@ def test_grid_sampling_along_the_normalized_dim_breaks():
                              {"norm": False})
     assert "mixes entries along the normalized dim (its weights vary along every dim but the channels)" in reason_of(
         report, "norm")
+
+
+class BaggedPositions(nn.Module):
+    """A position table mixed per token by an embedding bag (each token's 4 nearest rows, bilinear weights:
+    Kimi-K2.5's interpolated positions) added to a patch projection, then a LayerNorm."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.mode = mode
+        self.proj = nn.Linear(C, C)
+        self.table = nn.Parameter(torch.randn(9, C))
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, x, rows, weights):  # x (B, T, C), rows (B·T, 4) table rows, weights (B·T, 4)
+        per_sample = weights if self.mode == "sum" else None  # torch takes per-sample weights with sum only
+        pos = F.embedding_bag(rows, self.table, mode=self.mode, per_sample_weights=per_sample)  # (B·T, C)
+        return self.norm(self.proj(x) + pos.view(x.shape))
+
+
+def _bags(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 9, (B * T, 4), generator=gen), torch.rand(B * T, 4, generator=gen)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_an_embedding_bag_summing_or_averaging_whole_table_rows_folds(mode: str):
+    _, report = fold_checked(BaggedPositions(mode), (_x(B, T, C), *_bags()), {"norm": True})
+    assert report.norms[0].producers == ("proj.bias", "proj.weight", "table")
+
+
+def test_an_embedding_bag_taking_each_features_max_breaks():
+    _, report = fold_checked(BaggedPositions("max"), (_x(B, T, C), *_bags()), {"norm": False})
+    assert "with mode max: each feature comes from its own row" in reason_of(report, "norm")

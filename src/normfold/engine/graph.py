@@ -275,6 +275,11 @@ def static_size(node, dim: int) -> int | None:
     val = node.meta.get("val") if isinstance(node, fx.Node) else None
     if not isinstance(val, torch.Tensor) or not -val.dim() <= dim < val.dim():
         return None
+    return static_dim(val, dim)
+
+
+def static_dim(val: torch.Tensor, dim: int) -> int | None:
+    """The size of one dim of a traced tensor value when it is a number (None: a symbolic size)."""
     try:
         return int(val.shape[dim])
     except (TypeError, ValueError, GuardOnDataDependentSymNode):

@@ -27,7 +27,7 @@ shift rule and its exactness argument:
 - ``indexing.py``: slices, selections, splits, cat, stack, padding;
 - ``rows.py``: ops that treat every feature alike (masks, index writes, gather, repeat, roll,
   reductions over other dims, pooling, upsampling, grid sampling);
-- ``linear_maps.py``: linear, matmul, attention, convolutions, embeddings (the parameter sources);
+- ``linear_maps.py``: linear, matmul, attention, convolutions, embeddings and embedding bags (the parameter sources);
 - ``norms.py``: norm calls, and a weightless LayerNorm's output as a source;
 - ``casts.py``: casts that round in the float64 proof;
 - ``parts.py``: questions about a part of a tensor (the rows of a fused projection);
@@ -61,7 +61,7 @@ from .indexing import (SPLIT_DIM_ARG, shift_cat, shift_getitem, shift_index_sele
 from .layout import (shift_expand, shift_numpy_t, shift_permute, shift_t, shift_transpose, shift_view,
                      zero_mean_expand, zero_mean_numpy_t, zero_mean_permute, zero_mean_t, zero_mean_transpose,
                      zero_mean_view)
-from .linear_maps import (shift_linear, shift_mm, zero_mean_addmm, zero_mean_baddbmm, zero_mean_conv,
+from .linear_maps import (EMBEDDING_BAG_OP_NAMES, shift_linear, shift_mm, zero_mean_addmm, zero_mean_baddbmm, zero_mean_conv,
                           zero_mean_conv_transpose, zero_mean_embedding, zero_mean_linear, zero_mean_mm, zero_mean_sdpa)
 from .norms import NormCall, layer_norm_source, norm_call
 from .parts import select_part, slice_part, split_part, view_part
@@ -142,8 +142,8 @@ BLOCK_RULES = {zero_mean_same_dim, zero_mean_dropout, zero_mean_view, zero_mean_
 METADATA_OPS = set(aten_packets("_assert_tensor_metadata", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
                             "zeros_like", "ones_like", "empty_like", "full_like", "new_zeros", "new_ones",
                             "new_empty", "new_full"))
-# ops whose result is a list consumed through getitem
-MULTI_OUTPUT_OPS = set(aten_packets(*SPLIT_DIM_ARG))
+# ops whose result is a list or tuple consumed through getitem (the getitem answers for its part)
+MULTI_OUTPUT_OPS = set(aten_packets(*SPLIT_DIM_ARG, *EMBEDDING_BAG_OP_NAMES))
 # op -> the argument read only for its shape (or dtype): ``expand_as(x, other)``, ``view_as(x, other)``
 _SHAPE_SOURCE_ARG = {p: 1 for p in aten_packets("expand_as", "view_as", "reshape_as", "type_as")}
 

@@ -182,8 +182,8 @@ def _expand_sum(root: fx.Node) -> LinearSum | None:
 
 def _linear_parts(n, out_shape) -> list[tuple[fx.Node, Fraction]] | None:
     """n = Σ k·part for an add / sub / neg / scaling by a finite number of shape ``out_shape`` (parts may broadcast)."""
-    if not isinstance(n, fx.Node) or n.op != "call_function" or trace_shape(n) != out_shape:
-        return None
+    if not isinstance(n, fx.Node) or n.op != "call_function" or out_shape is None or trace_shape(n) != out_shape:
+        return None  # (no shape: not a tensor, e.g. an op's tuple of outputs)
     packet, args = getattr(n.target, "overloadpacket", None), n.args
     nodes = [a for a in args if isinstance(a, fx.Node)]
     if not all(_broadcasts_to(trace_shape(a), out_shape) for a in nodes) or set(n.kwargs) - {"alpha"}:

@@ -12,8 +12,9 @@ import math
 from torch import fx
 
 from ..graph import node_arg as _arg  # the short name reads better in the rules below
-from ..graph import op_name, trace_shape
+from ..graph import SymbolicSizeError, op_name, static_dim, trace_shape
 from .answers import Break, Requires, make_need, only_at, rank
+from .linear_maps import EMBEDDING_BAG_OP_NAMES, shift_embedding_bag, zero_mean_embedding_bag
 from .norms import norm_call, norm_output_source
 
 
@@ -89,14 +90,30 @@ def zero_mean_getitem(node, dim, group):
     call = norm_call(src) if isinstance(src, fx.Node) else None
     if call is not None and call.output is node:
         return norm_output_source(call, node, dim, group)
+    if name in EMBEDDING_BAG_OP_NAMES and index == 0:
+        return zero_mean_embedding_bag(node, dim, group)
     if name not in SPLIT_DIM_ARG:
         return Break(f"getitem of {op_name(src) if isinstance(src, fx.Node) else src!r} is not in the rules table")
     x = src.args[0]
     ds = _arg(src, SPLIT_DIM_ARG[name], "dim", 0) % rank(x)
     if name == "unbind":
         return Requires((make_need(x, dim if dim < ds else dim + 1, group),))
-    sizes = [int(v.shape[ds]) for v in src.meta["val"]]
+    try:
+        sizes = split_sizes(src, ds)
+    except SymbolicSizeError:
+        if ds == dim:
+            raise
+        return Requires((make_need(x, dim, group),))  # every part at once: stronger than this part, never wrong
     return _aligned_part(node, x, ds, dim, group, sum(sizes[:index]), sizes[index])
+
+
+def split_sizes(src, ds: int) -> list[int]:
+    """The sizes along ``ds`` of the parts of a split, chunk or unbind; SymbolicSizeError when one is
+    decided by the input's values (a split at data-dependent sizes: PaddleOCR-VL's per-image patches)."""
+    sizes = [static_dim(v, ds) for v in src.meta["val"]]
+    if None in sizes:
+        raise SymbolicSizeError(f"{op_name(src)} into parts whose sizes depend on the input's values")
+    return sizes
 
 
 def shift_getitem(node, operand, dims):
@@ -104,6 +121,8 @@ def shift_getitem(node, operand, dims):
     src = node.args[0]
     packet = getattr(getattr(src, "target", None), "overloadpacket", None) if isinstance(src, fx.Node) else None
     name = str(packet).removeprefix("aten.") if packet is not None else None
+    if name in EMBEDDING_BAG_OP_NAMES:  # the bags (output 0) carry it; the offsets and counts do not
+        return shift_embedding_bag(src, operand, dims) if node.args[1] == 0 else None
     if name not in SPLIT_DIM_ARG or src.args[0] is not operand:
         return None
     ds = _arg(src, SPLIT_DIM_ARG[name], "dim", 0) % rank(operand)

@@ -110,3 +110,29 @@ def zero_mean_embedding(node, dim, group):
     if dim != rank(node) - 1:
         return Break(f"{op_name(node)} along an index dim")
     return Requires((make_need(node.args[0], 1, group),))  # rows of W are gathered whole
+
+
+EMBEDDING_BAG_OP_NAMES = ("_embedding_bag", "embedding_bag", "_embedding_bag_forward_only")
+_BAG_MODES = ("sum", "mean", "max")  # an embedding bag's ``mode`` argument, by its number
+
+
+def zero_mean_embedding_bag(node, dim, group):
+    """The bags (output 0, ``node``) of an embedding bag (Kimi-K2.5's interpolated position table): with
+    mode sum or mean each bag is a weighted sum of whole rows of W, y_b = Σ_i s_i W[idx_i] (mean: s_i =
+    1 / count), so P·W gives P·y and centering W is exact; mode max picks each feature from its own row."""
+    bag = node.args[0]
+    mode = _BAG_MODES[_arg(bag, 4, "mode", 0)]
+    if dim != rank(node) - 1:
+        return Break(f"{op_name(bag)} along its bag dim")
+    if mode == "max":
+        return Break(f"{op_name(bag)} with mode max: each feature comes from its own row")
+    return Requires((make_need(bag.args[0], 1, group),))
+
+
+def shift_embedding_bag(node, operand, dims):
+    """An embedding bag (sum or mean) is linear in W: a shift of W constant along its features (dim 1) gives
+    each bag Σ_i s_i δ[idx_i], constant along the features too (``node``: the bag op, asked at its getitem 0);
+    mode max, or a shift through the indices or weights: none passes."""
+    if not only_at(node, operand, 0) or 1 not in dims or _BAG_MODES[_arg(node, 4, "mode", 0)] == "max":
+        return None
+    return {1}

@@ -18,7 +18,7 @@ from torch import fx
 from ..graph import node_arg as _arg  # the short name reads better below
 from ..graph import trace_shape
 from .answers import Requires, part_need, rank
-from .indexing import SPLIT_DIM_ARG
+from .indexing import SPLIT_DIM_ARG, split_sizes
 from .layout import view_groups
 
 
@@ -71,7 +71,7 @@ def split_part(node, dim, group, groups, where):
     ds = _arg(src, SPLIT_DIM_ARG[name], "dim", 0) % rank(x)
     if name == "unbind":
         return _picked(x, dim, ds, group, groups, where, [index], keep_dim=False)
-    sizes = [int(v.shape[ds]) for v in src.meta["val"]]
+    sizes = split_sizes(src, ds)
     start = sum(sizes[:index])
     indices = list(range(start, start + sizes[index]))
     if ds == dim:
