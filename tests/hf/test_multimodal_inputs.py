@@ -265,3 +265,16 @@ def test_a_patch_layout_model_gets_patches_it_takes_and_one_image_token_per_feat
     token = getattr(model.config, "image_token_id", None)
     if isinstance(token, int) and "input_ids" in inputs:
         assert (inputs["input_ids"] == token).sum() > 0
+
+
+def test_random_text_holds_none_of_the_configs_media_control_tokens_but_may_hold_its_text_tokens():
+    """A start marker or placeholder of image, audio or video in random text makes a model parse media that
+    is not there (the Qwen omni models read an audio clip after every audio start marker); pad, bos, eos and
+    the like are text."""
+    config = transformers.LlamaConfig(**TINY_TEXT, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    controls = {"vision_start_token_id": 5, "audio_start_token_id": 6, "audio_token_index": 7}
+    for name, value in controls.items():
+        setattr(config, name, value)
+    ids = example_inputs_for(config, batch=64, seq=32)["input_ids"]  # 2,048 ids over a vocabulary of 99
+    assert not torch.isin(ids, torch.tensor(list(controls.values()))).any()
+    assert torch.isin(ids, torch.tensor([0, 1, 2])).any()  # text tokens are kept

@@ -46,6 +46,10 @@ SMALL_SIZES = {
     "num_heads": 4, "out_hidden_size": 32,
     # Llama 4's vision projector (input and output) and what its tower hands on; MiniMax-M3-VL's projector
     "projector_input_dim": 32, "projector_output_dim": 32, "vision_output_dim": 32, "projector_hidden_size": 32,
+    # Kimi-K2.5's projector norms the merged vision states at the vision width
+    "projection_hidden_size": 32,
+    # Inkling2's vision projector hands the text model its width, through a hidden layer
+    "text_hidden_size": 32, "projection_hidden_dim": 64,
     # Gemma 3 pools each image's 4 x 4 patches to mm_tokens_per_image: 2 x 2 tokens, a pooling kernel of 2
     "mm_tokens_per_image": 4,
     # widths a config derives from hidden_size when built (ViT's pooler), or that must equal the projection
@@ -93,8 +97,9 @@ def shrink(config):
             top -= 1
     _fit_mrope_sections(config)
     shrink_grid_pinpoints(config)
-    if "image_token_index" in vars(config) and config.image_token_index is None and hasattr(config, "num_query_tokens"):
-        config.image_token_index = top  # a Q-Former's query outputs (BLIP-2) take the places of this token
+    for name in ("image_token_index", "video_token_index"):  # a Q-Former's query outputs (BLIP-2, InstructBLIP-
+        if name in vars(config) and vars(config)[name] is None and hasattr(config, "num_query_tokens"):  # Video) take
+            setattr(config, name, top)  # the places of this token (None by default: every call fails comparing to it)
     for tower in TOWERS:
         sub = getattr(config, tower, None)
         if isinstance(sub, transformers.PretrainedConfig):
@@ -158,6 +163,15 @@ _GRANITE_PROJECTOR = {"projector_config": {"model_type": "blip_2_qformer", "hidd
                                            "num_attention_heads": 4, "intermediate_size": 64,
                                            "encoder_hidden_size": SMALL_SIZES["hidden_dim"]}}
 CONFIG_OVERRIDES.update({"granite_speech": _GRANITE_PROJECTOR, "granite_speech_plus": _GRANITE_PROJECTOR})
+# PaddleOCR-VL's text rotary, like GLM-4V's, defaults its mrope_section in code ([16, 24, 24]): made explicit
+CONFIG_OVERRIDES["paddleocr_vl"] = {"text_config": {"rope_parameters": {
+    "rope_type": "default", "rope_theta": 500000.0, "mrope_section": [16, 24, 24]}}}
+# The Qwen omni thinkers' rope index reads vision_start_token_id on every call, a field their config classes do not
+# declare (checkpoints' config.json sets it), and tells images, audio and their start markers apart by id (the shrink
+# maps all of them to 1): each its own id inside the shrunk vocabulary
+CONFIG_OVERRIDES.update(dict.fromkeys(("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"), {
+    "vision_start_token_id": 90, "audio_start_token_id": 91, "audio_token_id": 92, "image_token_id": 93,
+    "video_token_id": 94, "user_token_id": 95}))
 # Step3p7's forward builds a sliding-window mask for every call (modeling_step3p7.py: create_sliding_window_causal_mask,
 # unconditionally), which raises when the config sets no window, as its default does; checkpoints set one
 CONFIG_OVERRIDES["step3p7"] = {"text_config": {"sliding_window": 8}}
@@ -399,7 +413,9 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
 
 
 @pytest.mark.parametrize("model_type", ["seggpt", "step3p7", "radio", "muse_glimmer", "sam", "sam_hq", "rf_detr",
-                                        "mimi_encoder", "pe_audio", "nemotron3_diarization", "neucodec", "xcodec2"])
+                                        "mimi_encoder", "pe_audio", "nemotron3_diarization", "neucodec", "xcodec2",
+                                        "paddleocr_vl", "kimi_k25", "kimi_k25_vision", "inkling2_vision", "inkling2",
+                                        "granite_docling", "instructblipvideo", "qwen3_omni_moe_thinker"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
@@ -408,7 +424,11 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     SAM's prompt encoder lays its dense embeddings on the vision patch grid; RF-DETR picks fewer proposals
     than the tiny image has tokens; Mimi's encoder passes use_cache on itself (given twice when the call
     adds it through **kwargs); PE Audio reads its padding mask over frames (the call passes none); NeuCodec and
-    X-codec2 read 160-wide semantic features (a sub-config's width), X-codec2 one per codec frame."""
+    X-codec2 read 160-wide semantic features (a sub-config's width), X-codec2 one per codec frame;
+    PaddleOCR-VL and Kimi-K2.5 read grid patches unflattened (N, C, P, P), Inkling2 one merged token's pixels
+    per row, channels last, its grid counted in merged tokens; GraniteDocling masks tiles, not pixels;
+    InstructBLIP-Video reads clips (B, frames, C, H, W); the Qwen omni thinkers read an audio clip after every
+    audio start marker in the text (random text held some)."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():

@@ -39,7 +39,7 @@ def audio_inputs_for(audio_config, params, masks, batch: int, seq: int, gen: tor
         for candidate in candidates:
             gen.set_state(start)
             inputs = candidate(gen)
-            if _runs_eagerly(model, finish(dict(inputs))):
+            if runs_eagerly(model, finish(dict(inputs))):
                 return inputs
     gen.set_state(start)
     return candidates[0](gen)
@@ -65,7 +65,7 @@ def _joined(*builders: Candidate) -> Candidate:
     return lambda gen: {k: v for build in builders for k, v in build(gen).items()}
 
 
-def _runs_eagerly(model: nn.Module, inputs: dict[str, Any]) -> bool:
+def runs_eagerly(model: nn.Module, inputs: dict[str, Any]) -> bool:
     """Whether the original model runs on ``inputs`` (any exception: it does not)."""
     try:
         with torch.no_grad():

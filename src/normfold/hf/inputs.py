@@ -13,7 +13,7 @@ from torch import nn
 from .._deps import require
 from .._progress import progress
 from .._text import first_line
-from .audio_inputs import audio_inputs_for
+from .audio_inputs import audio_inputs_for, runs_eagerly
 from .load import CheckpointError, check_model_dir, model_class_for
 
 
@@ -55,6 +55,9 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
         media = (_clip_or_pair_inputs(config, vision_config, params, batch, gen)
                  or _image_inputs(vision_config, params, batch, gen, model_config=config))
         media.update(_companion_inputs(config, params, media, seq, gen))
+        layouts = _other_image_layouts(media, vision_config) if model is not None else []
+        if layouts:
+            return _first_call_that_runs(model, config, params, [media, *layouts], batch, seq, gen)
     elif "input_values" in params or "input_features" in params:
         def whole_call(audio: dict[str, Any]) -> dict[str, Any]:  # what a candidate layout is tried in
             return _completed_call(model, config, params, dict(audio), batch, seq, torch.Generator().manual_seed(seed))
@@ -73,6 +76,7 @@ def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, A
     masks, boxes and language ids, LXMERT's regions, masking noise, and the call options."""
     if "input_ids" in params:
         ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels or audio: text and media (CLIP, Voxtral)
+        ids = _without_media_control_tokens(ids, config, config.get_text_config())
         if model is not None:
             ids = _with_media_tokens(model, ids, inputs)
         if "pixel_values" in inputs:  # slots for the image given (Kosmos-2.5 reads flattened patches instead)
@@ -97,6 +101,22 @@ def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, A
         raise CheckpointError(f"cannot build example inputs for {type(config).__name__}: its forward takes none of "
                               f"input_ids, pixel_values, input_values, input_features")
     return with_call_options(inputs, config, params, seq=seq, gen=gen)
+
+
+def _first_call_that_runs(model: nn.Module, config, params, layouts: list[dict[str, Any]], batch: int, seq: int,
+                          gen: torch.Generator) -> dict[str, Any]:
+    """The whole call (:func:`_completed_call`) for the first of ``layouts`` (the same media laid out in
+    different ways, the usual one first) that the original ``model`` runs on eagerly, each completed from
+    the same generator state (the text is the same for every layout); the first layout's call when none runs
+    (the fold then says how the original fails on it)."""
+    start = gen.get_state()
+    for layout in layouts:
+        gen.set_state(start)
+        call = _completed_call(model, config, params, dict(layout), batch, seq, gen)
+        if runs_eagerly(model, call):
+            return call
+    gen.set_state(start)
+    return _completed_call(model, config, params, dict(layouts[0]), batch, seq, gen)
 
 
 def with_call_options(inputs: dict[str, Any], config, params, *, seq: int = EXAMPLE_LENGTH,
@@ -181,6 +201,24 @@ def _token_ids(text_config, batch: int, seq: int, gen: torch.Generator) -> torch
     vocab = getattr(text_config, "vocab_size", None) or CHARACTER_VOCAB
     limit = max_positions(text_config)
     return torch.randint(0, vocab, (batch, seq if limit is None else min(seq, limit)), generator=gen)
+
+
+# the special tokens a sentence may hold; a config's other *_token_id / *_token_index fields mark media (image, audio
+# and video placeholders, their start and end markers) that the model parses out of the ids
+_TEXT_TOKENS = ("pad", "bos", "eos", "sep", "cls", "mask", "unk", "decoder_start")
+
+
+def _without_media_control_tokens(ids: torch.Tensor, *configs) -> torch.Tensor:
+    """``ids`` with every media control token of ``configs`` (a vision start marker, an audio placeholder, ...)
+    replaced by the smallest id that is none: random text holding one makes the model parse media that is
+    not there (the Qwen omni models' rope index reads an audio clip after each audio start marker)."""
+    control = {value for config in configs for name, value in vars(config).items()
+               if name.endswith(("_token_id", "_token_index")) and isinstance(value, int) and not isinstance(value, bool)
+               and name.rsplit("_token", 1)[0] not in _TEXT_TOKENS}
+    if not control:
+        return ids
+    plain = next(i for i in range(len(control) + 1) if i not in control)
+    return ids.masked_fill(torch.isin(ids, torch.tensor(sorted(control))), plain)
 
 
 GRID_INPUTS = ("image_grid_thw", "grid_thw")  # the grid of each image: its name in a VLM's forward, in its vision tower's
@@ -292,6 +330,48 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator, *,
         return {"pixel_values": torch.randn(batch, 1, channels, h, w, generator=gen),
                 "pixel_attention_mask": torch.ones(batch, 1, h, w, dtype=torch.bool)}
     return {"pixel_values": torch.randn(batch, channels, h, w, generator=gen)}
+
+
+def _other_image_layouts(media: dict[str, Any], vision_config) -> list[dict[str, Any]]:
+    """The same images (``media``: :func:`_image_inputs` and its companions) in the other layouts that
+    models read under the same names, tried when the original rejects the usual one:
+
+    - grids of flattened patches (N, C·T·P·P): unflattened, (N, C, P, P) or (N, C, T, P, P), for a tower
+      whose patch embedding is a conv over each patch (PaddleOCR-VL, Kimi-K2.5); and one row per merged
+      token, (N / m², m·P, m·P, C) channels last with the grid counted in merged tokens (Inkling2);
+    - a per-pixel ``pixel_attention_mask`` (B, 1, H, W): a per-tile one, (B, 1) (GraniteDocling: the real tiles);
+    - (B, C, H, W) pixels with nothing else describing them: one-frame clips, (B, 1, C, H, W) (InstructBLIP-Video).
+    """
+    pixels = media.get("pixel_values")
+    if not isinstance(pixels, torch.Tensor):
+        return []
+    grid_name = next((name for name in GRID_INPUTS if name in media), None)
+    patch = getattr(vision_config, "patch_size", None)
+    if grid_name is not None and pixels.dim() == 2 and isinstance(patch, int):
+        return _other_patch_layouts(media, grid_name, vision_config)
+    mask = media.get("pixel_attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+        return [{**media, "pixel_attention_mask": mask.flatten(2).any(-1)}]  # (B, 1, H, W) -> (B, tiles)
+    if pixels.dim() == 4 and not set(media) & set(_IMAGE_INPUTS) - {"pixel_values"}:
+        return [{**media, "pixel_values": pixels.unsqueeze(1)}]  # (B, C, H, W) -> (B, frames = 1, C, H, W)
+    return []
+
+
+def _other_patch_layouts(media: dict[str, Any], grid_name: str, vision_config) -> list[dict[str, Any]]:
+    """The grid-patch layouts of :func:`_other_image_layouts`, for ``media`` built by :func:`_grid_image_inputs`."""
+    pixels, grid = media["pixel_values"], media[grid_name]  # (N, C·T·P·P), (images, 3)
+    patch, channels = vision_config.patch_size, _image_channels(vision_config)
+    temporal = _config_int(vision_config, _TEMPORAL_FIELDS, 1)
+    merge = _config_int(vision_config, _MERGE_FIELDS, 1)
+    frames = (temporal,) if temporal > 1 else ()
+    layouts = [{**media, "pixel_values": pixels.reshape(pixels.shape[0], channels, *frames, patch, patch)}]
+    if temporal == 1 and merge > 1:
+        # the random values need no reordering: (N, C·P·P) -> (N / m², m·P, m·P, C), a merged token's pixels per row
+        blocks = pixels.reshape(-1, merge * patch, merge * patch, channels)
+        merged_grid = grid.clone()
+        merged_grid[:, 1:] //= merge
+        layouts.append({**media, "pixel_values": blocks, grid_name: merged_grid})
+    return layouts
 
 
 def _patch_masking_noise(vision_config, pixel_values: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
