@@ -213,3 +213,34 @@ def test_a_corrupted_fold_of_gpt2_fails_its_proof_on_the_short_example(monkeypat
     monkeypatch.setattr(transform, "apply_plan", one_centering_left_out)
     with pytest.raises(FoldVerificationError, match="relative error"):
         normfold.fold(model, inputs)
+
+
+class ReadsItsNormsWeight(nn.Module):
+    """Linear → LayerNorm → Linear whose forward casts its input to the norm's weight dtype (FunASR's
+    encoder reads ``layers[0].input_layernorm.weight.dtype``): a norm left weightless breaks the forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):  # (B, T, 8)
+        x = x.to(self.norm.weight.dtype)
+        return self.head(self.norm(self.proj(x)))
+
+
+def test_a_model_whose_code_reads_a_norms_weight_folds_with_its_affine_kept_and_says_why():
+    torch.manual_seed(0)
+    model = ReadsItsNormsWeight().eval()
+    with torch.no_grad():
+        model.norm.weight.normal_()
+        model.norm.bias.normal_()
+    x = torch.randn(2, 5, 8)
+    folded, report = normfold.fold(model, (x,))
+    (entry,) = report.norms
+    assert entry.foldable and not entry.affine_folded
+    assert entry.affine_kept.startswith("the fold with γ/β moved out did not run") and "'NoneType'" in entry.affine_kept
+    assert folded.norm.weight is not None and report.verification.max_rel_error <= 1e-9
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), model(x), rtol=1e-5, atol=1e-5)

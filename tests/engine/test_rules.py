@@ -791,3 +791,21 @@ def test_a_norm_folds_when_only_its_row_count_depends_on_the_input(after):
 def test_a_rule_that_needs_a_size_the_input_decides_breaks_and_names_it():
     _, report = fold_checked(_RowsAMaskKeeps("cls_then_slice"), (_x(6, C), _KEEP), {"norm": False})
     assert "depends on the input's values" in report.norms[0].reason, report.norms[0].reason
+
+
+class _NormOfATable(nn.Module):
+    """A LayerNorm applied straight to a parameter (SEW-D / DeBERTa's relative position table), whose rows
+    the attention then reads: centering the table is the whole fold."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(6, C))
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, x):  # (B, T, C)
+        return x @ self.norm(self.table).t()  # (B, T, 6)
+
+
+def test_a_layernorm_applied_straight_to_a_parameter_folds_by_centering_it():
+    _, report = fold_checked(_NormOfATable(), (_x(B, T, C),), {"norm": True})
+    assert report.norms[0].producers == ("table",)

@@ -733,14 +733,17 @@ def _centering_steps(foldable: list[AnalyzedNorm], parents, captured: Captured):
         for fqn, *_ in norm.params:
             norm_of[_canonical(fqn, captured)] = norm.path
     by_tensor = centered_parts(foldable, captured)
+    # a need's readers: the nodes that asked for it, and the norm itself for its own input (a LayerNorm applied
+    # straight to a parameter: SEW-D's relative position table)
     centered_names = {use_alias(captured, need.node, user) for norm in foldable for need in norm.zero_mean_graph
                       if captured.centerable_fqn(need.node) is not None
-                      for user in _with_readers_in_sums(parents.get(need, set()), need.node)}
+                      for user in _with_readers_in_sums(parents.get(need, set()), need.node)
+                      | {call.node for call in norm.calls if call.x is need.node}}
     center, untie, untied = [], [], []
     for canonical, (dim, group, groups) in sorted(by_tensor.items()):
         names = captured.aliases.get(canonical, (canonical,))
         kept = [n for n in names if n in centered_names]
-        if not kept:  # e.g. a LayerNorm applied straight to a parameter: no use of it to center was recorded
+        if not kept:  # no use of it to center was recorded (an internal inconsistency: refuse rather than guess)
             raise FoldError(f"norm {norm_of[canonical]}: planning the centering step: no use of parameter "
                             f"{canonical} inside its zero-mean graph was found, so it cannot be centered")
         center.append(CenterStep(kept[0], dim, group) if groups is None

@@ -23,6 +23,7 @@ from torch import nn
 from .analysis import analyze_calls
 from .batchnorm import has_batchnorms, plan_batchnorms
 from .errors import FoldError, failures_as_fold_error, model_name
+from .._text import first_line
 from .graph import check_model_and_inputs, describe_call, split_example_inputs
 from .norm_forms import recognized_rms_norms, without_downcasts
 from .plan import (AffineFoldStep, BatchNormFoldStep, CenterGroupsStep, CenterStep, FoldConfig, FoldPlan, LayerScaleStep,
@@ -200,7 +201,14 @@ def fold_step(model: nn.Module, calls: list, config: FoldConfig, context: StepCo
     # the graphs describe the folded model's forwards unless a BatchNorm stays in it (an identity the graph lacks)
     context.captured = None if any(step.keep_module for step in report.plan.batchnorm) else captured
     if config.verify:
-        report.verification = prove_fold(model, folded, calls, report.plan)
+        try:
+            report.verification = prove_fold(model, folded, calls, report.plan)
+        except FoldError as err:
+            if not report.plan.affine_fold:
+                raise
+            report, context.captured = _plan_keeping_affine(model, calls, config, report, err)
+            folded = apply_fold(model, report.plan)
+            report.verification = prove_fold(model, folded, calls, report.plan)  # fails again: raises
         if _float64_error_too_large(report.verification) and float_dtype(model) != torch.float64:
             replanned = _plan_in_float64(model, calls, config, report)
             if replanned is not None:  # a cast the model's own dtype hid: the narrower plan, proved again
@@ -208,6 +216,20 @@ def fold_step(model: nn.Module, calls: list, config: FoldConfig, context: StepCo
                 folded = apply_fold(model, report.plan)
                 report.verification = prove_fold(model, folded, calls, report.plan)
     return folded, report
+
+
+def _plan_keeping_affine(model: nn.Module, calls: list, config: FoldConfig, report: FoldReport,
+                         err: FoldError) -> tuple[FoldReport, CapturedCalls]:
+    """The plan with every γ/β kept in its norm, for a fold whose proof could not run with them moved out
+    (``err``): a model whose own code reads a norm's weight (FunASR casts its features to
+    ``layers[0].input_layernorm.weight.dtype``) fails on a weightless norm. The same norms fold; the
+    graphs it was planned from for the next step."""
+    replanned, captured = plan_and_capture(model, calls, replace(config, fold_affine=False))
+    why = f"the fold with γ/β moved out did not run ({first_line(err, 200)})"
+    moved = {e.path for e in report.norms if e.affine_folded}
+    entries = [replace(e, reason=f"{e.reason}; affine kept: {why}", affine_kept=why) if e.path in moved else e
+               for e in replanned.norms]
+    return replace(replanned, norms=entries), captured
 
 
 def _float64_error_too_large(result: VerifyResult) -> bool:
