@@ -59,6 +59,8 @@ SMALL_SIZES = {
 TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config", "encoder", "decoder",
           "adaptor_config",  # FunASR's adaptor: its output width is the shrunk text width
           "qformer_config", "high_res_vision_config",
+          "perceiver_config",  # Idefics2's resampler reads the text width (its hidden_size)
+          "sam_config",  # Unlimited-OCR's SAM stage before its CLIP encoder
           "semantic_model_config")  # NeuCodec and X-codec2's semantic branch: a whole Wav2Vec2-BERT
 
 # one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
@@ -103,7 +105,7 @@ def shrink(config):
     for tower in TOWERS:
         sub = getattr(config, tower, None)
         if isinstance(sub, transformers.PretrainedConfig):
-            shrink(sub)
+            _set_overrides(shrink(sub))
     derive_sizes_again(config)
     shrink_layer_lists(config)
     if isinstance(getattr(config, "vision_output_dim", None), int) and hasattr(config, "intermediate_layers_indices"):
@@ -172,6 +174,27 @@ CONFIG_OVERRIDES["paddleocr_vl"] = {"text_config": {"rope_parameters": {
 CONFIG_OVERRIDES.update(dict.fromkeys(("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker"), {
     "vision_start_token_id": 90, "audio_start_token_id": 91, "audio_token_id": 92, "image_token_id": 93,
     "video_token_id": 94, "user_token_id": 95}))
+# Aria's projector maps each image's patch count to its query count: the shrunk image's 4 x 4 patches to 4 queries
+CONFIG_OVERRIDES["aria"] = {"projector_patch_to_query_dict": {16: 4}}
+# Unlimited-OCR's SAM stage reads the image at the vision config's size (it names none: 224 px) and hands its last
+# downsampling conv's channels to the CLIP encoder, whose width they must be
+CONFIG_OVERRIDES["unlimited_ocr_sam_vision_model"] = {"image_size": 224, "downsample_channels": [16, SMALL_SIZES["hidden_size"]]}
+# NeoMME's full-attention rotary covers a quarter of each head, split row / column / row / column: a multiple of 4
+CONFIG_OVERRIDES["neomme"] = {"head_dim": 16}
+# SAM2's HieraDet backbone: a 1024 px image through four stages of 96..768 channels (12 blocks): 64 px (16 x 16
+# patches, then 8, 4, 2 per side), its first stage at the shrunk width, one block a stage (two in the third: its
+# second global; a stage's first block pools its queries, which a global block cannot), windows inside each grid
+_HIERA = {"image_size": [64, 64], "hidden_size": 32, "embed_dim_per_stage": [32, 64, 128, 256],
+          "num_attention_heads_per_stage": [1, 2, 4, 8], "blocks_per_stage": [1, 1, 2, 1], "global_attention_blocks": [3],
+          "window_size_per_stage": [4, 4, 2, 2], "window_positional_embedding_background_size": [4, 4]}
+CONFIG_OVERRIDES["sam2_hiera_det_model"] = _HIERA
+# SAM2 itself: that backbone at the size its vision config's images get (it names none: 224 px, 56 x 56 patches), its
+# feature pyramid read at the three finest stages' channels and grids, the prompt grid on the coarsest (224 / 16)
+CONFIG_OVERRIDES["sam2"] = {"vision_config": {"backbone_config": {"model_type": "sam2_hiera_det_model", **_HIERA,
+                                                                  "image_size": [224, 224]},
+                                              "backbone_channel_list": [256, 128, 64, 32],
+                                              "backbone_feature_sizes": [[56, 56], [28, 28], [14, 14]]},
+                            "prompt_encoder_config": {"image_size": 224}}
 # Step3p7's forward builds a sliding-window mask for every call (modeling_step3p7.py: create_sliding_window_causal_mask,
 # unconditionally), which raises when the config sets no window, as its default does; checkpoints set one
 CONFIG_OVERRIDES["step3p7"] = {"text_config": {"sliding_window": 8}}
@@ -200,8 +223,13 @@ def shrunk_config(model_type: str):
     """The default config of ``model_type`` shrunk, its CONFIG_OVERRIDES set last (a sub-config's, given as a
     dict, only to the constructor: the shrink rules fit a tower's)."""
     overrides = CONFIG_OVERRIDES.get(model_type, {})
-    config = shrink(transformers.CONFIG_MAPPING[model_type](**copy.deepcopy(overrides)))
-    for name, value in overrides.items():
+    return _set_overrides(shrink(transformers.CONFIG_MAPPING[model_type](**copy.deepcopy(overrides))))
+
+
+def _set_overrides(config):
+    """``config`` with the plain values its type's CONFIG_OVERRIDES names set (returned for chaining): the
+    top-level config's, or a tower's (keyed by the tower's own model type) after the rules shrank it."""
+    for name, value in CONFIG_OVERRIDES.get(getattr(config, "model_type", None), {}).items():
         if name not in TOWERS and not isinstance(value, dict):
             setattr(config, name, value)
     return config
@@ -415,7 +443,8 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
 @pytest.mark.parametrize("model_type", ["seggpt", "step3p7", "radio", "muse_glimmer", "sam", "sam_hq", "rf_detr",
                                         "mimi_encoder", "pe_audio", "nemotron3_diarization", "neucodec", "xcodec2",
                                         "paddleocr_vl", "kimi_k25", "kimi_k25_vision", "inkling2_vision", "inkling2",
-                                        "granite_docling", "instructblipvideo", "qwen3_omni_moe_thinker"])
+                                        "granite_docling", "instructblipvideo", "qwen3_omni_moe_thinker", "idefics2",
+                                        "aria", "unlimited_ocr", "neomme", "sam2_hiera_det_model", "sam2"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
@@ -428,7 +457,10 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     PaddleOCR-VL and Kimi-K2.5 read grid patches unflattened (N, C, P, P), Inkling2 one merged token's pixels
     per row, channels last, its grid counted in merged tokens; GraniteDocling masks tiles, not pixels;
     InstructBLIP-Video reads clips (B, frames, C, H, W); the Qwen omni thinkers read an audio clip after every
-    audio start marker in the text (random text held some)."""
+    audio start marker in the text (random text held some); Idefics2's resampler reads the text width; Aria's
+    projector knows query counts for the patch counts of its checkpoints' images only; Unlimited-OCR's SAM stage
+    reads the image at the vision config's size and hands the CLIP encoder its width; NeoMME's rotary needs a
+    multiple of 4 dims; SAM2's HieraDet pools its queries at each stage's first block, which a global block cannot."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():
