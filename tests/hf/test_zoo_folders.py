@@ -42,8 +42,9 @@ SMALL_SIZES = {
     "q_lora_rank": 16, "index_head_dim": 16, "index_n_heads": 4,
     # BROS projects each box pair's sinusoid embedding to one head's size, 32 / 4
     "dim_bbox_projection": 8,
-    # Qwen2-VL-style vision towers: their heads (num_heads) and the width they hand the text model
-    "num_heads": 4, "out_hidden_size": 32,
+    # Qwen2-VL-style vision towers: their heads (num_heads), the width they hand the text model, and their blocks
+    # (depth: 24 to 40 of them by default)
+    "num_heads": 4, "out_hidden_size": 32, "depth": 2,
     # Llama 4's vision projector (input and output) and what its tower hands on; MiniMax-M3-VL's projector
     "projector_input_dim": 32, "projector_output_dim": 32, "vision_output_dim": 32, "projector_hidden_size": 32,
     # Kimi-K2.5's projector norms the merged vision states at the vision width
