@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from normfold.engine import analyze, fold
+from normfold.engine import fold
 from normfold.engine import ExampleInputsError, FoldError, FoldPlan, transform
 from normfold.engine.pipeline import prove_fold
 from normfold.engine.verify import fresh_inputs_like, verify
@@ -49,29 +49,11 @@ class NanInFloat64(PreLN):
         return out * float("nan") if x.dtype == torch.float64 else out
 
 
-class NormOfAParameter(nn.Module):
-    """A LayerNorm applied straight to a parameter (DeBERTa-v2's norm_rel_ebd="layer_norm")."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.table, self.ln, self.fc = nn.Parameter(torch.randn(4, C)), nn.LayerNorm(C), nn.Linear(C, C)
-
-    def forward(self, x):
-        return self.fc(x) @ self.ln(self.table).T
-
-
 def _x(batch: int = 3):
     return (torch.randn(batch, C, generator=torch.Generator().manual_seed(0)),)
 
 
 # ------------------------------------------------------------------------- failures are FoldErrors
-
-
-def test_a_layer_norm_of_a_parameter_is_a_fold_error_naming_the_model_norm_and_step_not_an_index_error():
-    for run in (analyze, fold):  # before: IndexError in _centering_steps, in analyze too
-        with pytest.raises(FoldError, match=r"NormOfAParameter: planning.*norm ln: planning the centering step"):
-            run(NormOfAParameter(), _x())
 
 
 def test_an_exception_while_applying_the_plan_is_a_fold_error_naming_the_model_and_the_step(monkeypatch):

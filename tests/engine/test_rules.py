@@ -807,5 +807,7 @@ class _NormOfATable(nn.Module):
 
 
 def test_a_layernorm_applied_straight_to_a_parameter_folds_by_centering_it():
+    """Was a FoldError ("planning the centering step: no use of parameter table ... was found"; before that
+    an IndexError): the norm itself is the parameter's reader whose name gets centered."""
     _, report = fold_checked(_NormOfATable(), (_x(B, T, C),), {"norm": True})
     assert report.norms[0].producers == ("table",)
