@@ -468,6 +468,17 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
         model(**example_inputs_for(model))
 
 
+def test_a_float64_model_gets_the_example_layout_its_float32_copy_gets():
+    """Candidate layouts are tried with their floats in the model's own dtype, as the fold runs them: a float64
+    conformer that never casts its features rejected every float32 candidate and was given the first, Whisper's
+    (B, mel, 3000), which it cannot read."""
+    config = _config("nemotron_asr_streaming_encoder")
+    model = _bare_model_class(config)(config).eval()
+    in_float32 = {k: tuple(v.shape) for k, v in example_inputs_for(model).items() if torch.is_tensor(v)}
+    in_float64 = {k: tuple(v.shape) for k, v in example_inputs_for(model.double()).items() if torch.is_tensor(v)}
+    assert in_float64 == in_float32 and in_float32["input_features"][-1] == config.num_mel_bins
+
+
 def test_untie_config_leaves_a_vision_model_without_input_embeddings_as_it_is():
     from normfold.hf.saving import untie_config
 

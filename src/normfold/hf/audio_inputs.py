@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ..engine.verify import cast_floats, float_dtype
+
 WHISPER_FRAMES = 3000  # 30 s of 10 ms frames: Whisper's input when the config names no positions
 COMMON_MEL_BINS = (80, 128)  # the usual filter-bank widths, tried after the config's own
 MEL_FIELDS = ("num_mel_bins", "feature_size", "input_feat_size", "feature_projection_input_dim", "n_mels",
@@ -66,10 +68,12 @@ def _joined(*builders: Candidate) -> Candidate:
 
 
 def runs_eagerly(model: nn.Module, inputs: dict[str, Any]) -> bool:
-    """Whether the original model runs on ``inputs`` (any exception: it does not)."""
+    """Whether the original model runs on ``inputs``, their floats in its own dtype as the fold runs them
+    (any exception: it does not; a float64 model that never casts its input rejects float32 features)."""
+    dtype = float_dtype(model)
     try:
         with torch.no_grad():
-            model(**inputs)
+            model(**(inputs if dtype is None else cast_floats(inputs, dtype)))
     except Exception:  # noqa: BLE001  a layout the model rejects, whatever its error
         return False
     return True
