@@ -214,7 +214,7 @@ def _without_media_control_tokens(ids: torch.Tensor, *configs) -> torch.Tensor:
     not there (the Qwen omni models' rope index reads an audio clip after each audio start marker)."""
     control = {value for config in configs for name, value in vars(config).items()
                if name.endswith(("_token_id", "_token_index")) and isinstance(value, int) and not isinstance(value, bool)
-               and name.rsplit("_token", 1)[0] not in _TEXT_TOKENS}
+               and not name.rsplit("_token", 1)[0].endswith(_TEXT_TOKENS)}  # forced_bos, decoder_start: text
     if not control:
         return ids
     plain = next(i for i in range(len(control) + 1) if i not in control)
