@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from normfold.engine import FoldError, fold
+from normfold.engine import fold
 from normfold.hf.inputs import example_inputs_for
 
 pytest.importorskip("transformers")
@@ -86,11 +86,13 @@ def test_constant_parameters_are_randomised_before_folding(hf_zoo, zoo):
         assert p.numel() == 1 or not (p == p.flatten()[0]).all(), f"{name} is still constant"
 
 
-def test_deberta_v2_with_a_layer_norm_of_its_relative_embeddings_is_a_fold_error_naming_the_norm(hf_zoo, zoo):
+def test_deberta_v2_with_a_layer_norm_of_its_relative_embeddings_folds_it_by_centering_the_table(hf_zoo, zoo):
+    """Was a FoldError ("norm encoder.LayerNorm: planning the centering step"), before that an IndexError."""
     model = hf_zoo.tiny_model("deberta-v2", zoo, relative_attention=True, norm_rel_ebd="layer_norm")
-    with pytest.raises(FoldError, match=r"DebertaV2Model \(deberta-v2\): planning .*norm encoder.LayerNorm: "
-                                        r"planning the centering step"):  # before: IndexError
-        fold(model, example_inputs_for(model))
+    _, report = fold(model, example_inputs_for(model))
+    (entry,) = [e for e in report.norms if e.path == "encoder.LayerNorm"]
+    assert entry.foldable and entry.producers == ("encoder.rel_embeddings.weight",), entry.reason
+    assert report.verification.ok
 
 
 def test_layoutlm_with_ordered_boxes_is_verified_on_boxes_that_stay_ordered(hf_zoo, zoo):
