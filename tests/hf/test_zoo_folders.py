@@ -112,7 +112,9 @@ def derive_sizes_again(config) -> None:
     first): an MLA query/key head is its no-rope and rope parts (DeepSeek-V3 and kin); RADIO's flattened
     patch is ``num_channels``·``patch_size``² features; a Llama 4 vision MLP's width
     is what pixel shuffle makes of a patch (``hidden_size / ratio²``); MiniMax-M3-VL's merged patch is
-    ``spatial_merge_size²`` text-width features."""
+    ``spatial_merge_size²`` text-width features; Granite Speech 5 attends within blocks of ``context_size``
+    frames whose relative distances index ``2·max_position_embeddings + 1`` embeddings (its constructor
+    checks ``context_size <= max_position_embeddings``): blocks no longer than the shrunk positions."""
     if isinstance(getattr(config, "qk_head_dim", None), int):
         config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     if all(isinstance(getattr(config, name, None), int) for name in ("patch_dim", "patch_size", "num_channels")):
@@ -122,6 +124,9 @@ def derive_sizes_again(config) -> None:
         config.intermediate_size = int(config.hidden_size / ratio ** 2)
     if isinstance(getattr(config, "merged_hidden_size", None), int):
         config.merged_hidden_size = config.text_config.hidden_size * config.vision_config.spatial_merge_size ** 2
+    context, positions = getattr(config, "context_size", None), getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and isinstance(positions, int) and context > positions:
+        config.context_size = positions  # Granite Speech 5's attention blocks: a distance is one of 2·positions + 1
 
 
 # fields a size rule cannot derive (they win over SMALL_SIZES): GPT-Neo lists one attention type per layer;
@@ -176,6 +181,8 @@ CONFIG_OVERRIDES["nemotron3_diarization"] = {"head_config": {"audio_hidden_size"
                                              "audio_config": {"hidden_size": SMALL_SIZES["hidden_size"]}}
 # NeuCodec and X-codec2 quantize the acoustic and semantic features side by side: 32 + 32 shrunk widths
 CONFIG_OVERRIDES.update(dict.fromkeys(("neucodec", "xcodec2"), {"quantization_dim": 2 * SMALL_SIZES["hidden_size"]}))
+# Qwen3-ASR projects its audio states to output_dim (3584, a size rule cannot tell it is the text width): the shrunk 32
+CONFIG_OVERRIDES["qwen3_asr"] = {"audio_config": {"output_dim": SMALL_SIZES["hidden_size"]}}
 # SegGPT: a canvas of prompt above image, 64 x 32 px (8 x 4 patches; the default 896 x 448 is 6,272 tokens); the
 # prompt and image rows merge after the first layer, and the decoder reads both layers' states
 CONFIG_OVERRIDES["seggpt"] = {"image_size": [64, 32], "pretrain_image_size": 32, "merge_index": 0,
@@ -399,7 +406,9 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
 
 
 @pytest.mark.parametrize("model_type", ["seggpt", "step3p7", "radio", "muse_glimmer", "sam", "sam_hq", "rf_detr",
-                                        "mimi_encoder", "pe_audio", "nemotron3_diarization", "neucodec", "xcodec2"])
+                                        "mimi_encoder", "pe_audio", "nemotron3_diarization", "neucodec", "xcodec2",
+                                        "qwen2_audio", "musicflamingo", "qwen3_asr", "speecht5", "granite_speech5_ctc",
+                                        "granite_speech5_encoder"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
@@ -408,7 +417,10 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     SAM's prompt encoder lays its dense embeddings on the vision patch grid; RF-DETR picks fewer proposals
     than the tiny image has tokens; Mimi's encoder passes use_cache on itself (given twice when the call
     adds it through **kwargs); PE Audio reads its padding mask over frames (the call passes none); NeuCodec and
-    X-codec2 read 160-wide semantic features (a sub-config's width), X-codec2 one per codec frame."""
+    X-codec2 read 160-wide semantic features (a sub-config's width), X-codec2 one per codec frame; Qwen2-Audio
+    requires its feature_attention_mask and, like MusicFlamingo (whose get_audio_features needs the ids), one audio
+    token per audio tower state; Qwen3-ASR projects its audio to the text width (output_dim); SpeechT5Model reads
+    hidden states (no prenet); Granite Speech 5 attends within blocks no longer than its relative positions."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():
