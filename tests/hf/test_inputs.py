@@ -216,3 +216,13 @@ def test_a_conformer_reading_stacked_frames_gets_features_of_its_stacked_width()
     assert inputs["input_features"].shape[-1] == 4 * 80
     with torch.no_grad():
         model(**inputs)
+
+
+def test_token_ids_come_from_the_sub_config_naming_a_vocabulary_where_the_text_config_names_none():
+    """FastSpeech2 with HiFi-GAN: its text-to-spectrogram model's config is ``model_config`` (not a text config
+    transformers looks up): ids below its vocab_size (78), not below the character vocabulary (128)."""
+    from normfold.hf.inputs import _vocabulary_config
+
+    config = transformers.FastSpeech2ConformerWithHifiGanConfig()
+    assert _vocabulary_config(config) is config.model_config
+    assert int(example_inputs_for(config)["input_ids"].max()) < config.model_config.vocab_size

@@ -72,7 +72,7 @@ def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, A
     token ids led by the media's placeholder tokens (given the ``model``, :func:`_with_media_tokens`), their
     masks, boxes and language ids, LXMERT's regions, masking noise, and the call options."""
     if "input_ids" in params:
-        ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels or audio: text and media (CLIP, Voxtral)
+        ids = _token_ids(_vocabulary_config(config), batch, seq, gen)  # with pixels or audio: text and media (CLIP, Voxtral)
         if model is not None:
             ids = _with_media_tokens(model, ids, inputs)
         if "pixel_values" in inputs:  # slots for the image given (Kosmos-2.5 reads flattened patches instead)
@@ -166,6 +166,16 @@ def _vision_config(config):
         if vision is not None:
             return vision
     return config
+
+
+def _vocabulary_config(config):
+    """The config that sizes the token ids: the text config, or where that names no ``vocab_size`` the first
+    sub-config that does (FastSpeech2 with HiFi-GAN: its text-to-spectrogram model's ``model_config``)."""
+    text = config.get_text_config()
+    if isinstance(getattr(text, "vocab_size", None), int):
+        return text
+    subs = (v for v in vars(config).values() if hasattr(v, "to_dict") and not isinstance(v, dict))
+    return next((sub for sub in subs if isinstance(getattr(sub, "vocab_size", None), int)), text)
 
 
 def _poolable_length(config, seq: int) -> int:
