@@ -202,3 +202,27 @@ def test_a_model_placing_image_queries_by_a_position_mask_gets_one_slot_per_quer
     assert mask.shape == inputs["input_ids"].shape and mask.sum(dim=1).tolist() == [4, 4]
     with torch.no_grad():
         model(**inputs)
+
+
+def test_a_conformer_reading_stacked_frames_gets_features_of_its_stacked_width():
+    """Granite Speech 5's feature extractor puts each mel frame beside its delta and stacks frames in pairs, in
+    code (no config field says so): its encoder reads (B, frames, 4 x num_mel_bins) features, 320 wide for 80 mels."""
+    config = transformers.GraniteSpeech5EncoderConfig(
+        num_mel_bins=80, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, head_dim=8, vocab_size=99, max_position_embeddings=64, context_size=16)
+    torch.manual_seed(0)
+    model = transformers.GraniteSpeech5Encoder(config).eval()
+    inputs = example_inputs_for(model)
+    assert inputs["input_features"].shape[-1] == 4 * 80
+    with torch.no_grad():
+        model(**inputs)
+
+
+def test_token_ids_come_from_the_sub_config_naming_a_vocabulary_where_the_text_config_names_none():
+    """FastSpeech2 with HiFi-GAN: its text-to-spectrogram model's config is ``model_config`` (not a text config
+    transformers looks up): ids below its vocab_size (78), not below the character vocabulary (128)."""
+    from normfold.hf.inputs import _vocabulary_config
+
+    config = transformers.FastSpeech2ConformerWithHifiGanConfig()
+    assert _vocabulary_config(config) is config.model_config
+    assert int(example_inputs_for(config)["input_ids"].max()) < config.model_config.vocab_size

@@ -279,3 +279,20 @@ def test_random_text_holds_none_of_the_configs_media_control_tokens_but_may_hold
     ids = example_inputs_for(config, batch=64, seq=32)["input_ids"]  # 2,048 ids over a vocabulary of 99
     assert not torch.isin(ids, torch.tensor(list(controls.values()))).any()
     assert all((ids == token).any() for token in (0, 1, 2, 4))  # text tokens are kept
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_audio", "musicflamingo"])
+def test_audio_tokens_are_counted_by_the_audio_tower_where_get_audio_features_cannot_count_them(model_type):
+    """Qwen2-Audio has no ``get_audio_features`` and MusicFlamingo's needs the ids it would count the tokens
+    of (its rotary time stamps): one ``audio_token_id`` per state of the model's ``audio_tower`` (its projector
+    keeps them one to one); Qwen2-Audio's required ``feature_attention_mask`` is all ones over the frames."""
+    model = _audio_text_model(model_type)
+    inputs = example_inputs_for(model)
+    audio = {k: v for k, v in inputs.items() if k in ("input_features", "input_features_mask")}
+    with torch.no_grad():
+        states = model.audio_tower(**audio).last_hidden_state  # (B, frames', D)
+        model(**inputs)  # runs: the tokens and the features match
+    assert int((inputs["input_ids"] == model.config.audio_token_id).sum()) == states.shape[0] * states.shape[1] > 0
+    if model_type == "qwen2_audio":
+        assert inputs["feature_attention_mask"].shape == (2, inputs["input_features"].shape[-1])
+        assert inputs["feature_attention_mask"].all()

@@ -62,7 +62,8 @@ TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "dec
           "qformer_config", "high_res_vision_config",
           "perceiver_config",  # Idefics2's resampler reads the text width (its hidden_size)
           "sam_config",  # Unlimited-OCR's SAM stage before its CLIP encoder
-          "semantic_model_config")  # NeuCodec and X-codec2's semantic branch: a whole Wav2Vec2-BERT
+          "semantic_model_config",  # NeuCodec and X-codec2's semantic branch: a whole Wav2Vec2-BERT
+          "speech_config")  # CLVP's speech encoder
 
 # one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
 # channels-first norms, audio (waveform and log-mel), two-tower multimodal, character-level, RMSNorm-only
@@ -120,7 +121,9 @@ def derive_sizes_again(config) -> None:
     first): an MLA query/key head is its no-rope and rope parts (DeepSeek-V3 and kin); RADIO's flattened
     patch is ``num_channels``·``patch_size``² features; a Llama 4 vision MLP's width
     is what pixel shuffle makes of a patch (``hidden_size / ratio²``); MiniMax-M3-VL's merged patch is
-    ``spatial_merge_size²`` text-width features."""
+    ``spatial_merge_size²`` text-width features; Granite Speech 5 attends within blocks of ``context_size``
+    frames whose relative distances index ``2·max_position_embeddings + 1`` embeddings (its constructor
+    checks ``context_size <= max_position_embeddings``): blocks no longer than the shrunk positions."""
     if isinstance(getattr(config, "qk_head_dim", None), int):
         config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     if all(isinstance(getattr(config, name, None), int) for name in ("patch_dim", "patch_size", "num_channels")):
@@ -130,6 +133,9 @@ def derive_sizes_again(config) -> None:
         config.intermediate_size = int(config.hidden_size / ratio ** 2)
     if isinstance(getattr(config, "merged_hidden_size", None), int):
         config.merged_hidden_size = config.text_config.hidden_size * config.vision_config.spatial_merge_size ** 2
+    context, positions = getattr(config, "context_size", None), getattr(config, "max_position_embeddings", None)
+    if isinstance(context, int) and isinstance(positions, int) and context > positions:
+        config.context_size = positions  # Granite Speech 5's attention blocks: a distance is one of 2·positions + 1
 
 
 # fields a size rule cannot derive (they win over SMALL_SIZES): GPT-Neo lists one attention type per layer;
@@ -214,6 +220,21 @@ CONFIG_OVERRIDES["nemotron3_diarization"] = {"head_config": {"audio_hidden_size"
                                              "audio_config": {"hidden_size": SMALL_SIZES["hidden_size"]}}
 # NeuCodec and X-codec2 quantize the acoustic and semantic features side by side: 32 + 32 shrunk widths
 CONFIG_OVERRIDES.update(dict.fromkeys(("neucodec", "xcodec2"), {"quantization_dim": 2 * SMALL_SIZES["hidden_size"]}))
+# Qwen3-ASR projects its audio states to output_dim (3584, a size rule cannot tell it is the text width): the shrunk 32
+CONFIG_OVERRIDES["qwen3_asr"] = {"audio_config": {"output_dim": SMALL_SIZES["hidden_size"]}}
+# CLAP's audio Swin reads a spec_size² image cut from the mel spectrogram in spec_size / num_mel_bins strips, regrouped
+# after the last of its 4 stages (spec_size / 32 frequency rows, at least one per strip): the shrunk 8 mel bins leave
+# none (256 / 8 = 32 strips of 8 rows: ZeroDivisionError). A 64² image of 32 bins: 2 strips over 2 rows, 16² patches
+# that 2-wide windows tile down to the last stage's 2²; its projection reads the last stage's width (hidden_size:
+# patch_embeds_hidden_size doubled at each of 4 stages, 32 x 8); kept on the tower too (its own type), or shrink
+# sets 8 bins and a width of 32
+_CLAP_SPECTROGRAM = {"spec_size": 64, "num_mel_bins": 32, "window_size": 2, "patch_embeds_hidden_size": 32,
+                     "hidden_size": 32 * 2 ** 3}
+CONFIG_OVERRIDES.update(clap={"audio_config": _CLAP_SPECTROGRAM}, clap_audio_model=_CLAP_SPECTROGRAM)
+# CLVP's encoders rotate max(projection_dim / (2·heads), 32) features of each head (at least 32): one 32-wide head
+# (4 heads of 8: "size of tensor a (8) must match b (32)"); kept on the encoders too (their own type)
+_CLVP_ONE_HEAD = {"num_attention_heads": 1}
+CONFIG_OVERRIDES.update(clvp={"text_config": _CLVP_ONE_HEAD, "speech_config": _CLVP_ONE_HEAD}, clvp_encoder=_CLVP_ONE_HEAD)
 # SegGPT: a canvas of prompt above image, 64 x 32 px (8 x 4 patches; the default 896 x 448 is 6,272 tokens); the
 # prompt and image rows merge after the first layer, and the decoder reads both layers' states
 CONFIG_OVERRIDES["seggpt"] = {"image_size": [64, 32], "pretrain_image_size": 32, "merge_index": 0,
@@ -445,7 +466,9 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
                                         "mimi_encoder", "pe_audio", "nemotron3_diarization", "neucodec", "xcodec2",
                                         "paddleocr_vl", "kimi_k25", "kimi_k25_vision", "inkling2_vision", "inkling2",
                                         "granite_docling", "instructblipvideo", "qwen3_omni_moe_thinker", "idefics2",
-                                        "aria", "unlimited_ocr", "neomme", "sam2_hiera_det_model", "sam2"])
+                                        "aria", "unlimited_ocr", "neomme", "sam2_hiera_det_model", "sam2",
+                                        "qwen2_audio", "musicflamingo", "qwen3_asr", "speecht5", "granite_speech5_ctc",
+                                        "granite_speech5_encoder", "clap", "clvp", "fastspeech2_conformer_with_hifigan"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
@@ -461,7 +484,13 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     audio start marker in the text (random text held some); Idefics2's resampler reads the text width; Aria's
     projector knows query counts for the patch counts of its checkpoints' images only; Unlimited-OCR's SAM stage
     reads the image at the vision config's size and hands the CLIP encoder its width; NeoMME's rotary needs a
-    multiple of 4 dims; SAM2's HieraDet pools its queries at each stage's first block, which a global block cannot."""
+    multiple of 4 dims; SAM2's HieraDet pools its queries at each stage's first block, which a global block cannot;
+    Qwen2-Audio requires its feature_attention_mask and, like MusicFlamingo (whose get_audio_features needs the
+    ids), one audio token per audio tower state; Qwen3-ASR projects its audio to the text width (output_dim);
+    SpeechT5Model reads hidden states (no prenet); Granite Speech 5 attends within blocks no longer than its
+    relative positions; CLAP's spectrogram image keeps a frequency row per strip after its last stage; CLVP
+    rotates 32 features of each head (its speech encoder is shrunk too); FastSpeech2 with HiFi-GAN reads ids of
+    its model_config's vocabulary."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():

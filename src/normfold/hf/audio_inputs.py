@@ -22,8 +22,12 @@ COMMON_MEL_BINS = (80, 128)  # the usual filter-bank widths, tried after the con
 MEL_FIELDS = ("num_mel_bins", "feature_size", "input_feat_size", "feature_projection_input_dim", "n_mels",
               "input_dim")  # the last: Granite Speech's encoder (160 = 2 stacked 80-bin frames)
 HOP_FIELDS = ("upsampling_ratios", "downsampling_ratios")  # codecs: samples per frame is their product
+STACKING_FACTORS = (2, 4)  # a mel frame beside its delta (x 2), and (x 2 again) frames stacked in pairs
 MAX_FRAME_DOUBLINGS = 4  # features: seq x 8 (a conformer's usual subsampling) .. x 64 frames
 MAX_SAMPLES = 1 << 14  # waveforms are doubled up to this many samples (Moonshine's convs need 2047 for 4 frames)
+
+# all-ones masks over frames or samples a forward may read, by name (Qwen2-Audio requires its feature_attention_mask)
+FEATURE_MASKS = ("input_features_mask", "padding_mask", "feature_attention_mask")
 
 Candidate = Callable[[torch.Generator], dict[str, torch.Tensor]]
 
@@ -50,7 +54,7 @@ def audio_inputs_for(audio_config, params, masks, batch: int, seq: int, gen: tor
 def audio_candidates(audio_config, params, masks, batch: int, seq: int) -> Iterator[Candidate]:
     """Builders of candidate audio inputs, most likely first: waveforms for a forward that takes
     ``input_values`` (with spectrogram features too where it also takes ``input_features``:
-    codecs with a semantic branch), else spectrogram features."""
+    codecs with a semantic branch), then hidden states (:func:`_hidden_states`), else spectrogram features."""
     if "input_values" in params:
         for waveform in _waveform_candidates(audio_config, masks, batch, seq):
             if "input_features" not in params:
@@ -58,6 +62,8 @@ def audio_candidates(audio_config, params, masks, batch: int, seq: int) -> Itera
                 continue
             for features in _feature_candidates(audio_config, masks, batch, seq):
                 yield _joined(waveform, features)
+        if isinstance(width := getattr(audio_config, "hidden_size", None), int):
+            yield _hidden_states(params, batch, seq, width)
     elif "input_features" in params:
         yield from _feature_candidates(audio_config, masks, batch, seq)
 
@@ -98,6 +104,14 @@ def _waveform_candidates(audio_config, masks, batch: int, seq: int) -> Iterator[
         yield lambda gen: {"input_values": torch.randn(batch, frames, mel, generator=gen)}  # (B, frames, mel)
 
 
+def _hidden_states(params, batch: int, seq: int, width: int) -> Candidate:
+    """Hidden states (B, seq, hidden_size) as ``input_values``, for a bare encoder-decoder whose encoder
+    has no prenet (SpeechT5Model: its speech and text prenets are other classes' modules), with its
+    decoder's hidden states (B, seq, hidden_size) as ``decoder_input_values`` where the forward takes them."""
+    names = ["input_values"] + (["decoder_input_values"] if "decoder_input_values" in params else [])
+    return lambda gen: {name: torch.randn(batch, seq, width, generator=gen) for name in names}  # (B, T, D)
+
+
 def _sample_counts(audio_config, seq: int) -> list[int]:
     """Candidate waveform lengths: ``seq`` codec frames (x the hop named by the config) or, more where
     the conv feature encoder needs them, the fewest samples it turns into ``seq`` frames
@@ -134,10 +148,12 @@ def _feature_candidates(audio_config, masks, batch: int, seq: int) -> Iterator[C
     # a conformer's subsampled frames first; then one frame per codec frame (X-codec2 joins its semantic features
     # to the waveform's codec frames, seq of them, side by side)
     frame_counts = [seq * 8 * 2 ** k for k in range(MAX_FRAME_DOUBLINGS)] + [seq]
-    for layout in ("frames_first", "mel_first", "one_channel"):
-        for mel in mels:
-            for frames in frame_counts:
-                yield _features(batch, mel, frames, layout, masks)
+    # then the widths of features stacked in code (tried last: a model that ran on the widths before keeps its inputs)
+    for widths in (mels, _stacked_widths(audio_config, mels)):
+        for layout in ("frames_first", "mel_first", "one_channel"):
+            for mel in widths:
+                for frames in frame_counts:
+                    yield _features(batch, mel, frames, layout, masks)
 
 
 def _features(batch: int, mel: int, frames: int, layout: str, masks) -> Candidate:
@@ -150,7 +166,7 @@ def _features(batch: int, mel: int, frames: int, layout: str, masks) -> Candidat
 def _with_masks(build: Candidate, masks, batch: int, length: int) -> Candidate:
     """``build`` with an all-ones (B, length) mask (frames or samples: nothing padded) for each of
     ``input_features_mask`` and ``padding_mask`` in ``masks``."""
-    names = [m for m in ("input_features_mask", "padding_mask") if m in masks]
+    names = [m for m in FEATURE_MASKS if m in masks]
     return lambda gen: {**build(gen), **{m: torch.ones(batch, length, dtype=torch.long) for m in names}}
 
 
@@ -167,6 +183,16 @@ def _mel_widths(audio_config) -> list[int]:
     nested = [v for sub in vars(audio_config).values() if hasattr(sub, "to_dict") and not isinstance(sub, dict)
               for f in MEL_FIELDS if isinstance(v := getattr(sub, f, None), int)]
     return list(dict.fromkeys(named + list(COMMON_MEL_BINS) + nested))
+
+
+def _stacked_widths(audio_config, tried: list[int]) -> list[int]:
+    """Feature widths a feature extractor makes of the config's mel width in code, with no config field
+    saying so: each frame beside its delta and frames stacked in pairs, x ``STACKING_FACTORS`` (Granite
+    Speech 5: mel x 2 x 2); those not in ``tried``."""
+    mel = _first_field(audio_config, MEL_FIELDS)
+    if not isinstance(mel, int):
+        return []
+    return [w for w in dict.fromkeys(mel * k for k in STACKING_FACTORS) if w not in tried]
 
 
 def _first_field(config, fields) -> Any:

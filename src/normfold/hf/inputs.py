@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -75,7 +75,7 @@ def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, A
     token ids led by the media's placeholder tokens (given the ``model``, :func:`_with_media_tokens`), their
     masks, boxes and language ids, LXMERT's regions, masking noise, and the call options."""
     if "input_ids" in params:
-        ids = _token_ids(config.get_text_config(), batch, seq, gen)  # with pixels or audio: text and media (CLIP, Voxtral)
+        ids = _token_ids(_vocabulary_config(config), batch, seq, gen)  # with pixels or audio: text and media (CLIP, Voxtral)
         ids = _without_media_control_tokens(ids, config, config.get_text_config())
         if model is not None:
             ids = _with_media_tokens(model, ids, inputs)
@@ -186,6 +186,16 @@ def _vision_config(config):
         if vision is not None:
             return vision
     return config
+
+
+def _vocabulary_config(config):
+    """The config that sizes the token ids: the text config, or where that names no ``vocab_size`` the first
+    sub-config that does (FastSpeech2 with HiFi-GAN: its text-to-spectrogram model's ``model_config``)."""
+    text = config.get_text_config()
+    if isinstance(getattr(text, "vocab_size", None), int):
+        return text
+    subs = (v for v in vars(config).values() if hasattr(v, "to_dict") and not isinstance(v, dict))
+    return next((sub for sub in subs if isinstance(getattr(sub, "vocab_size", None), int)), text)
 
 
 def _poolable_length(config, seq: int) -> int:
@@ -556,23 +566,33 @@ def _with_media_tokens(model: nn.Module, ids: torch.Tensor, inputs: dict[str, to
     (``inputs``: the call's media inputs, :func:`_image_inputs`, :func:`_audio_inputs`); the merging
     module is the model or its encoder (:func:`_media_merger`). ``ids`` unchanged for any other model."""
     for field, method, names in _MEDIA:
-        merger = _media_merger(model, method)
+        merger, get_features = _media_merger(model, method)
         token = getattr(getattr(merger, "config", None), field, None)
         media = {k: v for k, v in inputs.items() if k in names}
         if isinstance(token, int) and merger is not None and media:
-            return _led_by_tokens(ids, token, _feature_count(getattr(merger, method), media))
+            counts = (_feature_count(count, media) for count in get_features)
+            return _led_by_tokens(ids, token, next((n for n in counts if n is not None), None))
     return ids
 
 
-def _media_merger(model: nn.Module, method: str) -> nn.Module | None:
-    """The module that merges media features into the text (it has ``method``, e.g. ``get_image_features``):
-    the model (LLaVA), or its encoder for an encoder-decoder whose encoder reads the media (T5Gemma 2);
-    None when neither does."""
-    if hasattr(model, method):
-        return model
+# the tower whose states a model projects one to one into its text, where its ``get_audio_features`` is missing
+# (Qwen2-Audio) or needs the ids it would count the tokens of (MusicFlamingo: its rotary time stamps)
+_FEATURE_TOWERS = {"get_audio_features": "audio_tower"}
+
+
+def _media_merger(model: nn.Module, method: str) -> tuple[nn.Module | None, list[Callable]]:
+    """The module that merges media features into the text and what computes them, tried in order: the
+    model (LLaVA) or its encoder for an encoder-decoder whose encoder reads the media (T5Gemma 2), with
+    its ``method`` (e.g. ``get_image_features``), then the model's media tower (``audio_tower``, whose
+    states its projector keeps one to one); (None, []) when none of them has one."""
     get_encoder = getattr(model, "get_encoder", None)
-    encoder = get_encoder() if callable(get_encoder) else None
-    return encoder if hasattr(encoder, method) else None
+    encoder = get_encoder() if callable(get_encoder) and not hasattr(model, method) else None
+    merger = next((m for m in (model, encoder) if hasattr(m, method)), None)
+    tower = getattr(model, _FEATURE_TOWERS.get(method, ""), None)
+    towers = [tower] if isinstance(tower, nn.Module) else []
+    if merger is not None:
+        return merger, [getattr(merger, method), *towers]
+    return (model, towers) if towers else (None, [])
 
 
 def _feature_count(get_features, media: dict[str, torch.Tensor]) -> int | None:
