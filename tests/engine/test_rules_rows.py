@@ -390,3 +390,52 @@ def test_an_embedding_bag_summing_or_averaging_whole_table_rows_folds(mode: str)
 def test_an_embedding_bag_taking_each_features_max_breaks():
     _, report = fold_checked(BaggedPositions("max"), (_x(B, T, C), *_bags()), {"norm": False})
     assert "with mode max: each feature comes from its own row" in reason_of(report, "norm")
+
+
+class SlidingWindows(nn.Module):
+    """A projection cut into overlapping windows of 3 tokens, stride 2 (``unfold`` along the tokens, Granite
+    Speech 5's block attention), each window's token vectors normalized over the features; for the negative
+    case, windows cut along the features and normalized over the window."""
+
+    def __init__(self, along_features: bool = False):
+        super().__init__()
+        self.along_features = along_features
+        self.proj = nn.Linear(C, C)
+        self.norm = nn.LayerNorm(2 if along_features else C)
+
+    def forward(self, x):  # (B, T, C)
+        h = self.proj(x)
+        if self.along_features:
+            return self.norm(h.unfold(2, 2, 2))  # (B, T, C/2, 2): each window 2 features of one token
+        return self.norm(h.unfold(1, 3, 2).transpose(-1, -2))  # (B, windows, 3, C)
+
+
+def test_sliding_windows_along_the_tokens_fold_a_norm_over_the_features():
+    _, report = fold_checked(SlidingWindows(), (_x(B, T, C),), {"norm": True})
+    assert report.norms[0].producers == ("proj.bias", "proj.weight")
+
+
+def test_sliding_windows_along_the_features_break():
+    _, report = fold_checked(SlidingWindows(along_features=True), (_x(B, T, C),), {"norm": False})
+    assert "along its window dim: each window takes entries of several rows" in reason_of(report, "norm")
+
+
+class WindowsOfAResidual(nn.Module):
+    """The projection feeds a norm directly and, added to the raw input (not zero-mean: that norm stays a
+    LayerNorm), a norm over the features of sliding windows: centering the projection for the first norm
+    shifts the second's input by a constant along the features, which it absorbs only if the shift passes
+    the windows as such."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(C, C)
+        self.norm1, self.norm2 = nn.LayerNorm(C), nn.LayerNorm(C)
+
+    def forward(self, x):  # (B, T, C)
+        h = self.proj(x)
+        windows = (h + x).unfold(1, 3, 2).transpose(-1, -2)  # (B, windows, 3, C)
+        return self.norm1(h), self.norm2(windows)
+
+
+def test_a_centering_shift_passes_sliding_windows_to_a_norm_that_absorbs_it():
+    fold_checked(WindowsOfAResidual(), (_x(B, T, C),), {"norm1": True, "norm2": False})

@@ -25,7 +25,7 @@ shift rule and its exactness argument:
   broadcast, sums that cancel exactly, values provably equal);
 - ``layout.py``: reshapes, permutations, transposes, broadcasts;
 - ``indexing.py``: slices, selections, splits, cat, stack, padding;
-- ``rows.py``: ops that treat every feature alike (masks, index writes, gather, repeat, roll,
+- ``rows.py``: ops that treat every feature alike (masks, index writes, gather, repeat, roll, sliding windows,
   reductions over other dims, pooling, upsampling, grid sampling);
 - ``linear_maps.py``: linear, matmul, attention, convolutions, embeddings and embedding bags (the parameter sources);
 - ``norms.py``: norm calls, and a weightless LayerNorm's output as a source;
@@ -66,9 +66,9 @@ from .linear_maps import (EMBEDDING_BAG_OP_NAMES, shift_linear, shift_mm, zero_m
 from .norms import NormCall, layer_norm_source, norm_call
 from .parts import select_part, slice_part, split_part, view_part
 from .rows import (GRID_SAMPLER_OP_NAMES, SPATIAL_OP_NAMES, shift_gather, shift_grid_sample, shift_masked,
-                   shift_reduce, shift_repeat, shift_roll, shift_spatial, shift_where, zero_mean_gather,
+                   shift_reduce, shift_repeat, shift_roll, shift_spatial, shift_unfold, shift_where, zero_mean_gather,
                    zero_mean_grid_sample, zero_mean_index_copy, zero_mean_index_put, zero_mean_masked_fill,
-                   zero_mean_masked_scatter, zero_mean_reduce_other_dims, zero_mean_repeat, zero_mean_roll,
+                   zero_mean_masked_scatter, zero_mean_reduce_other_dims, zero_mean_repeat, zero_mean_roll, zero_mean_unfold,
                    zero_mean_spatial, zero_mean_where)
 from .writes import in_place, live_nodes, shift_in_place, written_in_place, written_through_a_view
 
@@ -120,6 +120,7 @@ _TABLE: list[tuple[tuple[str, ...], Callable[[fx.Node, int, int | None], Answer]
     (("gather",), zero_mean_gather, shift_gather),
     (("repeat", "tile"), zero_mean_repeat, shift_repeat),
     (("roll",), zero_mean_roll, shift_roll),
+    (("unfold",), zero_mean_unfold, shift_unfold),
     (tuple(SPATIAL_OP_NAMES), zero_mean_spatial, shift_spatial),
     (GRID_SAMPLER_OP_NAMES, zero_mean_grid_sample, shift_grid_sample),
 ]

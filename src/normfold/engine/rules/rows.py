@@ -269,6 +269,26 @@ def shift_roll(node, operand, dims):
     return dims if only_at(node, operand, 0) and _arg(node, 2, "dims", []) else None
 
 
+def zero_mean_unfold(node, dim, group):
+    """Sliding windows along dim d (``x.unfold(d, k, s)``: (…, n, …, k), out[…, i, …, j] = x[…, i·s + j, …],
+    the window offset j a new last dim; Granite Speech 5's block attention): along any other dim e < r the
+    entries sit where they were in x, whole rows copied, so P along e commutes; along the windows (d) or
+    within them (the new dim) each output row takes entries from several rows of x: Break."""
+    x, d = node.args[0], node.args[1] % rank(node.args[0])
+    if dim in (d, rank(node) - 1):
+        return Break(f"{op_name(node)} along its window dim: each window takes entries of several rows")
+    return Requires((make_need(x, dim, group),))
+
+
+def shift_unfold(node, operand, dims):
+    """A shift constant along dims of x stays constant along them (the entries keep their place), and along
+    the windows and within them too where it is constant along the unfolded dim."""
+    if not only_at(node, operand, 0):
+        return None
+    d = node.args[1] % rank(operand)
+    return {e for e in dims if e != d} | ({d, rank(node) - 1} if d in dims else set())
+
+
 def zero_mean_reduce_other_dims(node, dim, group):
     x = node.args[0]
     dims = _arg(node, 1, "dim", None)
