@@ -7,6 +7,8 @@ exact fold on a 2 x 4 example (proved in float64, or in float32 where the model 
 then the same plan proved again on inputs of another batch size and length (3 x 7). Rows: norms,
 folded, affine-folded, the error on those other inputs, each refused norm's reason, and for a model
 the engine refuses, its FoldError. Any other exception is a bug and says so in the ``status`` column.
+Attention is eager (the same graph on every torch version), unless the original's eager outputs hold no
+finite number (transformers' eager path broken for that type): then sdpa, and the row says so.
 
 Every row also says how the model was captured (``capture``: "whole", or "submodules: ..." when
 torch.export could not capture the whole model), a FoldError's reason class (``error_class``, see
@@ -90,16 +92,16 @@ def _alarm(signum, frame):
     raise _TimeBox(f"took more than {SECONDS_PER_TYPE + BRUTE_FORCE_SECONDS:g} s")
 
 
-def tiny_model(model_type: str, zoo, **config_fields) -> nn.Module:
+def tiny_model(model_type: str, zoo, attention: str = "eager", **config_fields) -> nn.Module:
     """The bare model of ``model_type`` from its shrunk default config (``config_fields`` set on it
-    last), in eval mode, randomised."""
+    last), with ``attention`` as its attention implementation, in eval mode, randomised."""
     config = zoo.shrunk_config(model_type)
     if hasattr(config, "num_key_value_heads") and config.num_key_value_heads is None:  # a default left unset
         config.num_key_value_heads = config.num_attention_heads  # (Nemotron's): plain multi-head attention
     for name, value in config_fields.items():
         setattr(config, name, value)
     if hasattr(config, "_attn_implementation"):
-        config._attn_implementation = "eager"  # the same graph on every torch version
+        config._attn_implementation = attention  # eager: the same graph on every torch version
     torch.manual_seed(0)
     model = zoo._bare_model_class(config)(config).eval()
     randomise_constant_parameters(model)
@@ -139,13 +141,36 @@ def fold_row(model_type: str, zoo) -> dict:
         try:
             model = tiny_model(model_type, zoo)
             example = example_inputs_for(model)
+            attention_note = ""
+            if computes_nothing_finite(model, example):
+                model = tiny_model(model_type, zoo, attention="sdpa")
+                attention_note = EAGER_NAN_NOTE
             other = example_inputs_for(model, batch=OTHER_BATCH, seq=OTHER_LENGTH, seed=1)
         except _TimeBox:
             raise
         except Exception as err:  # noqa: BLE001  the shrunk default config builds no model: skipped, with why
             return {**row, "status": "skipped", "detail": f"no tiny model: {type(err).__name__}: {_line(err)}"}
         fold_and_prove(row, model, example, other)
+        row["detail"] = "; ".join(part for part in (attention_note, row["detail"]) if part)
     return row
+
+
+EAGER_NAN_NOTE = ("eager attention: no finite output from the original (transformers' eager path, e.g. a float "
+                  "additive mask read as a boolean one: every score -inf), measured with sdpa attention")
+
+
+def computes_nothing_finite(model: nn.Module, inputs: dict) -> bool:
+    """Whether ``model`` runs eagerly on ``inputs`` and every floating element of its outputs is NaN or
+    ±inf (a model that raises is judged by the fold, which says why)."""
+    from normfold.engine.verify import flatten_outputs
+
+    try:
+        with torch.no_grad():
+            leaves = flatten_outputs(model(**inputs))
+    except Exception:  # noqa: BLE001  the fold's own run reports it
+        return False
+    floats = [t for _, t in leaves if torch.is_tensor(t) and t.is_floating_point() and t.numel()]
+    return bool(floats) and not any(torch.isfinite(t).any() for t in floats)
 
 
 @contextlib.contextmanager

@@ -145,3 +145,16 @@ def test_a_recorded_transformers_bug_is_its_own_class_only_with_the_error_it_rec
     assert hf_zoo.error_class(message, "IndexError: index out of range in self", "llama4").startswith("missing input")
     assert hf_zoo.error_class(message, bug, "llava").startswith("missing input")
     assert hf_zoo.error_class(message, None, "llama4") == "normfold refusal"
+
+
+def test_a_model_whose_eager_attention_computes_no_finite_number_is_measured_with_sdpa(hf_zoo, zoo):
+    """Nemotron's streaming ASR encoder reads the float additive mask eager attention gets as a boolean one
+    (every score -inf, every output NaN): its row was "compared nothing"; with sdpa it is a proof, and the row
+    says which attention it measured. A model with finite eager outputs keeps eager."""
+    eager = hf_zoo.tiny_model("nemotron_asr_streaming_encoder", zoo)
+    assert hf_zoo.computes_nothing_finite(eager, example_inputs_for(eager))
+    bert = hf_zoo.tiny_model("bert", zoo)
+    assert not hf_zoo.computes_nothing_finite(bert, example_inputs_for(bert))
+    row = hf_zoo.fold_row("nemotron_asr_streaming_encoder", zoo)
+    assert row["status"] == "proved" and row["compared_in"] == "float64", row
+    assert row["detail"].startswith(hf_zoo.EAGER_NAN_NOTE) and int(row["folded"]) > 0
