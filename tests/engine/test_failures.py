@@ -179,10 +179,38 @@ class NoisyInEval(nn.Module):
         return self.norm(self.proj(x)) + 0.1 * torch.randn(x.shape)
 
 
-def test_a_model_random_in_eval_mode_is_refused_with_that_reason_not_an_error_figure():
-    """Fails on main 681f23c: the refusal was "max relative error 1.2e-01 > 1e-09", blaming the fold."""
-    with pytest.raises(FoldError, match="itself gives other outputs on a second run .* random"):
-        fold(NoisyInEval().eval(), (torch.randn(2, 3, 4),))
+def test_a_model_random_in_eval_mode_folds_proved_on_the_same_draws_and_says_so():
+    """Fails on main 38f76e7: refused as "the original model itself gives other outputs on a second run"
+    (VITS, ViLT), although the fold is the same function of input and noise."""
+    model = NoisyInEval().eval()
+    _, report = fold(model, (torch.randn(2, 3, 4),))
+    assert report.num_foldable == 1 and report.verification.ok and report.verification.random_draws
+    assert "draws random numbers" in str(report.verification)
+
+
+def test_a_wrong_fold_of_a_random_model_fails_with_its_error_figure_on_the_same_draws():
+    model = NoisyInEval().eval()
+    wrong = copy.deepcopy(model)
+    with torch.no_grad():
+        wrong.proj.weight.mul_(1.01)
+    result = verify(model, wrong, (torch.randn(2, 3, 4),))
+    assert not result.ok and result.why is None and result.random_draws
+    assert "max relative error" in result.failure() and "same draws" in result.failure()
+
+
+def test_a_proof_leaves_the_callers_random_number_generator_where_it_was():
+    model, x = NoisyInEval().eval(), torch.randn(2, 3, 4)
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    verify(model, copy.deepcopy(model), (x,))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_deterministic_model_is_not_said_to_draw_random_numbers():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)).eval()
+    result = verify(model, copy.deepcopy(model), (torch.randn(2, 4),))
+    assert result.ok and not result.random_draws and "random" not in str(result)
 
 
 def test_a_deterministic_model_that_fails_its_proof_keeps_the_error_figure():

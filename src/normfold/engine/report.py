@@ -7,6 +7,9 @@ from typing import Protocol
 from .batchnorm import BatchNormEntry
 from .plan import FoldConfig, FoldPlan
 
+RANDOM_DRAWS_NOTE = ("; the original's forward draws random numbers (eval mode too): every run of both models "
+                     "started from the same seed, so both compared on the same draws")
+
 
 class ReportSection(Protocol):
     """What a step after the fold files in the report (``FoldReport.sections``): plain data to
@@ -94,6 +97,7 @@ class VerifyResult:
     worst: WorstElement | None = None              # where the judged comparison's error is largest
     model_dtype_check: ModelDtypeCheck | None = None  # set when the returned model is judged in its own dtype
     integers_kept: str | None = None  # which fresh inputs kept the example's integers (the original rejected them permuted)
+    random_draws: bool = False  # the original's forward draws random numbers: every run compared under one seed
 
     @property
     def ok(self) -> bool:
@@ -104,14 +108,14 @@ class VerifyResult:
         """One line saying why the result is not ok: the reason the outputs could not be compared
         first, else each failed check with its numbers and worst element."""
         if self.why is not None:
-            return self.why
+            return self.why + (RANDOM_DRAWS_NOTE if self.random_draws else "")
         failed = []
         if not self.max_rel_error <= self.tolerance:
             at = "" if self.worst is None else f" at {self.worst}"
             failed.append(f"{self.compared_in} max relative error {self.max_rel_error:.3e} > {self.tolerance:.1e}{at}")
         if self.model_dtype_check is not None and not self.model_dtype_check.ok:
             failed.append(str(self.model_dtype_check))
-        return "; ".join(failed) or "passed"
+        return "; ".join(failed) + (RANDOM_DRAWS_NOTE if self.random_draws else "") if failed else "passed"
 
     def to_dict(self) -> dict:
         data = {**asdict(self), "ok": self.ok}
@@ -129,6 +133,7 @@ class VerifyResult:
         worst = "" if self.worst is None or self.max_rel_error <= self.tolerance else f", worst at {self.worst}"
         checked = "" if self.model_dtype_check is None else f"; {self.model_dtype_check}"
         kept = "" if self.integers_kept is None else f"; {self.integers_kept}"
+        kept += RANDOM_DRAWS_NOTE if self.random_draws else ""
         return (f"verify: {'OK' if self.ok else 'FAILED'} over {self.num_runs} inputs{fallback}{kept}; "
                 f"{self.compared_in} max rel err "
                 f"{self.max_rel_error:.1e} (tolerance {self.tolerance:.1e}{rule}){worst}, max abs err "

@@ -17,6 +17,12 @@ holding inf, nan or a finfo extreme (a mask's ``finfo.min``) must hold the same 
 both. The steps that return a model (fold, fusion, rotation) also judge that model as returned, in
 its own dtype (``judge_model_dtype``), and a failed proof raises through :func:`prove_or_raise`.
 
+Every model run of a proof starts from the same seed of torch's random number generators
+(:func:`model_outputs`), the caller's generator state restored after: a forward that draws random
+numbers in eval mode (VITS's noise, ViLT's patch sampling) gets the same draws in the original and
+in the fold, so the comparison is of the same function of input and noise; the result says that the
+forward draws (``VerifyResult.random_draws``).
+
 One idea, about 640 lines: the inputs, the runs, the metric, the comparison and the tolerance rule
 of a proof are kept together so the rule a result was judged by is readable in one file.
 """
@@ -39,6 +45,8 @@ from .math import mean_over_rms
 from .report import ModelDtypeCheck, VerifyResult, WorstElement
 
 FOLD_TOLERANCE = 1e-9  # the transform itself: float64 relative error allowed between original and fold
+
+PROOF_SEED = 0  # every model run of a proof draws its random numbers from this seed (see model_outputs)
 
 # Weights stored in a low-precision dtype: the folded model's float64 error may be this many times
 # the error the original itself makes when run in that dtype on the same inputs, plus one unit
@@ -129,8 +137,8 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
     """:func:`verify` once its arguments are checked."""
     generator = torch.Generator().manual_seed(seed)
     model_dtype = float_dtype(original)
-    inputs, own_outputs, integers_kept = _inputs_the_original_runs(original, calls, num_random, generator,
-                                                                   model_dtype or dtype)
+    inputs, own_outputs, integers_kept, random_draws = _inputs_the_original_runs(original, calls, num_random,
+                                                                                 generator, model_dtype or dtype)
     if model_dtype is None or model_dtype == dtype:
         own_outputs = None  # the original in its own dtype: the returned model's bar, the stored own error, the fallback
     runs = [cast_floats(run, dtype) for run in inputs]
@@ -144,7 +152,7 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
         del reference
         result = _verify_in_own_dtype(original, folded, inputs, own_outputs, unusable, rms_norm_paths=rms_norm_paths,
                                       rounding_dtype=stored_dtype or model_dtype, generator=generator)
-        result.integers_kept = integers_kept
+        result.integers_kept, result.random_draws = integers_kept, random_draws
         return result
     if judge_model_dtype and model_dtype == dtype:
         candidate = folded  # the returned model is itself in the comparison's dtype: judged as it is
@@ -190,63 +198,41 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
         tolerance, rule = 0.0, "not measured: the outputs could not be compared"
     result = VerifyResult(outputs, max_rel, max_abs, own_rel, ratio, tolerance=tolerance, num_runs=len(inputs),
                           tolerance_rule=rule, stored_dtype_own_error=stored_own, why=why, worst=worst,
-                          model_dtype_check=check, integers_kept=integers_kept)
-    if not result.ok:  # only then: two more runs of the original, to say when no transform could be proved
-        result.why = _randomness(original, inputs[0]) or result.why
+                          model_dtype_check=check, integers_kept=integers_kept, random_draws=random_draws)
     return result
 
 
 def _inputs_the_original_runs(original: nn.Module, calls, num_random: int, generator: torch.Generator,
-                              run_dtype: torch.dtype) -> tuple[list, list, str | None]:
+                              run_dtype: torch.dtype) -> tuple[list, list, str | None, bool]:
     """Each example call followed by ``num_random`` fresh inputs like it (:func:`fresh_inputs_like`), every
     one run on ``original`` in ``run_dtype`` (its own) first: a fresh input it rejects (permuted integers
     that are sizes or positions: Qwen2-VL's ``image_grid_thw``) is made again with the example's integers,
-    its floats varied. Returns (inputs, the original's outputs on them, what was remade in words or None);
-    an example the original rejects raises its own error."""
-    inputs, outputs, remade = [], [], []
+    its floats varied. Returns (inputs, the original's outputs on them, what was remade in words or None,
+    whether its forward drew random numbers); an example the original rejects raises its own error."""
+    inputs, outputs, remade, draws = [], [], [], []
+
+    def run(call):
+        flat, drew = _seeded_outputs(original, *cast_floats(call, run_dtype))
+        outputs.append(flat)
+        draws.append(drew)
+
     for call in calls:
         inputs.append(call)
-        outputs.append(model_outputs(original, *cast_floats(call, run_dtype)))
+        run(call)
         for _ in range(num_random):
             fresh = fresh_inputs_like(call, generator)
             try:
-                outputs.append(model_outputs(original, *cast_floats(fresh, run_dtype)))
+                run(fresh)
             except Exception as err:  # noqa: BLE001  the model's own code: it rejects these integers, whatever it raises
                 remade.append((len(inputs), f"{type(err).__name__}: {first_line(err, 120)}"))
                 fresh = fresh_inputs_like(call, generator, keep_integers=True)
-                outputs.append(model_outputs(original, *cast_floats(fresh, run_dtype)))
+                run(fresh)
             inputs.append(fresh)
     if not remade:
-        return inputs, outputs, None
+        return inputs, outputs, None, any(draws)
     which = ", ".join(str(i) for i, _ in remade)
     return inputs, outputs, (f"input {which}: the original rejects the example's integers permuted "
-                             f"({remade[0][1]}): made again with them kept, floats varied")
-
-
-def _randomness(model: nn.Module, run) -> str | None:
-    """Why ``model`` cannot be proved equal to anything when its eval-mode forward is random (sampled
-    noise, stochastic durations: VITS; a multinomial: ViLT): two runs of the same input differ by more
-    than any rounding could (:func:`_beyond_rounding`). None when they agree to that bound: a kernel
-    whose reduction order varies between runs (atomics on a GPU) is not random in that sense, and the
-    failed proof's own figure stands."""
-    first, second = model_outputs(model, *run), model_outputs(model, *run)
-    pairs, why = _pair(first, second)
-    differing = ("outputs of other shapes or structure" if why is not None else
-                 next((f"{name} differs" for name, a, b, _ in pairs if _beyond_rounding(a, b)), None))
-    if differing is None:
-        return None
-    return (f"the original model itself gives other outputs on a second run of the same input ({differing}): "
-            "its forward in eval mode is random (sampling, noise), so no comparison proves a transform of it; "
-            "make it deterministic (its sampling off, or a fixed seed inside its forward)")
-
-
-def _beyond_rounding(a: Tensor, b: Tensor) -> bool:
-    """Two runs' outputs differ by more than rounding: floats by an error (:func:`output_error`) above
-    sqrt(u) of their dtype (float32: 3.5e-4; a reordered sum differs by a few u, sampled noise by O(1)),
-    any other value at all."""
-    if not a.is_floating_point() or a.shape != b.shape:
-        return a.shape != b.shape or not bool((a == b).all())
-    return output_error(a, b).error > torch.finfo(a.dtype).eps ** 0.5
+                             f"({remade[0][1]}): made again with them kept, floats varied"), any(draws)
 
 
 def _outputs_if_usable(reference: nn.Module, runs, own_outputs, dtype: torch.dtype):
@@ -556,9 +542,25 @@ def _perturbed(t: Tensor, generator: torch.Generator) -> Tensor:
 
 
 def model_outputs(model: nn.Module, args, kwargs) -> list[tuple[str, object]]:
-    """``model(*args, **kwargs)`` in eval mode without gradients, flattened (:func:`flatten_outputs`)."""
-    with eval_mode(model), torch.no_grad():
-        return flatten_outputs(model(*args, **kwargs))
+    """``model(*args, **kwargs)`` in eval mode without gradients, flattened (:func:`flatten_outputs`),
+    its random numbers drawn from ``PROOF_SEED`` (:func:`_seeded_outputs`)."""
+    return _seeded_outputs(model, args, kwargs)[0]
+
+
+def _seeded_outputs(model: nn.Module, args, kwargs) -> tuple[list[tuple[str, object]], bool]:
+    """(:func:`model_outputs`, whether the forward drew from torch's random number generators). Every run
+    starts from ``PROOF_SEED`` on the CPU generator and on each initialised CUDA device's, so two models that
+    draw the same numbers in the same order get the same draws; the caller's generator states are restored
+    (``torch.random.fork_rng``), and a CUDA that is not initialised is left so."""
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda), eval_mode(model), torch.no_grad():
+        generators = [torch.default_generator] + [torch.cuda.default_generators[d] for d in cuda]
+        for g in generators:
+            g.manual_seed(PROOF_SEED)
+        before = [g.get_state() for g in generators]
+        outputs = flatten_outputs(model(*args, **kwargs))
+        drew = any(not torch.equal(state, g.get_state()) for state, g in zip(before, generators))
+    return outputs, drew
 
 
 def _compare_watched(ref_outputs, model, runs, dtype, rms_norm_paths):
