@@ -215,11 +215,8 @@ def fold_and_prove(row: dict, model: nn.Module, example: dict, other: dict) -> N
                    tolerance=f"{proof.tolerance:.1e}")
         row["status"] = "proved" if proof.ok else "WRONG"
         row["detail"] = proof.fallback or (proof.why or "")
-        if proof.compared_in == "float64":
-            row.update(missed_folds(model, [n for n in norms if not n.foldable], [example, other]))
-        else:
-            row.update(missed="", not_judged=len(norms) - row["folded"],
-                       missed_folds="not judged: the model does not run in float64")
+        judged_in = torch.float64 if proof.compared_in == "float64" else torch.float32
+        row.update(missed_folds(model, [n for n in norms if not n.foldable], [example, other], judged_in))
     except FoldError as err:
         row.update(status="FoldError", detail=_line(err), error_class=error_class(_line(err), eager_error(model, example),
                                                                            row.get("model_type")))
@@ -279,17 +276,18 @@ def eager_error(model: nn.Module, example: dict) -> str | None:
     return None
 
 
-def missed_folds(model: nn.Module, unfolded, calls: list[dict]) -> dict:
+def missed_folds(model: nn.Module, unfolded, calls: list[dict], dtype: torch.dtype = torch.float64) -> dict:
     """``missed`` (count) and ``missed_folds`` ("path: what centering folds it (engine: its reason)"; ...)
-    by the fuzzer's brute-force oracle (``tests/fuzz/centering_oracle.py``) on a float64 copy of
-    ``model``: for each norm in ``unfolded``, does centering its producers make its input zero-mean and
+    by the fuzzer's brute-force oracle (``tests/fuzz/centering_oracle.py``) on a copy of ``model`` in
+    ``dtype`` (float64; float32, at the oracle's float32 tolerances, for a model that cannot run in
+    float64): for each norm in ``unfolded``, does centering its producers make its input zero-mean and
     keep every output? Norms it could not judge within BRUTE_FORCE_SECONDS are listed as not judged."""
     from centering_oracle import brute_force, call_model
 
     if not unfolded:
         return {"missed": 0, "not_judged": 0, "missed_folds": ""}
-    model64 = copy.deepcopy(model).double().eval()
-    calls64 = [{k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in c.items()}
+    model64 = copy.deepcopy(model).to(dtype).eval()
+    calls64 = [{k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in c.items()}
                for c in calls]
     with torch.no_grad():
         reference = [call_model(model64, c) for c in calls64]
@@ -311,7 +309,9 @@ def missed_folds(model: nn.Module, unfolded, calls: list[dict]) -> dict:
             continue
         if verdict.verdict == "missed":
             found.append(f"{norm.path}: {verdict.detail} (engine: {norm.reason})")
-    text = "; ".join(found + ([f"not judged: {', '.join(not_judged)}"] if not_judged else []))
+    judged_in = [] if dtype == torch.float64 else [f"judged in {str(dtype).removeprefix('torch.')} (the model "
+                                                    "does not run in float64)"]
+    text = "; ".join(judged_in + found + ([f"not judged: {', '.join(not_judged)}"] if not_judged else []))
     return {"missed": len(found), "not_judged": len(not_judged), "missed_folds": text.replace("|", "/")}
 
 

@@ -4,8 +4,9 @@ that makes that input zero-mean and keeps every model output? If so, the norm co
 
 It shares no code with the engine: the parameters are found by autograd (or by perturbation), each is
 centered along the output dim its caller names (``recipes``: parameter name -> (dim, group)), and
-the verdict is numerical (float64: |mean|/rms ≤ MEAN_TOL, outputs within REL_TOL). A plain module
-beside the fuzz tests: put this folder on sys.path to import it (tests/fuzz/conftest.py does).
+the verdict is numerical (float64: |mean|/rms ≤ MEAN_TOL, outputs within REL_TOL; a model that runs only
+in float32 is judged there, at FLOAT32_TOL for both). A plain module beside the fuzz tests: put this
+folder on sys.path to import it (tests/fuzz/conftest.py does).
 """
 from __future__ import annotations
 
@@ -19,6 +20,18 @@ from torch import Tensor, nn
 REL_TOL = 1e-9                # float64: folding is exact up to rounding
 MEAN_TOL = 1e-9               # |mean| / rms of a row that counts as zero-mean in float64
 JITTER = 0.02                 # std of the noise added to every parameter for the second look (a typical init std)
+# float32: a centered input's |mean|/rms is a few eps·sqrt(depth) (~1e-6), a fold's output error a few times the
+# model's own rounding (~1e-6 to 1e-5); an input that is not zero-mean is O(0.01 to 1), a missed shift O(1)
+FLOAT32_TOL = 1e-4
+
+
+def tolerances(dtype: torch.dtype) -> tuple[float, float]:
+    """(the |mean|/rms that counts as zero-mean, the output error that counts as kept) in ``dtype``."""
+    if dtype == torch.float64:
+        return MEAN_TOL, REL_TOL
+    if dtype == torch.float32:
+        return FLOAT32_TOL, FLOAT32_TOL
+    raise ValueError(f"the oracle judges in float64 or float32, got {dtype}")
 
 
 @dataclass
@@ -88,8 +101,10 @@ def brute_force(model: nn.Module, recipes: dict[str, tuple[int, int | None]], pa
                 reference: list, norm_dim: int = -1) -> NormVerdict:
     """Is there a centering of linear-map parameters (those in ``recipes``) that makes the input of the
     norm at ``path`` zero-mean along ``norm_dim`` and keeps every output (``reference``: the model's
-    outputs on ``inputs``)? Each name of a tied tensor is its own variable (a fold may untie)."""
+    outputs on ``inputs``)? Each name of a tied tensor is its own variable (a fold may untie). Judged in
+    the dtype of the model's parameters (:func:`tolerances`)."""
     module = model.get_submodule(path)
+    mean_tol, rel_tol = tolerances(next(model.parameters()).dtype)
     names = dict(model.named_parameters(remove_duplicate=False))
     recorder = Recorder(module)
 
@@ -105,15 +120,15 @@ def brute_force(model: nn.Module, recipes: dict[str, tuple[int, int | None]], pa
         """Centering ``chosen`` in ``weights`` keeps the norm's input zero-mean and every output
         (``expected``: the outputs with ``weights`` on ``inputs``, computed when not given)."""
         values = {**weights, **{n: center(weights[n], *group_of[n]) for n in chosen}}
-        if any(ratio_of(values, i) > MEAN_TOL for i in inputs):
+        if any(ratio_of(values, i) > mean_tol for i in inputs):
             return False
         expected = expected or [run(weights, i)[0] for i in inputs]
-        return all(rel_error(r, o) <= REL_TOL for i, ref in zip(inputs, expected)
+        return all(rel_error(r, o) <= rel_tol for i, ref in zip(inputs, expected)
                    for r, o in zip(floating_outputs(ref), floating_outputs(run(values, i)[0])))
 
     try:
         base = {n: p.detach() for n, p in names.items()}
-        if max(ratio_of(base, i) for i in inputs) <= MEAN_TOL:
+        if max(ratio_of(base, i) for i in inputs) <= mean_tol:
             return NormVerdict(path, False, "missed", "its input is already zero-mean on random inputs")
         ancestors = _ancestors(model, names, inputs[0], recorder)
         width = recorder.value.shape[norm_dim]
@@ -123,7 +138,7 @@ def brute_force(model: nn.Module, recipes: dict[str, tuple[int, int | None]], pa
 
             def zero_mean(selected) -> bool:
                 values = {**base, **{n: centered[n] for n in selected}}
-                return all(ratio_of(values, i) <= MEAN_TOL for i in inputs)
+                return all(ratio_of(values, i) <= mean_tol for i in inputs)
 
             if not chosen or not zero_mean(chosen):
                 continue
