@@ -284,31 +284,34 @@ def missed_folds(model: nn.Module, unfolded, calls: list[dict], dtype: torch.dty
     keep every output? Norms it could not judge within BRUTE_FORCE_SECONDS are listed as not judged."""
     from centering_oracle import brute_force, call_model
 
+    from normfold.engine.verify import default_dtype_of
+
     if not unfolded:
         return {"missed": 0, "not_judged": 0, "missed_folds": ""}
     model64 = copy.deepcopy(model).to(dtype).eval()
     calls64 = [{k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in c.items()}
                for c in calls]
-    with torch.no_grad():
-        reference = [call_model(model64, c) for c in calls64]
-    recipes = centering_recipes(model64)
-    deadline, found, not_judged = time.monotonic() + BRUTE_FORCE_SECONDS, [], []
-    for norm in unfolded:
-        if time.monotonic() > deadline:
-            not_judged.append(f"{norm.path} (past {BRUTE_FORCE_SECONDS:g} s)")
-            continue
-        try:
-            module = model64.get_submodule(norm.path)
-            dim = 1 if getattr(module, "data_format", None) == "channels_first" else -1
-            verdict = brute_force(model64, recipes, norm.path, calls64, reference, norm_dim=dim)
-        except _TimeBox:  # the row's time box: what was found stays, the rest is not judged
-            not_judged += [f"{n.path} (time box)" for n in unfolded[unfolded.index(norm):]]
-            break
-        except Exception as err:  # noqa: BLE001  a norm the oracle cannot run on (no module at the path, ...)
-            not_judged.append(f"{norm.path} ({type(err).__name__})")
-            continue
-        if verdict.verdict == "missed":
-            found.append(f"{norm.path}: {verdict.detail} (engine: {norm.reason})")
+    with default_dtype_of(model64):  # tensors its forward makes without a dtype: in float64 too
+        with torch.no_grad():
+            reference = [call_model(model64, c) for c in calls64]
+        recipes = centering_recipes(model64)
+        deadline, found, not_judged = time.monotonic() + BRUTE_FORCE_SECONDS, [], []
+        for norm in unfolded:
+            if time.monotonic() > deadline:
+                not_judged.append(f"{norm.path} (past {BRUTE_FORCE_SECONDS:g} s)")
+                continue
+            try:
+                module = model64.get_submodule(norm.path)
+                dim = 1 if getattr(module, "data_format", None) == "channels_first" else -1
+                verdict = brute_force(model64, recipes, norm.path, calls64, reference, norm_dim=dim)
+            except _TimeBox:  # the row's time box: what was found stays, the rest is not judged
+                not_judged += [f"{n.path} (time box)" for n in unfolded[unfolded.index(norm):]]
+                break
+            except Exception as err:  # noqa: BLE001  a norm the oracle cannot run on (no module at the path, ...)
+                not_judged.append(f"{norm.path} ({type(err).__name__})")
+                continue
+            if verdict.verdict == "missed":
+                found.append(f"{norm.path}: {verdict.detail} (engine: {norm.reason})")
     judged_in = [] if dtype == torch.float64 else [f"judged in {str(dtype).removeprefix('torch.')} (the model "
                                                     "does not run in float64)"]
     text = "; ".join(judged_in + found + ([f"not judged: {', '.join(not_judged)}"] if not_judged else []))

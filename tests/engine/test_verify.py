@@ -326,3 +326,25 @@ def test_an_integer_output_has_no_rounding_error_and_the_float32_proof_runs():
     _, report = normfold.fold(LengthsBeside().eval(), (torch.randn(2, 3, 4),))
     check = report.verification.model_dtype_check
     assert report.num_foldable == 1 and check is not None and 0 < check.own_error < 1e-5
+
+
+class DefaultDtypeMask(nn.Module):
+    """Builds a position mask in torch's default dtype and fills it with the minimum of the input's dtype,
+    as XGLM's and Kosmos-2's sinusoidal positions and masks do."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm = nn.Linear(4, 4), nn.LayerNorm(4)
+
+    def forward(self, x):  # (B, T, C)
+        mask = torch.zeros(x.shape[1]).masked_fill(torch.arange(x.shape[1]) > 99, torch.finfo(x.dtype).min)  # (T,)
+        return self.norm(self.proj(x) + mask[:, None].to(x.dtype))
+
+
+def test_a_model_making_tensors_in_the_default_dtype_is_proved_in_float64_with_the_default_restored():
+    """Fails on main 61708a4: its float64 copy raised ("value cannot be converted to type float without
+    overflow") and the proof fell back to float32."""
+    model = DefaultDtypeMask().eval()
+    result = normfold.verify(model, copy.deepcopy(model), (torch.randn(2, 3, 4),))
+    assert result.ok and result.compared_in == "float64" and result.fallback is None
+    assert torch.get_default_dtype() == torch.float32

@@ -6,6 +6,8 @@ from the ``shared`` table it is stored as). Each folds streamed bit for bit as i
 verify`` passes. XGLM, which cannot run in float64, stays refused, now with that reason."""
 from __future__ import annotations
 
+import contextlib
+
 import json
 
 import pytest
@@ -116,20 +118,35 @@ def test_renamed_keys_are_rewritten_under_the_names_the_checkpoint_stores(sharde
         assert stored_name in keys and model_name not in keys
 
 
-def test_xglm_which_cannot_run_in_float64_is_refused_streamed_with_that_reason(sharded, tmp_path, capsys,
-                                                                              monkeypatch):
-    """A real limit: every streamed piece is proved in float64, and XGLM fills a tensor with float64's
-    minimum in the float32 default dtype (the in-memory fold's proof falls back to float32)."""
+def test_xglm_whose_forward_makes_tensors_in_the_default_dtype_streams_and_proves_in_float64(sharded, tmp_path,
+                                                                                            monkeypatch):
+    """Fails on main 61708a4: XGLM fills a tensor of the float32 default dtype with float64's minimum, so every
+    float64 run raised (streamed: refused; in memory: proved in float32 only). Each float64 run now has
+    float64 as torch's default dtype."""
     monkeypatch.setenv("NORMFOLD_PROGRESS", "0")
+    out = tmp_path / "streamed"
+    assert main(["fold", str(sharded("xglm")), "-o", str(out)]) == 0
+    assert json.loads((out / REPORT_JSON).read_text())["verification"]["ok"]
+    fold_folder(sharded("xglm"), tmp_path / "in_memory")
+    report = json.loads((tmp_path / "in_memory" / REPORT_JSON).read_text())
+    assert report["verification"]["ok"] and report["verification"]["compared_in"] == "float64"
+    assert torch.get_default_dtype() == torch.float32  # restored
+
+
+def test_a_model_that_cannot_run_in_float64_is_refused_streamed_with_that_reason(sharded, tmp_path, capsys,
+                                                                                monkeypatch):
+    """Every streamed piece is proved in float64: a model whose float64 runs raise (here XGLM with its
+    float64 runs left in the float32 default dtype) is refused, and told to fold in memory."""
+    import normfold.hf.streaming.blocks as blocks
+
+    monkeypatch.setenv("NORMFOLD_PROGRESS", "0")
+    monkeypatch.setattr(blocks, "default_dtype_of", lambda model: contextlib.nullcontext())
     out = tmp_path / "streamed"
     assert main(["fold", str(sharded("xglm")), "-o", str(out)]) == EXIT_VERIFY_FAILED
     err = capsys.readouterr().err
     assert ("the model cannot run in float64 (RuntimeError: value cannot be converted to type float without "
             "overflow), and a streamed fold proves every piece in float64") in err and "fold it in memory" in err
     assert not out.exists()
-    fold_folder(sharded("xglm"), tmp_path / "in_memory")  # which proves in float32
-    report = json.loads((tmp_path / "in_memory" / REPORT_JSON).read_text())
-    assert report["verification"]["ok"] and report["verification"]["compared_in"] == "float32"
 
 
 def test_a_model_that_fails_cut_short_in_float32_too_is_not_said_to_fail_for_float64(sharded, tmp_path,

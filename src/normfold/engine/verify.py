@@ -28,6 +28,7 @@ of a proof are kept together so the rule a result was judged by is readable in o
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -457,6 +458,23 @@ def _is_plain_dataclass(value) -> bool:
     return dataclasses.is_dataclass(value) and not isinstance(value, type) and type(value) not in pytree.SUPPORTED_NODES
 
 
+@contextlib.contextmanager
+def default_dtype_of(model: nn.Module):
+    """torch's default dtype set to float64 while a float64 ``model`` runs (restored after): tensors its
+    forward makes without a dtype (XGLM's and Kosmos-2's sinusoidal positions, ProphetNet's masks) are
+    then float64 like its weights, as they are float32 beside float32 weights; without it those models
+    raise or overflow in float64 and a proof could only fall back to float32."""
+    if float_dtype(model) != torch.float64 or torch.get_default_dtype() == torch.float64:
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def float_dtype(model: nn.Module) -> torch.dtype | None:
     for p in model.parameters():
         if p.is_floating_point():
@@ -553,7 +571,7 @@ def _seeded_outputs(model: nn.Module, args, kwargs) -> tuple[list[tuple[str, obj
     draw the same numbers in the same order get the same draws; the caller's generator states are restored
     (``torch.random.fork_rng``), and a CUDA that is not initialised is left so."""
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda), eval_mode(model), torch.no_grad():
+    with torch.random.fork_rng(devices=cuda), default_dtype_of(model), eval_mode(model), torch.no_grad():
         generators = [torch.default_generator] + [torch.cuda.default_generators[d] for d in cuda]
         for g in generators:
             g.manual_seed(PROOF_SEED)

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ...engine.math import center
-from ...engine.verify import (cast_floats, flatten_outputs, measured_tolerance, output_error, outputs_own_error,
-                            watch_rms_inputs)
+from ...engine.verify import (cast_floats, default_dtype_of, flatten_outputs, measured_tolerance, output_error,
+                            outputs_own_error, watch_rms_inputs)
 from ..inputs import example_inputs_for
 from ..load import CheckpointError, check_model_dir, load_config, model_class_for
 from ..folder_report import SwappedNorm
@@ -223,10 +223,11 @@ def hidden_states(call: Call) -> torch.Tensor:
 
 def call_block(block: nn.Module, call: Call | None, x: torch.Tensor):
     """``block`` on hidden states ``x`` with the rest of ``call``'s arguments."""
-    if call is None:
-        return block(x)
-    args, kwargs = call
-    return block(x, *args[1:], **kwargs) if args else block(**{**kwargs, "hidden_states": x})
+    with default_dtype_of(block):
+        if call is None:
+            return block(x)
+        args, kwargs = call
+        return block(x, *args[1:], **kwargs) if args else block(**{**kwargs, "hidden_states": x})
 
 
 def check_shell(orig_dir: str | os.PathLike, folded_dir: str | os.PathLike, swapped: Sequence[SwappedNorm],
@@ -372,7 +373,7 @@ def _run_shell(model: nn.Module, stacks: list[str],
         with contextlib.suppress(AttributeError):
             handles.append(model.get_submodule(f"{stack}.0").register_forward_pre_hook(keep_call, with_kwargs=True))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), default_dtype_of(model):
             output = model(**inputs)
     finally:
         for handle in handles:
