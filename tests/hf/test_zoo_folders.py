@@ -468,7 +468,8 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
                                         "granite_docling", "instructblipvideo", "qwen3_omni_moe_thinker", "idefics2",
                                         "aria", "unlimited_ocr", "neomme", "sam2_hiera_det_model", "sam2",
                                         "qwen2_audio", "musicflamingo", "qwen3_asr", "speecht5", "granite_speech5_ctc",
-                                        "granite_speech5_encoder", "clap", "clvp", "fastspeech2_conformer_with_hifigan"])
+                                        "granite_speech5_encoder", "clap", "clvp", "fastspeech2_conformer_with_hifigan",
+                                        "csm", "molmo2", "glm_image"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
@@ -490,11 +491,25 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     SpeechT5Model reads hidden states (no prenet); Granite Speech 5 attends within blocks no longer than its
     relative positions; CLAP's spectrogram image keeps a frequency row per strip after its last stage; CLVP
     rotates 32 features of each head (its speech encoder is shrunk too); FastSpeech2 with HiFi-GAN reads ids of
-    its model_config's vocabulary."""
+    its model_config's vocabulary; CSM (audio segments cut where its codec counts), Molmo2 (a token pooling table
+    per image) and GLM-Image (a target grid without pixels) get their text alone, a call each is made for."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():
         model(**example_inputs_for(model))
+
+
+def test_a_model_rejecting_every_media_layout_it_takes_as_optional_gets_its_text_alone():
+    """Fails on main 5be980f: CSM was given a waveform without the segment cutoffs its codec needs and raised
+    in its own code; its media are optional, so the text alone is a call it is made for. A model whose media
+    run keeps them, and one whose media are required keeps its media call (the fold then says why)."""
+    csm = _bare_model_class(_config("csm"))(_config("csm")).eval()
+    inputs = example_inputs_for(csm)
+    assert "input_ids" in inputs and "input_values" not in inputs
+    llava = _bare_model_class(_config("llava"))(_config("llava")).eval()
+    assert "pixel_values" in example_inputs_for(llava)
+    pi0 = _bare_model_class(_config("pi0"))(_config("pi0")).eval()  # required action_embeds: no text-only call
+    assert "pixel_values" in example_inputs_for(pi0)
 
 
 def test_a_float64_model_gets_the_example_layout_its_float32_copy_gets():

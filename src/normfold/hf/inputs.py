@@ -57,7 +57,8 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
         media.update(_companion_inputs(config, params, media, seq, gen))
         layouts = _other_image_layouts(media, vision_config) if model is not None else []
         if layouts:
-            return _first_call_that_runs(model, config, params, [media, *layouts], batch, seq, gen)
+            call = _first_call_that_runs(model, config, params, [media, *layouts], batch, seq, gen)
+            return _text_only_where_media_fails(model, config, params, call, batch, seq, seed)
     elif "input_values" in params or "input_features" in params:
         def whole_call(audio: dict[str, Any]) -> dict[str, Any]:  # what a candidate layout is tried in
             return _completed_call(model, config, params, dict(audio), batch, seq, torch.Generator().manual_seed(seed))
@@ -66,7 +67,25 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
                                  gen, model, finish=whole_call)
     else:
         media = {}
-    return _completed_call(model, config, params, media, batch, seq, gen)
+    call = _completed_call(model, config, params, media, batch, seq, gen)
+    return _text_only_where_media_fails(model, config, params, call, batch, seq, seed) if media else call
+
+
+def _text_only_where_media_fails(model: nn.Module | None, config, params, call: dict[str, Any], batch: int, seq: int,
+                                 seed: int) -> dict[str, Any]:
+    """``call``, or the text of a model whose forward takes its media as optional (default None) when the
+    original ``model`` rejects every media layout built for it but runs on the text alone (CSM's audio wants
+    segment cutoffs its codec counts, Molmo2's images a pooling table of their own): a text-only call is one
+    the model is made for, and the fold is exact for calls like it (``report.exactness_scope``). ``call``
+    as it is for a model without token ids, with required media, or that runs on it."""
+    if model is None or "input_ids" not in params:
+        return call
+    text_only = _completed_call(model, config, params, {}, batch, seq, torch.Generator().manual_seed(seed))
+    media_names = [name for name in call if name not in text_only]
+    if (not media_names or any(name in params and params[name].default is not None for name in media_names)
+            or runs_eagerly(model, call)):
+        return call
+    return text_only if runs_eagerly(model, text_only) else call
 
 
 def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, Any], batch: int, seq: int,
