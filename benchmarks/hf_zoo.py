@@ -204,8 +204,8 @@ def fold_and_prove(row: dict, model: nn.Module, example: dict, other: dict) -> N
     try:
         _, report = fold(model, example)
         norms = [n for n in report.norms if n.kind == "LayerNorm"]
-        if not norms:  # the module named like a LayerNorm computes something else
-            row["status"] = "no LayerNorm"
+        if not norms:
+            row.update(_unreached_layer_norms(model, example))
             return
         row.update(norms=len(norms), folded=sum(n.foldable for n in norms),
                    affine_folded=sum(n.affine_folded for n in norms), capture=capture_route(report))
@@ -220,6 +220,20 @@ def fold_and_prove(row: dict, model: nn.Module, example: dict, other: dict) -> N
     except FoldError as err:
         row.update(status="FoldError", detail=_line(err), error_class=error_class(_line(err), eager_error(model, example),
                                                                            row.get("model_type")))
+
+
+def _unreached_layer_norms(model: nn.Module, example: dict) -> dict:
+    """The row of a model whose fold saw no LayerNorm: "no LayerNorm" when none of its modules is one (a
+    module named like one computes something else), else "LayerNorm not reached": the example call (CSM,
+    Molmo2, GLM-Image: their text alone, every media layout rejected) runs none of them, so nothing of
+    them is measured."""
+    from normfold.nn.kinds import norm_kind
+
+    paths = [name for name, m in model.named_modules() if norm_kind(m) == "LayerNorm"]
+    if not paths:
+        return {"status": "no LayerNorm"}
+    return {"status": "LayerNorm not reached", "detail": f"the example call ({', '.join(sorted(example))}) runs "
+            f"none of its {len(paths)} LayerNorm modules ({paths[0]}, ...): not measured"}
 
 
 def capture_route(report) -> str:
@@ -443,7 +457,7 @@ def model_types(zoo, wanted: list[str] | None) -> list[str]:
     return list(zoo.MODEL_TYPES) + [t for t in every if t not in zoo.MODEL_TYPES]
 
 
-REACHED = ("proved", "FoldError", "WRONG", "EXCEPTION")  # statuses of the types a fold was tried on
+REACHED = ("proved", "FoldError", "WRONG", "EXCEPTION", "LayerNorm not reached")  # types a fold was tried on
 
 
 def read_table(path: str | Path) -> dict[str, dict]:

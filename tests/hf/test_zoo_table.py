@@ -168,3 +168,11 @@ def test_a_model_whose_eager_attention_computes_no_finite_number_is_measured_wit
     row = hf_zoo.fold_row("nemotron_asr_streaming_encoder", zoo)
     assert row["status"] == "proved" and row["compared_in"] == "float64", row
     assert row["detail"].startswith(hf_zoo.EAGER_NAN_NOTE) and int(row["folded"]) > 0
+
+
+def test_a_model_whose_example_call_runs_none_of_its_layer_norms_says_so_not_no_layer_norm(hf_zoo, zoo):
+    """CSM's example call is its text alone (its audio layouts rejected): the fold sees no LayerNorm, though its
+    codec holds some. Was "no LayerNorm" on 5be980f's text-only inputs, a row that hid a tower not measured."""
+    row = hf_zoo.fold_row("csm", zoo)
+    assert row["status"] == "LayerNorm not reached", row
+    assert "runs none of its" in row["detail"] and "LayerNorm modules" in row["detail"]
