@@ -506,10 +506,14 @@ def test_a_model_rejecting_every_media_layout_it_takes_as_optional_gets_its_text
     csm = _bare_model_class(_config("csm"))(_config("csm")).eval()
     inputs = example_inputs_for(csm)
     assert "input_ids" in inputs and "input_values" not in inputs
-    llava = _bare_model_class(_config("llava"))(_config("llava")).eval()
-    assert "pixel_values" in example_inputs_for(llava)
-    pi0 = _bare_model_class(_config("pi0"))(_config("pi0")).eval()  # required action_embeds: no text-only call
-    assert "pixel_values" in example_inputs_for(pi0)
+    llava_class = _bare_model_class(_config("llava"))
+    assert "pixel_values" in example_inputs_for(llava_class(_config("llava")).eval())
+
+    class RequiredPixels(llava_class):  # rejects every call, and its pixels are required: no text-only call
+        def forward(self, pixel_values, input_ids=None, attention_mask=None, **kwargs):
+            raise ValueError("no layout runs")
+
+    assert "pixel_values" in example_inputs_for(RequiredPixels(_config("llava")).eval())
 
 
 def test_a_float64_model_gets_the_example_layout_its_float32_copy_gets():

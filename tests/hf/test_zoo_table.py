@@ -170,9 +170,17 @@ def test_a_model_whose_eager_attention_computes_no_finite_number_is_measured_wit
     assert row["detail"].startswith(hf_zoo.EAGER_NAN_NOTE) and int(row["folded"]) > 0
 
 
-def test_a_model_whose_example_call_runs_none_of_its_layer_norms_says_so_not_no_layer_norm(hf_zoo, zoo):
+def test_a_model_whose_example_call_runs_none_of_its_layer_norms_says_so_not_no_layer_norm(hf_zoo):
     """CSM's example call is its text alone (its audio layouts rejected): the fold sees no LayerNorm, though its
-    codec holds some. Was "no LayerNorm" on 5be980f's text-only inputs, a row that hid a tower not measured."""
-    row = hf_zoo.fold_row("csm", zoo)
-    assert row["status"] == "LayerNorm not reached", row
-    assert "runs none of its" in row["detail"] and "LayerNorm modules" in row["detail"]
+    codec holds 32. Was "no LayerNorm" on 5be980f's text-only inputs, a row that hid a tower not measured."""
+    class TextWithUnusedTower(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.tower_norm = torch.nn.Embedding(8, 4), torch.nn.LayerNorm(4)
+
+        def forward(self, input_ids):
+            return self.embed(input_ids)
+
+    row = hf_zoo._unreached_layer_norms(TextWithUnusedTower(), {"input_ids": torch.zeros(1, 2, dtype=torch.long)})
+    assert row["status"] == "LayerNorm not reached" and "(input_ids) runs none of its 1 LayerNorm" in row["detail"]
+    assert hf_zoo._unreached_layer_norms(torch.nn.Embedding(8, 4), {}) == {"status": "no LayerNorm"}
