@@ -3,6 +3,7 @@ and calibration batches from a text file tokenized by the folder's own tokenizer
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -254,7 +255,9 @@ GRID_INPUTS = ("image_grid_thw", "grid_thw")  # the grid of each image: its name
 MERGE_SIZES = ("image_merge_sizes", "merge_sizes")  # VideoLLaMA3 (model, vision tower): each image's merge size
 TARGET_SIZES = "target_sizes"  # NaViT-style packers (MiniCPM-V): each image's (h, w) in patches
 SPATIAL_SHAPES = "spatial_shapes"  # SigLIP2 NaFlex (LFM2-VL): each image's (h, w) in patches
-_IMAGE_INPUTS = ("pixel_values", *GRID_INPUTS, *MERGE_SIZES, TARGET_SIZES, SPATIAL_SHAPES, "pixel_attention_mask",
+TOKEN_POOLING = ("image_token_pooling", "image_grids", "image_num_crops")  # Molmo2: the patches each image token pools
+_IMAGE_INPUTS = ("pixel_values", *GRID_INPUTS, *MERGE_SIZES, TARGET_SIZES, SPATIAL_SHAPES, *TOKEN_POOLING,
+                 "pixel_attention_mask",
                  "image_sizes", "high_res_pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")  # what describes a call's images
 GRID_SIDE = 2  # merged patches along each side of a grid image (Qwen2-VL): 4 image tokens per image
 _MERGE_FIELDS = ("spatial_merge_size", "merge_size", "merge_kernel_size")  # patches merged per side, by family
@@ -311,6 +314,30 @@ def _packed_strip_inputs(vision_config, channels: int, batch: int, gen: torch.Ge
     return {"pixel_values": pixels, TARGET_SIZES: torch.tensor([[side, side]] * batch)}  # (images, 2)
 
 
+def _pooled_crop_inputs(vision_config, params, channels: int, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One crop per image, its N patches flattened in its row (Molmo2): ``pixel_values`` (B, N, C·P·P), N the
+    vision tower's ``num_position_embeddings`` (one position per patch of a crop); each image's GRID_SIDE x
+    GRID_SIDE tokens each pool a k x k window of its crop's √N x √N patches (k = √N / GRID_SIDE):
+    ``image_token_pooling`` (B·GRID_SIDE², k²), indices into the patches of all crops; ``image_grids`` (B, 4),
+    each image's low- and high-resolution token grids (GRID_SIDE x GRID_SIDE and none: its crop is its
+    low-resolution view), and ``image_num_crops`` (B,) = 1 where the forward takes it."""
+    patch = vision_config.patch_size
+    h, w = _image_side(vision_config)
+    patches = getattr(vision_config, "num_position_embeddings", None) or (h // patch) * (w // patch)
+    side = math.isqrt(patches)
+    tokens = min(GRID_SIDE, side)
+    window = side // tokens
+    corners = (torch.arange(tokens)[:, None] * side + torch.arange(tokens)[None, :]).flatten() * window  # (t²,)
+    offsets = (torch.arange(window)[:, None] * side + torch.arange(window)[None, :]).flatten()  # (k²,)
+    per_image = corners[:, None] + offsets[None, :]  # (t², k²): patch indices within one crop
+    inputs = {"pixel_values": torch.randn(batch, patches, channels * patch * patch, generator=gen),  # (B, N, C·P·P)
+              "image_token_pooling": torch.cat([per_image + image * patches for image in range(batch)]),
+              "image_grids": torch.tensor([[tokens, tokens, 0, 0]] * batch)}  # (images, 4)
+    if "image_num_crops" in params:
+        inputs["image_num_crops"] = torch.ones(batch, dtype=torch.long)  # (images,)
+    return inputs
+
+
 def _grid_image_inputs(vision_config, params, grid_name: str, channels: int, batch: int,
                        gen: torch.Generator) -> dict[str, torch.Tensor]:
     """One image per row as a (1, h, w) grid of patches, h = w = GRID_SIDE x the merge size (the
@@ -340,6 +367,8 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator, *,
     - no vision tower, an image token and a patch size (Fuyu, NeoMME): :func:`_bare_patch_inputs`;
     - ``spatial_shapes`` (SigLIP2 NaFlex, LFM2-VL): :func:`_naflex_inputs`;
     - ``target_sizes`` (MiniCPM-V's vision tower): images packed into one strip, :func:`_packed_strip_inputs`;
+    - ``image_token_pooling`` (Molmo2): crops of flattened patches that each image token pools from,
+      :func:`_pooled_crop_inputs`;
     - ``pixel_attention_mask`` (Idefics2/3): ``pixel_values`` (B, 1, C, H, W), one image per row, with
       an all-true (B, 1, H, W) mask (no padding);
     - otherwise (B, C, H, W) pixels at the config's image size (an int or (H, W)).
@@ -354,6 +383,8 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator, *,
         return _naflex_inputs(vision_config, model_config or vision_config, channels, batch, gen)
     if TARGET_SIZES in params and isinstance(getattr(vision_config, "patch_size", None), int):
         return _packed_strip_inputs(vision_config, channels, batch, gen)
+    if TOKEN_POOLING[0] in params and isinstance(getattr(vision_config, "patch_size", None), int):
+        return _pooled_crop_inputs(vision_config, params, channels, batch, gen)
     h, w = _image_side(vision_config)
     if "pixel_attention_mask" in params:
         return {"pixel_values": torch.randn(batch, 1, channels, h, w, generator=gen),
