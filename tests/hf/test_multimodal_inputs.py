@@ -327,3 +327,31 @@ def test_a_model_pooling_its_image_tokens_from_crops_gets_crops_a_pooling_table_
     assert (inputs["input_ids"] == IMAGE_TOKEN).sum(dim=1).tolist() == [4, 4]
     with torch.no_grad():
         assert model(**inputs).image_outputs is not None  # the vision tower ran
+
+
+def _tiny_pi0(expert_width: int):
+    """A tiny PI0: a PaliGemma (32 wide) and an action expert of ``expert_width`` reading its cache (same heads)."""
+    heads = dict(num_attention_heads=4, num_key_value_heads=1, head_dim=8, num_hidden_layers=1, vocab_size=99)
+    config = transformers.PI0Config(
+        vlm_config={"model_type": "paligemma", "image_token_id": IMAGE_TOKEN, "projection_dim": 32, "hidden_size": 32,
+                    "vocab_size": 99,
+                    "text_config": {"model_type": "gemma", "hidden_size": 32, "intermediate_size": 64, **heads},
+                    "vision_config": {"model_type": "siglip_vision_model", **TINY_VISION, "vision_use_head": False}},
+        dit_config={"model_type": "gemma", "hidden_size": expert_width, "intermediate_size": 2 * expert_width, **heads})
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(config).eval()
+
+
+def test_a_robot_policy_gets_action_embeddings_of_its_experts_width_and_image_tokens_its_sub_model_merges():
+    """Fails on main 04d58aa (PI0 was given no action_embeds, 224 px images and no image tokens): a required
+    ``*_embeds`` argument gets embeddings of the config width the model runs with (the action expert's 16,
+    not the PaliGemma's 32); the images are sized by the PaliGemma's vision config, one camera per row with
+    its camera mask; the ids lead with one image token per feature its PaliGemma (``vlm``) makes of them."""
+    model = _tiny_pi0(expert_width=16)
+    inputs = example_inputs_for(model)
+    assert inputs["action_embeds"].shape == (2, 4, 16)  # (B, T, the expert's width)
+    assert inputs["pixel_values"].shape == (2, 1, 3, 32, 32)  # (B, cameras, C, H, W)
+    assert inputs["pixel_attention_mask"].tolist() == [[True], [True]]  # (B, cameras)
+    assert (inputs["input_ids"] == IMAGE_TOKEN).sum(dim=1).tolist() == [16, 16]  # (32 / 8)² patches an image
+    with torch.no_grad():
+        model(**inputs)

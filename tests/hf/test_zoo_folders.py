@@ -64,7 +64,8 @@ TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "dec
           "perceiver_config",  # Idefics2's resampler reads the text width (its hidden_size)
           "sam_config",  # Unlimited-OCR's SAM stage before its CLIP encoder
           "semantic_model_config",  # NeuCodec and X-codec2's semantic branch: a whole Wav2Vec2-BERT
-          "speech_config")  # CLVP's speech encoder
+          "speech_config",  # CLVP's speech encoder
+          "vlm_config", "dit_config")  # PI0's PaliGemma and its action expert (a Gemma reading the PaliGemma's cache)
 
 # one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
 # channels-first norms, audio (waveform and log-mel), two-tower multimodal, character-level, RMSNorm-only
@@ -485,7 +486,7 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
                                         "aria", "unlimited_ocr", "neomme", "sam2_hiera_det_model", "sam2",
                                         "qwen2_audio", "musicflamingo", "qwen3_asr", "speecht5", "granite_speech5_ctc",
                                         "granite_speech5_encoder", "clap", "clvp", "fastspeech2_conformer_with_hifigan",
-                                        "csm", "molmo2", "glm_image"])
+                                        "csm", "molmo2", "glm_image", "pi0"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
@@ -509,7 +510,9 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     rotates 32 features of each head (its speech encoder is shrunk too); FastSpeech2 with HiFi-GAN reads ids of
     its model_config's vocabulary; Molmo2 reads crops of flattened patches with a table of the patches each image
     token pools, through an adapter (now shrunk) reading the shrunk tower's last layers, its image token under
-    another name (image_patch_id) kept inside the vocabulary; CSM (audio segments cut where its codec counts) and
+    another name (image_patch_id) kept inside the vocabulary; PI0 requires action_embeds at its action expert's
+    width and reads one image token per feature its PaliGemma (vlm, a sub-model shrunk like dit, its expert) makes
+    of each camera's image; CSM (audio segments cut where its codec counts) and
     GLM-Image (a target grid without pixels) get their text alone, a call each is made for."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
