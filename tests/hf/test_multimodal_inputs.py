@@ -296,3 +296,62 @@ def test_audio_tokens_are_counted_by_the_audio_tower_where_get_audio_features_ca
     if model_type == "qwen2_audio":
         assert inputs["feature_attention_mask"].shape == (2, inputs["input_features"].shape[-1])
         assert inputs["feature_attention_mask"].all()
+
+
+def _tiny_molmo2():
+    heads = dict(num_attention_heads=4, num_key_value_heads=4, head_dim=8)
+    config = transformers.Molmo2Config(
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, intermediate_size=64, patch_size=8, image_size=[32, 32],
+                           **heads),
+        adapter_config=dict(hidden_size=32, intermediate_size=64, text_hidden_size=32, vision_feature_layer=[-1, -2],
+                            **heads),
+        text_config=dict(TINY_TEXT, num_key_value_heads=2, head_dim=8), image_patch_id=IMAGE_TOKEN,
+        **{name: 90 + i for i, name in enumerate(("image_start_token_id", "low_res_image_start_token_id",
+                                                   "image_end_token_id", "frame_start_token_id", "frame_end_token_id"))})
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(config).eval()
+
+
+def test_a_model_pooling_its_image_tokens_from_crops_gets_crops_a_pooling_table_and_one_token_per_pooled_feature():
+    """Fails on main 04d58aa (Molmo2 was given (B, C, H, W) pixels, which its patch embedding cannot read, then
+    its text alone): one crop of the tower's 4 x 4 patches per image, each of its 2 x 2 image tokens pooling a
+    2 x 2 window of that crop's patches, its grids counting those tokens; the model reads the images."""
+    model = _tiny_molmo2()
+    inputs = example_inputs_for(model)
+    patches = model.config.vision_config.num_position_embeddings  # 16: a 32 px crop in 8 px patches
+    assert inputs["pixel_values"].shape == (2, patches, 3 * 8 * 8)  # (crops, N, C·P·P)
+    pooling = inputs["image_token_pooling"]  # (B·tokens, window): indices into the patches of all crops
+    assert pooling.shape == (2 * 4, 4) and pooling.unique().numel() == 2 * patches
+    assert (pooling[:4] < patches).all() and (pooling[4:] >= patches).all()  # each image pools its own crop
+    assert inputs["image_grids"].tolist() == [[2, 2, 0, 0]] * 2
+    assert (inputs["input_ids"] == IMAGE_TOKEN).sum(dim=1).tolist() == [4, 4]
+    with torch.no_grad():
+        assert model(**inputs).image_outputs is not None  # the vision tower ran
+
+
+def _tiny_pi0(expert_width: int):
+    """A tiny PI0: a PaliGemma (32 wide) and an action expert of ``expert_width`` reading its cache (same heads)."""
+    heads = dict(num_attention_heads=4, num_key_value_heads=1, head_dim=8, num_hidden_layers=1, vocab_size=99)
+    config = transformers.PI0Config(
+        vlm_config={"model_type": "paligemma", "image_token_id": IMAGE_TOKEN, "projection_dim": 32, "hidden_size": 32,
+                    "vocab_size": 99,
+                    "text_config": {"model_type": "gemma", "hidden_size": 32, "intermediate_size": 64, **heads},
+                    "vision_config": {"model_type": "siglip_vision_model", **TINY_VISION, "vision_use_head": False}},
+        dit_config={"model_type": "gemma", "hidden_size": expert_width, "intermediate_size": 2 * expert_width, **heads})
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(config).eval()
+
+
+def test_a_robot_policy_gets_action_embeddings_of_its_experts_width_and_image_tokens_its_sub_model_merges():
+    """Fails on main 04d58aa (PI0 was given no action_embeds, 224 px images and no image tokens): a required
+    ``*_embeds`` argument gets embeddings of the config width the model runs with (the action expert's 16,
+    not the PaliGemma's 32); the images are sized by the PaliGemma's vision config, one camera per row with
+    its camera mask; the ids lead with one image token per feature its PaliGemma (``vlm``) makes of them."""
+    model = _tiny_pi0(expert_width=16)
+    inputs = example_inputs_for(model)
+    assert inputs["action_embeds"].shape == (2, 4, 16)  # (B, T, the expert's width)
+    assert inputs["pixel_values"].shape == (2, 1, 3, 32, 32)  # (B, cameras, C, H, W)
+    assert inputs["pixel_attention_mask"].tolist() == [[True], [True]]  # (B, cameras)
+    assert (inputs["input_ids"] == IMAGE_TOKEN).sum(dim=1).tolist() == [16, 16]  # (32 / 8)² patches an image
+    with torch.no_grad():
+        model(**inputs)

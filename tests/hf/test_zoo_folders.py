@@ -59,11 +59,13 @@ SMALL_SIZES = {
 }
 TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config", "encoder", "decoder",
           "adaptor_config",  # FunASR's adaptor: its output width is the shrunk text width
+          "adapter_config",  # Molmo2's adapter: pools the vision states into the text width
           "qformer_config", "high_res_vision_config",
           "perceiver_config",  # Idefics2's resampler reads the text width (its hidden_size)
           "sam_config",  # Unlimited-OCR's SAM stage before its CLIP encoder
           "semantic_model_config",  # NeuCodec and X-codec2's semantic branch: a whole Wav2Vec2-BERT
-          "speech_config")  # CLVP's speech encoder
+          "speech_config",  # CLVP's speech encoder
+          "vlm_config", "dit_config")  # PI0's PaliGemma and its action expert (a Gemma reading the PaliGemma's cache)
 
 # one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
 # channels-first norms, audio (waveform and log-mel), two-tower multimodal, character-level, RMSNorm-only
@@ -93,10 +95,12 @@ def shrink(config):
     if merges_patches:
         _fit_windows(config)
     top = SMALL_SIZES["vocab_size"] - 1
+    aliased_tokens = _token_fields_named_by_alias(config)
     for name, value in list(vars(config).items()):  # special tokens must stay inside the shrunk vocabulary
         if name.endswith("_token_id") and isinstance(value, int) and value >= SMALL_SIZES["vocab_size"]:
             setattr(config, name, 1)
-        elif name.endswith("_token_index") and isinstance(value, int) and value >= SMALL_SIZES["vocab_size"]:
+        elif ((name.endswith("_token_index") or name in aliased_tokens) and isinstance(value, int)
+              and value >= SMALL_SIZES["vocab_size"]):
             setattr(config, name, top)  # LLaVA's image token (image_token_id reads it): one id of its own each
             top -= 1
     _fit_mrope_sections(config)
@@ -114,6 +118,14 @@ def shrink(config):
         # Mllama's projector reads the last state and each intermediate one, concatenated
         config.vision_output_dim = config.hidden_size * (len(config.intermediate_layers_indices) + 1)
     return config
+
+
+def _token_fields_named_by_alias(config) -> set[str]:
+    """The fields a config reads under a ``*_token_id`` alias but names otherwise (Molmo2's ``image_patch_id``
+    is its ``image_token_id``): special tokens the shrink keeps inside the vocabulary, each its own id."""
+    aliases = getattr(type(config), "attribute_map", None) or {}
+    return {field for alias, field in aliases.items()
+            if alias.endswith("_token_id") and not field.endswith(("_token_id", "_token_index"))}
 
 
 def derive_sizes_again(config) -> None:
@@ -237,6 +249,11 @@ _CLVP_ONE_HEAD = {"num_attention_heads": 1}
 CONFIG_OVERRIDES.update(clvp={"text_config": _CLVP_ONE_HEAD, "speech_config": _CLVP_ONE_HEAD}, clvp_encoder=_CLVP_ONE_HEAD)
 # SegGPT: a canvas of prompt above image, 64 x 32 px (8 x 4 patches; the default 896 x 448 is 6,272 tokens); the
 # prompt and image rows merge after the first layer, and the decoder reads both layers' states
+# Molmo2's adapter concatenates the vision states of the layers vision_feature_layer names (24 and 18 of 27 by default):
+# the shrunk tower's last two; each crop's patches meet a position table of num_position_embeddings (derived from the
+# default 378 px image and 14 px patches: 729) when the config is built: the 4 x 4 patches of a 32 px image
+CONFIG_OVERRIDES["molmo2"] = {"adapter_config": {"vision_feature_layer": [-1, -2]},
+                              "vision_config": {"image_size": [32, 32], "num_position_embeddings": 16}}
 CONFIG_OVERRIDES["seggpt"] = {"image_size": [64, 32], "pretrain_image_size": 32, "merge_index": 0,
                               "intermediate_hidden_state_indices": [0, 1]}
 
@@ -469,7 +486,7 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
                                         "aria", "unlimited_ocr", "neomme", "sam2_hiera_det_model", "sam2",
                                         "qwen2_audio", "musicflamingo", "qwen3_asr", "speecht5", "granite_speech5_ctc",
                                         "granite_speech5_encoder", "clap", "clvp", "fastspeech2_conformer_with_hifigan",
-                                        "csm", "molmo2", "glm_image"])
+                                        "csm", "molmo2", "glm_image", "pi0"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
@@ -491,8 +508,12 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     SpeechT5Model reads hidden states (no prenet); Granite Speech 5 attends within blocks no longer than its
     relative positions; CLAP's spectrogram image keeps a frequency row per strip after its last stage; CLVP
     rotates 32 features of each head (its speech encoder is shrunk too); FastSpeech2 with HiFi-GAN reads ids of
-    its model_config's vocabulary; CSM (audio segments cut where its codec counts), Molmo2 (a token pooling table
-    per image) and GLM-Image (a target grid without pixels) get their text alone, a call each is made for."""
+    its model_config's vocabulary; Molmo2 reads crops of flattened patches with a table of the patches each image
+    token pools, through an adapter (now shrunk) reading the shrunk tower's last layers, its image token under
+    another name (image_patch_id) kept inside the vocabulary; PI0 requires action_embeds at its action expert's
+    width and reads one image token per feature its PaliGemma (vlm, a sub-model shrunk like dit, its expert) makes
+    of each camera's image; CSM (audio segments cut where its codec counts) and
+    GLM-Image (a target grid without pixels) get their text alone, a call each is made for."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():

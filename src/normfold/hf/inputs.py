@@ -3,6 +3,7 @@ and calibration batches from a text file tokenized by the folder's own tokenizer
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from pathlib import Path
 from typing import Any, Callable
@@ -116,10 +117,47 @@ def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, A
         inputs["visual_pos"] = _boxes(batch, seq, _BOX_SCALE, gen) / _BOX_SCALE  # normalized to [0, 1]
     if "noise" in params and "pixel_values" in inputs:
         inputs["noise"] = _patch_masking_noise(_vision_config(config), inputs["pixel_values"], gen)
+    inputs = _with_required_embeddings(model, config, params, inputs, batch, seq, gen)
     if not inputs:
         raise CheckpointError(f"cannot build example inputs for {type(config).__name__}: its forward takes none of "
                               f"input_ids, pixel_values, input_values, input_features")
     return with_call_options(inputs, config, params, seq=seq, gen=gen)
+
+
+def _with_required_embeddings(model: nn.Module | None, config, params, inputs: dict[str, Any], batch: int, seq: int,
+                              gen: torch.Generator) -> dict[str, Any]:
+    """``inputs`` with random (B, T, width) embeddings for each ``*_embeds`` parameter the forward requires (no
+    default; PI0's ``action_embeds``: its action expert reads them as they are, there is no id for them): the
+    width is one of the config's hidden sizes (its own and its sub-configs', :func:`_hidden_widths`), the first
+    with which the original ``model`` runs on the whole call (the first, without a model)."""
+    required = [name for name, param in params.items() if name.endswith("_embeds") and name not in inputs
+                and param.default is inspect.Parameter.empty
+                and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    widths = _hidden_widths(config)
+    if not required or not widths:
+        return inputs
+    start = gen.get_state()
+    for width in widths:
+        gen.set_state(start)
+        call = {**inputs, **{name: torch.randn(batch, seq, width, generator=gen) for name in required}}
+        if model is None or runs_eagerly(model, with_call_options(dict(call), config, params, seq=seq)):
+            return call
+    gen.set_state(start)
+    return {**inputs, **{name: torch.randn(batch, seq, widths[0], generator=gen) for name in required}}
+
+
+def _hidden_widths(config) -> list[int]:
+    """The distinct ``hidden_size`` values of ``config`` and of the configs it holds, at any depth, in field order
+    (PI0: its PaliGemma's text and vision widths and its action expert's)."""
+    widths: list[int] = []
+    pending = [config]
+    while pending:
+        current = pending.pop(0)
+        width = getattr(current, "hidden_size", None)
+        if isinstance(width, int) and not isinstance(width, bool) and width not in widths:
+            widths.append(width)
+        pending.extend(_sub_configs(current))
+    return widths
 
 
 def _first_call_that_runs(model: nn.Module, config, params, layouts: list[dict[str, Any]], batch: int, seq: int,
@@ -199,12 +237,17 @@ def max_positions(text_config) -> int | None:
 
 def _vision_config(config):
     """The config that sizes the model's images: its ``vision_config``, its encoder's (T5Gemma 2: the images
-    go through the encoder), or the config itself (a vision model)."""
-    for holder in (config, getattr(config, "encoder", None)):
+    go through the encoder), a sub-model's (PI0: its PaliGemma, ``vlm_config``), or the config itself (a vision model)."""
+    for holder in (config, getattr(config, "encoder", None), *_sub_configs(config)):
         vision = getattr(holder, "vision_config", None)
         if vision is not None:
             return vision
     return config
+
+
+def _sub_configs(config) -> list:
+    """The configs ``config`` holds as fields (its towers and sub-models), in field order."""
+    return [value for value in vars(config).values() if hasattr(value, "to_dict") and not isinstance(value, dict)]
 
 
 def _vocabulary_config(config):
@@ -213,8 +256,7 @@ def _vocabulary_config(config):
     text = config.get_text_config()
     if isinstance(getattr(text, "vocab_size", None), int):
         return text
-    subs = (v for v in vars(config).values() if hasattr(v, "to_dict") and not isinstance(v, dict))
-    return next((sub for sub in subs if isinstance(getattr(sub, "vocab_size", None), int)), text)
+    return next((sub for sub in _sub_configs(config) if isinstance(getattr(sub, "vocab_size", None), int)), text)
 
 
 def _poolable_length(config, seq: int) -> int:
@@ -254,7 +296,9 @@ GRID_INPUTS = ("image_grid_thw", "grid_thw")  # the grid of each image: its name
 MERGE_SIZES = ("image_merge_sizes", "merge_sizes")  # VideoLLaMA3 (model, vision tower): each image's merge size
 TARGET_SIZES = "target_sizes"  # NaViT-style packers (MiniCPM-V): each image's (h, w) in patches
 SPATIAL_SHAPES = "spatial_shapes"  # SigLIP2 NaFlex (LFM2-VL): each image's (h, w) in patches
-_IMAGE_INPUTS = ("pixel_values", *GRID_INPUTS, *MERGE_SIZES, TARGET_SIZES, SPATIAL_SHAPES, "pixel_attention_mask",
+TOKEN_POOLING = ("image_token_pooling", "image_grids", "image_num_crops")  # Molmo2: the patches each image token pools
+_IMAGE_INPUTS = ("pixel_values", *GRID_INPUTS, *MERGE_SIZES, TARGET_SIZES, SPATIAL_SHAPES, *TOKEN_POOLING,
+                 "pixel_attention_mask",
                  "image_sizes", "high_res_pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")  # what describes a call's images
 GRID_SIDE = 2  # merged patches along each side of a grid image (Qwen2-VL): 4 image tokens per image
 _MERGE_FIELDS = ("spatial_merge_size", "merge_size", "merge_kernel_size")  # patches merged per side, by family
@@ -311,6 +355,30 @@ def _packed_strip_inputs(vision_config, channels: int, batch: int, gen: torch.Ge
     return {"pixel_values": pixels, TARGET_SIZES: torch.tensor([[side, side]] * batch)}  # (images, 2)
 
 
+def _pooled_crop_inputs(vision_config, params, channels: int, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """One crop per image, its N patches flattened in its row (Molmo2): ``pixel_values`` (B, N, C·P·P), N the
+    vision tower's ``num_position_embeddings`` (one position per patch of a crop); each image's GRID_SIDE x
+    GRID_SIDE tokens each pool a k x k window of its crop's √N x √N patches (k = √N / GRID_SIDE):
+    ``image_token_pooling`` (B·GRID_SIDE², k²), indices into the patches of all crops; ``image_grids`` (B, 4),
+    each image's low- and high-resolution token grids (GRID_SIDE x GRID_SIDE and none: its crop is its
+    low-resolution view), and ``image_num_crops`` (B,) = 1 where the forward takes it."""
+    patch = vision_config.patch_size
+    h, w = _image_side(vision_config)
+    patches = getattr(vision_config, "num_position_embeddings", None) or (h // patch) * (w // patch)
+    side = math.isqrt(patches)
+    tokens = min(GRID_SIDE, side)
+    window = side // tokens
+    corners = (torch.arange(tokens)[:, None] * side + torch.arange(tokens)[None, :]).flatten() * window  # (t²,)
+    offsets = (torch.arange(window)[:, None] * side + torch.arange(window)[None, :]).flatten()  # (k²,)
+    per_image = corners[:, None] + offsets[None, :]  # (t², k²): patch indices within one crop
+    inputs = {"pixel_values": torch.randn(batch, patches, channels * patch * patch, generator=gen),  # (B, N, C·P·P)
+              "image_token_pooling": torch.cat([per_image + image * patches for image in range(batch)]),
+              "image_grids": torch.tensor([[tokens, tokens, 0, 0]] * batch)}  # (images, 4)
+    if "image_num_crops" in params:
+        inputs["image_num_crops"] = torch.ones(batch, dtype=torch.long)  # (images,)
+    return inputs
+
+
 def _grid_image_inputs(vision_config, params, grid_name: str, channels: int, batch: int,
                        gen: torch.Generator) -> dict[str, torch.Tensor]:
     """One image per row as a (1, h, w) grid of patches, h = w = GRID_SIDE x the merge size (the
@@ -340,6 +408,8 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator, *,
     - no vision tower, an image token and a patch size (Fuyu, NeoMME): :func:`_bare_patch_inputs`;
     - ``spatial_shapes`` (SigLIP2 NaFlex, LFM2-VL): :func:`_naflex_inputs`;
     - ``target_sizes`` (MiniCPM-V's vision tower): images packed into one strip, :func:`_packed_strip_inputs`;
+    - ``image_token_pooling`` (Molmo2): crops of flattened patches that each image token pools from,
+      :func:`_pooled_crop_inputs`;
     - ``pixel_attention_mask`` (Idefics2/3): ``pixel_values`` (B, 1, C, H, W), one image per row, with
       an all-true (B, 1, H, W) mask (no padding);
     - otherwise (B, C, H, W) pixels at the config's image size (an int or (H, W)).
@@ -354,6 +424,8 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator, *,
         return _naflex_inputs(vision_config, model_config or vision_config, channels, batch, gen)
     if TARGET_SIZES in params and isinstance(getattr(vision_config, "patch_size", None), int):
         return _packed_strip_inputs(vision_config, channels, batch, gen)
+    if TOKEN_POOLING[0] in params and isinstance(getattr(vision_config, "patch_size", None), int):
+        return _pooled_crop_inputs(vision_config, params, channels, batch, gen)
     h, w = _image_side(vision_config)
     if "pixel_attention_mask" in params:
         return {"pixel_values": torch.randn(batch, 1, channels, h, w, generator=gen),
@@ -601,12 +673,13 @@ _FEATURE_TOWERS = {"get_audio_features": "audio_tower"}
 
 def _media_merger(model: nn.Module, method: str) -> tuple[nn.Module | None, list[Callable]]:
     """The module that merges media features into the text and what computes them, tried in order: the
-    model (LLaVA) or its encoder for an encoder-decoder whose encoder reads the media (T5Gemma 2), with
-    its ``method`` (e.g. ``get_image_features``), then the model's media tower (``audio_tower``, whose
-    states its projector keeps one to one); (None, []) when none of them has one."""
+    model (LLaVA), its encoder for an encoder-decoder whose encoder reads the media (T5Gemma 2), or the
+    sub-model that does (PI0: its PaliGemma, ``vlm``), with its ``method`` (e.g. ``get_image_features``),
+    then the model's media tower (``audio_tower``, whose states its projector keeps one to one); (None, [])
+    when none of them has one."""
     get_encoder = getattr(model, "get_encoder", None)
     encoder = get_encoder() if callable(get_encoder) and not hasattr(model, method) else None
-    merger = next((m for m in (model, encoder) if hasattr(m, method)), None)
+    merger = next((m for m in (model, encoder, *model.children()) if hasattr(m, method)), None)
     tower = getattr(model, _FEATURE_TOWERS.get(method, ""), None)
     towers = [tower] if isinstance(tower, nn.Module) else []
     if merger is not None:
@@ -619,16 +692,27 @@ def _feature_count(get_features, media: dict[str, torch.Tensor]) -> int | None:
     ``get_audio_features``) makes of ``media`` over the whole batch, None when it fails or gives no
     tensors."""
     media = _accepted(get_features, media)
-    try:
-        with torch.no_grad():
-            found = get_features(**media)
-    except Exception:  # noqa: BLE001  the model's own code, whatever it raises: plain text ids, as before
+    found = _features_or_none(get_features, media)
+    pixels = media.get("pixel_values")
+    if found is None and isinstance(pixels, torch.Tensor) and pixels.dim() == 5:
+        # several images per row (PI0's cameras, (B, n, C, H, W)) for a tower that reads one image a row
+        found = _features_or_none(get_features, {**media, "pixel_values": pixels.flatten(0, 1)})
+    if found is None:
         return None
     features = _media_features(found)
     parts = features if isinstance(features, (list, tuple)) else [features]
     if not all(isinstance(f, torch.Tensor) and f.dim() >= 2 for f in parts):
         return None
     return sum(f.numel() // f.shape[-1] for f in parts)  # feature vectors over the whole batch
+
+
+def _features_or_none(get_features, media: dict[str, torch.Tensor]):
+    """What ``get_features`` returns for ``media``, or None when it raises."""
+    try:
+        with torch.no_grad():
+            return get_features(**media)
+    except Exception:  # noqa: BLE001  the model's own code, whatever it raises: plain text ids, as before
+        return None
 
 
 def _accepted(function, kwargs: dict[str, Any]) -> dict[str, Any]:
