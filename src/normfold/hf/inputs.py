@@ -128,20 +128,25 @@ def _with_required_embeddings(model: nn.Module | None, config, params, inputs: d
                               gen: torch.Generator) -> dict[str, Any]:
     """``inputs`` with random (B, T, width) embeddings for each ``*_embeds`` parameter the forward requires (no
     default; PI0's ``action_embeds``: its action expert reads them as they are, there is no id for them): the
-    width is one of the config's hidden sizes (its own and its sub-configs', :func:`_hidden_widths`), the first
-    with which the original ``model`` runs on the whole call (the first, without a model)."""
+    width is one of the config's hidden sizes (its own and its sub-configs', :func:`_hidden_widths`) and T the
+    call's length or, where the config names a ``chunk_size`` (PI0's action chunk; transformers 5.25 reads exactly
+    that many after a state token), chunk + 1 or chunk: the first pair with which the original ``model`` runs on
+    the whole call (the first, without a model)."""
     required = [name for name, param in params.items() if name.endswith("_embeds") and name not in inputs
                 and param.default is inspect.Parameter.empty
                 and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
     widths = _hidden_widths(config)
     if not required or not widths:
         return inputs
+    chunk = getattr(config, "chunk_size", None)
+    lengths = [seq] + ([chunk + 1, chunk] if isinstance(chunk, int) and chunk > 0 else [])
     start = gen.get_state()
-    for width in widths:
-        gen.set_state(start)
-        call = {**inputs, **{name: torch.randn(batch, seq, width, generator=gen) for name in required}}
-        if model is None or runs_eagerly(model, with_call_options(dict(call), config, params, seq=seq)):
-            return call
+    for length in lengths:
+        for width in widths:
+            gen.set_state(start)
+            call = {**inputs, **{name: torch.randn(batch, length, width, generator=gen) for name in required}}
+            if model is None or runs_eagerly(model, with_call_options(dict(call), config, params, seq=seq)):
+                return call
     gen.set_state(start)
     return {**inputs, **{name: torch.randn(batch, seq, widths[0], generator=gen) for name in required}}
 
@@ -441,11 +446,15 @@ def _other_image_layouts(media: dict[str, Any], vision_config) -> list[dict[str,
       whose patch embedding is a conv over each patch (PaddleOCR-VL, Kimi-K2.5); and one row per merged
       token, (N / m², m·P, m·P, C) channels last with the grid counted in merged tokens (Inkling2);
     - a per-pixel ``pixel_attention_mask`` (B, 1, H, W): a per-tile one, (B, 1) (GraniteDocling: the real tiles);
-    - (B, C, H, W) pixels with nothing else describing them: one-frame clips, (B, 1, C, H, W) (InstructBLIP-Video).
+    - (B, C, H, W) pixels with nothing else describing them: one-frame clips, (B, 1, C, H, W) (InstructBLIP-Video);
+    - an ``image_token_pooling`` table indexing the patches of all crops: each image's rows indexing its own
+      crop's patches only (Molmo2 from transformers 5.25 adds each image's offset itself).
     """
     pixels = media.get("pixel_values")
     if not isinstance(pixels, torch.Tensor):
         return []
+    if TOKEN_POOLING[0] in media and pixels.dim() == 3:  # (crops, N, C·P·P), one crop per image
+        return [{**media, TOKEN_POOLING[0]: media[TOKEN_POOLING[0]] % pixels.shape[1]}]
     grid_name = next((name for name in GRID_INPUTS if name in media), None)
     patch = getattr(vision_config, "patch_size", None)
     if grid_name is not None and pixels.dim() == 2 and isinstance(patch, int):
