@@ -1,0 +1,254 @@
+"""`normfold fold DIR` over a tiny folder of every transformers model type: the CLI as a user meets it
+(issue 33, Must show: "exit 0 or one `error:` line, never a traceback").
+
+For each type of the installed transformers' CONFIG_MAPPING: the shrunk default config and bare model of
+tests/hf/test_zoo_folders.py, every constant parameter randomised (as in hf_zoo.py: γ = 1, β = 0 would
+hide a wrong affine fold), saved with the type's image processor or feature extractor built from its class
+defaults (tests/hf/test_processor_folders.py) when it has one, so the fold takes the processor route
+where a user's folder would; then `normfold fold DIR -o OUT` (its ``main``, in this process, time-boxed).
+
+Each row's ``verdict``: "folded" (exit 0, a report written), "refused" (exit 1 or 2 with exactly one
+``normfold:`` line and nothing published), "skipped" (no tiny folder builds offline, or the time box), or
+"BUG: ..." (a traceback, several or no ``normfold:`` lines, an output folder left after a refusal).
+
+    python benchmarks/cli_zoo.py                         # every type: benchmarks/results/cli_zoo.{csv,md}
+    python benchmarks/cli_zoo.py --types vit whisper     # some types only
+    python benchmarks/cli_zoo.py --shard 1/2 --out /tmp/a & python benchmarks/cli_zoo.py --shard 2/2 --out /tmp/b
+    python benchmarks/cli_zoo.py --merge /tmp/a.csv /tmp/b.csv   # one table from shards
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import csv
+import io
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tests" / "hf"), str(REPO / "tests"), str(REPO / "benchmarks")]
+RESULTS = REPO / "benchmarks" / "results"
+SECONDS_PER_TYPE = 300  # build + fold of one type; past it the row is "skipped" with the time
+COLUMNS = ["model_type", "verdict", "exit", "route", "processor", "line", "seconds"]
+
+
+class _TimeBox(BaseException):
+    """The time box ran out (a BaseException: the CLI turns every Exception into its one error line)."""
+
+
+def _alarm(signum, frame):
+    raise _TimeBox(f"took more than {SECONDS_PER_TYPE} s")
+
+
+def _helpers():
+    """The tests' tiny-folder builders and the zoo table's randomiser (imported here: they need transformers)."""
+    import hf_zoo
+    import test_processor_folders as processors
+    import test_zoo_folders as zoo
+
+    return zoo, processors, hf_zoo
+
+
+def processor_for(model_type: str, config, processors) -> tuple[object | None, str]:
+    """The type's image processor or feature extractor, and its name; (None, why) when it has none or
+    none builds offline (the folder then has none, as many users' folders do)."""
+    if model_type in processors.image_processing_auto.IMAGE_PROCESSOR_MAPPING_NAMES:
+        make = processors._image_processor
+    elif model_type in processors.feature_extraction_auto.FEATURE_EXTRACTOR_MAPPING_NAMES:
+        make = processors._feature_extractor
+    else:
+        return None, "none"
+    try:
+        processor = make(model_type, config)
+    except Exception as err:  # noqa: BLE001  a processor class that needs files or packages we lack
+        return None, f"none ({type(err).__name__} building it offline)"
+    return processor, type(processor).__name__
+
+
+def build_folder(model_type: str, folder: Path, helpers) -> tuple[str | None, str]:
+    """Save the tiny folder of ``model_type``; (why not, "") when it does not build, else (None, processor)."""
+    zoo, processors, hf_zoo = helpers
+    try:
+        config = zoo._config(model_type)
+        torch.manual_seed(0)
+        model = zoo._bare_model_class(config)(config).eval()
+        hf_zoo.randomise_constant_parameters(model)
+        model.save_pretrained(folder)  # the shrunk config is validated here
+    except Exception as err:  # noqa: BLE001  a config the size rules cannot shrink consistently
+        return f"no tiny model from its shrunk default config ({type(err).__name__}: {_first_line(err)})", ""
+    processor, name = processor_for(model_type, config, processors)
+    if processor is not None:
+        try:
+            processor.save_pretrained(folder)
+        except Exception as err:  # noqa: BLE001
+            name = f"none ({type(err).__name__} saving {name})"
+    return None, name
+
+
+def cli_row(model_type: str, root: Path, helpers) -> dict:
+    """One row: build the folder, run `normfold fold` on it, judge what it printed (never raises)."""
+    from normfold.cli import main as normfold_main
+
+    row = {**dict.fromkeys(COLUMNS, ""), "model_type": model_type}
+    folder, out = root / model_type, root / f"{model_type}-folded"
+    start = time.monotonic()
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(SECONDS_PER_TYPE)
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        why_not, row["processor"] = build_folder(model_type, folder, helpers)
+        if why_not:
+            row.update(verdict="skipped", line=why_not)
+            return row
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            try:
+                code = normfold_main(["fold", str(folder), "-o", str(out)])
+            except _TimeBox:
+                raise
+            except BaseException:  # noqa: BLE001  anything escaping main is what a user sees as a traceback
+                traceback.print_exc()
+                code = None
+        row.update(judge(code, stdout.getvalue(), stderr.getvalue(), out))
+    except _TimeBox as err:
+        row.update(verdict="skipped", line=str(err))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        row["seconds"] = f"{time.monotonic() - start:.1f}"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def judge(code: int | None, stdout: str, stderr: str, out: Path) -> dict:
+    """The verdict on one CLI run, as tests/hf/test_processor_folders.py asserts it."""
+    lines = [line for line in stderr.splitlines() if line.startswith("normfold: ")]
+    if code is None or "Traceback" in stderr:
+        last = [line for line in stderr.splitlines() if line.strip()][-1:]
+        return {"verdict": "BUG: traceback", "exit": "" if code is None else code, "line": _clean(" ".join(last))}
+    if code == 0:
+        report = out / "normfold_report.json"
+        if not report.is_file():
+            return {"verdict": "BUG: exit 0 without a report", "exit": 0}
+        route = json.loads(report.read_text()).get("example_inputs", {})
+        said = next((line for line in stdout.splitlines() if line.startswith("example inputs:")), "")
+        return {"verdict": "folded", "exit": 0, "route": route.get("route", ""), "line": _clean(said)}
+    if len(lines) != 1:
+        return {"verdict": f"BUG: {len(lines)} normfold: lines", "exit": code, "line": _clean(" / ".join(lines))}
+    if out.exists():
+        return {"verdict": "BUG: output left after a refusal", "exit": code, "line": _clean(lines[0])}
+    return {"verdict": "refused", "exit": code, "line": _clean(lines[0])}
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0]
+
+
+def _clean(text: str) -> str:
+    return text.strip()[:300].replace("|", "/")
+
+
+def write_markdown(rows: list[dict], path: Path, command: str) -> None:
+    verdicts = collections.Counter(r["verdict"] for r in rows)
+    routes = collections.Counter(r["route"] for r in rows if r["verdict"] == "folded")
+    refusals = collections.Counter(_refusal_kind(r["line"]) for r in rows if r["verdict"] == "refused")
+    with_processor = sum(not r["processor"].startswith("none") for r in rows if r["processor"])
+    bugs = sum(n for v, n in verdicts.items() if v.startswith("BUG"))
+    lines = [
+        "# `normfold fold` over a tiny folder of every transformers type", "",
+        f"command: `{command}`  ",
+        f"torch {torch.__version__}, transformers {_version('transformers')}; commit {_commit()}  ",
+        f"types: {len(rows)}; " + ", ".join(f"{n} {v}" for v, n in verdicts.most_common()), "",
+        f"**Tracebacks or malformed exits: {bugs}.** Folded: {verdicts['folded']} (input route: "
+        + ", ".join(f"{n} {r}" for r, n in routes.most_common()) + f"); folders saved with a processor: "
+        f"{with_processor}. Refused with one line: {verdicts['refused']} ("
+        + ", ".join(f"{n} {k}" for k, n in refusals.most_common()) + ").", "",
+        "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
+    ]
+    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _refusal_kind(line: str) -> str:
+    """A refusal's kind: the words of its one line up to the first ':' past ``normfold: error:``."""
+    body = line.removeprefix("normfold: error: ").removeprefix("normfold: ")
+    return body.split(":")[0].split(" (")[0][:60]
+
+
+def _version(name: str) -> str:
+    return getattr(sys.modules.get(name), "__version__", "?")
+
+
+def _commit() -> str:
+    from hf_zoo import _commit as commit
+
+    return commit()
+
+
+def read_rows(paths: list[str]) -> list[dict]:
+    rows = []
+    for path in paths:
+        with open(path, newline="") as handle:
+            rows += list(csv.DictReader(handle))
+    return sorted(rows, key=lambda r: r["model_type"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--types", nargs="*", help="model types (default: every type of CONFIG_MAPPING)")
+    parser.add_argument("--shard", default="1/1", help="K/N: only every N-th type from the K-th (parallel runs)")
+    parser.add_argument("--out", default=str(RESULTS / "cli_zoo"), help="output stem (.csv and .md are added)")
+    parser.add_argument("--merge", nargs="+", metavar="CSV", help="write one table from shards' CSVs, run nothing")
+    args = parser.parse_args(argv)
+    stem = Path(args.out)
+    if args.merge:
+        rows = read_rows(args.merge)
+        _write(rows, stem, "python benchmarks/cli_zoo.py (shards: " + ", ".join(map(str, args.merge)) + ")")
+        return _exit_code(rows)
+    try:
+        k, n = (int(part) for part in args.shard.split("/"))
+        assert 1 <= k <= n
+    except (ValueError, AssertionError):
+        parser.error(f"--shard takes K/N with 1 <= K <= N, got {args.shard!r}")
+    warnings.filterwarnings("ignore")
+    os.environ["NORMFOLD_PROGRESS"] = "0"
+    helpers = _helpers()
+    helpers[0].transformers.logging.set_verbosity_error()
+    helpers[0].transformers.utils.logging.disable_progress_bar()  # "Writing model shards" once per type
+    types = args.types or sorted(helpers[0].transformers.CONFIG_MAPPING.keys())
+    types = types[k - 1::n]
+    command = "python benchmarks/cli_zoo.py" + (f" --types {' '.join(args.types)}" if args.types else "")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cli_zoo_") as root:
+        for model_type in types:
+            rows.append(cli_row(model_type, Path(root), helpers))
+            print(" | ".join(str(rows[-1][c]) for c in COLUMNS), flush=True)
+            _write(rows, stem, command + (f" --shard {args.shard}" if n > 1 else ""))
+    return _exit_code(rows)
+
+
+def _write(rows: list[dict], stem: Path, command: str) -> None:
+    with open(stem.with_suffix(".csv"), "w", newline="") as handle:
+        writer = csv.DictWriter(handle, COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    write_markdown(rows, stem.with_suffix(".md"), command)
+
+
+def _exit_code(rows: list[dict]) -> int:
+    return 1 if any(r["verdict"].startswith("BUG") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
