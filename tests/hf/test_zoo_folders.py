@@ -56,6 +56,8 @@ SMALL_SIZES = {
     # widths a config derives from hidden_size when built (ViT's pooler), or that must equal the projection
     # (X-CLIP's multi-frame transformer reads the projected frame features)
     "pooler_output_size": 32, "mit_hidden_size": 32, "mit_intermediate_size": 64,
+    # CSM's depth decoder reads the backbone's width; Mimi's upsampling conv is depthwise (a group per channel)
+    "backbone_hidden_size": 32, "upsample_groups": 32,
 }
 TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config", "encoder", "decoder",
           "adaptor_config",  # FunASR's adaptor: its output width is the shrunk text width
@@ -63,7 +65,8 @@ TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "dec
           "perceiver_config",  # Idefics2's resampler reads the text width (its hidden_size)
           "sam_config",  # Unlimited-OCR's SAM stage before its CLIP encoder
           "semantic_model_config",  # NeuCodec and X-codec2's semantic branch: a whole Wav2Vec2-BERT
-          "speech_config")  # CLVP's speech encoder
+          "speech_config",  # CLVP's speech encoder
+          "codec_config", "depth_decoder_config")  # CSM's Mimi codec and depth decoder (unshrunk: 396M parameters)
 
 # one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
 # channels-first norms, audio (waveform and log-mel), two-tower multimodal, character-level, RMSNorm-only
@@ -235,6 +238,10 @@ CONFIG_OVERRIDES.update(clap={"audio_config": _CLAP_SPECTROGRAM}, clap_audio_mod
 # (4 heads of 8: "size of tensor a (8) must match b (32)"); kept on the encoders too (their own type)
 _CLVP_ONE_HEAD = {"num_attention_heads": 1}
 CONFIG_OVERRIDES.update(clvp={"text_config": _CLVP_ONE_HEAD, "speech_config": _CLVP_ONE_HEAD}, clvp_encoder=_CLVP_ONE_HEAD)
+# CSM embeds each codec frame's codes in its codebook vocabulary (vocab_size, shrunk to 99) and reads its audio at
+# audio_token_id, ended by audio_eos_token_id (both beyond the shrunk vocabulary: both 1, the audio overwritten by
+# its end marker): codes below 64, the markers ids of their own
+CONFIG_OVERRIDES["csm"] = {"codec_config": {"codebook_size": 64}, "audio_token_id": 98, "audio_eos_token_id": 97}
 # SegGPT: a canvas of prompt above image, 64 x 32 px (8 x 4 patches; the default 896 x 448 is 6,272 tokens); the
 # prompt and image rows merge after the first layer, and the decoder reads both layers' states
 CONFIG_OVERRIDES["seggpt"] = {"image_size": [64, 32], "pretrain_image_size": 32, "merge_index": 0,
@@ -491,8 +498,10 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     SpeechT5Model reads hidden states (no prenet); Granite Speech 5 attends within blocks no longer than its
     relative positions; CLAP's spectrogram image keeps a frequency row per strip after its last stage; CLVP
     rotates 32 features of each head (its speech encoder is shrunk too); FastSpeech2 with HiFi-GAN reads ids of
-    its model_config's vocabulary; CSM (audio segments cut where its codec counts), Molmo2 (a token pooling table
-    per image) and GLM-Image (a target grid without pixels) get their text alone, a call each is made for."""
+    its model_config's vocabulary; CSM reads its waveform (B, 1, samples) with the cutoffs of its audio segments
+    and one audio token per frame of its codec (shrunk as a tower, codes inside its shrunk codebook vocabulary);
+    Molmo2 (a token pooling table per image) and GLM-Image (a target grid without pixels) get their text alone, a
+    call each is made for."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():
@@ -500,12 +509,13 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
 
 
 def test_a_model_rejecting_every_media_layout_it_takes_as_optional_gets_its_text_alone():
-    """Fails on main 5be980f: CSM was given a waveform without the segment cutoffs its codec needs and raised
-    in its own code; its media are optional, so the text alone is a call it is made for. A model whose media
-    run keeps them, and one whose media are required keeps its media call (the fold then says why)."""
-    csm = _bare_model_class(_config("csm"))(_config("csm")).eval()
-    inputs = example_inputs_for(csm)
-    assert "input_ids" in inputs and "input_values" not in inputs
+    """Fails on main 5be980f: Molmo2 rejects every image layout built for it (it reads a token pooling table per
+    image) and raised in its own code; its media are optional, so the text alone is a call it is made for. A
+    model whose media run keeps them, and one whose media are required keeps its media call (the fold then says
+    why)."""
+    molmo2 = _bare_model_class(_config("molmo2"))(_config("molmo2")).eval()
+    inputs = example_inputs_for(molmo2)
+    assert "input_ids" in inputs and "pixel_values" not in inputs
     llava_class = _bare_model_class(_config("llava"))
     assert "pixel_values" in example_inputs_for(llava_class(_config("llava")).eval())
 
