@@ -476,7 +476,7 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
                                         "aria", "unlimited_ocr", "neomme", "sam2_hiera_det_model", "sam2",
                                         "qwen2_audio", "musicflamingo", "qwen3_asr", "speecht5", "granite_speech5_ctc",
                                         "granite_speech5_encoder", "clap", "clvp", "fastspeech2_conformer_with_hifigan",
-                                        "csm", "molmo2", "glm_image"])
+                                        "csm", "molmo2", "glm_image", "seamless_m4t_v2"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
@@ -501,7 +501,8 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     its model_config's vocabulary; CSM reads its waveform (B, 1, samples) with the cutoffs of its audio segments
     and one audio token per frame of its codec (shrunk as a tower, codes inside its shrunk codebook vocabulary);
     Molmo2 (a token pooling table per image) and GLM-Image (a target grid without pixels) get their text alone, a
-    call each is made for."""
+    call each is made for; SeamlessM4T v2 reads the call's attention mask over its speech frames (B, frames, 160):
+    one frame per text token (runs since 05152cf tried that many frames)."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():
