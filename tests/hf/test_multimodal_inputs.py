@@ -360,3 +360,20 @@ def test_a_robot_policy_gets_action_embeddings_of_its_experts_width_and_image_to
     assert (inputs["input_ids"] == IMAGE_TOKEN).sum(dim=1).tolist() == [16, 16]  # (32 / 8)² patches an image
     with torch.no_grad():
         model(**inputs)
+
+
+def test_a_speech_lm_reading_codec_frames_gets_segment_cutoffs_and_one_audio_token_per_codec_frame():
+    """CSM encodes each row's audio segments with its codec (``input_values_cutoffs``: where each ends, required
+    with the waveform) and embeds each codec frame's codes at one ``audio_token_id``: the row's waveform
+    (B, 1, samples) is one segment, and the text is led by as many audio tokens as the codec makes frames of it.
+    Fails on main 970d944 (the waveform without cutoffs raised in CSM's own code: the text alone was passed)."""
+    model = _audio_text_model("csm")
+    inputs = example_inputs_for(model)
+    waveform = inputs["input_values"]  # (B, 1, S)
+    assert waveform.dim() == 3 and waveform.shape[1] == 1
+    assert inputs["input_values_cutoffs"].tolist() == [[waveform.shape[-1]]] * waveform.shape[0]
+    with torch.no_grad():
+        codes = model.codec_model.encode(waveform).audio_codes  # (B, codebooks, frames)
+        model(**inputs)  # runs: the audio tokens and the codec frames match
+    tokens = inputs["input_ids"] == model.config.audio_token_id
+    assert int(tokens.sum()) == codes.shape[0] * codes.shape[-1] > 0

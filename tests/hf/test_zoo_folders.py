@@ -56,6 +56,8 @@ SMALL_SIZES = {
     # widths a config derives from hidden_size when built (ViT's pooler), or that must equal the projection
     # (X-CLIP's multi-frame transformer reads the projected frame features)
     "pooler_output_size": 32, "mit_hidden_size": 32, "mit_intermediate_size": 64,
+    # CSM's depth decoder reads the backbone's width; Mimi's upsampling conv is depthwise (a group per channel)
+    "backbone_hidden_size": 32, "upsample_groups": 32,
 }
 TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "decoder_config", "encoder", "decoder",
           "adaptor_config",  # FunASR's adaptor: its output width is the shrunk text width
@@ -65,7 +67,8 @@ TOWERS = ("text_config", "vision_config", "audio_config", "encoder_config", "dec
           "sam_config",  # Unlimited-OCR's SAM stage before its CLIP encoder
           "semantic_model_config",  # NeuCodec and X-codec2's semantic branch: a whole Wav2Vec2-BERT
           "speech_config",  # CLVP's speech encoder
-          "vlm_config", "dit_config")  # PI0's PaliGemma and its action expert (a Gemma reading the PaliGemma's cache)
+          "vlm_config", "dit_config",  # PI0's PaliGemma and its action expert (a Gemma reading the PaliGemma's cache)
+          "codec_config", "depth_decoder_config")  # CSM's Mimi codec and depth decoder (unshrunk: 396M parameters)
 
 # one per family: Pre-/Post-LN text, encoder-decoders, vision with and without input embeddings,
 # channels-first norms, audio (waveform and log-mel), two-tower multimodal, character-level, RMSNorm-only
@@ -247,6 +250,10 @@ CONFIG_OVERRIDES.update(clap={"audio_config": _CLAP_SPECTROGRAM}, clap_audio_mod
 # (4 heads of 8: "size of tensor a (8) must match b (32)"); kept on the encoders too (their own type)
 _CLVP_ONE_HEAD = {"num_attention_heads": 1}
 CONFIG_OVERRIDES.update(clvp={"text_config": _CLVP_ONE_HEAD, "speech_config": _CLVP_ONE_HEAD}, clvp_encoder=_CLVP_ONE_HEAD)
+# CSM embeds each codec frame's codes in its codebook vocabulary (vocab_size, shrunk to 99) and reads its audio at
+# audio_token_id, ended by audio_eos_token_id (both beyond the shrunk vocabulary: both 1, the audio overwritten by
+# its end marker): codes below 64, the markers ids of their own
+CONFIG_OVERRIDES["csm"] = {"codec_config": {"codebook_size": 64}, "audio_token_id": 98, "audio_eos_token_id": 97}
 # SegGPT: a canvas of prompt above image, 64 x 32 px (8 x 4 patches; the default 896 x 448 is 6,272 tokens); the
 # prompt and image rows merge after the first layer, and the decoder reads both layers' states
 # Molmo2's adapter concatenates the vision states of the layers vision_feature_layer names (24 and 18 of 27 by default):
@@ -486,7 +493,7 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
                                         "aria", "unlimited_ocr", "neomme", "sam2_hiera_det_model", "sam2",
                                         "qwen2_audio", "musicflamingo", "qwen3_asr", "speecht5", "granite_speech5_ctc",
                                         "granite_speech5_encoder", "clap", "clvp", "fastspeech2_conformer_with_hifigan",
-                                        "csm", "molmo2", "glm_image", "pi0"])
+                                        "csm", "molmo2", "glm_image", "pi0", "seamless_m4t_v2"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
@@ -512,8 +519,10 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     token pools, through an adapter (now shrunk) reading the shrunk tower's last layers, its image token under
     another name (image_patch_id) kept inside the vocabulary; PI0 requires action_embeds at its action expert's
     width and reads one image token per feature its PaliGemma (vlm, a sub-model shrunk like dit, its expert) makes
-    of each camera's image; CSM (audio segments cut where its codec counts) and
-    GLM-Image (a target grid without pixels) get their text alone, a call each is made for."""
+    of each camera's image; CSM reads its waveform (B, 1, samples) with the cutoffs of its audio segments and one
+    audio token per frame of its codec (shrunk as a tower, codes inside its shrunk codebook vocabulary); GLM-Image
+    (a target grid without pixels) gets its text alone, a call it is made for; SeamlessM4T v2 reads the call's
+    attention mask over its speech frames (B, frames, 160): one frame per text token."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():
@@ -521,14 +530,21 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
 
 
 def test_a_model_rejecting_every_media_layout_it_takes_as_optional_gets_its_text_alone():
-    """Fails on main 5be980f: CSM was given a waveform without the segment cutoffs its codec needs and raised
-    in its own code; its media are optional, so the text alone is a call it is made for. A model whose media
-    run keeps them, and one whose media are required keeps its media call (the fold then says why)."""
-    csm = _bare_model_class(_config("csm"))(_config("csm")).eval()
-    inputs = example_inputs_for(csm)
-    assert "input_ids" in inputs and "input_values" not in inputs
+    """Fails on main 5be980f (then CSM, whose segment cutoffs were not built yet): a model whose optional
+    pixels fail in every layout built for them, raising in its own code, gets its text alone, a call it is
+    made for. A model whose media run keeps them, and one whose media are required keeps its media call (the
+    fold then says why)."""
     llava_class = _bare_model_class(_config("llava"))
     assert "pixel_values" in example_inputs_for(llava_class(_config("llava")).eval())
+
+    class OptionalPixelsNoLayoutRuns(llava_class):  # every call with pixels raises; pixels default to None
+        def forward(self, input_ids=None, pixel_values=None, attention_mask=None, **kwargs):
+            if pixel_values is not None:
+                raise ValueError("no layout runs")
+            return super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    inputs = example_inputs_for(OptionalPixelsNoLayoutRuns(_config("llava")).eval())
+    assert "input_ids" in inputs and "pixel_values" not in inputs
 
     class RequiredPixels(llava_class):  # rejects every call, and its pixels are required: no text-only call
         def forward(self, pixel_values, input_ids=None, attention_mask=None, **kwargs):

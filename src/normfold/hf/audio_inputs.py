@@ -28,6 +28,9 @@ MAX_SAMPLES = 1 << 14  # waveforms are doubled up to this many samples (Moonshin
 
 # all-ones masks over frames or samples a forward may read, by name (Qwen2-Audio requires its feature_attention_mask)
 FEATURE_MASKS = ("input_features_mask", "padding_mask", "feature_attention_mask")
+# where each audio segment of a row's waveform ends, -1 padded (B, segments): CSM cuts its rows' waveforms into the
+# segments its codec encodes one by one, and requires the cutoffs with its waveforms
+SEGMENT_CUTOFFS = "input_values_cutoffs"
 
 Candidate = Callable[[torch.Generator], dict[str, torch.Tensor]]
 
@@ -54,9 +57,12 @@ def audio_inputs_for(audio_config, params, masks, batch: int, seq: int, gen: tor
 def audio_candidates(audio_config, params, masks, batch: int, seq: int) -> Iterator[Candidate]:
     """Builders of candidate audio inputs, most likely first: waveforms for a forward that takes
     ``input_values`` (with spectrogram features too where it also takes ``input_features``:
-    codecs with a semantic branch), then hidden states (:func:`_hidden_states`), else spectrogram features."""
+    codecs with a semantic branch; with their segment cutoffs where it takes ``input_values_cutoffs``),
+    then hidden states (:func:`_hidden_states`), else spectrogram features."""
     if "input_values" in params:
         for waveform in _waveform_candidates(audio_config, masks, batch, seq):
+            if SEGMENT_CUTOFFS in params:
+                waveform = _with_segment_cutoffs(waveform)
             if "input_features" not in params:
                 yield waveform
                 continue
@@ -102,6 +108,15 @@ def _waveform_candidates(audio_config, masks, batch: int, seq: int) -> Iterator[
     mel, frames = _first_field(audio_config, MEL_FIELDS), getattr(audio_config, "max_length", None)
     if isinstance(mel, int) and isinstance(frames, int):
         yield lambda gen: {"input_values": torch.randn(batch, frames, mel, generator=gen)}  # (B, frames, mel)
+
+
+def _with_segment_cutoffs(build: Candidate) -> Candidate:
+    """``build`` with ``input_values_cutoffs`` (B, 1): each row's waveform one audio segment, cut at its end."""
+    def built(gen: torch.Generator) -> dict[str, torch.Tensor]:
+        inputs = build(gen)
+        samples = inputs["input_values"].shape[-1]  # (B, S) or (B, C, S)
+        return {**inputs, SEGMENT_CUTOFFS: torch.full((inputs["input_values"].shape[0], 1), samples)}
+    return built
 
 
 def _hidden_states(params, batch: int, seq: int, width: int) -> Candidate:

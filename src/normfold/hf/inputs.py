@@ -675,22 +675,24 @@ def _with_media_tokens(model: nn.Module, ids: torch.Tensor, inputs: dict[str, to
     return ids
 
 
-# the tower whose states a model projects one to one into its text, where its ``get_audio_features`` is missing
-# (Qwen2-Audio) or needs the ids it would count the tokens of (MusicFlamingo: its rotary time stamps)
-_FEATURE_TOWERS = {"get_audio_features": "audio_tower"}
+# the towers whose states a model projects one to one into its text, where its ``get_audio_features`` is missing
+# (Qwen2-Audio) or needs the ids it would count the tokens of (MusicFlamingo: its rotary time stamps), and the
+# method that computes them: the audio tower itself (None), or a codec's encode (CSM embeds each codec frame's codes
+# as one token)
+_FEATURE_TOWERS = {"get_audio_features": (("audio_tower", None), ("codec_model", "encode"))}
 
 
 def _media_merger(model: nn.Module, method: str) -> tuple[nn.Module | None, list[Callable]]:
     """The module that merges media features into the text and what computes them, tried in order: the
     model (LLaVA), its encoder for an encoder-decoder whose encoder reads the media (T5Gemma 2), or the
     sub-model that does (PI0: its PaliGemma, ``vlm``), with its ``method`` (e.g. ``get_image_features``),
-    then the model's media tower (``audio_tower``, whose states its projector keeps one to one); (None, [])
-    when none of them has one."""
+    then the model's media tower (``audio_tower``, whose states its projector keeps one to one; ``codec_model``,
+    whose frames it embeds one to one); (None, []) when none of them has one."""
     get_encoder = getattr(model, "get_encoder", None)
     encoder = get_encoder() if callable(get_encoder) and not hasattr(model, method) else None
     merger = next((m for m in (model, encoder, *model.children()) if hasattr(m, method)), None)
-    tower = getattr(model, _FEATURE_TOWERS.get(method, ""), None)
-    towers = [tower] if isinstance(tower, nn.Module) else []
+    towers = [getattr(tower, compute) if compute else tower for name, compute in _FEATURE_TOWERS.get(method, ())
+              if isinstance(tower := getattr(model, name, None), nn.Module) and hasattr(tower, compute or "forward")]
     if merger is not None:
         return merger, [getattr(merger, method), *towers]
     return (model, towers) if towers else (None, [])
@@ -744,11 +746,15 @@ def _led_by_tokens(ids: torch.Tensor, token: int, total: int | None) -> torch.Te
 def _media_features(found):
     """The features in what a model's ``get_image_features`` / ``get_audio_features`` returned: a ModelOutput's projected
     ``pooler_output``, else its ``last_hidden_state`` (Llama 4: its vision model's output, adapted patches
-    that its projector keeps one to one), else ``found`` itself (a tensor or a list of them)."""
+    that its projector keeps one to one), else a codec's ``audio_codes`` (B, codebooks, frames) as one vector of
+    codes per frame (B, frames, codebooks), else ``found`` itself (a tensor or a list of them)."""
     for name in ("pooler_output", "last_hidden_state"):
         features = getattr(found, name, None)
         if features is not None:
             return features
+    codes = getattr(found, "audio_codes", None)
+    if isinstance(codes, torch.Tensor) and codes.dim() == 3:
+        return codes.transpose(1, 2)  # (B, frames, codebooks)
     return found
 
 
@@ -762,9 +768,11 @@ _AUDIO_INPUTS = ("input_values", "input_features", "input_features_mask", "paddi
 
 
 def _audio_config(config):
-    """The config that describes the audio input: the ``audio_config`` or ``encoder_config`` of a
-    composite model (an audio LM, an ASR encoder-decoder), else the config itself."""
-    return getattr(config, "audio_config", None) or getattr(config, "encoder_config", None) or config
+    """The config that describes the audio input: the ``audio_config``, ``encoder_config`` or ``codec_config``
+    of a composite model (an audio LM, an ASR encoder-decoder, a speech LM reading its audio as codec
+    frames: CSM), else the config itself."""
+    return next((sub for name in ("audio_config", "encoder_config", "codec_config")
+                 if (sub := getattr(config, name, None))), config)
 
 
 def _audio_mask_params(model_class, params) -> set[str]:
