@@ -5,7 +5,9 @@ For each type of the installed transformers' CONFIG_MAPPING: the shrunk default 
 tests/hf/test_zoo_folders.py, every constant parameter randomised (as in hf_zoo.py: γ = 1, β = 0 would
 hide a wrong affine fold), saved with the type's image processor or feature extractor built from its class
 defaults (tests/hf/test_processor_folders.py) when it has one, so the fold takes the processor route
-where a user's folder would; then `normfold fold DIR -o OUT` (its ``main``, in this process, time-boxed).
+where a user's folder would; then `normfold fold DIR -o OUT` (its ``main``, time-boxed). The types run in
+a child process that imports torch and transformers once for many types; one whose resident memory passes
+``--max-rss-gb`` is killed (a "skipped" row saying so) and a new child goes on from the next type.
 
 Each row's ``verdict``: "folded" (exit 0, a report written), "refused" (exit 1 or 2 with exactly one
 ``normfold:`` line and nothing published), "skipped" (no tiny folder builds offline, or the time box), or
@@ -25,10 +27,13 @@ import csv
 import io
 import json
 import os
+import queue
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
@@ -40,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "hf"), str(REPO / "tests"), str(REPO / "benchmarks")]
 RESULTS = REPO / "benchmarks" / "results"
 SECONDS_PER_TYPE = 300  # build + fold of one type; past it the row is "skipped" with the time
+MAX_RSS_GB = 8.0        # a type whose child process holds more is stopped (BLT's shrunk config builds 23 GB)
 COLUMNS = ["model_type", "verdict", "exit", "route", "processor", "line", "seconds"]
 
 
@@ -187,7 +193,12 @@ def _refusal_kind(line: str) -> str:
 
 
 def _version(name: str) -> str:
-    return getattr(sys.modules.get(name), "__version__", "?")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def _commit() -> str:
@@ -209,8 +220,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--types", nargs="*", help="model types (default: every type of CONFIG_MAPPING)")
     parser.add_argument("--shard", default="1/1", help="K/N: only every N-th type from the K-th (parallel runs)")
     parser.add_argument("--out", default=str(RESULTS / "cli_zoo"), help="output stem (.csv and .md are added)")
+    parser.add_argument("--max-rss-gb", type=float, default=MAX_RSS_GB, help="stop a type whose process holds "
+                        "more memory than this (a 'skipped' row)")
     parser.add_argument("--merge", nargs="+", metavar="CSV", help="write one table from shards' CSVs, run nothing")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the child: JSON lines out
     args = parser.parse_args(argv)
+    if args.worker:
+        return run_worker(args.types)
     stem = Path(args.out)
     if args.merge:
         rows = read_rows(args.merge)
@@ -221,21 +237,86 @@ def main(argv: list[str] | None = None) -> int:
         assert 1 <= k <= n
     except (ValueError, AssertionError):
         parser.error(f"--shard takes K/N with 1 <= K <= N, got {args.shard!r}")
+    types = args.types or _every_type()
+    types = types[k - 1::n]
+    command = "python benchmarks/cli_zoo.py" + (f" --types {' '.join(args.types)}" if args.types else "")
+    command += f" --shard {args.shard}" if n > 1 else ""
+    rows = []
+    for row in isolated_rows(types, args.max_rss_gb):
+        rows.append(row)
+        print(" | ".join(str(row[c]) for c in COLUMNS), flush=True)
+        _write(rows, stem, command)
+    return _exit_code(rows)
+
+
+def _every_type() -> list[str]:
+    from transformers import CONFIG_MAPPING
+
+    return sorted(CONFIG_MAPPING.keys())
+
+
+def run_worker(types: list[str]) -> int:
+    """The child: for each type a ``{"start": type}`` line, then its ``{"row": ...}`` line, on stdout."""
     warnings.filterwarnings("ignore")
     os.environ["NORMFOLD_PROGRESS"] = "0"
     helpers = _helpers()
     helpers[0].transformers.logging.set_verbosity_error()
     helpers[0].transformers.utils.logging.disable_progress_bar()  # "Writing model shards" once per type
-    types = args.types or sorted(helpers[0].transformers.CONFIG_MAPPING.keys())
-    types = types[k - 1::n]
-    command = "python benchmarks/cli_zoo.py" + (f" --types {' '.join(args.types)}" if args.types else "")
-    rows = []
+    report = sys.stdout
+    sys.stdout = sys.stderr  # whatever a model prints stays off the protocol
     with tempfile.TemporaryDirectory(prefix="cli_zoo_") as root:
         for model_type in types:
-            rows.append(cli_row(model_type, Path(root), helpers))
-            print(" | ".join(str(rows[-1][c]) for c in COLUMNS), flush=True)
-            _write(rows, stem, command + (f" --shard {args.shard}" if n > 1 else ""))
-    return _exit_code(rows)
+            print(json.dumps({"start": model_type}), file=report, flush=True)
+            print(json.dumps({"row": cli_row(model_type, Path(root), helpers)}), file=report, flush=True)
+    return 0
+
+
+def isolated_rows(types: list[str], max_rss_gb: float):
+    """The rows of ``types`` from child processes (:func:`run_worker`), in order: a child whose resident
+    memory passes ``max_rss_gb``, or that dies or hangs within a type, is killed; that type gets a "skipped"
+    row with the reason and a new child goes on from the next type."""
+    remaining = list(types)
+    while remaining:
+        child = subprocess.Popen([sys.executable, __file__, "--worker", "--types", *remaining],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(line) for line in child.stdout] and None, daemon=True).start()
+        current, since, why = None, time.monotonic(), None
+        while why is None:
+            try:
+                message = json.loads(lines.get(timeout=0.5))
+            except queue.Empty:
+                if child.poll() is not None and lines.empty():
+                    why = f"the child process ended with code {child.returncode}"
+                elif _rss_gb(child.pid) > max_rss_gb:
+                    why = f"resident memory passed {max_rss_gb:g} GB: stopped"
+                elif time.monotonic() - since > 2 * SECONDS_PER_TYPE:
+                    why = f"took more than {2 * SECONDS_PER_TYPE} s: stopped"
+                continue
+            if "start" in message:
+                current, since = message["start"], time.monotonic()
+            else:
+                yield message["row"]
+                remaining.remove(current)
+                current = None
+                if not remaining:
+                    break
+        child.kill()
+        child.wait()
+        if current is not None:
+            yield {**dict.fromkeys(COLUMNS, ""), "model_type": current, "verdict": "skipped", "line": why,
+                   "seconds": f"{time.monotonic() - since:.1f}"}
+            remaining.remove(current)
+        elif why is not None and remaining:  # died before starting a type: nothing more to learn from it
+            for model_type in remaining:
+                yield {**dict.fromkeys(COLUMNS, ""), "model_type": model_type, "verdict": "skipped", "line": why}
+            return
+
+
+def _rss_gb(pid: int) -> float:
+    from hf_zoo import _rss_gb as rss
+
+    return rss(pid)
 
 
 def _write(rows: list[dict], stem: Path, command: str) -> None:
