@@ -377,3 +377,32 @@ def test_a_speech_lm_reading_codec_frames_gets_segment_cutoffs_and_one_audio_tok
         model(**inputs)  # runs: the audio tokens and the codec frames match
     tokens = inputs["input_ids"] == model.config.audio_token_id
     assert int(tokens.sum()) == codes.shape[0] * codes.shape[-1] > 0
+
+
+def _tiny_glm_image():
+    """A tiny GLM-Image: a 32-wide grid tower whose states a 64-code VQ codebook quantizes into the first ids of
+    the text vocabulary, the image markers after them, the placeholder the last id."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+    config = transformers.GlmImageConfig(
+        vision_config=dict(depth=1, hidden_size=32, num_heads=4, intermediate_size=64, image_size=32, patch_size=8),
+        text_config=dict(TINY_TEXT, num_key_value_heads=2, rope_parameters=rope, pad_token_id=0, eos_token_id=1,
+                         vision_vocab_size=64),
+        vq_config=dict(num_embeddings=64, latent_channels=32, embed_dim=32),
+        image_token_id=98, image_start_token_id=64, image_end_token_id=65)
+    torch.manual_seed(0)
+    return transformers.AutoModel.from_config(config).eval()
+
+
+def test_an_image_to_image_generator_gets_a_target_grid_after_each_source_and_a_token_per_codebook_id():
+    """Fails on main 04d58aa (GLM-Image read its grids as sources but the last, one grid short, then got its text
+    alone): each row's source image grid is followed by the grid of the image it generates (no pixels for it),
+    ``images_per_sample`` counts both, and the ids hold one placeholder per id the VQ codebook gives the source."""
+    model = _tiny_glm_image()
+    inputs = example_inputs_for(model)
+    grid = inputs["image_grid_thw"]  # (2·B, 3): source, target per row
+    assert grid.shape == (4, 3) and inputs["images_per_sample"].tolist() == [2, 2]
+    sources = grid[0::2]
+    assert inputs["pixel_values"].shape[0] == int(sources.prod(-1).sum())  # pixels of the sources only
+    assert (inputs["input_ids"] == 98).sum(dim=1).tolist() == sources.prod(-1).tolist()  # one id per source patch
+    with torch.no_grad():
+        assert model(**inputs).image_outputs is not None  # the vision tower ran

@@ -261,6 +261,13 @@ CONFIG_OVERRIDES["csm"] = {"codec_config": {"codebook_size": 64}, "audio_token_i
 # default 378 px image and 14 px patches: 729) when the config is built: the 4 x 4 patches of a 32 px image
 CONFIG_OVERRIDES["molmo2"] = {"adapter_config": {"vision_feature_layer": [-1, -2]},
                               "vision_config": {"image_size": [32, 32], "num_position_embeddings": 16}}
+# GLM-Image quantizes its vision states (latent_channels: the shrunk vision width) into codebook ids that are the first
+# ids of its text vocabulary, then its image start and end markers (16384, 16385), each its own id: a codebook of 64
+# (its default 16,384 ids exceed the shrunk vocabulary), the markers after it, the image placeholder the last id
+CONFIG_OVERRIDES["glm_image"] = {"vq_config": {"num_embeddings": 64, "latent_channels": SMALL_SIZES["hidden_size"],
+                                               "embed_dim": SMALL_SIZES["hidden_size"]},
+                                 "image_start_token_id": 64, "image_end_token_id": 65,
+                                 "image_token_id": SMALL_SIZES["vocab_size"] - 1}
 CONFIG_OVERRIDES["seggpt"] = {"image_size": [64, 32], "pretrain_image_size": 32, "merge_index": 0,
                               "intermediate_hidden_state_indices": [0, 1]}
 
@@ -521,8 +528,10 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     width and reads one image token per feature its PaliGemma (vlm, a sub-model shrunk like dit, its expert) makes
     of each camera's image; CSM reads its waveform (B, 1, samples) with the cutoffs of its audio segments and one
     audio token per frame of its codec (shrunk as a tower, codes inside its shrunk codebook vocabulary); GLM-Image
-    (a target grid without pixels) gets its text alone, a call it is made for; SeamlessM4T v2 reads the call's
-    attention mask over its speech frames (B, frames, 160): one frame per text token."""
+    reads each row's source grid and the grid of the image it generates (no pixels for it), one placeholder per
+    codebook id its VQ model (its codebook and width now shrunk to the tiny vocabulary and vision width) gives the
+    source; SeamlessM4T v2 reads the call's attention mask over its speech frames (B, frames, 160): one frame per
+    text token."""
     config = _config(model_type)
     model = _bare_model_class(config)(config).eval()
     with torch.no_grad():

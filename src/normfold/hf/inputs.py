@@ -75,8 +75,8 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
 def _text_only_where_media_fails(model: nn.Module | None, config, params, call: dict[str, Any], batch: int, seq: int,
                                  seed: int) -> dict[str, Any]:
     """``call``, or the text of a model whose forward takes its media as optional (default None) when the
-    original ``model`` rejects every media layout built for it but runs on the text alone (CSM's audio wants
-    segment cutoffs its codec counts, Molmo2's images a pooling table of their own): a text-only call is one
+    original ``model`` rejects every media layout built for it but runs on the text alone (media in a layout
+    we do not build yet; CSM, Molmo2 and GLM-Image took this path before theirs were): a text-only call is one
     the model is made for, and the fold is exact for calls like it (``report.exactness_scope``). ``call``
     as it is for a model without token ids, with required media, or that runs on it."""
     if model is None or "input_ids" not in params:
@@ -302,7 +302,9 @@ MERGE_SIZES = ("image_merge_sizes", "merge_sizes")  # VideoLLaMA3 (model, vision
 TARGET_SIZES = "target_sizes"  # NaViT-style packers (MiniCPM-V): each image's (h, w) in patches
 SPATIAL_SHAPES = "spatial_shapes"  # SigLIP2 NaFlex (LFM2-VL): each image's (h, w) in patches
 TOKEN_POOLING = ("image_token_pooling", "image_grids", "image_num_crops")  # Molmo2: the patches each image token pools
+IMAGES_PER_SAMPLE = "images_per_sample"  # GLM-Image: each row's source grids and the grid it generates
 _IMAGE_INPUTS = ("pixel_values", *GRID_INPUTS, *MERGE_SIZES, TARGET_SIZES, SPATIAL_SHAPES, *TOKEN_POOLING,
+                 IMAGES_PER_SAMPLE,
                  "pixel_attention_mask",
                  "image_sizes", "high_res_pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")  # what describes a call's images
 GRID_SIDE = 2  # merged patches along each side of a grid image (Qwen2-VL): 4 image tokens per image
@@ -401,7 +403,17 @@ def _grid_image_inputs(vision_config, params, grid_name: str, channels: int, bat
     for name in MERGE_SIZES:
         if name in params:
             inputs[name] = torch.full((batch,), merge)  # (images,)
+    if IMAGES_PER_SAMPLE in params:
+        inputs.update(_with_target_grids(inputs[grid_name], grid_name))
     return inputs
+
+
+def _with_target_grids(grid: torch.Tensor, grid_name: str) -> dict[str, torch.Tensor]:
+    """For an image-to-image generator (GLM-Image: ``images_per_sample``) the ``grid`` (images, 3) of one source
+    image per row, each followed by the grid of the image that row generates (the same size; it has no pixels),
+    and ``images_per_sample`` (B,) = 2: the model reads all but each row's last grid as its source images."""
+    return {grid_name: grid.repeat_interleave(2, dim=0),  # (2·B, 3): source, target, source, target, ...
+            IMAGES_PER_SAMPLE: torch.full((grid.shape[0],), 2)}
 
 
 def _image_inputs(vision_config, params, batch: int, gen: torch.Generator, *,
@@ -694,8 +706,25 @@ def _media_merger(model: nn.Module, method: str) -> tuple[nn.Module | None, list
     towers = [getattr(tower, compute) if compute else tower for name, compute in _FEATURE_TOWERS.get(method, ())
               if isinstance(tower := getattr(model, name, None), nn.Module) and hasattr(tower, compute or "forward")]
     if merger is not None:
-        return merger, [getattr(merger, method), *towers]
+        return merger, [*_image_token_ids(merger, method), getattr(merger, method), *towers]
     return (model, towers) if towers else (None, [])
+
+
+def _image_token_ids(merger: nn.Module, method: str) -> list[Callable]:
+    """For a model that quantizes its image features into ids of its own vocabulary, which replace its
+    placeholder tokens one for one (GLM-Image: ``get_image_tokens(hidden_states)``, a VQ codebook), what
+    computes those ids from the media; nothing for any other model (Chameleon's ``get_image_tokens`` reads
+    pixels, and its image features are counted as they are)."""
+    quantize = getattr(merger, "get_image_tokens", None)
+    if method != "get_image_features" or quantize is None:
+        return []
+    if next(iter(inspect.signature(quantize).parameters), None) != "hidden_states":
+        return []
+    get_features = getattr(merger, method)
+
+    def image_token_ids(**media):
+        return quantize(_media_features(get_features(**_accepted(get_features, media))))  # (tokens,) ids
+    return [image_token_ids]
 
 
 def _feature_count(get_features, media: dict[str, torch.Tensor]) -> int | None:
@@ -711,6 +740,8 @@ def _feature_count(get_features, media: dict[str, torch.Tensor]) -> int | None:
     if found is None:
         return None
     features = _media_features(found)
+    if isinstance(features, torch.Tensor) and not features.is_floating_point() and features.dim() == 1:
+        return features.numel()  # (tokens,) ids of a quantized image (GLM-Image's): one placeholder each
     parts = features if isinstance(features, (list, tuple)) else [features]
     if not all(isinstance(f, torch.Tensor) and f.dim() >= 2 for f in parts):
         return None
