@@ -288,9 +288,9 @@ def isolated_rows(types: list[str], max_rss_gb: float):
             except queue.Empty:
                 if child.poll() is not None and lines.empty():
                     why = f"the child process ended with code {child.returncode}"
-                elif _rss_gb(child.pid) > max_rss_gb:
+                elif current is not None and _rss_gb(child.pid) > max_rss_gb:  # imports are no type's
                     why = f"resident memory passed {max_rss_gb:g} GB: stopped"
-                elif time.monotonic() - since > 2 * SECONDS_PER_TYPE:
+                elif current is not None and time.monotonic() - since > 2 * SECONDS_PER_TYPE:
                     why = f"took more than {2 * SECONDS_PER_TYPE} s: stopped"
                 continue
             if "start" in message:

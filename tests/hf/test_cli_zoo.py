@@ -1,0 +1,57 @@
+"""benchmarks/cli_zoo.py, the sweep of `normfold fold` over a tiny folder of every transformers type: its
+verdicts call every malformed exit a bug (a sweep that could not see one would prove nothing), a folder
+folds on the route it names, and a type past the memory limit is stopped as a skipped row, not the sweep."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cli_zoo")]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cli_zoo():
+    spec = importlib.util.spec_from_file_location("_cli_zoo", REPO / "benchmarks" / "cli_zoo.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+REFUSAL = "normfold: error: fold cannot handle this model: no example inputs"
+
+
+@pytest.mark.parametrize(("code", "stderr", "leave_output", "verdict"), [
+    (1, REFUSAL + "\n", False, "refused"),
+    (2, "Traceback (most recent call last):\n  ...\nValueError: boom\n", False, "BUG: traceback"),
+    (None, "ValueError: escaped main\n", False, "BUG: traceback"),
+    (1, REFUSAL + "\nnormfold: error: and again\n", False, "BUG: 2 normfold: lines"),
+    (1, "something went wrong\n", False, "BUG: 0 normfold: lines"),
+    (1, REFUSAL + "\n", True, "BUG: output left after a refusal"),
+    (0, "", False, "BUG: exit 0 without a report"),
+])
+def test_every_malformed_exit_is_a_bug_and_a_one_line_refusal_is_not(cli_zoo, tmp_path, code, stderr, leave_output,
+                                                                      verdict):
+    out = tmp_path / "folded"
+    if leave_output:
+        out.mkdir()
+    assert cli_zoo.judge(code, "", stderr, out)["verdict"] == verdict
+
+
+def test_a_tiny_folder_folds_and_names_its_input_route(cli_zoo, tmp_path):
+    row = cli_zoo.cli_row("vit", tmp_path, cli_zoo._helpers())
+    assert row["verdict"] == "folded" and row["exit"] == 0
+    assert row["processor"].startswith("ViTImageProcessor") and row["route"] == "processor"
+    assert not list(tmp_path.iterdir())  # the folder and its fold are removed after the row
+
+
+def test_a_type_past_the_memory_limit_is_a_skipped_row_and_the_sweep_goes_on(cli_zoo):
+    rows = list(cli_zoo.isolated_rows(["bert", "gpt2"], max_rss_gb=0.05))  # any child holds more than 50 MB
+    assert [r["model_type"] for r in rows] == ["bert", "gpt2"]
+    assert all(r["verdict"] == "skipped" and "resident memory passed 0.05 GB" in r["line"] for r in rows)
