@@ -195,3 +195,18 @@ def test_a_processor_whose_tokenizer_transformers_built_empty_is_not_taken(tmp_p
                      transformers.CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}))
     made = folder_example_inputs(load_model(folder), folder)
     assert made.route == CONFIG and made.why.startswith("CLIPImageProcessor") and "makes no input_ids" in made.why, made.why
+
+
+def test_a_folder_whose_model_reads_none_of_the_main_inputs_folds_on_its_default_call(capsys, tmp_path):
+    """A Q-Former reads learned queries (``query_embeds``), none of input_ids / pixel_values / input_values /
+    input_features: its default call is still the call to fold for, with the image encoder states its
+    cross-attention layers require. Failed on main 14f1704 with "example_inputs as a list must hold at least one
+    call ... (not a known refusal)", found by benchmarks/cli_zoo.py."""
+    config = transformers.Blip2QFormerConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                             intermediate_size=64, encoder_hidden_size=32, vocab_size=99)
+    torch.manual_seed(0)
+    folder = tmp_path / "qformer"
+    transformers.Blip2QFormerModel(config).save_pretrained(folder)
+    assert main(["fold", str(folder), "-o", str(tmp_path / "out")]) == 0, capsys.readouterr().err
+    names = json.loads((tmp_path / "out" / REPORT_JSON).read_text())["example_inputs"]["names"]
+    assert names == ["encoder_hidden_states", "query_embeds"]  # the image states its cross-attention reads

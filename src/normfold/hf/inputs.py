@@ -118,6 +118,7 @@ def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, A
     if "noise" in params and "pixel_values" in inputs:
         inputs["noise"] = _patch_masking_noise(_vision_config(config), inputs["pixel_values"], gen)
     inputs = _with_required_embeddings(model, config, params, inputs, batch, seq, gen)
+    inputs = _with_cross_attended_states(model, config, params, inputs, batch, seq, gen)
     if not inputs:
         raise CheckpointError(f"cannot build example inputs for {type(config).__name__}: its forward takes none of "
                               f"input_ids, pixel_values, input_values, input_features")
@@ -149,6 +150,25 @@ def _with_required_embeddings(model: nn.Module | None, config, params, inputs: d
                 return call
     gen.set_state(start)
     return {**inputs, **{name: torch.randn(batch, seq, widths[0], generator=gen) for name in required}}
+
+
+# a Q-Former cross-attends to an image encoder's states, of its config's encoder_hidden_size: a standalone one
+# (Blip2QFormerModel) cannot run without them, though its forward gives them a default
+CROSS_ATTENDED_STATES, CROSS_ATTENDED_WIDTH = "encoder_hidden_states", "encoder_hidden_size"
+
+
+def _with_cross_attended_states(model: nn.Module | None, config, params, inputs: dict[str, Any], batch: int,
+                                seq: int, gen: torch.Generator) -> dict[str, Any]:
+    """``inputs`` with random encoder states (B, T, encoder_hidden_size) for a forward that takes
+    ``encoder_hidden_states`` and whose config names their width, where the original ``model`` does not run
+    without them (every such forward, without a model); ``inputs`` as they are otherwise."""
+    width = getattr(config, CROSS_ATTENDED_WIDTH, None)
+    if CROSS_ATTENDED_STATES not in params or CROSS_ATTENDED_STATES in inputs or not isinstance(width, int) \
+            or isinstance(width, bool) or width <= 0:
+        return inputs
+    if model is not None and runs_eagerly(model, with_call_options(dict(inputs), config, params, seq=seq)):
+        return inputs
+    return {**inputs, CROSS_ATTENDED_STATES: torch.randn(batch, seq, width, generator=gen)}  # (B, T, width)
 
 
 def _hidden_widths(config) -> list[int]:
@@ -214,11 +234,13 @@ def example_calls_for(model: nn.Module, kinds=(), base: dict[str, Any] | None = 
     A fold planned on several calls keeps what is exact for all of them. CheckpointError for a kind
     the model does not take, naming the ones it does."""
     base = example_inputs_for(model) if base is None else base
+    if not kinds:  # the default call, whatever its main input (Q-Former: query_embeds)
+        return [base]
     available = [name for name in MAIN_INPUTS if name in base]
     if "input_ids" in base and EMBEDS in inspect.signature(type(model).forward).parameters:
         available.append(EMBEDS)
     calls = []
-    for kind in kinds or available[:1]:
+    for kind in kinds:
         if kind not in available:
             raise CheckpointError(f"example call {kind!r}: {type(model).__name__} takes {', '.join(available)}")
         if kind != EMBEDS:
