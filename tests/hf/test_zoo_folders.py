@@ -93,6 +93,7 @@ def shrink(config):
             setattr(config, name, SMALL_SIZES[name])
     if multi_head and isinstance(getattr(config, "num_key_value_heads", None), int):
         config.num_key_value_heads = config.num_attention_heads
+    _fit_per_layer_lists(config)
     _keep_every_stage_a_pixel(config)
     _fit_stage_heads(config)
     if merges_patches:
@@ -309,6 +310,24 @@ def _fit_mrope_sections(config) -> None:
     fitted = [section * half // sum(sections) for section in sections]
     fitted[0] += half - sum(fitted)
     rope["mrope_section"] = fitted
+
+
+def _fit_per_layer_lists(config) -> None:
+    """What a config lists per layer, cut to the shrunk ``num_hidden_layers``: ``layer_types`` (Gemma 3's
+    sliding or full attention), and a backbone's ``stage_names`` ("stem", "stage1", ...) with its outputs
+    (BEiT: ``out_indices`` [12]) kept among them, else the last. The model reads only its layers' entries, but
+    a saved config is validated when it is loaded (a tiny folder that saves but does not load again)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    if not isinstance(layers, int) or isinstance(layers, bool):
+        return
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, list) and len(types) > layers:
+        config.layer_types = types[:layers]
+    names = getattr(config, "stage_names", None)
+    if isinstance(names, list) and len(names) > layers + 1 and names[1:] == [f"stage{i}" for i in range(1, len(names))]:
+        indices = [i for i in (getattr(config, "out_indices", None) or []) if 0 <= i <= layers] or [layers]
+        config.stage_names = names[:layers + 1]
+        config.out_indices = indices  # its setter names the out_features again
 
 
 def _keep_every_stage_a_pixel(config) -> None:
@@ -655,6 +674,17 @@ def test_an_unexpected_engine_error_is_one_line_with_exit_2_naming_the_command(t
 # encoder towers (its images sized by the encoder's vision config, its image tokens counted by the encoder);
 # and those whose shrunk default config built a model that failed on any input of the size it asks for
 # (staged conv backbones, projections that must equal a tower's width, keypoint matchers, LW-DETR, DepthPro)
+@pytest.mark.parametrize("model_type", ["beit", "aya_vision", "audioflamingo3", "cohere2_vision"])
+def test_a_shrunk_config_saved_in_a_tiny_folder_loads_again(model_type, tmp_path):
+    """Per-layer lists cut to the shrunk layers: layer_types (Aya Vision's and AudioFlamingo3's text towers) and a
+    backbone's stage names and outputs (BEiT's out_features ['stage12'] of 2 layers). Their folders saved but did
+    not load ("`num_hidden_layers` (2) must be equal to the number of `layer_types` (40)"), so benchmarks/cli_zoo.py
+    measured their config, not the fold; fails on main b48d988."""
+    _config(model_type).save_pretrained(tmp_path)
+    loaded = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert type(loaded) is type(_config(model_type))
+
+
 AGREEING_SIZES = ["codegen", "gptj", "deepseek_v32", "hy_v4", "esmc", "lilt", "bros", "marian", "gemma3", "glm_ocr",
                   "minimax_m3_vl", "t5gemma2", "convnext", "convnextv2", "align", "vision-text-dual-encoder", "xclip",
                   "efficientloftr", "lightglue", "lw_detr", "depth_pro"]
