@@ -16,7 +16,8 @@ Each row's ``verdict``: "folded" (exit 0, a report written), "refused" (exit 1 o
     python benchmarks/cli_zoo.py                         # every type: benchmarks/results/cli_zoo.{csv,md}
     python benchmarks/cli_zoo.py --types vit whisper     # some types only
     python benchmarks/cli_zoo.py --shard 1/2 --out /tmp/a & python benchmarks/cli_zoo.py --shard 2/2 --out /tmp/b
-    python benchmarks/cli_zoo.py --merge /tmp/a.csv /tmp/b.csv   # one table from shards
+    python benchmarks/cli_zoo.py --merge /tmp/a.csv /tmp/b.csv   # one table from shards (or a rerun's rows:
+                                                                 # a later file's row of a type wins)
 """
 from __future__ import annotations
 
@@ -208,11 +209,12 @@ def _commit() -> str:
 
 
 def read_rows(paths: list[str]) -> list[dict]:
-    rows = []
+    """The rows of the CSVs at ``paths`` by type, a later file's row replacing an earlier one's (a rerun)."""
+    rows: dict[str, dict] = {}
     for path in paths:
         with open(path, newline="") as handle:
-            rows += list(csv.DictReader(handle))
-    return sorted(rows, key=lambda r: r["model_type"])
+            rows.update((row["model_type"], row) for row in csv.DictReader(handle))
+    return sorted(rows.values(), key=lambda r: r["model_type"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(RESULTS / "cli_zoo"), help="output stem (.csv and .md are added)")
     parser.add_argument("--max-rss-gb", type=float, default=MAX_RSS_GB, help="stop a type whose process holds "
                         "more memory than this (a 'skipped' row)")
-    parser.add_argument("--merge", nargs="+", metavar="CSV", help="write one table from shards' CSVs, run nothing")
+    parser.add_argument("--merge", nargs="+", metavar="CSV", help="write one table from shards' CSVs (a later "
+                        "file's row of a type wins), run nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the child: JSON lines out
     args = parser.parse_args(argv)
     if args.worker:

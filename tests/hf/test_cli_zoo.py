@@ -55,3 +55,13 @@ def test_a_type_past_the_memory_limit_is_a_skipped_row_and_the_sweep_goes_on(cli
     rows = list(cli_zoo.isolated_rows(["bert", "gpt2"], max_rss_gb=0.05))  # any child holds more than 50 MB
     assert [r["model_type"] for r in rows] == ["bert", "gpt2"]
     assert all(r["verdict"] == "skipped" and "resident memory passed 0.05 GB" in r["line"] for r in rows)
+
+
+def test_merged_tables_keep_one_row_per_type_the_later_file_winning(cli_zoo, tmp_path):
+    first, rerun = tmp_path / "a.csv", tmp_path / "b.csv"
+    rows = [{**dict.fromkeys(cli_zoo.COLUMNS, ""), "model_type": t, "verdict": v} for t, v in
+            [("vit", "folded"), ("bert", "refused")]]
+    cli_zoo._write(rows, first.with_suffix(""), "first")
+    cli_zoo._write([{**rows[1], "verdict": "folded"}], rerun.with_suffix(""), "rerun")
+    merged = cli_zoo.read_rows([str(first), str(rerun)])
+    assert [(r["model_type"], r["verdict"]) for r in merged] == [("bert", "folded"), ("vit", "folded")]
