@@ -63,6 +63,24 @@ def test_untie_config_unties_only_embeddings_that_no_longer_share():
     assert not model.config.tie_embeddings
 
 
+class _WrappedEmbeddings(nn.Module):  # an input embedding without a weight of its own (CSM's holds its tables)
+    def __init__(self, table: nn.Embedding):
+        super().__init__()
+        self.table = table
+
+
+def test_untie_config_reads_sharing_from_the_parameters_of_an_embedding_module_without_a_weight():
+    """Failed on main 6958916 with AttributeError: 'CsmBackboneModelEmbeddings' object has no attribute 'weight'
+    (normfold fold of a CSM folder, found by benchmarks/cli_zoo.py)."""
+    model = _gpt()
+    model.get_input_embeddings = lambda: _WrappedEmbeddings(model.transformer.wte)
+    untie_config(model)  # the wrapped table is still the head's weight: tied
+    assert model.config.tie_embeddings
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
+    untie_config(model)
+    assert not model.config.tie_embeddings
+
+
 def test_untie_config_leaves_a_model_without_embeddings_alone():
     model = nn.Linear(2, 2)
     model.config = SimpleNamespace(tie_word_embeddings=True)

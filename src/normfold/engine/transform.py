@@ -68,13 +68,20 @@ def untie_config(model: nn.Module) -> None:
     """
     config = getattr(model, "config", None)
     emb_in, emb_out = _embedding(model, "get_input_embeddings"), _embedding(model, "get_output_embeddings")
-    if config is None or emb_in is None or emb_out is None or emb_in.weight is emb_out.weight:
+    if config is None or emb_in is None or emb_out is None or _share_a_tensor(emb_in, emb_out):
         return
     text = getattr(config, "get_text_config", lambda: config)()
     for holder in {id(config): config, id(text): text}.values():
         for flag in _TIE_FLAGS:
             if getattr(holder, flag, False):
                 setattr(holder, flag, False)
+
+
+def _share_a_tensor(a: nn.Module, b: nn.Module) -> bool:
+    """Whether ``a`` and ``b`` hold one Parameter in common (tied embeddings; CSM's input embedding is a
+    module holding its tables, with no ``weight`` of its own)."""
+    held = {id(p) for p in a.parameters()}
+    return any(id(p) in held for p in b.parameters())
 
 
 def _embedding(model: nn.Module, getter: str) -> nn.Module | None:
