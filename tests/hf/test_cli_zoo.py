@@ -3,25 +3,16 @@ verdicts call every malformed exit a bug (a sweep that could not see one would p
 folds on the route it names, and a type past the memory limit is stopped as a skipped row, not the sweep."""
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from scripts import load_benchmark
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("cli_zoo")]
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def cli_zoo():
-    spec = importlib.util.spec_from_file_location("_cli_zoo", REPO / "benchmarks" / "cli_zoo.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("cli_zoo")
 
 
 REFUSAL = "normfold: error: fold cannot handle this model: no example inputs"

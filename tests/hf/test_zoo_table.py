@@ -6,12 +6,11 @@ crashed before is now folded, or refused as a FoldError naming the model, the no
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from scripts import load_benchmark
 
 from normfold.engine import fold
 from normfold.hf.inputs import example_inputs_for
@@ -19,7 +18,6 @@ from normfold.hf.inputs import example_inputs_for
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("hf_zoo_table")]  # one worker builds the table once
 
-REPO = Path(__file__).resolve().parents[2]
 # post-LN (bert), pre-LN (gpt2), tensors made in the default dtype (xglm), cannot run in float64: nan (canine),
 # bboxes (layoutlm); the whole
 # zoo: python benchmarks/hf_zoo.py (benchmarks/results/hf_zoo.md)
@@ -28,11 +26,7 @@ FAST_SUBSET = ["bert", "gpt2", "xglm", "canine", "layoutlm"]
 
 @pytest.fixture(scope="module")
 def hf_zoo():
-    spec = importlib.util.spec_from_file_location("_hf_zoo", REPO / "benchmarks" / "hf_zoo.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("hf_zoo")
 
 
 @pytest.fixture(scope="module")
