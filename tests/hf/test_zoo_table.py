@@ -6,7 +6,6 @@ crashed before is now folded, or refused as a FoldError naming the model, the no
 from __future__ import annotations
 
 import csv
-from pathlib import Path
 
 import pytest
 import torch
