@@ -218,16 +218,22 @@ def read_rows(paths: list[str]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global SECONDS_PER_TYPE  # --seconds-per-type: read by each row's time box, in the children too
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="*", help="model types (default: every type of CONFIG_MAPPING)")
     parser.add_argument("--shard", default="1/1", help="K/N: only every N-th type from the K-th (parallel runs)")
     parser.add_argument("--out", default=str(RESULTS / "cli_zoo"), help="output stem (.csv and .md are added)")
     parser.add_argument("--max-rss-gb", type=float, default=MAX_RSS_GB, help="stop a type whose process holds "
                         "more memory than this (a 'skipped' row)")
+    parser.add_argument("--seconds-per-type", type=int, default=SECONDS_PER_TYPE, help="build and fold of one "
+                        "type: past this long the row is 'skipped' (a slow processor route: Mask2Former, LightGlue)")
     parser.add_argument("--merge", nargs="+", metavar="CSV", help="write one table from shards' CSVs (a later "
                         "file's row of a type wins), run nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the child: JSON lines out
     args = parser.parse_args(argv)
+    if args.seconds_per_type <= 0:
+        parser.error(f"--seconds-per-type must be > 0, got {args.seconds_per_type}")
+    SECONDS_PER_TYPE = args.seconds_per_type
     if args.worker:
         return run_worker(args.types)
     stem = Path(args.out)
@@ -244,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     types = types[k - 1::n]
     command = "python benchmarks/cli_zoo.py" + (f" --types {' '.join(args.types)}" if args.types else "")
     command += f" --shard {args.shard}" if n > 1 else ""
+    if args.seconds_per_type != parser.get_default("seconds_per_type"):
+        command += f" --seconds-per-type {args.seconds_per_type}"
     rows = []
     for row in isolated_rows(types, args.max_rss_gb):
         rows.append(row)
@@ -280,7 +288,8 @@ def isolated_rows(types: list[str], max_rss_gb: float):
     row with the reason and a new child goes on from the next type."""
     remaining = list(types)
     while remaining:
-        child = subprocess.Popen([sys.executable, __file__, "--worker", "--types", *remaining],
+        child = subprocess.Popen([sys.executable, __file__, "--worker", "--seconds-per-type", str(SECONDS_PER_TYPE),
+                                  "--types", *remaining],
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in child.stdout] and None, daemon=True).start()

@@ -56,3 +56,11 @@ def test_merged_tables_keep_one_row_per_type_the_later_file_winning(cli_zoo, tmp
     cli_zoo._write([{**rows[1], "verdict": "folded"}], rerun.with_suffix(""), "rerun")
     merged = cli_zoo.read_rows([str(first), str(rerun)])
     assert [(r["model_type"], r["verdict"]) for r in merged] == [("bert", "folded"), ("vit", "folded")]
+
+
+@pytest.mark.parametrize(("argv", "said"), [(["--seconds-per-type", "0"], "--seconds-per-type must be > 0, got 0"),
+                                             (["--shard", "3/2"], "--shard takes K/N with 1 <= K <= N, got '3/2'")])
+def test_settings_that_cannot_run_are_refused_before_any_type(cli_zoo, argv, said, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_zoo.main(argv)
+    assert exit_.value.code == 2 and said in capsys.readouterr().err
