@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from ..engine.plan import FoldConfig
 from ..engine.report import FoldReport
@@ -178,7 +179,7 @@ def folded_layout(folded: nn.Module) -> Layout:
             continue
         if ref is not None and isinstance(module, nn.Identity) and not isinstance(ref, nn.Identity):
             identity.append(path)
-        elif ref is None or type(ref) is not type(module):
+        elif ref is None or _module_class(ref) is not _module_class(module):
             problems.append(f"{path or 'the model'} is a {type(module).__name__} where {type(stock).__name__} has "
                             f"{'nothing' if ref is None else 'a ' + type(ref).__name__}")
     stock_params = {name for name, _ in stock.named_parameters(remove_duplicate=False)}
@@ -196,6 +197,13 @@ def folded_layout(folded: nn.Module) -> Layout:
     resized = tuple(NamedShape(name, tuple(p.shape)) for name, p in params.items()
                     if name in stock_shapes and p.shape != stock_shapes[name].shape)
     return Layout(swapped, tuple(identity), extra, resized, stock_compatible=not identity and not extra and not resized)
+
+
+def _module_class(module: nn.Module) -> type:
+    """The class of ``module``; for a parametrized one (weight norm: Wav2Vec2's positional conv), the class it
+    was made from, since torch makes a new class for each parametrized module (its parametrizations show in
+    the parameter names, which are compared on their own)."""
+    return type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
 
 
 def save_pretrained(folded: nn.Module, out_dir: str | os.PathLike, *, dtype: torch.dtype | str | None = None,
