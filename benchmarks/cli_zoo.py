@@ -230,12 +230,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--merge", nargs="+", metavar="CSV", help="write one table from shards' CSVs (a later "
                         "file's row of a type wins), run nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the child: JSON lines out
+    parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)  # the child's folder for the tiny folders
     args = parser.parse_args(argv)
     if args.seconds_per_type <= 0:
         parser.error(f"--seconds-per-type must be > 0, got {args.seconds_per_type}")
     SECONDS_PER_TYPE = args.seconds_per_type
     if args.worker:
-        return run_worker(args.types)
+        return run_worker(args.types, args.root)
     stem = Path(args.out)
     if args.merge:
         rows = read_rows(args.merge)
@@ -266,8 +267,9 @@ def _every_type() -> list[str]:
     return sorted(CONFIG_MAPPING.keys())
 
 
-def run_worker(types: list[str]) -> int:
-    """The child: for each type a ``{"start": type}`` line, then its ``{"row": ...}`` line, on stdout."""
+def run_worker(types: list[str], root: Path) -> int:
+    """The child: for each type a ``{"start": type}`` line, then its ``{"row": ...}`` line, on stdout; the
+    folders under ``root`` (the parent's, which clears what a killed child leaves there)."""
     warnings.filterwarnings("ignore")
     os.environ["NORMFOLD_PROGRESS"] = "0"
     helpers = _helpers()
@@ -275,10 +277,12 @@ def run_worker(types: list[str]) -> int:
     helpers[0].transformers.utils.logging.disable_progress_bar()  # "Writing model shards" once per type
     report = sys.stdout
     sys.stdout = sys.stderr  # whatever a model prints stays off the protocol
-    with tempfile.TemporaryDirectory(prefix="cli_zoo_") as root:
-        for model_type in types:
-            print(json.dumps({"start": model_type}), file=report, flush=True)
-            print(json.dumps({"row": cli_row(model_type, Path(root), helpers)}), file=report, flush=True)
+    parent = os.getppid()
+    for model_type in types:
+        if os.getppid() != parent:  # the sweep was stopped: no orphan goes on folding
+            break
+        print(json.dumps({"start": model_type}), file=report, flush=True)
+        print(json.dumps({"row": cli_row(model_type, root, helpers)}), file=report, flush=True)
     return 0
 
 
@@ -286,10 +290,17 @@ def isolated_rows(types: list[str], max_rss_gb: float):
     """The rows of ``types`` from child processes (:func:`run_worker`), in order: a child whose resident
     memory passes ``max_rss_gb``, or that dies or hangs within a type, is killed; that type gets a "skipped"
     row with the reason and a new child goes on from the next type."""
+    with tempfile.TemporaryDirectory(prefix="cli_zoo_") as root:
+        yield from _rows_in_children(types, Path(root), max_rss_gb)
+
+
+def _rows_in_children(types: list[str], root: Path, max_rss_gb: float):
     remaining = list(types)
     while remaining:
+        for leftover in root.iterdir():  # a killed child's folders (BLT's: 5.6 GB)
+            shutil.rmtree(leftover, ignore_errors=True)
         child = subprocess.Popen([sys.executable, __file__, "--worker", "--seconds-per-type", str(SECONDS_PER_TYPE),
-                                  "--types", *remaining],
+                                  "--root", str(root), "--types", *remaining],
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in child.stdout] and None, daemon=True).start()

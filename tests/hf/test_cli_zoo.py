@@ -42,10 +42,15 @@ def test_a_tiny_folder_folds_and_names_its_input_route(cli_zoo, tmp_path):
     assert not list(tmp_path.iterdir())  # the folder and its fold are removed after the row
 
 
-def test_a_type_past_the_memory_limit_is_a_skipped_row_and_the_sweep_goes_on(cli_zoo):
-    rows = list(cli_zoo.isolated_rows(["bert", "gpt2"], max_rss_gb=0.05))  # any child holds more than 50 MB
+def test_a_type_past_the_memory_limit_is_a_skipped_row_and_the_sweep_goes_on_without_its_leftovers(cli_zoo, tmp_path):
+    """A killed child cannot clean up: what it left in the sweep's folder (BLT's tiny folder was 5.6 GB, and
+    the disk filled) is removed before the next child starts."""
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "model.safetensors").write_bytes(b"left by a killed child")
+    rows = list(cli_zoo._rows_in_children(["bert", "gpt2"], tmp_path, max_rss_gb=0.05))  # any child holds > 50 MB
     assert [r["model_type"] for r in rows] == ["bert", "gpt2"]
     assert all(r["verdict"] == "skipped" and "resident memory passed 0.05 GB" in r["line"] for r in rows)
+    assert not (tmp_path / "bert").exists()
 
 
 def test_merged_tables_keep_one_row_per_type_the_later_file_winning(cli_zoo, tmp_path):
