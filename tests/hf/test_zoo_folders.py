@@ -314,15 +314,17 @@ def _fit_mrope_sections(config) -> None:
 
 def _fit_per_layer_lists(config) -> None:
     """What a config lists per layer, cut to the shrunk ``num_hidden_layers``: ``*layer_types`` (Gemma 3's
-    sliding or full attention, Step3p7's MLPs), and a backbone's ``stage_names`` ("stem", "stage1", ...) with its outputs
+    sliding or full attention, Step3p7's MLPs), Mistral Large 4's ``kv_source_layers``, and a backbone's ``stage_names`` ("stem", "stage1", ...) with its outputs
     (BEiT: ``out_indices`` [12]) kept among them, else the last. The model reads only its layers' entries, but
     a saved config is validated when it is loaded (a tiny folder that saves but does not load again)."""
     layers = getattr(config, "num_hidden_layers", None)
     if not isinstance(layers, int) or isinstance(layers, bool):
         return
-    for name, types in list(vars(config).items()):  # layer_types, mlp_layer_types (Step3p7's dense or MoE MLPs)
-        if name.endswith("layer_types") and isinstance(types, list) and len(types) > layers:
-            setattr(config, name, types[:layers])
+    for name, entries in list(vars(config).items()):  # layer_types, mlp_layer_types (Step3p7's dense or MoE MLPs),
+        # kv_source_layers (Mistral Large 4: the earlier layer whose cache each layer reads, so a prefix stays valid)
+        if (name.endswith("layer_types") or name == "kv_source_layers") and isinstance(entries, list) \
+                and len(entries) > layers:
+            setattr(config, name, entries[:layers])
     names = getattr(config, "stage_names", None)
     if isinstance(names, list) and len(names) > layers + 1 and names[1:] == [f"stage{i}" for i in range(1, len(names))]:
         indices = [i for i in (getattr(config, "out_indices", None) or []) if 0 <= i <= layers] or [layers]
@@ -675,7 +677,7 @@ def test_an_unexpected_engine_error_is_one_line_with_exit_2_naming_the_command(t
 # and those whose shrunk default config built a model that failed on any input of the size it asks for
 # (staged conv backbones, projections that must equal a tower's width, keypoint matchers, LW-DETR, DepthPro)
 @pytest.mark.parametrize("model_type", ["beit", "aya_vision", "audioflamingo3", "cohere2_vision", "step3p7",
-                                        "unlimited_ocr"])
+                                        "unlimited_ocr", "glm5_next", "mistral_large4"])
 def test_a_shrunk_config_saved_in_a_tiny_folder_loads_again(model_type, tmp_path):
     """Per-layer lists cut to the shrunk layers: layer_types (Aya Vision's and AudioFlamingo3's text towers) and a
     backbone's stage names and outputs (BEiT's out_features ['stage12'] of 2 layers). Their folders saved but did
