@@ -29,6 +29,7 @@ import io
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -170,6 +171,7 @@ def write_markdown(rows: list[dict], path: Path, command: str) -> None:
     verdicts = collections.Counter(r["verdict"] for r in rows)
     routes = collections.Counter(r["route"] for r in rows if r["verdict"] == "folded")
     refusals = collections.Counter(_refusal_kind(r["line"]) for r in rows if r["verdict"] == "refused")
+    skips = collections.Counter(_skip_kind(r["line"]) for r in rows if r["verdict"] == "skipped")
     with_processor = sum(not r["processor"].startswith("none") for r in rows if r["processor"])
     bugs = sum(n for v, n in verdicts.items() if v.startswith("BUG"))
     lines = [
@@ -180,17 +182,26 @@ def write_markdown(rows: list[dict], path: Path, command: str) -> None:
         f"**Tracebacks or malformed exits: {bugs}.** Folded: {verdicts['folded']} (input route: "
         + ", ".join(f"{n} {r}" for r, n in routes.most_common()) + f"); folders saved with a processor: "
         f"{with_processor}. Refused with one line: {verdicts['refused']} ("
-        + ", ".join(f"{n} {k}" for k, n in refusals.most_common()) + ").", "",
+        + ", ".join(f"{n} {k}" for k, n in refusals.most_common()) + "). Skipped (not measured): "
+        + ", ".join(f"{n} {k}" for k, n in skips.most_common()) + ".", "",
         "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
     ]
     lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
     path.write_text("\n".join(lines) + "\n")
 
 
+def _skip_kind(line: str) -> str:
+    if line.startswith("no tiny model"):
+        return "no tiny folder from the shrunk default config"
+    return "past the memory limit" if "memory" in line else "past the time box" if "took more than" in line else line
+
+
 def _refusal_kind(line: str) -> str:
-    """A refusal's kind: the words of its one line up to the first ':' past ``normfold: error:``."""
+    """A refusal's kind: the words of its one line past ``normfold: error:``, up to where it names the model,
+    the folder or the details ("cannot build example inputs for BarkConfig: ..." -> "cannot build example
+    inputs")."""
     body = line.removeprefix("normfold: error: ").removeprefix("normfold: ")
-    return body.split(":")[0].split(" (")[0][:60]
+    return re.split(r" for | in /|: | \(", body, maxsplit=1)[0][:60]
 
 
 def _version(name: str) -> str:

@@ -69,3 +69,14 @@ def test_settings_that_cannot_run_are_refused_before_any_type(cli_zoo, argv, sai
     with pytest.raises(SystemExit) as exit_:
         cli_zoo.main(argv)
     assert exit_.value.code == 2 and said in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("line", "kind"), [
+    ("normfold: error: cannot build example inputs for BarkConfig: its forward takes none of ...",
+     "cannot build example inputs"),
+    ("normfold: error: could not load the weights in /tmp/x/t5gemma: You set ...", "could not load the weights"),
+    ("normfold: verification failed: folded model differs from the original: ...", "verification failed"),
+    ("normfold: error: nothing to fold: BitModel has no LayerNorm ...", "nothing to fold"),
+])
+def test_refusals_are_counted_by_kind_not_by_the_model_they_name(cli_zoo, line, kind):
+    assert cli_zoo._refusal_kind(line) == kind

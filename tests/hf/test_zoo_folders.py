@@ -202,8 +202,10 @@ CONFIG_OVERRIDES["aria"] = {"projector_patch_to_query_dict": {16: 4}}
 # Unlimited-OCR's SAM stage reads the image at the vision config's size (it names none: 224 px) and hands its last
 # downsampling conv's channels to the CLIP encoder, whose width they must be
 CONFIG_OVERRIDES["unlimited_ocr_sam_vision_model"] = {"image_size": 224, "downsample_channels": [16, SMALL_SIZES["hidden_size"]]}
-# NeoMME's full-attention rotary covers a quarter of each head, split row / column / row / column: a multiple of 4
-CONFIG_OVERRIDES["neomme"] = {"head_dim": 16}
+# NeoMME's full-attention rotary covers a quarter of each head, split row / column / row / column: a multiple of 4;
+# it derives its per-layer settings (per_layer_config, by layer index) from num_hidden_layers when it is built:
+# built with the shrunk layers, not cut after
+CONFIG_OVERRIDES["neomme"] = {"head_dim": 16, "num_hidden_layers": SMALL_SIZES["num_hidden_layers"]}
 # SAM2's HieraDet backbone: a 1024 px image through four stages of 96..768 channels (12 blocks): 64 px (16 x 16
 # patches, then 8, 4, 2 per side), its first stage at the shrunk width, one block a stage (two in the third: its
 # second global; a stage's first block pools its queries, which a global block cannot), windows inside each grid
@@ -314,7 +316,7 @@ def _fit_mrope_sections(config) -> None:
 
 def _fit_per_layer_lists(config) -> None:
     """What a config lists per layer, cut to the shrunk ``num_hidden_layers``: ``*layer_types`` (Gemma 3's
-    sliding or full attention, Step3p7's MLPs), Mistral Large 4's ``kv_source_layers``, and a backbone's ``stage_names`` ("stem", "stage1", ...) with its outputs
+    sliding or full attention, Step3p7's MLPs; each kind kept), Mistral Large 4's ``kv_source_layers``, and a backbone's ``stage_names`` ("stem", "stage1", ...) with its outputs
     (BEiT: ``out_indices`` [12]) kept among them, else the last. The model reads only its layers' entries, but
     a saved config is validated when it is loaded (a tiny folder that saves but does not load again)."""
     layers = getattr(config, "num_hidden_layers", None)
@@ -324,12 +326,22 @@ def _fit_per_layer_lists(config) -> None:
         # kv_source_layers (Mistral Large 4: the earlier layer whose cache each layer reads, so a prefix stays valid)
         if (name.endswith("layer_types") or name == "kv_source_layers") and isinstance(entries, list) \
                 and len(entries) > layers:
-            setattr(config, name, entries[:layers])
+            setattr(config, name, _kept_kinds(entries, layers) if name.endswith("layer_types") else entries[:layers])
     names = getattr(config, "stage_names", None)
     if isinstance(names, list) and len(names) > layers + 1 and names[1:] == [f"stage{i}" for i in range(1, len(names))]:
         indices = [i for i in (getattr(config, "out_indices", None) or []) if 0 <= i <= layers] or [layers]
         config.stage_names = names[:layers + 1]
         config.out_indices = indices  # its setter names the out_features again
+
+
+def _kept_kinds(kinds: list, layers: int) -> list:
+    """The first ``layers`` of ``kinds``, its last ones replaced by the kinds the cut would lose (NeoMME reads
+    its first and last full-attention layers, which 2 sliding-window layers do not have)."""
+    kept = kinds[:layers]
+    lost = [kind for kind in dict.fromkeys(kinds) if kind not in kept]
+    for i, kind in enumerate(lost[:layers]):
+        kept[layers - 1 - i] = kind
+    return kept
 
 
 def _keep_every_stage_a_pixel(config) -> None:
@@ -677,7 +689,7 @@ def test_an_unexpected_engine_error_is_one_line_with_exit_2_naming_the_command(t
 # and those whose shrunk default config built a model that failed on any input of the size it asks for
 # (staged conv backbones, projections that must equal a tower's width, keypoint matchers, LW-DETR, DepthPro)
 @pytest.mark.parametrize("model_type", ["beit", "aya_vision", "audioflamingo3", "cohere2_vision", "step3p7",
-                                        "unlimited_ocr", "glm5_next", "mistral_large4"])
+                                        "unlimited_ocr", "glm5_next", "mistral_large4", "neomme"])
 def test_a_shrunk_config_saved_in_a_tiny_folder_loads_again(model_type, tmp_path):
     """Per-layer lists cut to the shrunk layers: layer_types (Aya Vision's and AudioFlamingo3's text towers) and a
     backbone's stage names and outputs (BEiT's out_features ['stage12'] of 2 layers). Their folders saved but did

@@ -51,9 +51,10 @@ class WorstElement:
 
 @dataclass
 class ModelDtypeCheck:
-    """The model a step returns, run in its own dtype, against the original in float64: its error must be
-    within the tolerance measured from the original's own error in that dtype, and it may not give inf/nan
-    where the original in that dtype is finite (``fold``, ``fuse_residual_norms``, ``rotate``, ``convert``)."""
+    """The model a step returns, run in its own dtype, against the original in float64 (in that dtype on the
+    same draws, for a forward that draws random numbers): its error must be within the tolerance measured
+    from the original's own error in that dtype, and it may not give inf/nan where the original in that dtype
+    is finite (``fold``, ``fuse_residual_norms``, ``rotate``, ``convert``)."""
 
     dtype: str
     error: float                   # the returned model's error (the metric of normfold.engine.verify.output_error)

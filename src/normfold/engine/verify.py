@@ -167,18 +167,26 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
     max_abs = max((o["max_abs"] for o in outputs), default=0.0)
     worst = _worst(outputs)
 
-    own_rel, own_error_in_model_dtype, check = None, None, None
+    own_rel, own_error_in_model_dtype, check, measured_as = None, None, None, None
     if why is None and own_outputs is not None:
         returned = [model_outputs(folded, *cast_floats(run, model_dtype)) for run in inputs]
-        own_rows, returned_why = _compare_returned(ref_outputs, own_outputs, returned, model_dtype)
+        # A forward that draws random numbers draws other ones in float64 than in its own dtype (a float64
+        # rand is no float32 one rounded: ViT-MAE masks other patches): the returned model is then judged
+        # against the original in its own dtype, on the same draws.
+        same_draws = own_outputs if random_draws else ref_outputs
+        own_rows, returned_why = _compare_returned(same_draws, own_outputs, returned, model_dtype)
         outputs += own_rows
         own_rel = max((o["max_rel"] for o in own_rows), default=0.0)
         if judge_model_dtype:
             why = None if returned_why is None else f"in {dtype_name(model_dtype)}: {returned_why}"
             if why is None:
-                own_error_in_model_dtype = outputs_own_error(ref_outputs, own_outputs, model_dtype, dtype)
+                own_error_in_model_dtype, measured_as = _own_error_in_dtype(
+                    original, inputs, ref_outputs, own_outputs, model_dtype, dtype, random_draws, generator)
+                if own_error_in_model_dtype is None:
+                    why = f"in {dtype_name(model_dtype)}: {measured_as}"
+            if why is None:
                 bar, bar_rule = measured_tolerance(own_error_in_model_dtype, model_dtype,
-                                                   multiple=MODEL_DTYPE_OWN_ERROR_MULTIPLE)
+                                                   multiple=MODEL_DTYPE_OWN_ERROR_MULTIPLE, measured_as=measured_as)
                 check = ModelDtypeCheck(dtype_name(model_dtype), own_rel, own_error_in_model_dtype, bar, bar_rule,
                                         _worst(own_rows))
 
@@ -187,20 +195,45 @@ def _verify(original, folded, calls, *, dtype, num_random, tolerance, seed, rms_
         tolerance = FOLD_TOLERANCE if tolerance is None else tolerance
     elif why is None:
         if stored_dtype == model_dtype and own_error_in_model_dtype is not None:
-            stored_own = own_error_in_model_dtype
+            stored_own, stored_as = own_error_in_model_dtype, measured_as
         else:
+            low = original if stored_dtype == model_dtype else cast_copy(original, stored_dtype)
             low_outputs = own_outputs if stored_dtype == model_dtype else None
             if low_outputs is None:
-                low = cast_copy(original, stored_dtype)
                 low_outputs = [model_outputs(low, *cast_floats(run, stored_dtype)) for run in inputs]
-            stored_own = outputs_own_error(ref_outputs, low_outputs, stored_dtype, dtype)
-        tolerance, rule = measured_tolerance(stored_own, stored_dtype)
+            stored_own, stored_as = _own_error_in_dtype(low, inputs, ref_outputs, low_outputs, stored_dtype, dtype,
+                                                        random_draws, generator)
+        if stored_own is None:
+            why, tolerance, rule = f"in {dtype_name(stored_dtype)}: {stored_as}", 0.0, "not measured"
+        else:
+            tolerance, rule = measured_tolerance(stored_own, stored_dtype, measured_as=stored_as)
     else:
         tolerance, rule = 0.0, "not measured: the outputs could not be compared"
     result = VerifyResult(outputs, max_rel, max_abs, own_rel, ratio, tolerance=tolerance, num_runs=len(inputs),
                           tolerance_rule=rule, stored_dtype_own_error=stored_own, why=why, worst=worst,
                           model_dtype_check=check, integers_kept=integers_kept, random_draws=random_draws)
     return result
+
+
+def _own_error_in_dtype(original: nn.Module, inputs, ref_outputs, own_outputs, low_dtype: torch.dtype,
+                        dtype: torch.dtype, random_draws: bool, generator) -> tuple[float | None, str | None]:
+    """The original's own error in ``low_dtype`` and how it was measured (None: the usual words): its
+    outputs there against its float64 self; for a forward that draws random numbers (other draws in
+    float64), the change of its outputs there when every weight moves by one unit in the last place
+    (:func:`perturbed_own_error`), on the same draws. (None, why) when that change is no rounding error
+    (VITS: its waveform's length changes), so no bar can be measured."""
+    if not random_draws:
+        return outputs_own_error(ref_outputs, own_outputs, low_dtype, dtype), None
+    runs = [cast_floats(run, low_dtype) for run in inputs]
+    try:
+        own = perturbed_own_error(original, runs, own_outputs, low_dtype, generator)
+    except ValueError as err:  # outputs of another shape or kind
+        return None, (f"the original's own error cannot be measured: its forward draws random numbers (other ones "
+                      f"in float64), and moving every weight by one unit in the last place changes its outputs "
+                      f"({first_line(err, 160).split(': ', 1)[-1]})")
+    return own, (f"the original's own error in {dtype_name(low_dtype)}, its forward drawing random numbers (other "
+                 f"ones in float64): the change of its outputs when every weight moves by one unit in the last "
+                 f"place, same draws")
 
 
 def _inputs_the_original_runs(original: nn.Module, calls, num_random: int, generator: torch.Generator,
