@@ -127,9 +127,10 @@ def read_json_object(file: Path, what: str) -> dict[str, Any]:
 
 
 def model_class_for(config, *, trust_remote_code: bool = False) -> type:
-    """The Auto class that builds ``config.architectures[0]`` (the head the folder was saved with).
-
-    Falls back to ``AutoModel`` (the bare backbone) when the folder names no known head.
+    """The class that builds ``config.architectures[0]`` (the head the folder was saved with): from the
+    Auto mappings, else transformers' class of that name when ``config`` is its config (a CTC, depth or
+    detection head, a tower of a composite model), else the bare backbone AutoModel maps ``config`` to.
+    With ``trust_remote_code``, the Auto class that resolves the folder's own code.
     """
     transformers = require("transformers")
     arch = (getattr(config, "architectures", None) or [None])[0]
@@ -147,6 +148,10 @@ def model_class_for(config, *, trust_remote_code: bool = False) -> type:
             return auto if trust_remote_code else named[0]
     if trust_remote_code:
         return transformers.AutoModel
+    named = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    if (isinstance(named, type) and issubclass(named, transformers.PreTrainedModel)
+            and isinstance(config, named.config_class)):  # a head no Auto class above maps: Wav2Vec2ForCTC
+        return named
     try:
         mapped = transformers.AutoModel._model_mapping[type(config)]
         return mapped[0] if isinstance(mapped, tuple) else mapped
@@ -160,10 +165,18 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
 
     Eager attention because ``torch.export`` + decompositions fail on SDPA for some models.
     ``ignore_mismatched_sizes``: tensors whose shape differs from the config's are left initialised
-    (``normfold.from_pretrained`` then loads a sliced folder's resized tensors itself).
+    (``normfold.from_pretrained`` then loads a sliced folder's resized tensors itself). A folder holding
+    weights the class does not take is refused: what normfold writes from the model would lose them.
     """
-    return load_model_and_info(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
-                               ignore_mismatched_sizes=ignore_mismatched_sizes)[0]
+    model, info = load_model_and_info(model_dir, dtype=dtype, trust_remote_code=trust_remote_code,
+                                      ignore_mismatched_sizes=ignore_mismatched_sizes)
+    untaken = sorted(info.get("unexpected_keys") or ())
+    if untaken:
+        shown = ", ".join(untaken[:3]) + (f" and {len(untaken) - 3} more" if len(untaken) > 3 else "")
+        raise CheckpointError(f"{model_dir} holds {len(untaken)} tensors that {type(model).__name__} does not take "
+                              f"({shown}): a folder written from it would lose them; config.json's architectures "
+                              "should name the class that takes them")
+    return model
 
 
 def load_model_and_info(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
