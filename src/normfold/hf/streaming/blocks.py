@@ -419,10 +419,12 @@ def compare_copies(orig: Checkpoint, folded: Checkpoint, keys: list[str]) -> lis
 
 
 def _block_width(block: nn.Module) -> int:
+    """The feature width of the stream a block reads: its first norm over the last dim's (a GroupNorm or
+    BatchNorm normalises channels of another layout: no width of a (B, T, C) stream)."""
     for m in block.modules():
-        if isinstance(m, NORM_TYPES):
+        if isinstance(m, NORM_TYPES) and hasattr(m, "normalized_shape"):
             return m.normalized_shape[-1]
-    raise CheckpointError("cannot tell the block's width: it has no norm")
+    raise CheckpointError("cannot tell the block's width: it has no norm over its last dim")
 
 
 def first_output(output) -> torch.Tensor:
