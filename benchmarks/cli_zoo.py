@@ -90,7 +90,7 @@ def build_folder(model_type: str, folder: Path, helpers) -> tuple[str | None, st
     try:
         config = zoo._config(model_type)
         torch.manual_seed(0)
-        model = zoo._bare_model_class(config)(config).eval()
+        model = zoo._folder_model_class(config)(config).eval()
         hf_zoo.randomise_constant_parameters(model)
         model.save_pretrained(folder)  # the shrunk config is validated here
     except Exception as err:  # noqa: BLE001  a config the size rules cannot shrink consistently

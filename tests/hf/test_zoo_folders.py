@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import importlib
 import io
 import json
 from dataclasses import dataclass
@@ -416,10 +418,29 @@ def _bare_model_class(config) -> type:
     return mapped[0] if isinstance(mapped, tuple) else mapped  # Funnel maps to (FunnelModel, FunnelBaseModel)
 
 
+def _folder_model_class(config) -> type:
+    """The class a folder of ``config`` holds: the bare model (AutoModel's), else the model its own package
+    builds from exactly this config class (a tower's config: AlignTextModel; a type with heads only:
+    ZoeDepthForDepthEstimation), a ``*Model`` first, then a ``*For*`` head, the shortest name of each."""
+    try:
+        return _bare_model_class(config)
+    except KeyError:
+        pass
+    package = importlib.import_module(type(config).__module__.rsplit(".", 1)[0])
+    built_from_it = [cls for cls in map(functools.partial(getattr, package), dir(package))  # a lazy module
+                     if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel)
+                     and getattr(cls, "config_class", None) is type(config)
+                     and not cls.__name__.endswith("PreTrainedModel")]
+    if not built_from_it:
+        raise KeyError(f"no model class of transformers is built from {type(config).__name__}")
+    return min(built_from_it, key=lambda cls: (not cls.__name__.endswith("Model"), "For" not in cls.__name__,
+                                               len(cls.__name__), cls.__name__))
+
+
 def _config(model_type: str):
-    """The shrunk config naming the bare model, as the saved tiny folders do."""
+    """The shrunk config naming the class its folder holds, as the saved tiny folders do."""
     config = shrunk_config(model_type)
-    config.architectures = [_bare_model_class(config).__name__]
+    config.architectures = [_folder_model_class(config).__name__]
     return config
 
 
@@ -645,6 +666,20 @@ def test_a_config_with_several_heads_per_type_resolves_to_a_class():
     config = _config("deit")
     config.architectures = ["DeiTForImageClassificationWithTeacher"]
     assert "pixel_values" in example_inputs_for(config)
+
+
+@pytest.mark.parametrize("config_class, model_class", [
+    ("AlignTextConfig", "AlignTextModel"),  # a tower's config: no AutoModel entry (cli_zoo: 134 such types skipped)
+    ("ZoeDepthConfig", "ZoeDepthForDepthEstimation"),  # a type with task heads only
+    ("BertConfig", "BertModel"),  # AutoModel's bare model first
+])
+def test_a_tiny_folder_holds_the_model_transformers_builds_from_its_config(config_class, model_class):
+    assert _folder_model_class(getattr(transformers, config_class)()) is getattr(transformers, model_class)
+
+
+def test_a_config_no_model_of_transformers_is_built_from_gets_no_folder():
+    with pytest.raises(KeyError, match="SamMaskDecoderConfig"):  # a part of SAM, built inside SamModel
+        _folder_model_class(transformers.SamMaskDecoderConfig())
 
 
 def test_a_forward_without_any_known_input_is_refused_naming_the_inputs():
