@@ -95,6 +95,9 @@ def shrink(config):
             setattr(config, name, SMALL_SIZES[name])
     if multi_head and isinstance(getattr(config, "num_key_value_heads", None), int):
         config.num_key_value_heads = config.num_attention_heads
+    if "head_dim" in vars(config) and config.head_dim is None and isinstance(vars(config).get("num_attention_heads"), int):
+        # the size the model derives when it reads None (HunYuan and Ministral's modeling reads it as given)
+        config.head_dim = config.hidden_size // config.num_attention_heads
     _fit_per_layer_lists(config)
     _keep_every_stage_a_pixel(config)
     _fit_stage_heads(config)
@@ -232,6 +235,9 @@ CONFIG_OVERRIDES["muse_glimmer"] = {"out_hidden_size": 128}
 _SAM_PROMPT_GRID = {"image_size": SMALL_SIZES["image_size"], "patch_size": SMALL_SIZES["patch_size"]}
 CONFIG_OVERRIDES["sam"] = {"prompt_encoder_config": _SAM_PROMPT_GRID}
 CONFIG_OVERRIDES["sam_hq"] = {"prompt_encoder_config": _SAM_PROMPT_GRID, "mask_decoder_config": {"vit_dim": 32}}
+# a time-series transformer forecasts prediction_length steps, None by default (the model refuses to build)
+CONFIG_OVERRIDES.update({name: {"prediction_length": 4}
+                         for name in ("autoformer", "informer", "time_series_transformer")})
 # RF-DETR's two-stage encoder picks num_queries proposals among the tiny image's tokens: 16, not 300
 CONFIG_OVERRIDES["rf_detr"] = {"num_queries": 16}
 # Nemotron diarization's head reads the audio encoder's states (audio_hidden_size: the shrunk encoder width)
@@ -733,6 +739,14 @@ def test_a_shrunk_config_saved_in_a_tiny_folder_loads_again(model_type, tmp_path
     _config(model_type).save_pretrained(tmp_path)
     loaded = transformers.AutoConfig.from_pretrained(tmp_path)
     assert type(loaded) is type(_config(model_type))
+
+
+@pytest.mark.parametrize("model_type", ["hunyuan_v1_dense", "ministral", "autoformer", "informer"])
+def test_a_default_config_that_builds_no_model_gets_the_size_it_leaves_unset(model_type):
+    """HunYuan's and Ministral's default head_dim is None, which their attention reads as given; a time-series
+    transformer's prediction_length is None, which it refuses: cli_zoo had no tiny folder of them."""
+    config = shrunk_config(model_type)
+    _folder_model_class(config)(config)
 
 
 AGREEING_SIZES = ["codegen", "gptj", "deepseek_v32", "hy_v4", "esmc", "lilt", "bros", "marian", "gemma3", "glm_ocr",
