@@ -264,12 +264,15 @@ def max_positions(text_config) -> int | None:
 
 def _vision_config(config):
     """The config that sizes the model's images: its ``vision_config``, its encoder's (T5Gemma 2: the images
-    go through the encoder), a sub-model's (PI0: its PaliGemma, ``vlm_config``), or the config itself (a vision model)."""
+    go through the encoder), a sub-model's (PI0: its PaliGemma, ``vlm_config``); else the config itself where it
+    sets an ``image_size`` (a vision model) or its encoder's (VisionEncoderDecoder: TrOCR's and Donut's vision
+    encoder), else the config itself. (A backbone's ``image_size`` is not the model's: RF-DETR windows any size.)"""
     for holder in (config, getattr(config, "encoder", None), *_sub_configs(config)):
         vision = getattr(holder, "vision_config", None)
         if vision is not None:
             return vision
-    return config
+    sizers = (config, getattr(config, "encoder", None))
+    return next((holder for holder in sizers if getattr(holder, "image_size", None) is not None), config)
 
 
 def _sub_configs(config) -> list:
