@@ -220,12 +220,18 @@ def _damaged_copy(source, tmp_path, how: str):
         (target / "config.json").write_text("{ this is not json")
     elif how == "no_config":
         (target / "config.json").unlink()
+    elif how == "config_of_other_sizes":
+        import json
+
+        config = json.loads((target / "config.json").read_text())
+        config["intermediate_size"] = 24
+        (target / "config.json").write_text(json.dumps(config))
     return target
 
 
 @pytest.mark.parametrize("how", [
     "truncated", "garbage", "no_weights", "no_config",
-    "bad_config",
+    "bad_config", "config_of_other_sizes",
 ])
 def test_cli_fold_of_a_corrupt_checkpoint_exits_2_with_one_clear_line(how, tiny_bert_dir, tmp_path, capsys):
     from normfold.cli import main
@@ -238,6 +244,18 @@ def test_cli_fold_of_a_corrupt_checkpoint_exits_2_with_one_clear_line(how, tiny_
     assert len(err.splitlines()) == 1 and err.startswith("normfold: error:"), err
     assert "Traceback" not in err
     assert not out.exists()  # nothing half-written
+
+
+def test_weights_of_other_shapes_than_the_config_builds_are_named_in_the_one_line(tiny_bert_dir, tmp_path, capsys):
+    """transformers raises 'For details look at the above report!' with its report in the log, which the one
+    line does not show: the line names the tensors and both shapes instead."""
+    from normfold.cli import main
+
+    code = main(["fold", str(_damaged_copy(tiny_bert_dir, tmp_path, "config_of_other_sizes")), "-o",
+                 str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "above report" not in err, err
+    assert "encoder.layer.0.intermediate.dense.weight stored [32, 16], model [24, 16]" in err, err
 
 
 def test_cli_fold_of_a_missing_folder_exits_2(tmp_path, capsys):

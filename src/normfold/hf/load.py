@@ -201,10 +201,31 @@ def load_model_and_info(model_dir: str | os.PathLike, *, dtype: torch.dtype = to
                                           dtype=dtype, attn_implementation="eager", output_loading_info=True,
                                           ignore_mismatched_sizes=ignore_mismatched_sizes)
     except (OSError, ValueError, RuntimeError, KeyError, TypeError, AttributeError, NotImplementedError) as err:
-        raise CheckpointError(f"could not load the weights in {path}: {first_line(err)}") from err
+        why = first_line(err)
+        if not ignore_mismatched_sizes and "ignore_mismatched_sizes" in str(err):  # its report went to the log
+            why = _mismatched_shapes(cls, path, config, trust_remote_code) or why
+        raise CheckpointError(f"could not load the weights in {path}: {why}") from err
     finally:
         logging.set_verbosity(verbosity)
     return model.eval(), info
+
+
+def _mismatched_shapes(cls: type, path: Path, config, trust_remote_code: bool) -> str | None:
+    """The tensors stored in another shape than the model built from ``config`` has (what transformers' load
+    report lists before it raises, in words for the one-line error), None when they cannot be told."""
+    try:
+        _, info = cls.from_pretrained(path, config=config, local_files_only=True, trust_remote_code=trust_remote_code,
+                                      attn_implementation="eager", output_loading_info=True,
+                                      ignore_mismatched_sizes=True)
+    except Exception:  # noqa: BLE001  the first error stands
+        return None
+    wrong = sorted(info.get("mismatched_keys") or ())
+    if not wrong:
+        return None
+    shown = ", ".join(f"{name} stored {list(stored)}, model {list(built)}" for name, stored, built in wrong[:3])
+    more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+    return (f"{len(wrong)} tensors are stored in other shapes than the model config.json builds ({shown}{more}): "
+            "the config does not describe these weights")
 
 
 def _check_weight_files(path: Path) -> None:
