@@ -257,6 +257,9 @@ TRANSFORMERS_BUGS = {
 }
 
 
+ORIGINAL_JUMPS_MARKER = "jumps at this input"  # VerifyResult.failure() when the original's output jumps there
+
+
 def error_class(message: str, eager: str | None, model_type: str | None = None) -> str:
     """The reason class of a FoldError (``message``: its first line, which says which step failed and why;
     a later line may quote a capture route), given ``eager``, the original model's own error on the same
@@ -268,6 +271,9 @@ def error_class(message: str, eager: str | None, model_type: str | None = None) 
       example was wrong, not the fold;
     - "export limit": it runs eagerly, and the message is torch.export's (data-dependent control flow,
       an object export does not trace): export cannot capture it, and no submodule route saved it;
+    - "the original jumps": the proof failed where the original's own output moves past the tolerance when its
+      weights move by one unit in the last place (a top-k over tied scores: DETR-style query selection), so no
+      transform of it can be proved on these inputs;
     - "normfold refusal": it runs and export captured it: normfold itself refused (an analysis or
       planning error, a failed or impossible proof, an overflow)."""
     bug = TRANSFORMERS_BUGS.get(model_type)
@@ -277,6 +283,8 @@ def error_class(message: str, eager: str | None, model_type: str | None = None) 
         return f"missing input ({eager})"
     if any(marker in message for marker in EXPORT_LIMIT_MARKERS):
         return "export limit"
+    if ORIGINAL_JUMPS_MARKER in message:
+        return "the original jumps"
     return "normfold refusal"
 
 

@@ -348,3 +348,46 @@ def test_a_model_making_tensors_in_the_default_dtype_is_proved_in_float64_with_t
     result = normfold.verify(model, copy.deepcopy(model), (torch.randn(2, 3, 4),))
     assert result.ok and result.compared_in == "float64" and result.fallback is None
     assert torch.get_default_dtype() == torch.float32
+
+
+class _TiedTopK(nn.Module):
+    """Rows ordered by a top-k over scores that tie exactly: token 2j reads feature 2j, token 2j + 1 feature
+    2j + 1, and the two score weights are equal, so which comes first is decided by rounding (DETR-style
+    query selection: D-FINE, DEIMv2, PP-DocLayout)."""
+
+    def __init__(self, pairs: int = 16):
+        super().__init__()
+        self.score = nn.Linear(2 * pairs, 1, bias=False)
+        self.value = nn.Linear(2 * pairs, 4)
+        with torch.no_grad():
+            self.score.weight.copy_(torch.arange(pairs, dtype=torch.float32).repeat_interleave(2)[None] + 1)
+
+    def forward(self, x):  # (B, T, 2·pairs)
+        order = self.score(x).squeeze(-1).topk(x.shape[1], dim=1).indices  # (B, T)
+        return self.value(x).gather(1, order[..., None].expand(-1, -1, 4))  # (B, T, 4)
+
+
+def _one_hot_tokens(pairs: int = 16) -> torch.Tensor:
+    return torch.eye(2 * pairs)[None].repeat(2, 1, 1)  # (B, T, 2·pairs)
+
+
+def test_a_failed_proof_at_an_output_that_jumps_says_the_original_itself_jumps_there():
+    torch.manual_seed(0)
+    original = _TiedTopK().eval()
+    ties_broken = copy.deepcopy(original)
+    with torch.no_grad():  # the odd feature of each pair scores higher by one float32 unit: each tie flips
+        ties_broken.score.weight[0, 1::2] = torch.nextafter(ties_broken.score.weight[0, 1::2], torch.tensor(1e9))
+    result = normfold.verify(original, ties_broken, (_one_hot_tokens(),), num_random=0)
+    assert not result.ok and result.original_jump is not None and result.original_jump > result.tolerance
+    assert "jumps at this input" in result.failure()
+
+
+def test_a_wrong_transform_of_a_model_with_ties_is_not_called_a_jump():
+    torch.manual_seed(0)
+    original = _TiedTopK().eval()
+    wrong = copy.deepcopy(original)
+    with torch.no_grad():
+        wrong.value.bias.add_(1e-3)
+    result = normfold.verify(original, wrong, (torch.randn(2, 32, 32),), num_random=0)  # no ties: distinct rows
+    assert not result.ok and result.original_jump is not None and result.original_jump < 1e-12
+    assert "jumps" not in result.failure()

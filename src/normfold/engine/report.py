@@ -99,6 +99,9 @@ class VerifyResult:
     model_dtype_check: ModelDtypeCheck | None = None  # set when the returned model is judged in its own dtype
     integers_kept: str | None = None  # which fresh inputs kept the example's integers (the original rejected them permuted)
     random_draws: bool = False  # the original's forward draws random numbers: every run compared under one seed
+    # a failed comparison: how far the original's own output at the worst place moves when every weight moves by
+    # one unit in the last place (normfold.engine.verify.original_jump); past the tolerance, the output jumps there
+    original_jump: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -114,6 +117,10 @@ class VerifyResult:
         if not self.max_rel_error <= self.tolerance:
             at = "" if self.worst is None else f" at {self.worst}"
             failed.append(f"{self.compared_in} max relative error {self.max_rel_error:.3e} > {self.tolerance:.1e}{at}")
+            if self.original_jump is not None and self.original_jump > self.tolerance:
+                failed[-1] += (f" (the original's own output there moves by {self.original_jump:.3e} when every "
+                               "weight moves by one unit in the last place: it jumps at this input, a top-k, sort or "
+                               "argmax over tied values, so it proves nothing of a transform)")
         if self.model_dtype_check is not None and not self.model_dtype_check.ok:
             failed.append(str(self.model_dtype_check))
         return "; ".join(failed) + (RANDOM_DRAWS_NOTE if self.random_draws else "") if failed else "passed"
