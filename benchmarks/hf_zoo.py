@@ -257,7 +257,7 @@ TRANSFORMERS_BUGS = {
 }
 
 
-ORIGINAL_JUMPS_MARKER = "jumps at this input"  # VerifyResult.failure() when the original's output jumps there
+ORIGINAL_JUMPS_MARKER = "the original's own output there moves by"  # VerifyResult.failure(): the original jumps there
 
 
 def error_class(message: str, eager: str | None, model_type: str | None = None) -> str:

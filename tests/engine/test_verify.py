@@ -389,5 +389,6 @@ def test_a_wrong_transform_of_a_model_with_ties_is_not_called_a_jump():
     with torch.no_grad():
         wrong.value.bias.add_(1e-3)
     result = normfold.verify(original, wrong, (torch.randn(2, 32, 32),), num_random=0)  # no ties: distinct rows
-    assert not result.ok and result.original_jump is not None and result.original_jump < 1e-12
+    assert not result.ok and result.original_jump is not None
+    assert result.original_jump < 10 * result.tolerance  # a continuous output moves by about the weights' move
     assert "jumps" not in result.failure()
