@@ -173,7 +173,8 @@ def load_model(model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float
     untaken = sorted(info.get("unexpected_keys") or ())
     if untaken:
         shown = ", ".join(untaken[:3]) + (f" and {len(untaken) - 3} more" if len(untaken) > 3 else "")
-        raise CheckpointError(f"{model_dir} holds {len(untaken)} tensors that {type(model).__name__} does not take "
+        counted = f"{len(untaken)} tensors" if len(untaken) > 1 else "1 tensor"
+        raise CheckpointError(f"{model_dir} holds {counted} that {type(model).__name__} does not take "
                               f"({shown}): a folder written from it would lose them; config.json's architectures "
                               "should name the class that takes them")
     return model
@@ -224,7 +225,8 @@ def _mismatched_shapes(cls: type, path: Path, config, trust_remote_code: bool) -
         return None
     shown = ", ".join(f"{name} stored {list(stored)}, model {list(built)}" for name, stored, built in wrong[:3])
     more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
-    return (f"{len(wrong)} tensors are stored in other shapes than the model config.json builds ({shown}{more}): "
+    counted = f"{len(wrong)} tensors are" if len(wrong) > 1 else "1 tensor is"
+    return (f"{counted} stored in other shapes than the model config.json builds ({shown}{more}): "
             "the config does not describe these weights")
 
 
