@@ -40,6 +40,10 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     boxes per token for document models (``bbox``), region features and positions for LXMERT;
     decoder ids for encoder-decoders and ``use_cache=False``.
 
+    Task heads get the call they are made for (:func:`_fitted_to_head`): choices for a multiple-choice head,
+    one row for a sequence classifier with no pad token, an end-of-sequence token per row where the classifier
+    pools there.
+
     Deterministic (seeded); the values are random: folding is exact for any input.
     """
     if isinstance(model_or_config, nn.Module):
@@ -47,6 +51,45 @@ def example_inputs_for(model_or_config, batch: int = EXAMPLE_BATCH, seq: int = E
     else:
         config = model_or_config
         model_class = model_class_for(config)
+    head = _task_of(model_class)
+    if head == "SEQUENCE_CLASSIFICATION" and getattr(config, "pad_token_id", None) is None:
+        batch = 1  # a decoder's classifier reads each row at its last non-pad token: without a pad token, one row
+    return _fitted_to_head(head, config, _example_call(model_or_config, config, model_class, batch, seq, seed))
+
+
+def _task_of(model_class: type) -> str | None:
+    """The task mapping of transformers that names ``model_class`` ("MULTIPLE_CHOICE", "SEQUENCE_CLASSIFICATION"),
+    among the heads whose calls differ from their backbone's; None for any other class."""
+    modeling_auto = require("transformers").models.auto.modeling_auto
+    for task in ("MULTIPLE_CHOICE", "SEQUENCE_CLASSIFICATION"):
+        names = getattr(modeling_auto, f"MODEL_FOR_{task}_MAPPING_NAMES", {}).values()
+        if any(model_class.__name__ in (name if isinstance(name, (list, tuple)) else (name,)) for name in names):
+            return task
+    return None
+
+
+def _fitted_to_head(head: str | None, config, call: dict[str, Any]) -> dict[str, Any]:
+    """``call`` as the ``head`` reads it: a multiple-choice head scores CHOICES candidates per row, each (B, T)
+    token input laid out (B, CHOICES, T) (the second choice the first rolled by one position); an
+    encoder-decoder's sequence classifier (BART, T5) pools at each row's end-of-sequence token, so each row ends
+    in one."""
+    ids = call.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        return call
+    if head == "MULTIPLE_CHOICE":
+        return {name: (torch.stack([value, value.roll(1, dims=1)], dim=1)
+                       if isinstance(value, torch.Tensor) and value.shape == ids.shape else value)
+                for name, value in call.items()}  # (B, CHOICES, T)
+    eos = getattr(config, "eos_token_id", None)
+    if head == "SEQUENCE_CLASSIFICATION" and getattr(config, "is_encoder_decoder", False) and isinstance(eos, int):
+        ids = ids.masked_fill(ids == eos, eos - 1 if eos > 0 else eos + 1)  # every row as many eos: one, the last
+        ids[:, -1] = eos
+        call = {**call, "input_ids": ids}
+    return call
+
+
+def _example_call(model_or_config, config, model_class: type, batch: int, seq: int, seed: int) -> dict[str, Any]:
+    """:func:`example_inputs_for` before the task head's fitting."""
     params = inspect.signature(model_class.forward).parameters
     gen = torch.Generator().manual_seed(seed)
     seq = _poolable_length(config, seq)
