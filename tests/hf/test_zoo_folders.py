@@ -58,6 +58,7 @@ SMALL_SIZES = {
     # widths a config derives from hidden_size when built (ViT's pooler), or that must equal the projection
     # (X-CLIP's multi-frame transformer reads the projected frame features)
     "pooler_output_size": 32, "mit_hidden_size": 32, "mit_intermediate_size": 64,
+    "pooler_hidden_size": 32,  # DeBERTa(-v2)'s classification pooler reads the hidden states: derived as 1536
     # CSM's depth decoder reads the backbone's width; Mimi's upsampling conv is depthwise (a group per channel)
     "backbone_hidden_size": 32, "upsample_groups": 32,
 }
