@@ -18,6 +18,11 @@ Each row's ``verdict``: "folded" (exit 0, a report written), "refused" (exit 1 o
     python benchmarks/cli_zoo.py --shard 1/2 --out /tmp/a & python benchmarks/cli_zoo.py --shard 2/2 --out /tmp/b
     python benchmarks/cli_zoo.py --merge /tmp/a.csv /tmp/b.csv   # one table from shards (or a rerun's rows:
                                                                  # a later file's row of a type wins)
+    python benchmarks/cli_zoo.py --heads                 # every task head of the test families' types:
+                                                         # benchmarks/results/cli_heads.{csv,md}
+
+A row's ``model_type`` may name a head, ``TYPE:CLASS`` (``bert:BertForMultipleChoice``): its folder holds that
+class built from the type's shrunk config, as a fine-tuned checkpoint's does.
 """
 from __future__ import annotations
 
@@ -84,13 +89,17 @@ def processor_for(model_type: str, config, processors) -> tuple[object | None, s
     return processor, type(processor).__name__
 
 
-def build_folder(model_type: str, folder: Path, helpers) -> tuple[str | None, str]:
-    """Save the tiny folder of ``model_type``; (why not, "") when it does not build, else (None, processor)."""
+def build_folder(entry: str, folder: Path, helpers) -> tuple[str | None, str]:
+    """Save the tiny folder of ``entry`` (a model type, or ``TYPE:CLASS``: that head class); (why not, "") when
+    it does not build, else (None, processor)."""
     zoo, processors, hf_zoo = helpers
+    model_type, _, head = entry.partition(":")
     try:
         config = zoo._config(model_type)
+        model_class = getattr(zoo.transformers, head) if head else zoo._folder_model_class(config)
+        config.architectures = [model_class.__name__]
         torch.manual_seed(0)
-        model = zoo._folder_model_class(config)(config).eval()
+        model = model_class(config).eval()
         hf_zoo.randomise_constant_parameters(model)
         model.save_pretrained(folder)  # the shrunk config is validated here
     except Exception as err:  # noqa: BLE001  a config the size rules cannot shrink consistently
@@ -109,7 +118,8 @@ def cli_row(model_type: str, root: Path, helpers) -> dict:
     from normfold.cli import main as normfold_main
 
     row = {**dict.fromkeys(COLUMNS, ""), "model_type": model_type}
-    folder, out = root / model_type, root / f"{model_type}-folded"
+    folder = root / model_type.replace(":", "-")
+    out = folder.with_name(f"{folder.name}-folded")
     start = time.monotonic()
     previous = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(SECONDS_PER_TYPE)
@@ -175,7 +185,9 @@ def write_markdown(rows: list[dict], path: Path, command: str) -> None:
     with_processor = sum(not r["processor"].startswith("none") for r in rows if r["processor"])
     bugs = sum(n for v, n in verdicts.items() if v.startswith("BUG"))
     lines = [
-        "# `normfold fold` over a tiny folder of every transformers type", "",
+        "# `normfold fold` over a tiny folder of every " + ("task head of the test families' transformers types"
+                                                          if any(":" in r["model_type"] for r in rows)
+                                                          else "transformers type"), "",
         f"command: `{command}`  ",
         f"torch {torch.__version__}, transformers {_version('transformers')}; commit {_commit()}  ",
         f"types: {len(rows)}; " + ", ".join(f"{n} {v}" for v, n in verdicts.most_common()), "",
@@ -238,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
                         "more memory than this (a 'skipped' row)")
     parser.add_argument("--seconds-per-type", type=int, default=SECONDS_PER_TYPE, help="build and fold of one "
                         "type: past this long the row is 'skipped' (a slow processor route: Mask2Former, LightGlue)")
+    parser.add_argument("--heads", action="store_true", help="every task head class of each type (default: the "
+                        "families of tests/hf/test_zoo_folders.py) instead of its bare model")
     parser.add_argument("--merge", nargs="+", metavar="CSV", help="write one table from shards' CSVs (a later "
                         "file's row of a type wins), run nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the child: JSON lines out
@@ -258,9 +272,15 @@ def main(argv: list[str] | None = None) -> int:
         assert 1 <= k <= n
     except (ValueError, AssertionError):
         parser.error(f"--shard takes K/N with 1 <= K <= N, got {args.shard!r}")
-    types = args.types or _every_type()
+    if args.heads:
+        zoo = _helpers()[0]
+        types = head_entries(args.types or zoo.MODEL_TYPES, zoo.transformers)
+        stem = stem if args.out != parser.get_default("out") else RESULTS / "cli_heads"
+    else:
+        types = args.types or _every_type()
     types = types[k - 1::n]
-    command = "python benchmarks/cli_zoo.py" + (f" --types {' '.join(args.types)}" if args.types else "")
+    command = "python benchmarks/cli_zoo.py" + (" --heads" if args.heads else "")
+    command += f" --types {' '.join(args.types)}" if args.types else ""
     command += f" --shard {args.shard}" if n > 1 else ""
     if args.seconds_per_type != parser.get_default("seconds_per_type"):
         command += f" --seconds-per-type {args.seconds_per_type}"
@@ -270,6 +290,23 @@ def main(argv: list[str] | None = None) -> int:
         print(" | ".join(str(row[c]) for c in COLUMNS), flush=True)
         _write(rows, stem, command)
     return _exit_code(rows)
+
+
+def head_entries(types: list[str], transformers) -> list[str]:
+    """``TYPE:CLASS`` for every head class a task mapping of transformers (``MODEL_FOR_*_MAPPING_NAMES``) names
+    for each of ``types``, sorted within a type."""
+    modeling_auto = transformers.models.auto.modeling_auto
+    mappings = [getattr(modeling_auto, name) for name in dir(modeling_auto)
+                if name.startswith("MODEL_FOR_") and name.endswith("_MAPPING_NAMES")]
+    entries = []
+    for model_type in types:
+        named = {name for mapping in mappings for name in _names(mapping.get(model_type))}
+        entries += [f"{model_type}:{name}" for name in sorted(named) if hasattr(transformers, name)]
+    return entries
+
+
+def _names(value) -> tuple[str, ...]:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,) if value else ()
 
 
 def _every_type() -> list[str]:

@@ -80,3 +80,14 @@ def test_settings_that_cannot_run_are_refused_before_any_type(cli_zoo, argv, sai
 ])
 def test_refusals_are_counted_by_kind_not_by_the_model_they_name(cli_zoo, line, kind):
     assert cli_zoo._refusal_kind(line) == kind
+
+
+def test_a_head_entry_folds_a_folder_of_that_head_class(cli_zoo, tmp_path):
+    """``TYPE:CLASS`` rows (``--heads``): the folder holds the head, as a fine-tuned checkpoint's does, and the
+    entries list every head class a task mapping names for the type."""
+    helpers = cli_zoo._helpers()
+    entries = cli_zoo.head_entries(["bert"], helpers[0].transformers)
+    assert {"bert:BertForMultipleChoice", "bert:BertForTokenClassification", "bert:BertForMaskedLM"} <= set(entries)
+    row = cli_zoo.cli_row("bert:BertForMultipleChoice", tmp_path, helpers)
+    assert row["verdict"] == "folded", row
+    assert not list(tmp_path.iterdir())
