@@ -7,6 +7,7 @@ prints one line each):
    bitwise: sharded model and optimizer states, every rank's random streams (dropout), gradient accumulation.
 """
 import copy
+import os
 import sys
 from pathlib import Path
 
@@ -75,5 +76,9 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     lines = [check_sharded_centering(), check_resume(Path(sys.argv[1]))]
     if dist.get_rank() == 0:
-        print("\n".join(lines))
+        print("\n".join(lines), flush=True)
     dist.destroy_process_group()
+    # Every check has run and rank 0 printed its outcome, which is what the tests read. torch's gloo threads can
+    # still abort a rank at interpreter teardown ("terminate called without an active exception", exit -6: one
+    # CI run in five on 533aa27), so leave without the teardown.
+    os._exit(0)
