@@ -77,6 +77,7 @@ if __name__ == "__main__":
     lines = [check_sharded_centering(), check_resume(Path(sys.argv[1]))]
     if dist.get_rank() == 0:
         print("\n".join(lines), flush=True)
+    dist.barrier()  # every rank done communicating before any tears its group down
     dist.destroy_process_group()
     # Every check has run and rank 0 printed its outcome, which is what the tests read. torch's gloo threads can
     # still abort a rank at interpreter teardown ("terminate called without an active exception", exit -6: one

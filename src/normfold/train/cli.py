@@ -115,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
 
     if dist.is_available() and dist.is_initialized():
         rank = dist.get_rank()
+        # every rank done communicating before any tears its group down: a rank whose peer left first aborted at
+        # exit under FSDP2 ("terminate called without an active exception", exit -6; CI of 46636d6)
+        dist.barrier()
         dist.destroy_process_group()
         if rank != 0:
             return 0
