@@ -304,7 +304,7 @@ def missed_folds(model: nn.Module, unfolded, calls: list[dict], dtype: torch.dty
     ``dtype`` (float64; float32, at the oracle's float32 tolerances, for a model that cannot run in
     float64): for each norm in ``unfolded``, does centering its producers make its input zero-mean and
     keep every output? Norms it could not judge within BRUTE_FORCE_SECONDS are listed as not judged."""
-    from centering_oracle import brute_force, call_model
+    from centering_oracle import call_model, judge_norms
 
     from normfold.engine.verify import default_dtype_of
 
@@ -313,27 +313,36 @@ def missed_folds(model: nn.Module, unfolded, calls: list[dict], dtype: torch.dty
     model64 = copy.deepcopy(model).to(dtype).eval()
     calls64 = [{k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in c.items()}
                for c in calls]
+    norms = {n.path: n for n in unfolded}
+    found, not_judged, judged = {}, {}, set()
     with default_dtype_of(model64):  # tensors its forward makes without a dtype: in float64 too
         with torch.no_grad():
             reference = [call_model(model64, c) for c in calls64]
-        recipes = centering_recipes(model64)
-        deadline, found, not_judged = time.monotonic() + BRUTE_FORCE_SECONDS, [], []
+        dims = {}
         for norm in unfolded:
-            if time.monotonic() > deadline:
-                not_judged.append(f"{norm.path} (past {BRUTE_FORCE_SECONDS:g} s)")
-                continue
             try:
                 module = model64.get_submodule(norm.path)
-                dim = 1 if getattr(module, "data_format", None) == "channels_first" else -1
-                verdict = brute_force(model64, recipes, norm.path, calls64, reference, norm_dim=dim)
-            except _TimeBox:  # the row's time box: what was found stays, the rest is not judged
-                not_judged += [f"{n.path} (time box)" for n in unfolded[unfolded.index(norm):]]
-                break
-            except Exception as err:  # noqa: BLE001  a norm the oracle cannot run on (no module at the path, ...)
-                not_judged.append(f"{norm.path} ({type(err).__name__})")
+            except AttributeError:  # a norm the engine saw inside a module path the model does not name
+                not_judged[norm.path] = f"{norm.path} (no module at the path)"
                 continue
-            if verdict.verdict == "missed":
-                found.append(f"{norm.path}: {verdict.detail} (engine: {norm.reason})")
+            dims[norm.path] = 1 if getattr(module, "data_format", None) == "channels_first" else -1
+        deadline = time.monotonic() + BRUTE_FORCE_SECONDS
+        try:  # the cheap verdicts come first (one run judges many norms), then each remaining norm on its own
+            for verdict in judge_norms(model64, centering_recipes(model64), dims, calls64, reference):
+                judged.add(verdict.path)
+                if verdict.verdict == "missed":
+                    found[verdict.path] = f"{verdict.path}: {verdict.detail} (engine: {norms[verdict.path].reason})"
+                elif verdict.verdict == "not judged":
+                    not_judged[verdict.path] = f"{verdict.path} ({verdict.detail})"
+                if time.monotonic() > deadline:
+                    break
+        except _TimeBox:  # the row's time box: what was found stays, the rest is not judged
+            not_judged.update({p: f"{p} (time box)" for p in dims if p not in judged})
+        except Exception as err:  # noqa: BLE001  a model the oracle cannot run on: its norms are not judged
+            not_judged.update({p: f"{p} ({type(err).__name__})" for p in dims if p not in judged})
+        not_judged.update({p: f"{p} (past {BRUTE_FORCE_SECONDS:g} s)" for p in dims if p not in judged and p not in not_judged})
+    found = [found[n.path] for n in unfolded if n.path in found]
+    not_judged = [not_judged[n.path] for n in unfolded if n.path in not_judged]
     judged_in = [] if dtype == torch.float64 else [f"judged in {str(dtype).removeprefix('torch.')} (the model "
                                                     "does not run in float64)"]
     text = "; ".join(judged_in + found + ([f"not judged: {', '.join(not_judged)}"] if not_judged else []))

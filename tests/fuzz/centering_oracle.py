@@ -10,6 +10,7 @@ folder on sys.path to import it (tests/fuzz/conftest.py does).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ def tolerances(dtype: torch.dtype) -> tuple[float, float]:
 class NormVerdict:
     path: str
     claimed: bool          # the engine said foldable
-    verdict: str           # "folded" | "wrong" | "confirmed" | "missed"
+    verdict: str           # "folded" | "wrong" | "confirmed" | "missed" | "not judged"
     detail: str = ""
     engine_reason: str = ""
 
@@ -99,58 +100,156 @@ class Recorder:
         self.value = inputs[0].clone()
 
 
+class _Reached(BaseException):
+    """Raised by a recording hook once every awaited input is recorded: the rest of the forward is not needed
+    (a BaseException, so that a model's own ``except Exception`` does not swallow it)."""
+
+
+class Recorders:
+    """Forward pre-hooks on the modules at ``paths``: each keeps a copy of its module's last input in a run
+    (:meth:`run`), and a run can be cut short once each awaited module has run as often as it does in a
+    whole forward (a zero-mean check reads the norm's input, not the outputs)."""
+
+    def __init__(self, model: nn.Module, paths):
+        self.values: dict[str, Tensor] = {}
+        self.calls: dict[str, int] = {}
+        self.stop_after: dict[str, int] | None = None
+        self.handles = [model.get_submodule(p).register_forward_pre_hook(functools.partial(self._record, p))
+                        for p in paths]
+
+    def _record(self, path: str, module, inputs):
+        self.values[path] = inputs[0].clone()
+        self.calls[path] = self.calls.get(path, 0) + 1
+        if self.stop_after and all(self.calls.get(p, 0) >= n for p, n in self.stop_after.items()):
+            raise _Reached
+
+    def run(self, model: nn.Module, call, values: dict[str, Tensor] | None = None,
+            stop_after: dict[str, int] | None = None):
+        """(the outputs, or None for a run cut short; {path: last input}; {path: calls}) of ``model`` on
+        ``call`` with ``values``, stopped once each module of ``stop_after`` ran that many times."""
+        self.values, self.calls, self.stop_after = {}, {}, stop_after
+        try:
+            out = call_model(model, call, values)
+        except _Reached:
+            out = None
+        finally:
+            self.stop_after = None
+        return out, self.values, self.calls
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 def brute_force(model: nn.Module, recipes: dict[str, tuple[int, int | None]], path: str, inputs: list,
                 reference: list, norm_dim: int = -1) -> NormVerdict:
-    """Is there a centering of linear-map parameters (those in ``recipes``) that makes the input of the
-    norm at ``path`` zero-mean along ``norm_dim`` and keeps every output (``reference``: the model's
-    outputs on ``inputs``)? Each name of a tied tensor is its own variable (a fold may untie). Judged in
-    the dtype of the model's parameters (:func:`tolerances`)."""
-    module = model.get_submodule(path)
+    """:func:`judge_norms` for the one norm at ``path``."""
+    return next(iter(judge_norms(model, recipes, {path: norm_dim}, inputs, reference)))
+
+
+def judge_norms(model: nn.Module, recipes: dict[str, tuple[int, int | None]], norm_dims: dict[str, int],
+                inputs: list, reference: list):
+    """For each norm (``norm_dims``: path -> the dim it normalizes), is there a centering of linear-map
+    parameters (those in ``recipes``) that makes its input zero-mean along that dim and keeps every output
+    (``reference``: the model's outputs on ``inputs``)? Each name of a tied tensor is its own variable (a
+    fold may untie). Judged in the dtype of the model's parameters (:func:`tolerances`).
+
+    Yields one :class:`NormVerdict` per norm, the cheap ones first: a norm whose input is already zero-mean
+    ("missed"), one the module never reaches on some input ("not judged"), one that stays not zero-mean
+    with every parameter it depends on centered ("confirmed": one run per input judges them all, since
+    centering a parameter the input does not depend on leaves it unchanged); then each remaining norm
+    searched on its own: the centerings it needs, and whether they keep every output (with these weights
+    and jittered ones)."""
     mean_tol, rel_tol = tolerances(next(model.parameters()).dtype)
     names = dict(model.named_parameters(remove_duplicate=False))
-    recorder = Recorder(module)
-
-    def run(values: dict[str, Tensor], call):
-        with torch.no_grad():
-            out = call_model(model, call, values)
-        return out, recorder.value
-
-    def ratio_of(values, call) -> float:
-        return mean_ratio(run(values, call)[1], norm_dim)
-
-    def keeps_outputs(weights: dict[str, Tensor], chosen: list[str], group_of: dict, expected=None) -> bool:
-        """Centering ``chosen`` in ``weights`` keeps the norm's input zero-mean and every output
-        (``expected``: the outputs with ``weights`` on ``inputs``, computed when not given)."""
-        values = {**weights, **{n: center(weights[n], *group_of[n]) for n in chosen}}
-        if any(ratio_of(values, i) > mean_tol for i in inputs):
-            return False
-        expected = expected or [run(weights, i)[0] for i in inputs]
-        return all(rel_error(r, o) <= rel_tol for i, ref in zip(inputs, expected)
-                   for r, o in zip(floating_outputs(ref), floating_outputs(run(values, i)[0])))
-
+    base = {n: p.detach() for n, p in names.items()}
+    recorders = Recorders(model, list(norm_dims))
     try:
-        base = {n: p.detach() for n, p in names.items()}
-        if max(ratio_of(base, i) for i in inputs) <= mean_tol:
-            return NormVerdict(path, False, "missed", "its input is already zero-mean on random inputs")
-        ancestors = _ancestors(model, names, inputs[0], recorder)
-        width = recorder.value.shape[norm_dim]
+        with torch.no_grad():
+            first = [recorders.run(model, call, base)[1:] for call in inputs]
+        counts = [calls for _, calls in first]  # per input: {path: how often the module runs in a whole forward}
+
+        def ratios(values: dict[str, Tensor], paths, call_index: int) -> dict[str, float]:
+            """|mean|/rms of each norm's input on one input, the run stopped once all are recorded."""
+            stop = {p: counts[call_index][p] for p in paths}
+            with torch.no_grad():
+                seen = recorders.run(model, inputs[call_index], values, stop)[1]
+            return {p: mean_ratio(seen[p], norm_dims[p]) for p in paths}
+
+        def zero_mean(values: dict[str, Tensor], paths) -> set[str]:
+            """The norms of ``paths`` whose input is zero-mean on every input under ``values``."""
+            left = set(paths)
+            for i in range(len(inputs)):
+                if left:
+                    left = {p for p, r in ratios(values, left, i).items() if r <= mean_tol}
+            return left
+
+        def outputs_of(values: dict[str, Tensor], call):
+            with torch.no_grad():
+                return recorders.run(model, call, values)[0]
+
+        def keeps_outputs(path, weights, chosen, group_of, expected=None) -> bool:
+            """Centering ``chosen`` in ``weights`` keeps the norm's input zero-mean and every output
+            (``expected``: the outputs with ``weights`` on ``inputs``, computed when not given)."""
+            values = {**weights, **{n: center(weights[n], *group_of[n]) for n in chosen}}
+            if path not in zero_mean(values, [path]):
+                return False
+            expected = expected or [outputs_of(weights, i) for i in inputs]
+            return all(rel_error(r, o) <= rel_tol for i, ref in zip(inputs, expected)
+                       for r, o in zip(floating_outputs(ref), floating_outputs(outputs_of(values, i))))
+
+        pending = []
+        for path in norm_dims:
+            if any(path not in c for c in counts):
+                yield NormVerdict(path, False, "not judged", "the module does not run on every input")
+            elif all(mean_ratio(values[path], norm_dims[path]) <= mean_tol for values, _ in first):
+                yield NormVerdict(path, False, "missed", "its input is already zero-mean on random inputs")
+            else:
+                pending.append(path)
+        ancestors = _ancestors(model, names, inputs[0], recorders, pending, counts[0])
+        widths = {p: first[0][0][p].shape[norm_dims[p]] for p in pending}
+        # the modes worth a search for each norm: centering whole outputs, or per group of the norm's width
+        # (a per-head LayerNorm over D reads a Linear's outputs in groups of D) where that differs
+        modes = {p: ["whole"] + (["norm_width"] if any(_group_for(recipes[n], base[n], "norm_width", widths[p])
+                                                        != recipes[n] for n in ancestors[p] if n in recipes) else [])
+                 for p in pending}
+        passed = {p: [] for p in pending}
         for mode in ("whole", "norm_width"):
-            chosen = [n for n in ancestors if n in recipes]
-            centered = {n: center(base[n], *_group_for(recipes[n], base[n], mode, width)) for n in chosen}
-
-            def zero_mean(selected) -> bool:
-                values = {**base, **{n: centered[n] for n in selected}}
-                return all(ratio_of(values, i) <= mean_tol for i in inputs)
-
-            if not chosen or not zero_mean(chosen):
-                continue
-            chosen = needed(chosen, zero_mean)
-            group_of = {n: _group_for(recipes[n], base[n], mode, width) for n in chosen}
-            if keeps_outputs(base, chosen, group_of, reference) and keeps_outputs(jittered(base), chosen, group_of):
-                return NormVerdict(path, False, "missed", f"centering {sorted(chosen)} ({mode}) folds it")
-        return NormVerdict(path, False, "confirmed")
+            by_width: dict[int, list[str]] = {}
+            for p in pending:
+                if mode in modes[p]:
+                    by_width.setdefault(widths[p] if mode == "norm_width" else 0, []).append(p)
+            for width, paths in by_width.items():  # one run per input for every norm of this width
+                union = {n for p in paths for n in ancestors[p] if n in recipes}
+                values = {**base, **{n: center(base[n], *_group_for(recipes[n], base[n], mode, width)) for n in union}}
+                for p in zero_mean(values, paths):
+                    passed[p].append(mode)
+        for p in pending:
+            if not passed[p]:
+                yield NormVerdict(p, False, "confirmed", "not zero-mean with every parameter it depends on centered")
+        for path in (p for p in pending if passed[p]):
+            yield _search(path, passed[path], ancestors[path], recipes, base, widths[path], zero_mean,
+                          keeps_outputs, reference)
     finally:
-        recorder.handle.remove()
+        recorders.remove()
+
+
+def _search(path, modes, ancestors, recipes, base, width, zero_mean, keeps_outputs, reference) -> NormVerdict:
+    """The per-norm search of :func:`judge_norms`: in each mode, the centerings the norm's input needs to be
+    zero-mean, and whether they keep every output with these weights and with jittered ones."""
+    for mode in modes:
+        chosen = [n for n in ancestors if n in recipes]
+        group_of = {n: _group_for(recipes[n], base[n], mode, width) for n in chosen}
+
+        def holds(selected) -> bool:
+            return path in zero_mean({**base, **{n: center(base[n], *group_of[n]) for n in selected}}, [path])
+
+        if not chosen or not holds(chosen):
+            continue
+        chosen = needed(chosen, holds)
+        if keeps_outputs(path, base, chosen, group_of, reference) and keeps_outputs(path, jittered(base), chosen, group_of):
+            return NormVerdict(path, False, "missed", f"centering {sorted(chosen)} ({mode}) folds it")
+    return NormVerdict(path, False, "confirmed")
 
 
 def jittered(weights: dict[str, Tensor], seed: int = 0) -> dict[str, Tensor]:
@@ -197,33 +296,49 @@ def _group_for(recipe: tuple[int, int | None], t: Tensor, mode: str, width: int)
     return dim, group
 
 
-def _ancestors(model: nn.Module, names: dict[str, Tensor], call, recorder: Recorder) -> list[str]:
-    """Parameter names the recorded module's input depends on (nonzero gradient of a random
-    projection of it), each tied name separately."""
+def _ancestors(model: nn.Module, names: dict[str, Tensor], call, recorders: Recorders, paths: list[str],
+               calls: dict[str, int]) -> dict[str, list[str]]:
+    """For each norm of ``paths``, the parameter names its input depends on (each tied name separately), in
+    the model's order: the leaves its autograd graph reaches, from one run (no backward pass)."""
+    if not paths:
+        return {}
     leaves = {n: p.detach().clone().requires_grad_(True) for n, p in names.items()}
     try:
         with torch.enable_grad():
-            call_model(model, call, leaves)
-            value = recorder.value
-            if value is None or not value.requires_grad:
-                return []
-            probe = torch.randn(value.shape, generator=torch.Generator().manual_seed(0), dtype=value.dtype)
-            grads = torch.autograd.grad((value * probe).sum(), list(leaves.values()), allow_unused=True)
-    except RuntimeError:  # an in-place op overwrote a value autograd saved: perturb each name instead
-        return _ancestors_by_perturbation(model, names, call, recorder)
-    return [n for n, g in zip(leaves, grads) if g is not None and g.abs().max().item() > 0]
+            seen = recorders.run(model, call, leaves, {p: calls[p] for p in paths})[1]
+    except RuntimeError:  # an in-place op on a leaf that requires grad: perturb each name instead
+        return _ancestors_by_perturbation(model, names, call, recorders, paths, calls)
+    name_of = {id(t): n for n, t in leaves.items()}
+    return {p: _leaves_reached(seen[p], name_of) for p in paths}
 
 
-def _ancestors_by_perturbation(model: nn.Module, names: dict[str, Tensor], call, recorder: Recorder) -> list[str]:
-    """Parameter names whose random perturbation changes the recorded module's input."""
+def _leaves_reached(value: Tensor, name_of: dict[int, str]) -> list[str]:
+    """The names (``name_of``: id of a leaf tensor -> name) of the leaves ``value``'s autograd graph reaches."""
+    found, visited, stack = set(), set(), [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in visited:
+            continue
+        visited.add(node)
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node: the leaf it accumulates into
+        if leaf is not None and id(leaf) in name_of:
+            found.add(name_of[id(leaf)])
+        stack.extend(fn for fn, _ in node.next_functions)
+    return [n for n in name_of.values() if n in found]
+
+
+def _ancestors_by_perturbation(model: nn.Module, names: dict[str, Tensor], call, recorders: Recorders,
+                               paths: list[str], calls: dict[str, int]) -> dict[str, list[str]]:
+    """For each norm of ``paths``, the parameter names whose random perturbation changes its input."""
     base = {n: p.detach() for n, p in names.items()}
+    stop = {p: calls[p] for p in paths}
     gen = torch.Generator().manual_seed(0)
+    found = {p: [] for p in paths}
     with torch.no_grad():
-        call_model(model, call, base)
-        reference = recorder.value.clone()
-        found = []
+        reference = recorders.run(model, call, base, stop)[1]
         for n, p in base.items():
-            call_model(model, call, {**base, n: p + torch.randn(p.shape, generator=gen, dtype=p.dtype)})
-            if not torch.equal(recorder.value, reference):
-                found.append(n)
+            seen = recorders.run(model, call, {**base, n: p + torch.randn(p.shape, generator=gen, dtype=p.dtype)}, stop)[1]
+            for path in paths:
+                if path not in seen or not torch.equal(seen[path], reference[path]):
+                    found[path].append(n)
     return found

@@ -1,0 +1,141 @@
+"""The brute-force oracle judging many norms at once (``centering_oracle.judge_norms``, what the zoo table's
+missed-fold column runs): the same verdict per norm as judging it alone, one run per input for every norm
+no centering can make zero-mean, and zero-mean checks that stop the forward once the norm's input is seen."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import centering_oracle
+from centering_oracle import Recorders, brute_force, judge_norms
+from fold_fuzz import FuzzModel, generate, make_inputs
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def runs(monkeypatch) -> list:
+    """Every forward the oracle runs (its one entry point, ``call_model``), appended as it starts."""
+    seen = []
+    original = centering_oracle.call_model
+
+    def counted(model, call, values=None):
+        seen.append(call)
+        return original(model, call, values)
+
+    monkeypatch.setattr(centering_oracle, "call_model", counted)
+    return seen
+
+
+class NormsOnAStream(nn.Module):
+    """``depth`` LayerNorms, each reading x plus a linear map of the previous norm's output: x is not
+    zero-mean and no parameter shifts it, so no centering folds any of them; the last two linear maps also
+    feed a centerable norm of their own (``side``), which centering them folds."""
+
+    def __init__(self, depth: int = 6, width: int = 8):
+        super().__init__()
+        self.maps = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.norms = nn.ModuleList(nn.LayerNorm(width) for _ in range(depth))
+        self.side = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):  # x (B, T, C)
+        h = x
+        for linear, norm in zip(self.maps, self.norms):
+            h = norm(x + linear(h))
+        return self.head(h), self.head(self.side(self.maps[-1](h)))
+
+
+def _inputs_and_reference(model, shape=(2, 5, 8)):
+    inputs = [(torch.randn(*shape, generator=torch.Generator().manual_seed(s), dtype=torch.float64),) for s in (0, 1)]
+    with torch.no_grad():
+        return inputs, [model(*i) for i in inputs]
+
+
+def _recipes(model) -> dict:
+    return {name: (0, None) for name, p in model.named_parameters() if name.startswith(("maps", "head"))}
+
+
+def test_one_run_per_input_confirms_every_norm_that_no_centering_makes_zero_mean(runs):
+    torch.manual_seed(0)
+    model = NormsOnAStream().double().eval()
+    inputs, reference = _inputs_and_reference(model)
+    paths = {f"norms.{i}": -1 for i in range(6)}
+    verdicts = list(judge_norms(model, _recipes(model), paths, inputs, reference))
+    assert [v.verdict for v in verdicts] == ["confirmed"] * 6
+    # 2 whole runs, 1 recording what each norm's input depends on, 1 with all of that centered (every norm
+    # fails on the first input: the second is not run); judged one by one, each norm took 5 runs (30 here)
+    assert len(runs) == 4
+
+
+def test_judging_norms_together_gives_each_the_verdict_it_gets_alone():
+    """The shared runs (one base run, one centering of every norm's producers at once) change no verdict:
+    on fuzz models and on a stream whose side norm is foldable, each norm's verdict and the centering it
+    names are those of judging it on its own."""
+    torch.manual_seed(0)
+    stream = NormsOnAStream().double().eval()
+    cases = [(stream, _recipes(stream), [f"norms.{i}" for i in range(6)] + ["side"], *_inputs_and_reference(stream))]
+    for seed in range(12):
+        spec = generate(seed)
+        fuzz = FuzzModel(spec).double().eval()
+        inputs = [make_inputs(spec, seed * 7919 + k + 1) for k in range(2)]
+        with torch.no_grad():
+            reference = [fuzz(*i) for i in inputs]
+        norms = [name for name, m in fuzz.named_modules() if isinstance(m, nn.LayerNorm)]
+        cases.append((fuzz, fuzz.recipes, norms, inputs, reference))
+    judged = 0
+    for model, recipes, norms, inputs, reference in cases:
+        together = {v.path: (v.verdict, v.detail) for v in
+                    judge_norms(model, recipes, dict.fromkeys(norms, -1), inputs, reference)}
+        alone = {p: (v.verdict, v.detail) for p in norms
+                 for v in [brute_force(model, recipes, p, inputs, reference)]}
+        assert together == alone, (together, alone)
+        judged += len(norms)
+    assert judged >= 20 and together  # the comparison saw norms, not empty lists
+    side = brute_force(stream, _recipes(stream), "side", *_inputs_and_reference(stream))
+    assert side.verdict == "missed" and side.detail == "centering ['maps.5.bias', 'maps.5.weight'] (whole) folds it"
+
+
+def test_a_zero_mean_check_stops_the_forward_once_the_norm_has_run():
+    torch.manual_seed(0)
+    model = NormsOnAStream().double().eval()
+    head_runs = []
+    model.head.register_forward_pre_hook(lambda module, args: head_runs.append(1))
+    recorders = Recorders(model, ["norms.1", "norms.3"])
+    try:
+        x = torch.randn(2, 5, 8, dtype=torch.float64)
+        out, values, calls = recorders.run(model, (x,), stop_after={"norms.1": 1, "norms.3": 1})
+        assert out is None and not head_runs and set(values) == {"norms.1", "norms.3"}
+        out, values, calls = recorders.run(model, (x,))
+        assert out is not None and len(head_runs) == 2 and calls == {"norms.1": 1, "norms.3": 1}
+    finally:
+        recorders.remove()
+    assert not model.norms[1]._forward_pre_hooks  # removed
+
+
+def test_a_norm_a_call_does_not_reach_is_not_judged():
+    class Skips(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(self.proj(x)) if x.shape[0] > 1 else self.proj(x)
+
+    model = Skips().double().eval()
+    inputs = [(torch.randn(2, 3, 8, dtype=torch.float64),), (torch.randn(1, 3, 8, dtype=torch.float64),)]
+    with torch.no_grad():
+        reference = [model(*i) for i in inputs]
+    (verdict,) = judge_norms(model, {"proj.weight": (0, None), "proj.bias": (0, None)}, {"norm": -1}, inputs, reference)
+    assert verdict.verdict == "not judged" and "does not run on every input" in verdict.detail
