@@ -145,7 +145,8 @@ def derive_sizes_again(config) -> None:
     is what pixel shuffle makes of a patch (``hidden_size / ratio²``); MiniMax-M3-VL's merged patch is
     ``spatial_merge_size²`` text-width features; Granite Speech 5 attends within blocks of ``context_size``
     frames whose relative distances index ``2·max_position_embeddings + 1`` embeddings (its constructor
-    checks ``context_size <= max_position_embeddings``): blocks no longer than the shrunk positions."""
+    checks ``context_size <= max_position_embeddings``): blocks no longer than the shrunk positions; X-codec's
+    codebook holds its acoustic and semantic features side by side (``codebook_dim``, their widths' sum)."""
     if isinstance(getattr(config, "qk_head_dim", None), int):
         config.qk_head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     if all(isinstance(getattr(config, name, None), int) for name in ("patch_dim", "patch_size", "num_channels")):
@@ -158,6 +159,9 @@ def derive_sizes_again(config) -> None:
     context, positions = getattr(config, "context_size", None), getattr(config, "max_position_embeddings", None)
     if isinstance(context, int) and isinstance(positions, int) and context > positions:
         config.context_size = positions  # Granite Speech 5's attention blocks: a distance is one of 2·positions + 1
+    acoustic, semantic = getattr(config, "acoustic_model_config", None), getattr(config, "semantic_model_config", None)
+    if isinstance(getattr(config, "codebook_dim", None), int) and acoustic is not None and semantic is not None:
+        config.codebook_dim = acoustic.hidden_size + semantic.hidden_size  # X-codec: 256 + the shrunk semantic width
 
 
 # fields a size rule cannot derive (they win over SMALL_SIZES): GPT-Neo lists one attention type per layer;
@@ -575,7 +579,7 @@ def test_shrunk_swin_stages_have_heads_dividing_their_widths_and_grids_holding_a
                                         "aria", "unlimited_ocr", "neomme", "sam2_hiera_det_model", "sam2",
                                         "qwen2_audio", "musicflamingo", "qwen3_asr", "speecht5", "granite_speech5_ctc",
                                         "granite_speech5_encoder", "clap", "clvp", "fastspeech2_conformer_with_hifigan",
-                                        "csm", "molmo2", "glm_image", "pi0", "seamless_m4t_v2"])
+                                        "csm", "molmo2", "glm_image", "pi0", "seamless_m4t_v2", "xcodec"])
 def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     """Were "missing input" rows of the zoo table: SegGPT's forward requires a prompt image and mask and
     stacks the prompt above the image (the pixels are half its canvas); Step3p7 builds a sliding-window
@@ -606,7 +610,7 @@ def test_models_that_failed_on_our_example_inputs_run_on_them(model_type):
     reads each row's source grid and the grid of the image it generates (no pixels for it), one placeholder per
     codebook id its VQ model (its codebook and width now shrunk to the tiny vocabulary and vision width) gives the
     source; SeamlessM4T v2 reads the call's attention mask over its speech frames (B, frames, 160): one frame per
-    text token."""
+    text token; X-codec's codebook holds its acoustic and (shrunk) semantic features side by side."""
     config = _config(model_type)
     torch.manual_seed(0)  # CLVP's forward runs its speech decoder on its random weights: some draws of them make
     model = _bare_model_class(config)(config).eval()  # ids past its speech encoder's vocabulary (CI of 6613cc2)
