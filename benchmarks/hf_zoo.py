@@ -16,7 +16,9 @@ torch.export could not capture the whole model), a FoldError's reason class (``e
 when it runs but torch.export cannot capture it, "normfold refusal" otherwise), and the missed folds
 found by brute force (``missed``, ``missed_folds``): for each LayerNorm the engine left unfolded, the
 fuzzer's oracle (tests/fuzz/centering_oracle.py) centers the parameters its input depends on and checks
-numerically, in float64, whether that makes the input zero-mean and keeps every output.
+numerically, in float64, whether that makes the input zero-mean and keeps every output. All the row's norms
+are judged together (``judge_norms``): one run per input confirms every norm that stays not zero-mean with
+all its producers centered, and only the others are searched one by one.
 
 ``--tests PATH`` (issue 33 item 5): configs and inputs from transformers' own ModelTesters, read from a
 checkout of its test suite (benchmarks/hf_testers.py; the suite is not on PyPI), for the bare model and

@@ -160,7 +160,8 @@ def judge_norms(model: nn.Module, recipes: dict[str, tuple[int, int | None]], no
     centering a parameter the input does not depend on leaves it unchanged); then each remaining norm
     searched on its own: the centerings it needs, and whether they keep every output (with these weights
     and jittered ones)."""
-    mean_tol, rel_tol = tolerances(next(model.parameters()).dtype)
+    floating = [t for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()]
+    mean_tol, rel_tol = tolerances(floating[0].dtype if floating else torch.get_default_dtype())
     names = dict(model.named_parameters(remove_duplicate=False))
     base = {n: p.detach() for n, p in names.items()}
     recorders = Recorders(model, list(norm_dims))

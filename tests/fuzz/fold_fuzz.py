@@ -8,11 +8,12 @@ with ``fold_affine=False``) and judges every LayerNorm with checks that do not u
 - claimed foldable: all outputs of the folded model equal the original's (relative error ≤ 1e-9 on
   fresh random inputs) and the RMSNorm that replaced it sees zero-mean rows (|mean|/rms ≤ 1e-9);
   otherwise a *wrong claim* (a bug);
-- refused: brute force over the LN's ancestral parameters (found by autograd, each tied name on its
+- refused: brute force over the LN's ancestral parameters (those its autograd graph reaches, each tied name on its
   own): center every linear-map parameter the LN input depends on along its output dim, greedily
   drop the ones not needed for a zero-mean LN input, and if the LN input is then zero-mean and every
   model output unchanged, a fold existed: a *missed* fold (not a bug, a gap). Otherwise *confirmed*.
-  That oracle is ``centering_oracle.brute_force``, which ``benchmarks/hf_zoo.py`` applies to real models.
+  That oracle is ``centering_oracle.judge_norms`` (all of a model's unfolded norms at once), which
+  ``benchmarks/hf_zoo.py`` applies to real models.
 
 The generator knows, for every parameter it creates, which dim is its "output feature" dim (the
 centering recipe); the checks use only that and autograd, never the engine's rules.
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from centering_oracle import MEAN_TOL, REL_TOL, NormVerdict, Recorder, brute_force, mean_ratio, rel_error
+from centering_oracle import MEAN_TOL, REL_TOL, NormVerdict, Recorder, brute_force, judge_norms, mean_ratio, rel_error
 
 BATCH, TIME = 2, 4            # T = 4 lets a Conv2d see the sequence as a 2×2 image
 VOCAB = 10                    # token ids in [0, 10); also the width of a tied lm-head output
@@ -421,13 +422,12 @@ def check_spec(spec: Spec) -> SeedResult:
         result.status = "wrong"
         result.detail = (f"normfold.verify says ok={engine_verdict.ok} (max rel {engine_verdict.max_rel_error:.2e}) "
                          f"but the independent check measured {result.max_rel_error:.2e}")
-    for entry in report.norms:
-        if entry.kind != "LayerNorm":
-            continue
-        if entry.foldable:
-            verdict = _judge_claim(folded, entry.path, inputs, outputs_equal, result.max_rel_error)
-        else:
-            verdict = _brute_force(model, entry.path, inputs, reference)
+    layer_norms = [entry for entry in report.norms if entry.kind == "LayerNorm"]
+    unfolded = dict.fromkeys((entry.path for entry in layer_norms if not entry.foldable), -1)
+    refused = {v.path: v for v in judge_norms(model, model.recipes, unfolded, inputs, reference)} if unfolded else {}
+    for entry in layer_norms:
+        verdict = (_judge_claim(folded, entry.path, inputs, outputs_equal, result.max_rel_error) if entry.foldable
+                   else refused[entry.path])
         verdict.engine_reason = entry.reason
         result.norms.append(verdict)
     if not outputs_equal and not any(n.verdict == "wrong" for n in result.norms):

@@ -139,3 +139,12 @@ def test_a_norm_a_call_does_not_reach_is_not_judged():
         reference = [model(*i) for i in inputs]
     (verdict,) = judge_norms(model, {"proj.weight": (0, None), "proj.bias": (0, None)}, {"norm": -1}, inputs, reference)
     assert verdict.verdict == "not judged" and "does not run on every input" in verdict.detail
+
+
+def test_a_model_without_parameters_is_judged_in_the_default_dtype():
+    """No parameter to center (a norm without γ/β right on the input): confirmed, where the dtype lookup used to
+    raise StopIteration (the all-at-once oracle in make fuzz, seed 115)."""
+    model = nn.Sequential(nn.LayerNorm(8, elementwise_affine=False)).double().eval()
+    inputs, reference = _inputs_and_reference(model)
+    (verdict,) = judge_norms(model, {}, {"0": -1}, inputs, reference)
+    assert verdict.verdict == "confirmed"
