@@ -3,7 +3,6 @@ missed-fold column runs): the same verdict per norm as judging it alone, one run
 no centering can make zero-mean, and zero-mean checks that stop the forward once the norm's input is seen."""
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -12,16 +11,6 @@ from torch import nn
 import centering_oracle
 from centering_oracle import Recorders, brute_force, judge_norms
 from fold_fuzz import FuzzModel, generate, make_inputs
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture

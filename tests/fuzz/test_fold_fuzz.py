@@ -5,7 +5,6 @@ checker itself is pinned down on hand-made models where the right verdict is kno
 """
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -18,17 +17,6 @@ from fold_fuzz import (BATCH, TIME, Block, FuzzModel, Spec, _aliases_input, _bru
 
 SEEDS_PER_CHUNK = 10
 CHUNKS = 4  # 40 models: about 15-40 s on a busy 2-core CPU
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny float64 models: torch's thread pool only adds contention (100x slower on a busy CPU)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-    torch.set_num_threads(threads)
 
 
 def _describe_failure(result) -> str:
