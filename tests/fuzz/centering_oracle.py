@@ -26,6 +26,8 @@ JITTER = 0.02                 # std of the noise added to every parameter for th
 # input only nearly zero-mean passes too: Kosmos-2's inner attention norms with V centered over all heads, under
 # near-uniform attention in every head of a tiny random model, were "missed" in float32 and refuted in float64
 FLOAT32_TOL = 1e-4
+DISCRETE_ONLY = ("the centered parameters reach no output through differentiable ops (a discrete step, argmax or "
+                 "sampling, between): unchanged outputs prove nothing")
 
 
 def tolerances(dtype: torch.dtype) -> tuple[float, float]:
@@ -228,16 +230,22 @@ def judge_norms(model: nn.Module, recipes: dict[str, tuple[int, int | None]], no
         for p in pending:
             if not passed[p]:
                 yield NormVerdict(p, False, "confirmed", "not zero-mean with every parameter it depends on centered")
-        for path in (p for p in pending if passed[p]):
+        searched = [p for p in pending if passed[p]]
+        reaching = _reaching_outputs(model, names, inputs[0], recorders) if searched else set()
+        for path in searched:
             yield _search(path, passed[path], ancestors[path], recipes, base, widths[path], zero_mean,
-                          keeps_outputs, reference)
+                          keeps_outputs, reference, reaching)
     finally:
         recorders.remove()
 
 
-def _search(path, modes, ancestors, recipes, base, width, zero_mean, keeps_outputs, reference) -> NormVerdict:
+def _search(path, modes, ancestors, recipes, base, width, zero_mean, keeps_outputs, reference,
+            reaching: set[str]) -> NormVerdict:
     """The per-norm search of :func:`judge_norms`: in each mode, the centerings the norm's input needs to be
-    zero-mean, and whether they keep every output with these weights and with jittered ones."""
+    zero-mean, and whether they keep every output with these weights and with jittered ones. Outputs that no
+    centered parameter reaches through differentiable ops (``reaching``: the names that do) stay the same
+    whatever the centering does upstream of a discrete step (CLVP's speech decoder: only the ids it picks by
+    argmax reach the outputs), so keeping them proves nothing: such a norm is "not judged"."""
     for mode in modes:
         chosen = [n for n in ancestors if n in recipes]
         group_of = {n: _group_for(recipes[n], base[n], mode, width) for n in chosen}
@@ -247,8 +255,12 @@ def _search(path, modes, ancestors, recipes, base, width, zero_mean, keeps_outpu
 
         if not chosen or not holds(chosen):
             continue
+        if not any(n in reaching for n in chosen):
+            return NormVerdict(path, False, "not judged", DISCRETE_ONLY)
         chosen = needed(chosen, holds)
         if keeps_outputs(path, base, chosen, group_of, reference) and keeps_outputs(path, jittered(base), chosen, group_of):
+            if any(n not in reaching for n in chosen):
+                return NormVerdict(path, False, "not judged", DISCRETE_ONLY)
             return NormVerdict(path, False, "missed", f"centering {sorted(chosen)} ({mode}) folds it")
     return NormVerdict(path, False, "confirmed")
 
@@ -311,6 +323,19 @@ def _ancestors(model: nn.Module, names: dict[str, Tensor], call, recorders: Reco
         return _ancestors_by_perturbation(model, names, call, recorders, paths, calls)
     name_of = {id(t): n for n, t in leaves.items()}
     return {p: _leaves_reached(seen[p], name_of) for p in paths}
+
+
+def _reaching_outputs(model: nn.Module, names: dict[str, Tensor], call, recorders: Recorders) -> set[str]:
+    """The parameter names the model's floating outputs reach through differentiable ops (every name where one
+    grad-enabled run raises: an in-place op on a leaf, as :func:`_ancestors` falls back)."""
+    leaves = {n: p.detach().clone().requires_grad_(True) for n, p in names.items()}
+    try:
+        with torch.enable_grad():
+            out = recorders.run(model, call, leaves)[0]
+    except RuntimeError:
+        return set(names)
+    name_of = {id(t): n for n, t in leaves.items()}
+    return {n for t in floating_outputs(out) if t.requires_grad for n in _leaves_reached(t, name_of)}
 
 
 def _leaves_reached(value: Tensor, name_of: dict[int, str]) -> list[str]:

@@ -137,3 +137,27 @@ def test_a_model_without_parameters_is_judged_in_the_default_dtype():
     inputs, reference = _inputs_and_reference(model)
     (verdict,) = judge_norms(model, {}, {"0": -1}, inputs, reference)
     assert verdict.verdict == "confirmed"
+
+
+class ArgmaxBetween(nn.Module):
+    """A norm whose producer reaches the outputs only through an argmax (CLVP's speech decoder: only the ids it
+    picks reach its outputs): centering the producer keeps every output whatever it does to the states."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm, self.table = nn.Linear(8, 8), nn.LayerNorm(8), nn.Embedding(8, 4)
+
+    def forward(self, x):  # x (B, T, 8)
+        h = self.proj(x)
+        return self.table(h.argmax(-1)), self.table(self.norm(h).argmax(-1))  # (B, T, 4) twice
+
+
+def test_outputs_reached_only_through_a_discrete_step_judge_nothing():
+    """Centering proj keeps both outputs (an argmax ignores a shift shared by a row), so the oracle used to call
+    the norm a missed fold (CLVP's speech decoder: 5 such norms). No centered parameter reaches an output
+    through differentiable ops, so the unchanged outputs prove nothing: not judged, and said why."""
+    torch.manual_seed(0)
+    model = ArgmaxBetween().double().eval()
+    inputs, reference = _inputs_and_reference(model)
+    (verdict,) = judge_norms(model, {"proj.weight": (0, None), "proj.bias": (0, None)}, {"norm": -1}, inputs, reference)
+    assert verdict.verdict == "not judged" and "differentiable" in verdict.detail
