@@ -549,7 +549,7 @@ def write_markdown(rows: list[dict], path: Path, command: str, not_reached: list
         f"{sum(r['capture'].startswith('submodules') for r in rows)} rows. Missed folds by brute force "
         f"(tests/fuzz/centering_oracle.py on each norm left unfolded): {sum(_count(r['missed']) for r in rows)} "
         f"in {sum(_count(r['missed']) > 0 for r in rows)} rows (judged in float64, or in float32 where the "
-        f"model runs only there); unfolded norms not judged (time box, no module at the path): {sum(_count(r['not_judged']) for r in rows)}.", "",
+        f"model runs only there); unfolded norms not judged (time box, no module at the path, outputs reached only through a discrete step): {sum(_count(r['not_judged']) for r in rows)}.", "",
     ]
     columns = columns_of(rows)
     if "folded_before" in columns:
