@@ -198,8 +198,11 @@ def judge_norms(model: nn.Module, recipes: dict[str, tuple[int, int | None]], no
             if path not in zero_mean(values, [path]):
                 return False
             expected = expected or [outputs_of(weights, i) for i in inputs]
-            return all(rel_error(r, o) <= rel_tol for i, ref in zip(inputs, expected)
-                       for r, o in zip(floating_outputs(ref), floating_outputs(outputs_of(values, i))))
+            for call, ref in zip(inputs, expected):
+                ref, out = floating_outputs(ref), floating_outputs(outputs_of(values, call))
+                if len(ref) != len(out) or any(rel_error(r, o) > rel_tol for r, o in zip(ref, out)):
+                    return False
+            return True
 
         pending = []
         for path in norm_dims:
@@ -315,32 +318,40 @@ def _ancestors(model: nn.Module, names: dict[str, Tensor], call, recorders: Reco
     the model's order: the leaves its autograd graph reaches, from one run (no backward pass)."""
     if not paths:
         return {}
-    leaves = {n: p.detach().clone().requires_grad_(True) for n, p in names.items()}
-    try:
-        with torch.enable_grad():
-            seen = recorders.run(model, call, leaves, {p: calls[p] for p in paths})[1]
-    except RuntimeError:  # an in-place op on a leaf that requires grad: perturb each name instead
+    run = _graph_run(model, names, call, recorders, {p: calls[p] for p in paths})
+    if run is None:
         return _ancestors_by_perturbation(model, names, call, recorders, paths, calls)
-    name_of = {id(t): n for n, t in leaves.items()}
-    return {p: _leaves_reached(seen[p], name_of) for p in paths}
+    _, seen, name_of = run
+    return {p: _leaves_reached([seen[p]], name_of) for p in paths}
 
 
 def _reaching_outputs(model: nn.Module, names: dict[str, Tensor], call, recorders: Recorders) -> set[str]:
-    """The parameter names the model's floating outputs reach through differentiable ops (every name where one
-    grad-enabled run raises: an in-place op on a leaf, as :func:`_ancestors` falls back)."""
+    """The parameter names the model's floating outputs reach through differentiable ops (every name where the
+    grad-enabled run raises, as :func:`_ancestors` falls back)."""
+    run = _graph_run(model, names, call, recorders)
+    if run is None:
+        return set(names)
+    out, _, name_of = run
+    return set(_leaves_reached([t for t in floating_outputs(out) if t.requires_grad], name_of))
+
+
+def _graph_run(model: nn.Module, names: dict[str, Tensor], call, recorders: Recorders,
+               stop_after: dict[str, int] | None = None):
+    """One grad-enabled run with each parameter name a leaf of its own: (outputs, recorded inputs, id of a
+    leaf -> its name), or None where the run raises (an in-place op on a leaf that requires grad)."""
     leaves = {n: p.detach().clone().requires_grad_(True) for n, p in names.items()}
     try:
         with torch.enable_grad():
-            out = recorders.run(model, call, leaves)[0]
+            out, seen, _ = recorders.run(model, call, leaves, stop_after)
     except RuntimeError:
-        return set(names)
-    name_of = {id(t): n for n, t in leaves.items()}
-    return {n for t in floating_outputs(out) if t.requires_grad for n in _leaves_reached(t, name_of)}
+        return None
+    return out, seen, {id(t): n for n, t in leaves.items()}
 
 
-def _leaves_reached(value: Tensor, name_of: dict[int, str]) -> list[str]:
-    """The names (``name_of``: id of a leaf tensor -> name) of the leaves ``value``'s autograd graph reaches."""
-    found, visited, stack = set(), set(), [value.grad_fn]
+def _leaves_reached(values: list[Tensor], name_of: dict[int, str]) -> list[str]:
+    """The names (``name_of``: id of a leaf tensor -> name) of the leaves the autograd graphs of ``values``
+    reach, in ``name_of``'s order (one walk over the shared graph)."""
+    found, visited, stack = set(), set(), [v.grad_fn for v in values]
     while stack:
         node = stack.pop()
         if node is None or node in visited:
