@@ -7,7 +7,9 @@ checkout lacks. It is parsed (``ast``) and only its module-level imports, consta
 non-test classes are run, one statement at a time (a statement that fails is left out), in a namespace
 that holds transformers' classes and normfold's own small equivalents of the suite's helpers
 (``ids_tensor``, ``floats_tensor``, ``random_attention_mask``). A base tester another file of the suite
-defines (``from ...causal_lm_tester import CausalLMModelTester``) is loaded from the checkout the same way.
+defines (``from ...causal_lm_tester import CausalLMModelTester``) is loaded from the checkout the same way;
+names imported from ``transformers.testing_utils`` are the literal constants of the checkout's own
+``src/transformers/testing_utils.py`` (the testers' defaults) or else pass-through decorators.
 The tester is made with a stub ``unittest.TestCase`` as its parent.
 
     config, inputs, tester = tester_inputs("llava_next", Path("/tmp/transformers-tests"), seed=0)
@@ -15,6 +17,8 @@ The tester is made with a stub ``unittest.TestCase`` as its parent.
 from __future__ import annotations
 
 import ast
+import contextlib
+import functools
 import unittest
 from pathlib import Path
 
@@ -92,14 +96,31 @@ def load_namespace(path: Path, root: Path) -> dict:
         if isinstance(statement, ast.ClassDef) and _is_test_case(statement):
             continue
         if isinstance(statement, ast.ImportFrom) and (statement.module or "").startswith("transformers.testing_utils"):
-            for alias in statement.names:  # the suite's decorators (require_torch, slow, ...): pass-through
-                namespace.setdefault(alias.asname or alias.name, _pass_through)
+            constants = testing_utils_constants(Path(root))
+            for alias in statement.names:  # its constants as the checkout wrote them; decorators pass through
+                namespace.setdefault(alias.asname or alias.name, constants.get(alias.name, _pass_through))
             continue
         try:
             exec(compile(ast.Module([statement], []), str(path), "exec"), namespace)  # noqa: S102  the suite's own file
         except Exception:  # noqa: BLE001, S110  a statement the partial checkout cannot run is left out
             pass
     return namespace
+
+
+@functools.lru_cache(maxsize=4)  # read once per checkout, not once per import statement
+def testing_utils_constants(root: Path) -> dict:
+    """The literal module-level constants of the checkout's ``src/transformers/testing_utils.py`` (the
+    testers' defaults, ``_TEXT_MODEL_TESTER_DEFAULTS``, ``_COMMON_MODEL_NAMES_MAP``: they change with the
+    suite, so the installed transformers' copy may lack them); empty without that file."""
+    path = Path(root) / "src" / "transformers" / "testing_utils.py"
+    if not path.is_file():
+        return {}
+    constants = {}
+    for statement in _top_statements(ast.parse(path.read_text(), filename=str(path)).body):
+        if isinstance(statement, ast.Assign) and len(statement.targets) == 1 and isinstance(statement.targets[0], ast.Name):
+            with contextlib.suppress(ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                constants[statement.targets[0].id] = ast.literal_eval(statement.value)
+    return constants
 
 
 def _top_statements(body: list) -> list:

@@ -115,6 +115,31 @@ class OPTModelTester:
 '''
 
 
+# a tester whose defaults are a constant of the checkout's own testing_utils (as CausalLMModelTester reads
+# _TEXT_MODEL_TESTER_DEFAULTS there), absent from the installed transformers' copy
+TESTING_UTILS = '''
+import os
+
+_TINY_GPT2_DEFAULTS = {"n_embd": 16, "n_layer": 1, "n_head": 2}
+_NOT_A_LITERAL = os.getcwd()
+'''
+GPT_NEO_TESTS = '''
+from transformers import GPT2Config
+from transformers.testing_utils import _TINY_GPT2_DEFAULTS, require_torch
+
+from ...test_modeling_common import ids_tensor
+
+
+@require_torch
+class GPTNeoModelTester:
+    def __init__(self, parent):
+        self.parent = parent
+
+    def prepare_config_and_inputs_for_common(self):
+        return GPT2Config(**_TINY_GPT2_DEFAULTS), {"input_ids": ids_tensor([2, 5], 50)}
+'''
+
+
 def _load(name: str, path: Path):
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
@@ -251,3 +276,19 @@ def test_the_centering_recipes_name_each_parameters_output_dim(hf_zoo):
     recipes = hf_zoo.centering_recipes(model)
     assert recipes == {"0.weight": (1, None), "1.weight": (0, None), "1.bias": (0, None), "2.weight": (0, 3),
                        "2.bias": (0, 3)}  # the norm's own γ/β are no linear map
+
+
+def test_the_checkouts_own_testing_utils_constants_reach_its_testers(hf_zoo, checkout):
+    testers = hf_zoo._testers_module()
+    (checkout / "src" / "transformers").mkdir(parents=True)
+    (checkout / "src" / "transformers" / "testing_utils.py").write_text(textwrap.dedent(TESTING_UTILS))
+    path = checkout / "tests" / "models" / "gpt_neo" / "test_modeling_gpt_neo.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(textwrap.dedent(GPT_NEO_TESTS))
+    namespace = testers.load_namespace(path, checkout)
+    assert namespace["_TINY_GPT2_DEFAULTS"] == {"n_embd": 16, "n_layer": 1, "n_head": 2}  # the literal, read from source
+    assert namespace["require_torch"] is testers._pass_through  # a decorator still passes through
+    assert "_NOT_A_LITERAL" not in testers.testing_utils_constants(checkout)  # nothing of that file is run
+    tester = namespace["GPTNeoModelTester"](testers._Parent())
+    config, inputs = tester.prepare_config_and_inputs_for_common()
+    assert (config.n_embd, config.n_layer) == (16, 1) and inputs["input_ids"].shape == (2, 5)
