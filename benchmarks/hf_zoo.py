@@ -43,6 +43,7 @@ import csv
 import importlib.util
 import inspect
 import json
+import os
 import platform
 import re
 import signal
@@ -593,7 +594,8 @@ def isolated_tester_rows(model_type: str, root: Path, max_rss_gb: float) -> list
     resident memory passes ``max_rss_gb`` (one "skipped" row saying so) or it runs past two time boxes."""
     command = [sys.executable, __file__, "--tests", str(root), "--rows-of", model_type,
                "--brute-force-seconds", str(BRUTE_FORCE_SECONDS)]
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # a tester that reaches for the hub (RepViT's timm config) fails at once
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     limit_s, start, peak = int(2 * (SECONDS_PER_TYPE + BRUTE_FORCE_SECONDS) + 120), time.monotonic(), 0.0
     why = None
     while child.poll() is None:

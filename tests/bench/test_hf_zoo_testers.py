@@ -127,16 +127,17 @@ GPT_NEO_TESTS = '''
 from transformers import GPT2Config
 from transformers.testing_utils import _TINY_GPT2_DEFAULTS, require_torch
 
-from ...test_modeling_common import ids_tensor
+from ...test_modeling_common import ModelTesterMixin, global_rng, ids_tensor
 
 
 @require_torch
-class GPTNeoModelTester:
+class GPTNeoModelTester(ModelTesterMixin):  # a tester may subclass the suite's mixin (PvtV2ModelTester does)
     def __init__(self, parent):
         self.parent = parent
 
     def prepare_config_and_inputs_for_common(self):
-        return GPT2Config(**_TINY_GPT2_DEFAULTS), {"input_ids": ids_tensor([2, 5], 50)}
+        length = global_rng.randint(5, 5)  # the suite's module-level random.Random
+        return GPT2Config(**_TINY_GPT2_DEFAULTS), {"input_ids": ids_tensor([2, length], 50)}
 '''
 
 
@@ -278,7 +279,7 @@ def test_the_centering_recipes_name_each_parameters_output_dim(hf_zoo):
                        "2.bias": (0, 3)}  # the norm's own γ/β are no linear map
 
 
-def test_the_checkouts_own_testing_utils_constants_reach_its_testers(hf_zoo, checkout):
+def test_the_checkouts_own_testing_utils_constants_and_the_suites_mixins_and_rng_reach_its_testers(hf_zoo, checkout):
     testers = hf_zoo._testers_module()
     (checkout / "src" / "transformers").mkdir(parents=True)
     (checkout / "src" / "transformers" / "testing_utils.py").write_text(textwrap.dedent(TESTING_UTILS))
