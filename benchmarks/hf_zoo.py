@@ -542,7 +542,9 @@ def write_markdown(rows: list[dict], path: Path, command: str, not_reached: list
         f"command: `{command}`  ",
         f"machine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads; "
         f"torch {torch.__version__}, transformers {_version('transformers')}; commit {_commit()}  ",
-        f"types: {len(rows)} tried; " + ", ".join(f"{n} {s}" for s, n in statuses.most_common()), "",
+        f"rows: {len(rows)}; " + ", ".join(f"{n} {s}" for s, n in statuses.most_common()) + "  ",
+        f"model types: {len({r['model_type'] for r in rows})}; proved in at least one row: "
+        f"{len({r['model_type'] for r in rows if r['status'] == 'proved'})}", "",
         f"With a LayerNorm: {len(tried)}; norms {sum(int(r['norms'] or 0) for r in tried)}, folded "
         f"{sum(int(r['folded'] or 0) for r in tried)}; wrong claims {statuses['WRONG']}; exceptions other than "
         f"FoldError {statuses['EXCEPTION']}.", "",
@@ -617,6 +619,41 @@ def isolated_tester_rows(model_type: str, root: Path, max_rss_gb: float) -> list
     return [row]
 
 
+def _shard(text: str) -> tuple[int, int]:
+    """``--shard I/N``: (I, N) with 0 <= I < N."""
+    try:
+        index, count = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N such as 0/2, got {text!r}") from None
+    if not 0 <= index < count:
+        raise argparse.ArgumentTypeError(f"expected 0 <= I < N, got {text!r}")
+    return index, count
+
+
+def merge_tables(paths: list[Path], stem: Path, order: list[str]) -> list[dict]:
+    """The rows of several tables (shards of one run) as one table at ``stem`` (.csv and .md), ordered as
+    ``order`` lists their types (a type not listed last), each shard's command recorded from its .md."""
+    rows, commands = [], []
+    for path in paths:
+        with open(path, newline="") as handle:
+            rows += list(csv.DictReader(handle))
+        markdown = path.with_suffix(".md")
+        if markdown.is_file():
+            commands += [line.split("`")[1] for line in markdown.read_text().splitlines() if line.startswith("command: `")]
+    if not rows:
+        raise ValueError(f"expected rows in {', '.join(map(str, paths))}, got none")
+    position = {t: i for i, t in enumerate(order)}
+    rows.sort(key=lambda r: position.get(r["model_type"], len(order)))  # stable: a type's own rows keep their order
+    columns = [c for c in columns_of(rows) if c in rows[0]]
+    with open(stem.with_suffix(".csv"), "w", newline="") as handle:
+        writer = csv.DictWriter(handle, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    merged = f"python benchmarks/hf_zoo.py --merge {' '.join(map(str, paths))}"
+    write_markdown(rows, stem.with_suffix(".md"), merged + ("`; shards: `" + "`; `".join(commands) if commands else ""))
+    return rows
+
+
 def _rss_gb(pid: int) -> float:
     """The resident memory of process ``pid`` in GB (0 when it is gone)."""
     try:
@@ -644,6 +681,10 @@ def main(argv: list[str] | None = None) -> int:
                         "holds more memory than this (a 'skipped' row)")
     parser.add_argument("--brute-force-seconds", type=float, default=BRUTE_FORCE_SECONDS, help="the missed-fold "
                         "brute force of one row judges no new norm after this long (the rest: not judged)")
+    parser.add_argument("--shard", metavar="I/N", type=_shard, help="every N-th type from the I-th (0-based): run "
+                        "N shards at once on N cores, then --merge their tables")
+    parser.add_argument("--merge", metavar="CSV", nargs="+", help="one table (--out) of these tables' rows, in the "
+                        "order of the type list, their commands recorded; nothing is run")
     parser.add_argument("--rows-of", metavar="TYPE", help=argparse.SUPPRESS)  # the child process of --tests
     args = parser.parse_args(argv)
     if args.brute_force_seconds <= 0:
@@ -657,6 +698,9 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore")
     zoo = _zoo_helpers()
     zoo.transformers.logging.set_verbosity_error()
+    if args.merge:
+        merge_tables([Path(p) for p in args.merge], Path(args.out), model_types(zoo, args.types))
+        return 0
     if args.rows_of:
         print(json.dumps(tester_rows(args.rows_of, args.tests, zoo, _testers_module())), flush=True)
         return 0
@@ -674,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
         types = list(dict.fromkeys([*reached_types(before), *(args.types or [])]))
     else:
         types = model_types(zoo, args.types)
+    if args.shard is not None:
+        types = types[args.shard[0]::args.shard[1]]
+        command += f" --shard {args.shard[0]}/{args.shard[1]}"
     rows, start = [], time.monotonic()
     columns = columns_of([{"folded_before": ""}] if before is not None else [])
     with open(stem.with_suffix(".csv"), "w", newline="") as handle:

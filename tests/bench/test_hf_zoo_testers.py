@@ -293,3 +293,34 @@ def test_the_checkouts_own_testing_utils_constants_and_the_suites_mixins_and_rng
     tester = namespace["GPTNeoModelTester"](testers._Parent())
     config, inputs = tester.prepare_config_and_inputs_for_common()
     assert (config.n_embd, config.n_layer) == (16, 1) and inputs["input_ids"].shape == (2, 5)
+
+
+def test_shards_split_the_type_list_and_merge_back_in_its_order(hf_zoo, checkout, tmp_path):
+    stems = [tmp_path / f"shard{i}" for i in range(2)]
+    for i, stem in enumerate(stems):
+        assert hf_zoo.main(["--tests", str(checkout), "--types", "opt", "vit", "gpt_neo", "--shard", f"{i}/2",
+                            "--out", str(stem)]) == 0
+    shard_types = [[r["model_type"] for r in csv.DictReader(open(s.with_suffix(".csv"), newline=""))] for s in stems]
+    assert shard_types == [["opt", "gpt_neo"], ["vit"]]  # every second type, from the first and the second
+    merged = tmp_path / "merged"
+    assert hf_zoo.main(["--merge", *(str(s.with_suffix(".csv")) for s in reversed(stems)), "--types", "opt", "vit",
+                        "gpt_neo", "--out", str(merged)]) == 0
+    with open(merged.with_suffix(".csv"), newline="") as handle:
+        assert [r["model_type"] for r in csv.DictReader(handle)] == ["opt", "vit", "gpt_neo"]  # the list's order
+    table = merged.with_suffix(".md").read_text()
+    assert "model types: 3; proved in at least one row: 0" in table
+    assert table.count("--shard") == 2  # each shard's command recorded
+
+
+@pytest.mark.parametrize("shard", ["2/2", "1", "a/b", "-1/2"])
+def test_a_shard_outside_the_list_is_refused(hf_zoo, shard, capsys):
+    with pytest.raises(SystemExit):
+        hf_zoo.main(["--types", "bert", "--shard", shard])
+    assert "--shard" in capsys.readouterr().err
+
+
+def test_merging_tables_without_rows_is_refused(hf_zoo, tmp_path):
+    empty = tmp_path / "empty.csv"
+    empty.write_text("model_type,status\n")
+    with pytest.raises(ValueError, match="expected rows"):
+        hf_zoo.merge_tables([empty], tmp_path / "out", ["bert"])
