@@ -384,9 +384,11 @@ HEAD_MAPPINGS = ("CAUSAL_LM", "IMAGE_TEXT_TO_TEXT", "MULTIMODAL_LM", "SEQ_TO_SEQ
                  "VIDEO_CLASSIFICATION", "TEXT_TO_WAVEFORM", "TEXT_TO_SPECTROGRAM", "OBJECT_DETECTION")
 
 
-def model_classes(config, zoo) -> list[type]:
+def model_classes(config, zoo, inputs: dict | None = None) -> list[type]:
     """The bare model class of ``config`` (AutoModel's) and its main head class: the first class a task
-    mapping of HEAD_MAPPINGS lists for the type, then of any other mapping; each once."""
+    mapping of HEAD_MAPPINGS lists for the type, then of any other mapping; with ``inputs`` (a tester's,
+    made for the bare model), the first such class whose forward names every one of them when one does
+    (WhisperForCausalLM names no input_features: Whisper's head is WhisperForConditionalGeneration); each once."""
     from transformers.models.auto import modeling_auto  # not at the top: transformers is optional
 
     classes = []
@@ -396,14 +398,17 @@ def model_classes(config, zoo) -> list[type]:
         pass
     others = sorted(n[len("MODEL_FOR_"):-len("_MAPPING_NAMES")] for n in dir(modeling_auto)
                     if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING_NAMES"))
+    heads = []
     for task in [*HEAD_MAPPINGS, *(t for t in others if t not in HEAD_MAPPINGS)]:
         name = getattr(modeling_auto, f"MODEL_FOR_{task}_MAPPING_NAMES", {}).get(config.model_type)
         name = name[0] if isinstance(name, (list, tuple)) else name
         head = getattr(zoo.transformers, name, None) if name else None
         if head is not None:
-            if head not in classes:
-                classes.append(head)
-            break
+            heads.append(head)
+    fitting = [h for h in heads if inputs is not None and set(inputs) <= set(inspect.signature(h.forward).parameters)]
+    head = (fitting or heads or [None])[0]
+    if head is not None and head not in classes:
+        classes.append(head)
     return classes
 
 
@@ -419,7 +424,7 @@ def tester_rows(model_type: str, root: Path, zoo, testers) -> list[dict]:
     except Exception as err:  # noqa: BLE001  TesterError, or the suite's code failing on this checkout
         return [{**row, "status": "no tester", "detail": f"{type(err).__name__}: {_line(err)}"}]
     rows = []
-    for cls in model_classes(config, zoo):
+    for cls in model_classes(config, zoo, example):
         rows.append({**row, "model_class": cls.__name__, "detail": tester})
         with _time_box(rows[-1]):
             try:

@@ -63,7 +63,7 @@ class BertModelTester:
         config, input_ids, token_type_ids, input_mask, labels = self.prepare_config_and_inputs()
         self.parent.assertEqual(input_ids.device.type, torch_device)
         return config, {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": input_mask,
-                        "labels": labels}
+                        "labels": labels, "return_loss": True}
 
 
 @require_torch
@@ -174,7 +174,7 @@ def test_a_tester_is_loaded_without_the_suite_and_gives_valid_inputs_without_lab
     testers = hf_zoo._testers_module()
     config, inputs, tester = testers.tester_inputs("bert", checkout, seed=0)
     assert tester == "BertModelTester" and config.model_type == "bert" and config.hidden_size == 16
-    assert set(inputs) == {"input_ids", "token_type_ids", "attention_mask"}  # labels left out
+    assert set(inputs) == {"input_ids", "token_type_ids", "attention_mask"}  # labels and return_loss left out
     assert inputs["input_ids"].shape == (3, 6) and 0 <= int(inputs["input_ids"].min()) <= int(inputs["input_ids"].max()) < 50
     mask = inputs["attention_mask"]
     assert set(mask.unique().tolist()) <= {0, 1} and bool((mask[:, -1] == 1).all())  # no row masked out
@@ -324,3 +324,12 @@ def test_merging_tables_without_rows_is_refused(hf_zoo, tmp_path):
     empty.write_text("model_type,status\n")
     with pytest.raises(ValueError, match="expected rows"):
         hf_zoo.merge_tables([empty], tmp_path / "out", ["bert"])
+
+
+def test_the_main_head_is_the_first_whose_forward_takes_every_tester_input(hf_zoo, zoo):
+    from transformers import WhisperConfig
+
+    inputs = {"input_features": torch.zeros(1, 80, 60), "decoder_input_ids": torch.zeros(1, 1, dtype=torch.long)}
+    names = [cls.__name__ for cls in hf_zoo.model_classes(WhisperConfig(), zoo, inputs)]
+    assert names == ["WhisperModel", "WhisperForConditionalGeneration"]  # WhisperForCausalLM reads no audio
+    assert [cls.__name__ for cls in hf_zoo.model_classes(WhisperConfig(), zoo)][1] == "WhisperForCausalLM"
