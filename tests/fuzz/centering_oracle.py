@@ -28,6 +28,8 @@ JITTER = 0.02                 # std of the noise added to every parameter for th
 FLOAT32_TOL = 1e-4
 DISCRETE_ONLY = ("the centered parameters reach no output through differentiable ops (a discrete step, argmax or "
                  "sampling, between): unchanged outputs prove nothing")
+INSENSITIVE = ("no output changes when the centered parameters are jittered (a tiny random model's dead ReLU head "
+               "outputs zeros everywhere): unchanged outputs prove nothing")
 
 
 def tolerances(dtype: torch.dtype) -> tuple[float, float]:
@@ -204,6 +206,13 @@ def judge_norms(model: nn.Module, recipes: dict[str, tuple[int, int | None]], no
                     return False
             return True
 
+        def moves_outputs(chosen) -> bool:
+            """Jittering ``chosen`` (any change, not a centering) changes some output on some input."""
+            values = {**base, **jittered({n: base[n] for n in chosen})}
+            return not all(len(r) == len(o) and all(rel_error(a, b) <= rel_tol for a, b in zip(r, o))
+                           for r, o in ((floating_outputs(ref), floating_outputs(outputs_of(values, call)))
+                                        for call, ref in zip(inputs, reference)))
+
         pending = []
         for path in norm_dims:
             if any(path not in c for c in counts):
@@ -237,18 +246,20 @@ def judge_norms(model: nn.Module, recipes: dict[str, tuple[int, int | None]], no
         reaching = _reaching_outputs(model, names, inputs[0], recorders) if searched else set()
         for path in searched:
             yield _search(path, passed[path], ancestors[path], recipes, base, widths[path], zero_mean,
-                          keeps_outputs, reference, reaching)
+                          keeps_outputs, moves_outputs, reference, reaching)
     finally:
         recorders.remove()
 
 
-def _search(path, modes, ancestors, recipes, base, width, zero_mean, keeps_outputs, reference,
+def _search(path, modes, ancestors, recipes, base, width, zero_mean, keeps_outputs, moves_outputs, reference,
             reaching: set[str]) -> NormVerdict:
     """The per-norm search of :func:`judge_norms`: in each mode, the centerings the norm's input needs to be
     zero-mean, and whether they keep every output with these weights and with jittered ones. Outputs that no
     centered parameter reaches through differentiable ops (``reaching``: the names that do) stay the same
     whatever the centering does upstream of a discrete step (CLVP's speech decoder: only the ids it picks by
-    argmax reach the outputs), so keeping them proves nothing: such a norm is "not judged"."""
+    argmax reach the outputs), so keeping them proves nothing: such a norm is "not judged"; so is one whose
+    centering keeps outputs that no change of those parameters moves (``moves_outputs``: DPT's depth head in
+    a tiny random model, a ReLU that outputs zeros everywhere)."""
     for mode in modes:
         chosen = [n for n in ancestors if n in recipes]
         group_of = {n: _group_for(recipes[n], base[n], mode, width) for n in chosen}
@@ -264,6 +275,8 @@ def _search(path, modes, ancestors, recipes, base, width, zero_mean, keeps_outpu
         if keeps_outputs(path, base, chosen, group_of, reference) and keeps_outputs(path, jittered(base), chosen, group_of):
             if any(n not in reaching for n in chosen):
                 return NormVerdict(path, False, "not judged", DISCRETE_ONLY)
+            if not moves_outputs(chosen):
+                return NormVerdict(path, False, "not judged", INSENSITIVE)
             return NormVerdict(path, False, "missed", f"centering {sorted(chosen)} ({mode}) folds it")
     return NormVerdict(path, False, "confirmed")
 

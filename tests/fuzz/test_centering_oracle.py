@@ -161,3 +161,36 @@ def test_outputs_reached_only_through_a_discrete_step_judge_nothing():
     inputs, reference = _inputs_and_reference(model)
     (verdict,) = judge_norms(model, {"proj.weight": (0, None), "proj.bias": (0, None)}, {"norm": -1}, inputs, reference)
     assert verdict.verdict == "not judged" and "differentiable" in verdict.detail
+
+
+class DeadHead(nn.Module):
+    """A norm whose producer also feeds the output outside the norm, both through a ReLU that is zero
+    everywhere (DPT's depth head in a tiny random model predicts zeros): centering proj keeps the outputs only
+    because nothing moves them."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.norm, self.head, self.side = nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4), nn.Linear(8, 4)
+
+    def forward(self, x):  # x (B, T, 8)
+        h = self.proj(x)
+        return torch.relu(self.head(self.norm(h)) + self.side(h) - 1e3)  # (B, T, 4), all zeros
+
+
+@pytest.mark.parametrize("dead", [True, False])
+def test_outputs_no_change_of_the_centered_parameters_moves_judge_nothing(dead):
+    """With the ReLU dead, centering proj keeps the (zero) outputs, and the oracle called that a missed fold;
+    jittering proj moves no output either, so the unchanged outputs prove nothing: not judged, and said why.
+    With the ReLU alive, the same centering changes the outputs through ``side``: confirmed, not a missed fold."""
+    torch.manual_seed(0)
+    model = DeadHead().double().eval()
+    if not dead:
+        with torch.no_grad():
+            model.side.bias += 1e3 + 10.0
+    inputs, reference = _inputs_and_reference(model)
+    recipes = {"proj.weight": (0, None), "proj.bias": (0, None)}
+    (verdict,) = judge_norms(model, recipes, {"norm": -1}, inputs, reference)
+    if dead:
+        assert verdict.verdict == "not judged" and "jittered" in verdict.detail
+    else:
+        assert verdict.verdict == "confirmed"
