@@ -394,8 +394,10 @@ def model_classes(config, zoo, inputs: dict | None = None) -> list[type]:
     classes = []
     try:
         classes.append(zoo._bare_model_class(config))
-    except (KeyError, ValueError):  # a type with task heads only (no AutoModel entry)
-        pass
+    except (KeyError, ValueError):  # a type with task heads only, or a sub-config's model (no AutoModel entry)
+        named = getattr(zoo.transformers, type(config).__name__.removesuffix("Config") + "Model", None)
+        if named is not None and getattr(named, "config_class", None) is type(config):  # Aimv2TextConfig: Aimv2TextModel
+            classes.append(named)
     others = sorted(n[len("MODEL_FOR_"):-len("_MAPPING_NAMES")] for n in dir(modeling_auto)
                     if n.startswith("MODEL_FOR_") and n.endswith("_MAPPING_NAMES"))
     heads = []
@@ -423,8 +425,11 @@ def tester_rows(model_type: str, root: Path, zoo, testers) -> list[dict]:
         other = testers.tester_inputs(model_type, root, seed=1)[1]
     except Exception as err:  # noqa: BLE001  TesterError, or the suite's code failing on this checkout
         return [{**row, "status": "no tester", "detail": f"{type(err).__name__}: {_line(err)}"}]
+    classes = model_classes(config, zoo, example)
+    if not classes:
+        return [{**row, "status": "skipped", "detail": f"{tester}; no model class takes {type(config).__name__}"}]
     rows = []
-    for cls in model_classes(config, zoo, example):
+    for cls in classes:
         rows.append({**row, "model_class": cls.__name__, "detail": tester})
         with _time_box(rows[-1]):
             try:

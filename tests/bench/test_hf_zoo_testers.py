@@ -333,3 +333,33 @@ def test_the_main_head_is_the_first_whose_forward_takes_every_tester_input(hf_zo
     names = [cls.__name__ for cls in hf_zoo.model_classes(WhisperConfig(), zoo, inputs)]
     assert names == ["WhisperModel", "WhisperForConditionalGeneration"]  # WhisperForCausalLM reads no audio
     assert [cls.__name__ for cls in hf_zoo.model_classes(WhisperConfig(), zoo)][1] == "WhisperForCausalLM"
+
+
+def test_a_sub_configs_model_is_found_by_its_config_class_name(hf_zoo, zoo):
+    from transformers import Aimv2TextConfig
+
+    inputs = {"input_ids": torch.zeros(1, 3, dtype=torch.long)}
+    assert [cls.__name__ for cls in hf_zoo.model_classes(Aimv2TextConfig(), zoo, inputs)] == ["Aimv2TextModel"]
+
+
+HIFIGAN_TESTS = '''
+from transformers import SpeechT5HifiGanConfig
+
+from ...test_modeling_common import floats_tensor
+
+
+class SpeechT5HifiGanTester:
+    def __init__(self, parent):
+        self.parent = parent
+
+    def prepare_config_and_inputs_for_common(self):
+        return SpeechT5HifiGanConfig(), {"spectrogram": floats_tensor([7, 80])}
+'''
+
+
+def test_a_tester_whose_config_no_model_class_takes_is_a_skipped_row(hf_zoo, zoo, checkout):
+    path = checkout / "tests" / "models" / "speecht5" / "test_modeling_speecht5.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(textwrap.dedent(HIFIGAN_TESTS))
+    [row] = hf_zoo.tester_rows("speecht5_hifigan", checkout, zoo, hf_zoo._testers_module())
+    assert row["status"] == "skipped" and "no model class takes SpeechT5HifiGanConfig" in row["detail"]
