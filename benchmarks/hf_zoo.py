@@ -641,12 +641,15 @@ def _shard(text: str) -> tuple[int, int]:
 
 
 def merge_tables(paths: list[Path], stem: Path, order: list[str]) -> list[dict]:
-    """The rows of several tables (shards of one run) as one table at ``stem`` (.csv and .md), ordered as
-    ``order`` lists their types (a type not listed last), each shard's command recorded from its .md."""
+    """The rows of several tables (shards of one run, then reruns) as one table at ``stem`` (.csv and .md),
+    ordered as ``order`` lists their types (a type not listed last); a type's rows are those of the last table
+    that has it (a rerun replaces them); each table's command recorded from its .md."""
     rows, commands = [], []
     for path in paths:
         with open(path, newline="") as handle:
-            rows += list(csv.DictReader(handle))
+            new = list(csv.DictReader(handle))
+        rerun = {r["model_type"] for r in new}
+        rows = [r for r in rows if r["model_type"] not in rerun] + new
         markdown = path.with_suffix(".md")
         if markdown.is_file():
             commands += [line.split("`")[1] for line in markdown.read_text().splitlines() if line.startswith("command: `")]
@@ -694,7 +697,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", metavar="I/N", type=_shard, help="every N-th type from the I-th (0-based): run "
                         "N shards at once on N cores, then --merge their tables")
     parser.add_argument("--merge", metavar="CSV", nargs="+", help="one table (--out) of these tables' rows, in the "
-                        "order of the type list, their commands recorded; nothing is run")
+                        "order of the type list, a type's rows from the last table that has it (reruns last), "
+                        "their commands recorded; nothing is run")
     parser.add_argument("--rows-of", metavar="TYPE", help=argparse.SUPPRESS)  # the child process of --tests
     args = parser.parse_args(argv)
     if args.brute_force_seconds <= 0:

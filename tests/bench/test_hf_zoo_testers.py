@@ -363,3 +363,18 @@ def test_a_tester_whose_config_no_model_class_takes_is_a_skipped_row(hf_zoo, zoo
     path.write_text(textwrap.dedent(HIFIGAN_TESTS))
     [row] = hf_zoo.tester_rows("speecht5_hifigan", checkout, zoo, hf_zoo._testers_module())
     assert row["status"] == "skipped" and "no model class takes SpeechT5HifiGanConfig" in row["detail"]
+
+
+def test_a_rerun_merged_last_replaces_the_rows_of_its_types(hf_zoo, tmp_path):
+    tables = {"first": [("bert", "BertModel", "FoldError"), ("bert", "BertLMHeadModel", "FoldError"),
+                        ("gpt2", "GPT2Model", "proved")],
+              "rerun": [("bert", "BertModel", "proved")]}
+    for name, rows in tables.items():
+        with open(tmp_path / f"{name}.csv", "w", newline="") as handle:
+            writer = csv.DictWriter(handle, hf_zoo.COLUMNS)
+            writer.writeheader()
+            writer.writerows({**dict.fromkeys(hf_zoo.COLUMNS, ""), "model_type": t, "model_class": c, "status": s}
+                             for t, c, s in rows)
+    rows = hf_zoo.merge_tables([tmp_path / "first.csv", tmp_path / "rerun.csv"], tmp_path / "out", ["gpt2", "bert"])
+    assert [(r["model_type"], r["model_class"], r["status"]) for r in rows] == [("gpt2", "GPT2Model", "proved"),
+                                                                              ("bert", "BertModel", "proved")]
