@@ -118,6 +118,42 @@ def test_writing_by_index_along_the_features_breaks(how: str, reason: str):
     assert reason in reason_of(report, "norm")
 
 
+class MaskedRowsZeroed(nn.Module):
+    """Wav2Vec2-Conformer's padding: ``h[~mask.unsqueeze(-1).repeat(1, 1, C)] = fill``, a bool mask over all of
+    h's dims that is constant along the features (``per_feature``: one that is not)."""
+
+    def __init__(self, fill: float = 0.0, per_feature: bool = False):
+        super().__init__()
+        self.fill, self.per_feature = fill, per_feature
+        self.proj = nn.Linear(C, C)
+        self.norm = nn.LayerNorm(C)
+
+    def forward(self, x, keep):  # (B, T, C), (B, T) bool
+        h = self.proj(x)
+        mask = keep.unsqueeze(-1).repeat(1, 1, C)  # (B, T, C), the same along C
+        if self.per_feature:
+            mask = mask & (torch.arange(C) % 2 == 0)
+        h[~mask] = self.fill
+        return self.norm(h)
+
+
+def _keep(seed: int = 0) -> torch.Tensor:
+    keep = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) > 0.3
+    keep[:, 0] = True
+    return keep  # (B, T)
+
+
+def test_zeroing_whole_rows_by_a_bool_mask_folds():
+    _, report = fold_checked(MaskedRowsZeroed(), (_x(B, T, C), _keep()), {"norm": True})
+    assert report.norms[0].producers == ("proj.bias", "proj.weight")
+
+
+@pytest.mark.parametrize("fill, per_feature", [(1.0, False), (0.0, True)])
+def test_a_bool_mask_write_of_a_number_or_of_part_of_a_row_breaks(fill: float, per_feature: bool):
+    _, report = fold_checked(MaskedRowsZeroed(fill, per_feature), (_x(B, T, C), _keep()), {"norm": False})
+    assert "aten.index_put_ writes along the normalized dim" in reason_of(report, "norm")
+
+
 class Moved(nn.Module):
     """A projection whose rows are moved, copied or permuted by one op before a LayerNorm of ``width``."""
 

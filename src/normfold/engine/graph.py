@@ -144,13 +144,27 @@ def export_call(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.Exp
     with eval_mode(model), torch.no_grad():
         try:
             with _stderr_kept_only_on_success():
-                return torch.export.export(model, args, kwargs, strict=False)
+                return _mark_scalar_constants(torch.export.export(model, args, kwargs, strict=False))
         except Exception as exc:  # export raises many exception types; all mean "cannot capture"
             raise FoldError(
                 f"torch.export could not capture {type(model).__name__}: {type(exc).__name__}: "
                 f"{first_line(exc)}. Try other example inputs "
                 "(e.g. use_cache=False for Hugging Face models), or fold a submodule that export can capture."
             ) from exc
+
+
+SCALAR_META = "normfold_scalar"  # the value of a one-element constant the graph reads (``x[mask] = 0.0`` lifts one)
+
+
+def _mark_scalar_constants(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """Each placeholder of a one-element tensor constant gets its value as ``meta[SCALAR_META]``: what a
+    rule may read of a constant (is it 0?), since the graph itself holds only its fake tensor."""
+    by_name = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    for name, constant in ep.graph_signature.inputs_to_lifted_tensor_constants.items():
+        value = ep.constants.get(constant)
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and name in by_name:
+            by_name[name].meta[SCALAR_META] = value.item()
+    return ep
 
 
 # torch.export's loggers that speak of a failed capture (a warning per data-dependent size it cannot place)

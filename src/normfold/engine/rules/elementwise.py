@@ -16,7 +16,7 @@ import torch
 from torch import fx
 
 from ..graph import node_arg as _arg  # the short name reads better in the rules below
-from ..graph import op_name, per_graph, trace_shape
+from ..graph import SCALAR_META, op_name, per_graph, trace_shape
 from ..op_kinds import aten_packets, is_training_dropout, through_value_copies
 from .answers import Break, Need, Requires, Source, collect, make_need, only_at, rank
 from .writes import overwrites
@@ -34,11 +34,15 @@ _LAYOUT_OPS = set(aten_packets("view", "reshape", "_unsafe_view", "flatten", "un
 
 
 def is_zero_literal(value) -> bool:
-    """True for the number 0 and for tensors built as literal zeros."""
+    """True for the number 0, for tensors built as literal zeros, and for a one-element constant 0 (or a
+    copy of one: ``x[mask] = 0.0`` writes ``lift_fresh_copy`` of a lifted constant)."""
     if isinstance(value, (int, float, bool)):
         return value == 0
-    if isinstance(value, fx.Node) and value.op == "call_function":
-        return classify_zero(value) or _is_self_difference(value)
+    if isinstance(value, fx.Node) and value.op == "call_function" and (classify_zero(value) or _is_self_difference(value)):
+        return True
+    if isinstance(value, fx.Node):
+        source = through_value_copies(value)
+        return source.op == "placeholder" and source.meta.get(SCALAR_META, 1) == 0
     return False
 
 

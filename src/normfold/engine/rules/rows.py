@@ -157,14 +157,27 @@ def _shift_where_rows_chosen(node, mask, dims):
 def zero_mean_index_put(node, dim, group):
     """x with rows written (or, accumulating, added) at indices of the leading dims: each row is x's,
     values', or a sum of them; values broadcast right-aligned, so their last dim is the row. Writing
-    along the last dim itself writes part of a row."""
+    along the last dim itself writes part of a row, unless it writes 0 under a bool mask constant along
+    it: that is masked_fill(x, mask, 0), every row x's or zeros."""
     x, indices, values = node.args[0], list(node.args[1]), _arg(node, 2, "values")
     if any(index is not None and trace_shape(index) is None for index in indices):
         return Break(f"{op_name(node)}: an index is not a tensor")
+    if _zeroes_whole_rows(node, indices, values, dim):  # x[mask] = 0, mask constant along the dim: masked_fill
+        return collect(node, [make_need(x, dim, group)])
     if dim != rank(node) - 1 or _indexes_last_dim(indices, rank(x)):
         return Break(f"{op_name(node)} writes along the normalized dim (only writes of whole rows of the last dim keep "
                      "rows zero-mean)")
     return collect(node, [make_need(x, dim, group), broadcast_operand(node, values, dim, group)])
+
+
+def _zeroes_whole_rows(node, indices: list, values, dim: int) -> bool:
+    """``x[mask] = 0`` with a bool mask over all of x's dims that is constant along ``dim`` (Wav2Vec2-Conformer's
+    ``hidden_states[~mask.unsqueeze(-1).repeat(1, 1, C)] = 0``): masked_fill(x, mask, 0), each row x's or zeros."""
+    if node.kwargs.get("accumulate", node.args[3] if len(node.args) > 3 else False) or len(indices) != 1:
+        return False
+    mask = indices[0]
+    return (mask is not None and mask.meta["val"].dtype == torch.bool and rank(mask) == rank(node)
+            and is_zero_literal(values) and constant_along(mask, rank(node), dim))
 
 
 def _indexes_last_dim(indices: list, n_dims: int) -> bool:
