@@ -32,6 +32,8 @@ Each type runs in a child process, stopped past ``--max-rss-gb``.
         # earlier folded count (``folded_before``) and a summary of the types whose count rose or fell
     python benchmarks/hf_zoo.py --tests /tmp/transformers-tests --types led vits --out /tmp/zoo_testers
         # transformers' ModelTesters (a checkout's tests/models/<name>/test_modeling_<name>.py)
+    python benchmarks/hf_zoo.py --tests /tmp/transformers-tests --shard 0/2 --out /tmp/t0   # and 1/2 at once, then
+    python benchmarks/hf_zoo.py --merge /tmp/t0.csv /tmp/t1.csv --out benchmarks/results/hf_zoo_testers
 """
 from __future__ import annotations
 
