@@ -197,6 +197,8 @@ def _markdown(args, results, repros, elapsed) -> str:
         f"| wrong claims (claimed foldable, a property fails) | {verdicts['wrong']} |",
         f"| refusals confirmed by brute force | {verdicts['confirmed']} |",
         f"| missed folds (refused, but brute-force centering folds it) | {verdicts['missed']} |",
+        f"| not judged (a norm some input skips, or outputs that no change of its producers moves) | "
+        f"{verdicts['not judged']} |",
         "",
         "A *missed* fold is a gap, not a bug: the engine refuses only what its exact rules cannot prove.",
         "Brute force: centre every linear-map parameter (Linear, Conv, Embedding, added parameter tables,"
