@@ -193,25 +193,25 @@ def judge_norms(model: nn.Module, recipes: dict[str, tuple[int, int | None]], no
             with torch.no_grad():
                 return recorders.run(model, call, values)[0]
 
-        def keeps_outputs(path, weights, chosen, group_of, expected=None) -> bool:
-            """Centering ``chosen`` in ``weights`` keeps the norm's input zero-mean and every output
-            (``expected``: the outputs with ``weights`` on ``inputs``, computed when not given)."""
-            values = {**weights, **{n: center(weights[n], *group_of[n]) for n in chosen}}
-            if path not in zero_mean(values, [path]):
-                return False
-            expected = expected or [outputs_of(weights, i) for i in inputs]
+        def same_outputs(values: dict[str, Tensor], expected) -> bool:
+            """Every floating output under ``values`` equals ``expected``'s (one list per input) within rel_tol."""
             for call, ref in zip(inputs, expected):
                 ref, out = floating_outputs(ref), floating_outputs(outputs_of(values, call))
                 if len(ref) != len(out) or any(rel_error(r, o) > rel_tol for r, o in zip(ref, out)):
                     return False
             return True
 
+        def keeps_outputs(path, weights, chosen, group_of, expected=None) -> bool:
+            """Centering ``chosen`` in ``weights`` keeps the norm's input zero-mean and every output
+            (``expected``: the outputs with ``weights`` on ``inputs``, computed when not given)."""
+            values = {**weights, **{n: center(weights[n], *group_of[n]) for n in chosen}}
+            if path not in zero_mean(values, [path]):
+                return False
+            return same_outputs(values, expected or [outputs_of(weights, i) for i in inputs])
+
         def moves_outputs(chosen) -> bool:
             """Jittering ``chosen`` (any change, not a centering) changes some output on some input."""
-            values = {**base, **jittered({n: base[n] for n in chosen})}
-            return not all(len(r) == len(o) and all(rel_error(a, b) <= rel_tol for a, b in zip(r, o))
-                           for r, o in ((floating_outputs(ref), floating_outputs(outputs_of(values, call)))
-                                        for call, ref in zip(inputs, reference)))
+            return not same_outputs({**base, **jittered({n: base[n] for n in chosen})}, reference)
 
         pending = []
         for path in norm_dims:

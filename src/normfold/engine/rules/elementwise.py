@@ -42,7 +42,7 @@ def is_zero_literal(value) -> bool:
         return True
     if isinstance(value, fx.Node):
         source = through_value_copies(value)
-        return source.op == "placeholder" and source.meta.get(SCALAR_META, 1) == 0
+        return source.op == "placeholder" and SCALAR_META in source.meta and source.meta[SCALAR_META] == 0
     return False
 
 
