@@ -21,7 +21,7 @@ DEMO_STAMP := $(VENV)/.normfold-demo-installed
 PYTEST_ARGS ?=
 N ?= 2000
 
-.PHONY: venv demo test wheel-check docs oldest-stack fuzz tamper-fuzz bench bench-e2e bench-onnx bench-fold-large default-model gpu-check gpu-e2e clean
+.PHONY: venv demo test wheel-check docs oldest-stack fuzz tamper-fuzz bench bench-e2e bench-onnx bench-fold-large default-model gpu-check gpu-e2e gpu-overhead clean
 
 # The venv with torch first (TORCH_FROM), then normfold editable with the extras $(1); touches the stamp $@.
 define install_venv
@@ -114,6 +114,10 @@ gpu-check:
 gpu-e2e:
 	bash benchmarks/gpu_e2e.sh
 
+# CUDA machines only: where a norm call's time goes (host µs per call, fwd+bwd kernels, compile; ~2 min)
+gpu-overhead:
+	bash benchmarks/gpu_overhead.sh
+
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache
 
@@ -141,4 +145,5 @@ oldest-stack: $(OLDEST_STAMP)
 	  $(OLDEST_PY) -m pytest -q -p no:cacheprovider tests/ops && \
 	  bash benchmarks/gpu_check.sh --dry-run && \
 	  bash benchmarks/gpu_e2e.sh --dry-run && \
+	  bash benchmarks/gpu_overhead.sh --dry-run && \
 	  bash benchmarks/gpu_train.sh --dry-run

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import inspect
 import os
 import platform
@@ -135,8 +136,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="CPU, float32, tiny configs")
     parser.add_argument("--models", nargs="+", default=["gpt2", "opt", "bert"])
     parser.add_argument("--out", type=Path, help="output folder (default $OUT, else benchmarks/results)")
+    parser.add_argument("--budget-s", type=float, help="wall-clock budget in seconds (default: 260 on a GPU)")
     args = parser.parse_args(argv)
     scale = DRY_RUN if args.dry_run else GPU
+    if args.budget_s is not None:
+        scale = dataclasses.replace(scale, budget_s=args.budget_s)
     if not args.dry_run and not torch.cuda.is_available():
         print("gpu_e2e: no CUDA device (use --dry-run to exercise the script on the CPU)", file=sys.stderr)
         return 2

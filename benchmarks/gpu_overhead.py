@@ -165,6 +165,30 @@ def fwd_bwd_kernels(device: torch.device, shape: tuple[int, int]) -> str:
     return "\n".join(parts)
 
 
+def capture_check(device: torch.device) -> str:
+    """A CUDA graph captured around norm calls whose shapes never ran eagerly replays what eager computes."""
+    import normfold
+
+    if device.type != "cuda":
+        return "needs a CUDA device"
+    lines = []
+    for shape in ((7, 768), (1, 4096), (33, 1000)):
+        x = torch.randn(*shape, device=device, dtype=torch.float16)
+        r, w = torch.randn_like(x), torch.randn(shape[1], device=device, dtype=torch.float16)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.no_grad(), torch.cuda.graph(graph):
+                y, s = normfold.ops.rms_norm(x, w, residual=r)
+            graph.replay()
+            torch.cuda.synchronize()
+            want, _ = normfold.ops.rms_norm(x, w, residual=r)
+            err = (y.float() - want.float()).abs().max().item()
+            lines.append(f"- {shape}: captured and replayed, max |replay - eager| = {err:.3g}")
+        except Exception as exc:
+            lines.append(f"- {shape}: FAILED {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+    return "\n".join(lines)
+
+
 def compile_report(device: torch.device, dry_run: bool) -> str:
     """torch.compile of original vs folded 2-layer GPT-2: graphs, breaks, recompiles, ms per call."""
     import gpu_e2e
@@ -234,6 +258,7 @@ def main(argv=None) -> int:
         ("cProfile of eager normfold.ops.rms_norm (no grad), by own time",
          lambda: "```\n" + route_profile(device, 50 if args.dry_run else 2000) + "\n```"),
         ("fwd+bwd kernels", lambda: fwd_bwd_kernels(device, (256, 512) if args.dry_run else (8192, 8192))),
+        ("CUDA graph capture of norm calls never run eagerly", lambda: capture_check(device)),
         ("torch.compile, 2-layer GPT-2 at batch 1 × 128", lambda: compile_report(device, args.dry_run)),
     ]
     for title, step in steps:

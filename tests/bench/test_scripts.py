@@ -1,4 +1,4 @@
-"""benchmarks/bench_e2e.py, gpu_e2e.sh and gpu_train.sh run end to end (timings themselves are never asserted)."""
+"""benchmarks/bench_e2e.py, gpu_e2e.sh, gpu_train.sh and gpu_overhead.sh run end to end (timings themselves are never asserted)."""
 from __future__ import annotations
 
 import csv
@@ -50,3 +50,20 @@ def test_gpu_train_dry_run_trains_every_variant_on_the_triton_kernels(tmp_path):
     assert {r["variant"] for r in rows} == {"layernorm", "rmsnorm_torch", "rmsnorm", "cbwc_rmsnorm"}
     assert {(r["width"], r["batch_size"]) for r in rows} == {("64", "8"), ("64", "2")}
     assert all(r["diverged"] == "False" and float(r["cpu_s"]) > 0 for r in rows)
+
+
+def test_gpu_overhead_dry_run_answers_every_question(tmp_path):
+    done = _run(["bash", "benchmarks/gpu_overhead.sh", "--dry-run"], tmp_path)
+    assert "gpu_overhead: wrote" in done.stdout
+    report = (tmp_path / "gpu_overhead.md").read_text()
+    assert "failed:" not in report
+    for section in ("## Host cost per call", "## cProfile", "## fwd+bwd kernels", "## CUDA graph capture",
+                    "## torch.compile"):
+        assert section in report
+    compiled = report.split("## torch.compile")[1]
+    assert all(f"| {name} | 1 | 0 |" in compiled for name in ("original", "folded", "fused"))  # one graph, no break
+
+
+def test_gpu_e2e_budget_flag_skips_and_lists_what_does_not_fit(tmp_path):
+    _run(["bash", "benchmarks/gpu_e2e.sh", "--dry-run", "--models", "gpt2", "--budget-s", "0"], tmp_path)
+    assert "over the 0 s budget" in (tmp_path / "gpu_e2e.md").read_text()

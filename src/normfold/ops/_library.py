@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -197,6 +198,18 @@ def _(x, weight, bias, residual, eps, offset, is_rms, out, residual_out):
 _COMPILE_INLINE_MAX_ELEMENTS = 1 << 18
 
 
+def _exporting() -> bool:
+    """True while torch.export traces, and only then.
+
+    torch 2.11's Dynamo answers ``torch.compiler.is_exporting()`` with True under every torch.compile
+    (later releases read the flag), which kept every compiled norm on the opaque op: 0.46-0.48x the
+    original's speed for a compiled, folded GPT-2 on an H200 (benchmarks/results/gpu_e2e.md). The flag
+    it should read is the answer in every release tested (2.11, 2.13).
+    """
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    return bool(flag) if isinstance(flag, bool) else torch.compiler.is_exporting()
+
+
 def _inline_for_compile(x: Tensor) -> bool:
     """True while torch.compile (not torch.export) traces a small 2-D ``x`` with static shape.
 
@@ -211,8 +224,7 @@ def _inline_for_compile(x: Tensor) -> bool:
     (benchmarks/results/bench_norm.md, "compiled RMSNorm"), and an exported graph shows one
     ``normfold::norm_fwd`` per norm (what the ONNX translation and the fold's graph read).
     """
-    exporting = getattr(torch.compiler, "is_exporting", lambda: False)
-    if not torch.compiler.is_compiling() or exporting():
+    if not torch.compiler.is_compiling() or _exporting():
         return False
     m, n = x.shape
     return isinstance(m, int) and isinstance(n, int) and m * n <= _COMPILE_INLINE_MAX_ELEMENTS
@@ -228,6 +240,46 @@ def _records_autograd(*tensors: Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+# ---------------------------------------------------------------- eager CUDA calls torch computes itself
+# The largest call (elements) that plain eager CUDA runs on torch's own fused norm; the reasons are in
+# ``_torch_native_suits``'s docstring (its one description).
+_NATIVE_EAGER_MAX_ELEMENTS = 1 << 23
+
+
+def _native_device(x: Tensor) -> bool:
+    """x is a CUDA tensor and no CUDA graph is being captured (a replay pays no host cost per call)."""
+    return x.is_cuda and not torch.cuda.is_current_stream_capturing()
+
+
+def _torch_native_suits(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None,
+                        offset: float, is_rms: bool) -> bool:
+    """True when torch's own fused norm computes this call to the contract and is the cheaper route.
+
+    Measured on an H200 host (benchmarks/results/gpu_overhead.md): an eager call costs the host 11 µs
+    through ``F.rms_norm`` and 45-65 µs through the Triton route (Triton's launcher alone 21 µs), and
+    a recorded fwd+bwd through the custom op ~1 ms of host time for 0.2 ms of kernels. At the sizes
+    where eager models are host-bound (gpu_e2e.md: below ~8M elements a norm for GPT-2 small, where
+    the folded model ran at 0.58-0.75x the original's speed) that cost decides. Larger calls keep the
+    Triton kernels (1.2-2.7x torch's on the device, gpu_check.md); so do CUDA graph capture (no host
+    cost to save), torch.compile, export and tracing (the op shows in their graphs).
+
+    Contract: s = x + residual rounded once to x's dtype (what torch's add returns), y normalizes that
+    s with float32 statistics. Torch has no RMSNorm bias or ``offset``, and takes one dtype.
+    """
+    if x.numel() > _NATIVE_EAGER_MAX_ELEMENTS or (is_rms and (bias is not None or offset != 0.0)):
+        return False
+    return all(t is None or t.dtype == x.dtype for t in (weight, bias, residual))
+
+
+def _torch_native_norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor | None,
+                       eps: float, is_rms: bool) -> tuple[Tensor, Tensor | None]:
+    """(y, s) through ``F.rms_norm`` / ``F.layer_norm``, for calls ``_torch_native_suits`` accepts."""
+    s = x if residual is None else x + residual  # (M, N), rounded once to x's dtype
+    normalized = (x.shape[-1],)
+    y = F.rms_norm(s, normalized, weight, eps) if is_rms else F.layer_norm(s, normalized, weight, bias, eps)
+    return y, (s if residual is not None else None)
+
+
 _LEGACY_ONNX_EXPORT = (
     "normfold's norms export to ONNX only through the dynamo exporter, not the legacy TorchScript one "
     "(dynamo=False): use normfold.export_onnx(model, example_inputs, path), or torch.onnx.export(model, args, "
@@ -240,9 +292,10 @@ def norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor
     """(y, s) for 2-D ``x`` (s is None without residual); arguments already checked (``_checks``).
 
     Every call is the registered op (``norm_fwd``, or ``norm_fwd_out`` for ``out=``), with its one
-    autograd (``register_autograd`` above), except in two ways that keep its definition:
-    small static shapes under torch.compile become plain math (``_inline_for_compile``), and
-    an eager call that nothing records (no trace, no dispatch mode, no autograd) runs the op's
+    autograd (``register_autograd`` above), except in three ways that keep its definition:
+    small static shapes under torch.compile become plain math (``_inline_for_compile``); plain eager
+    CUDA calls up to 8M elements that torch's own fused norm computes run it (``_torch_native_suits``);
+    and an eager call that nothing records (no trace, no dispatch mode, no autograd) runs the op's
     implementation itself, without the dispatcher's ~20 µs (a CUDA decode step's norm costs less).
     """
     if torch.jit.is_tracing() and torch.onnx.is_in_onnx_export():
@@ -250,7 +303,10 @@ def norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor
     if out is None and _inline_for_compile(x):
         y, s, _, _ = _reference_backend.norm_fwd(x, weight, bias, residual, eps, offset, is_rms)
         return y, s
-    unrecorded = _plain_eager(x) and not _records_autograd(x, weight, bias, residual)
+    plain = _plain_eager(x)
+    if plain and out is None and _native_device(x) and _torch_native_suits(x, weight, bias, residual, offset, is_rms):
+        return _torch_native_norm(x, weight, bias, residual, eps, is_rms)
+    unrecorded = plain and not _records_autograd(x, weight, bias, residual)
     if out is not None:  # check_out refused autograd
         (_norm_fwd_out_impl if unrecorded else norm_fwd_out)(x, weight, bias, residual, eps, offset, is_rms, out,
                                                                residual_out)

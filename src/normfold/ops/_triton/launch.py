@@ -6,6 +6,7 @@ The dispatch in ``normfold.ops`` calls these for CUDA tensors, already flattened
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,7 @@ class LaunchPlan:
     num_warps: int
 
 
+@functools.lru_cache(maxsize=1024)  # a few µs of Python an eager call would pay again
 def plan_launch(n: int, max_block: int, *, backward: bool = False) -> LaunchPlan:
     """One block per row when N fits ``max_block`` (short rows stacked into a tile), else chunks
     of ``max_block``; warps from the forward or backward table."""
@@ -153,9 +155,14 @@ def norm_fwd(
     return y, s, mean, rstd
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _target_programs(t: Tensor) -> int:
     if t.is_cuda:
-        return torch.cuda.get_device_properties(t.device).multi_processor_count * BWD_PROGRAMS_PER_SM
+        return _multiprocessors(t.device) * BWD_PROGRAMS_PER_SM
     return BWD_PROGRAMS_WITHOUT_GPU
 
 
