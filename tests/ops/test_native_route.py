@@ -112,3 +112,11 @@ def test_without_cuda_the_route_is_never_taken():
 def test_native_route_is_torch_rms_norm_for_plain_rms(native_on_cpu):
     x, w = _t((6, 64), torch.bfloat16, 0), _t(64, torch.bfloat16, 1)
     torch.testing.assert_close(rms_norm(x, w, eps=1e-6), F.rms_norm(x, (64,), w, 1e-6), rtol=0, atol=0)
+
+
+def test_autocast_keeps_the_kernels_route_and_x_dtype(native_on_cpu):
+    """Under autocast torch's own norm would return float32; the contract's y is in x's dtype."""
+    x, w = _t((4, 64), torch.bfloat16, 0), _t(64, torch.bfloat16, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer_norm(x, w)
+    assert native_on_cpu == [(4, 64)] and y.dtype == torch.bfloat16

@@ -304,7 +304,8 @@ def norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, residual: Tensor
         y, s, _, _ = _reference_backend.norm_fwd(x, weight, bias, residual, eps, offset, is_rms)
         return y, s
     plain = _plain_eager(x)
-    if plain and out is None and _native_device(x) and _torch_native_suits(x, weight, bias, residual, offset, is_rms):
+    if (plain and out is None and _native_device(x) and not torch.is_autocast_enabled(x.device.type)
+            and _torch_native_suits(x, weight, bias, residual, offset, is_rms)):  # autocast would cast torch's norm
         return _torch_native_norm(x, weight, bias, residual, eps, is_rms)
     unrecorded = plain and not _records_autograd(x, weight, bias, residual)
     if out is not None:  # check_out refused autograd
