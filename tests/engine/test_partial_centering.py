@@ -139,3 +139,57 @@ def test_the_executor_centers_groups_slice_by_slice_as_on_the_whole_tensor():
     run(steps, store)
     assert torch.equal(whole.qkv.weight, sliced.qkv.weight)
     assert not torch.equal(whole.qkv.weight, model.qkv.weight)
+
+
+class ClassTokenStream(nn.Module):
+    """CvT's last stage: cat(cls, LN(patches)) → a residual block → split → final LN on the cls row.
+
+    The cls row's residual stream is cls + fc(...): zero-mean once cls and fc are centered, while the
+    patch rows carry the embedding LN's affine output. ``leak``: the patch rows are also returned (so
+    the shift centering fc adds to them would show), or the patches reach the cls row through a sum over
+    the tokens (then the cls row is not zero-mean at all).
+    """
+
+    def __init__(self, leak: str | None = None):
+        super().__init__()
+        self.leak = leak
+        self.cls = nn.Parameter(torch.zeros(1, 1, C))
+        self.embed_ln, self.ln, self.ln_f = nn.LayerNorm(C), nn.LayerNorm(C), nn.LayerNorm(C)
+        self.fc, self.head = nn.Linear(C, C), nn.Linear(C, 3)
+
+    def forward(self, x):  # (B, T, C)
+        h = torch.cat([self.cls.expand(x.shape[0], -1, -1), self.embed_ln(x)], 1)  # (B, 1 + T, C)
+        if self.leak == "mixing":
+            h = h + h.sum(1, keepdim=True)
+        h = h + self.fc(self.ln(h))
+        cls, patches = torch.split(h, [1, x.shape[1]], 1)
+        logits = self.head(self.ln_f(cls))
+        return (logits, patches) if self.leak == "output" else logits
+
+
+def _random_double(model: nn.Module) -> nn.Module:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.5 + (1.0 if p.dim() == 1 else 0.0))
+    return model.double().eval()
+
+
+def test_a_norm_of_the_class_token_row_folds_by_centering_what_reaches_that_row():
+    model = _random_double(ClassTokenStream())
+    x = torch.randn(2, 5, C, dtype=torch.float64)
+    folded, report = normfold.fold(model, (x,))
+    norms = {e.path: e for e in report.norms}
+    assert norms["ln_f"].foldable and norms["ln_f"].producers == ("cls", "fc.bias", "fc.weight"), norms["ln_f"]
+    assert not norms["embed_ln"].foldable and not norms["ln"].foldable
+    fresh = torch.randn(3, 5, C, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(folded(fresh), model(fresh), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("leak, reason", [("output", "a model output"), ("mixing", "aten.layer_norm at embed_ln")])
+def test_a_class_token_norm_is_refused_when_the_other_rows_show_or_reach_it(leak, reason):
+    model = _random_double(ClassTokenStream(leak))
+    _, report = normfold.fold(model, (torch.randn(2, 5, C, dtype=torch.float64),))
+    ln_f = next(e for e in report.norms if e.path == "ln_f")
+    assert not ln_f.foldable and reason in ln_f.reason, ln_f.reason

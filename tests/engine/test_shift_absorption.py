@@ -281,3 +281,97 @@ def test_a_reader_in_which_the_centered_tensor_cancels_sees_no_change_and_one_wh
     assert not refused.foldable and "model output" in refused.reason
     refused = _fold(_SumMinusPart(), (ids, _x()))["norm"]
     assert not refused.foldable and "model output" in refused.reason
+
+
+class _SharedTransform(nn.Module):
+    """One linear applied to two streams (BridgeTower's cross-modal transform): LN1 reads t(x) + e,
+    LN2 reads t(y) + ReLU(w(y)) and stays (the ReLU term). Centering t for LN1 shifts its weight and
+    bias, so t(y) moves by y·δWᵀ + δb, a ones-vector along the features, which
+    LN2 absorbs. ``leak`` sends t(y) somewhere that does not."""
+
+    def __init__(self, leak: str | None = None):
+        super().__init__()
+        self.t, self.w = nn.Linear(C, C), nn.Linear(C, C)
+        self.e = nn.Parameter(torch.zeros(C))
+        self.ln1, self.ln2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.leak = leak
+
+    def forward(self, x, y):
+        ty = self.t(y)
+        outputs = (self.ln1(self.t(x) + self.e), self.ln2(ty + F.relu(self.w(y))))
+        if self.leak == "output":
+            outputs += (ty,)
+        elif self.leak == "input of t":  # t applied to its own centered output: x and W change together
+            outputs += (self.ln2(self.t(self.t(x) + self.e)),)
+        elif self.leak == "after a kept norm":  # t read after LN2, which absorbs the shift of t(y): x unchanged
+            outputs += (self.ln2(self.t(outputs[1]) + F.relu(self.w(y))),)
+        return outputs
+
+
+@pytest.mark.parametrize("leak", [None, "after a kept norm"])
+def test_a_shared_linear_folds_when_its_other_call_reaches_a_kept_layer_norm(leak):
+    norms = _fold(_SharedTransform(leak), (_x(), _x(seed=1)))
+    assert norms["ln1"].foldable and norms["ln1"].producers == ("e", "t.bias", "t.weight"), norms["ln1"]
+    assert not norms["ln2"].foldable and "aten.relu" in norms["ln2"].reason
+
+
+@pytest.mark.parametrize("leak, blocker", [
+    ("output", "a model output"),
+    ("input of t", "aten.linear at t, whose other operand changes too"),  # δx·δWᵀ: not a ones-vector
+])
+def test_a_shared_linear_whose_other_call_leaks_the_shift_is_refused(leak, blocker):
+    norms = _fold(_SharedTransform(leak), (_x(), _x(seed=1)))
+    assert not norms["ln1"].foldable and blocker in norms["ln1"].reason, norms["ln1"].reason
+
+
+@pytest.mark.parametrize("operand, dims, expected", [
+    (1, (0,), (2,)),        # W + δ, δ constant along the output rows: x·δᵀ is constant along the features
+    (1, (1,), None),        # δ constant along the inputs: x·δᵀ varies with the output feature
+    (2, (0,), (0, 1, 2)),   # b + c·1: the same c·1 at every token
+])
+def test_the_shift_column_passes_a_linear_layers_weight_and_bias_shift_where_the_math_allows(operand, dims, expected):
+    w, b = torch.randn(C, C, dtype=torch.float64), torch.randn(C, dtype=torch.float64)
+    node = _graph_node(lambda a, w_, b_: F.linear(a, w_, b_), _x(0), w, b, target="aten.linear")
+    out = shift_passes(node, node.args[operand], dims)
+    assert (tuple(sorted(out)) if out is not None else None) == expected
+    # the math the rule states, numerically: the change of the output is constant along the dims it returns
+    c = torch.randn(C, dtype=torch.float64)
+    delta = c.expand(C, C) if operand == 1 and dims == (0,) else (c[:, None].expand(C, C) if operand == 1 else c * 0 + c[0])
+    args = [_x(0), w, b]
+    args[operand] = args[operand] + delta
+    change = F.linear(*args) - F.linear(_x(0), w, b)  # (B, T, C)
+    for d in expected or ():
+        assert torch.allclose(change, change.mean(d, keepdim=True).expand_as(change), atol=1e-12)
+    if expected is None:
+        assert not torch.allclose(change, change.mean(2, keepdim=True).expand_as(change), atol=1e-12)
+
+
+class _MessageToken(nn.Module):
+    """X-CLIP's cross-frame message: m = fc(h[:, 0]) is normalized by LN_m, appended to the tokens, run
+    through a block (LN1 absorbs its shift) and sliced off again, so centering fc for LN_m shifts only
+    a row nobody keeps. ``keep``: which tokens the block returns (all of them, or the message too)."""
+
+    def __init__(self, keep: str = "tokens"):
+        super().__init__()
+        self.fc, self.mix, self.attn = nn.Linear(C, C), nn.Linear(C, C), nn.Linear(C, C)
+        self.ln_m, self.ln1 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.keep = keep
+
+    def forward(self, h):  # (B, T, C)
+        m = self.fc(h[:, 0])                         # (B, C)
+        m = m + self.mix(self.ln_m(m))
+        x = torch.cat([h, m[:, None]], 1)            # (B, T + 1, C)
+        a = self.ln1(x)
+        x = x + self.attn(torch.softmax(a @ a.transpose(1, 2), -1) @ a)  # tokens mixed after LN1 only
+        return {"tokens": x[:, :T], "all": x, "last two": x[:, T - 1:]}[self.keep]
+
+
+def test_a_shift_confined_to_a_token_that_is_sliced_off_is_absorbed():
+    norms = _fold(_MessageToken(), (_x(),))
+    assert norms["ln_m"].foldable and norms["ln_m"].producers == ("fc.bias", "fc.weight"), norms["ln_m"]
+
+
+@pytest.mark.parametrize("keep", ["all", "last two"])
+def test_a_shift_on_a_token_that_is_kept_reaches_the_output(keep):
+    norms = _fold(_MessageToken(keep), (_x(),))
+    assert not norms["ln_m"].foldable and "a model output" in norms["ln_m"].reason, norms["ln_m"].reason

@@ -42,7 +42,8 @@ from .op_kinds import CAST_OP_NAMES, CAST_OPS, COPY_OP_NAMES, COPY_OPS, aten_pac
 from .plan import CenterGroupsStep, CenterStep, FoldPlan, PlanConstraints, PrecomputeStep, SwapStep, UntieStep
 from .report import NormEntry
 from .rules import (MULTI_OUTPUT_OPS, Break, Need, NormCall, Requires, Source, cancelling_sum, classify, classify_part,
-                    live_nodes, make_need, norm_call, reads_only_shape, rounding_cast, shift_is_additive, shift_passes)
+                    live_nodes, make_need, norm_call, reads_only_shape, rounding_cast, shift_is_additive, shift_passes,
+                    shift_support)
 
 _aten = torch.ops.aten
 _NOTHING: Mapping[str, str] = MappingProxyType({})
@@ -350,6 +351,14 @@ class _FoldingSet:
         where = self._changed_where(node)
         return where is not None and not bool(where.any())
 
+    def may_change(self, node: fx.Node) -> bool:
+        """Centering may change some value of ``node`` (downstream of a centered tensor, and not known to
+        be unchanged everywhere, as the output of a LayerNorm whose input only shifts)."""
+        if node not in self.changed:
+            return False
+        where = self._changed_where(node)
+        return where is None or bool(where.any())
+
     def _changed_where(self, node) -> torch.Tensor | None:
         """A boolean tensor of ``node``'s shape, True where centering may change its value; None where
         that is not known (anywhere, then)."""
@@ -467,12 +476,12 @@ def _shift_blocker(reader: fx.Node, changed: fx.Node, dims: tuple[int, ...], fol
     """Follow the shift that centering adds to ``changed`` (constant along ``dims``) forward from
     ``reader``: None when every path ends at the input of a LayerNorm that stays one, else the first
     place it is not absorbed (a model output, an op that does not pass it, a norm that folds...)."""
-    stack, seen = [(reader, changed, dims)], set()
+    stack, seen = [(reader, changed, dims, ())], set()
     while stack:
-        user, operand, dims = stack.pop()
-        if (user, operand, dims) in seen:
+        user, operand, dims, support = stack.pop()
+        if (user, operand, dims, support) in seen:
             continue
-        seen.add((user, operand, dims))
+        seen.add((user, operand, dims, support))
         if user.op == "output":
             return _Failure("a model output", False)
         call = norm_call(user)
@@ -488,13 +497,16 @@ def _shift_blocker(reader: fx.Node, changed: fx.Node, dims: tuple[int, ...], fol
         rounding = rounding_cast(user, folding.captured)
         if rounding is not None:  # LN(round(x + δ)) differs from LN(round(x)) by the rounding
             return _Failure(f"{describe(user)}, where {rounding}", False)
+        out_support = shift_support(user, operand, support)
+        if out_support is None:  # the op reads none of the indices the shift is on
+            continue
         out_dims = shift_passes(user, operand, dims)
         if out_dims is None:
             return _Failure(f"{describe(user)}, which does not pass a ones-vector shift", False)
-        if not shift_is_additive(user) and any(
+        if not shift_is_additive(user, folding.may_change) and any(
                 other is not operand and other in folding.changed for other in user.all_input_nodes):
             return _Failure(f"{describe(user)}, whose other operand changes too", False)
-        stack.extend((nxt, user, out_dims) for nxt in effective_users(user))
+        stack.extend((nxt, user, out_dims, out_support) for nxt in effective_users(user))
     return None
 
 

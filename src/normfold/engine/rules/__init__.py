@@ -54,7 +54,7 @@ from .casts import rounding_cast
 from .elementwise import (FULL_OPS, ZERO_OPS, cancelling_sum, shift_add_sub, shift_div, shift_dropout, shift_mul,
                           shift_same, zero_mean_add_sub, zero_mean_div, zero_mean_dropout, zero_mean_mul,
                           zero_mean_same_dim, zero_source)
-from .indexing import (SPLIT_DIM_ARG, shift_cat, shift_getitem, shift_index_select, shift_pad, shift_select,
+from .indexing import (SPLIT_DIM_ARG, shift_cat, shift_support, shift_getitem, shift_index_select, shift_pad, shift_select,
                        shift_slice, shift_stack, zero_mean_cat, zero_mean_constant_pad, zero_mean_getitem,
                        zero_mean_index, zero_mean_index_select, zero_mean_pad, zero_mean_select, zero_mean_slice,
                        zero_mean_stack)
@@ -64,7 +64,7 @@ from .layout import (shift_expand, shift_numpy_t, shift_permute, shift_t, shift_
 from .linear_maps import (EMBEDDING_BAG_OP_NAMES, shift_linear, shift_mm, zero_mean_addmm, zero_mean_baddbmm, zero_mean_conv,
                           zero_mean_conv_transpose, zero_mean_embedding, zero_mean_linear, zero_mean_mm, zero_mean_sdpa)
 from .norms import NormCall, layer_norm_source, norm_call
-from .parts import select_part, slice_part, split_part, view_part
+from .parts import cat_part, select_part, slice_part, split_part, sum_part, view_part
 from .rows import (GRID_SAMPLER_OP_NAMES, SPATIAL_OP_NAMES, shift_gather, shift_grid_sample, shift_masked,
                    shift_reduce, shift_repeat, shift_roll, shift_spatial, shift_unfold, shift_where, zero_mean_gather,
                    zero_mean_grid_sample, zero_mean_index_copy, zero_mean_index_put, zero_mean_masked_fill,
@@ -229,6 +229,10 @@ def _part_answer(need: Need, captured: Captured) -> Answer | None:
         return None
     if rule is zero_mean_view:
         return view_part(node, dim, group, groups, where)
+    if rule is zero_mean_add_sub:
+        return sum_part(node, dim, group, groups, where)
+    if rule is zero_mean_cat:
+        return cat_part(node, dim, group, groups, where)
     if rule is zero_mean_linear and groups is not None and dim == rank(node) - 1:
         w, b = node.args[1], _arg(node, 2, "bias")  # output groups g of x·Wᵀ + b are rows g of W and b
         return Requires(tuple(part_need(p, 0, group, groups, ()) for p in (w, b) if p is not None))
@@ -262,10 +266,16 @@ def shift_passes(node: fx.Node, operand: fx.Node, dims: Dims) -> Dims | None:
     return tuple(sorted(out)) if out else None
 
 
-def shift_is_additive(node: fx.Node) -> bool:
-    """The op's output change is the sum of each operand's own (add, sub, cat, stack): shifts on several
-    operands superpose, so the other operands may change too."""
-    return node.op == "call_function" and getattr(node.target, "overloadpacket", None) in SHIFT_ADDITIVE
+def shift_is_additive(node: fx.Node, changed: Callable[[fx.Node], bool] = lambda n: True) -> bool:
+    """The op's output change is the sum of each operand's own, so the other operands may change too:
+    add, sub, cat, stack always; a linear layer when its input x does not change (``changed``), since
+    x·(W + δW)ᵀ + (b + δb) = x·Wᵀ + b + x·δWᵀ + δb (a changing x would add the product δx·δWᵀ)."""
+    if node.op != "call_function":
+        return False
+    packet = getattr(node.target, "overloadpacket", None)
+    if packet in SHIFT_ADDITIVE:
+        return True
+    return packet is _aten.linear and isinstance(node.args[0], fx.Node) and not changed(node.args[0])
 
 
 def reads_only_shape(user: fx.Node, operand: fx.Node) -> bool:
@@ -284,5 +294,5 @@ def reads_only_shape(user: fx.Node, operand: fx.Node) -> bool:
 # what the analysis, the norm forms and rotation's closure check read from the rules
 __all__ = ["Answer", "BLOCK_RULES", "Break", "METADATA_OPS", "MULTI_OUTPUT_OPS", "Need", "NormCall", "Part", "RULES",
            "Requires", "SHIFT_ADDITIVE", "SHIFT_RULES", "Source", "cancelling_sum", "classify", "classify_part",
-           "live_nodes", "make_need", "norm_call", "reads_only_shape", "rounding_cast", "shift_is_additive",
+           "live_nodes", "make_need", "norm_call", "reads_only_shape", "rounding_cast", "shift_is_additive", "shift_support",
            "shift_passes"]

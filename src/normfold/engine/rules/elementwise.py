@@ -38,7 +38,7 @@ def is_zero_literal(value) -> bool:
     copy of one: ``x[mask] = 0.0`` writes ``lift_fresh_copy`` of a lifted constant)."""
     if isinstance(value, (int, float, bool)):
         return value == 0
-    if isinstance(value, fx.Node) and value.op == "call_function" and (classify_zero(value) or _is_self_difference(value)):
+    if isinstance(value, fx.Node) and value.op == "call_function" and (classify_zero(value) or is_self_difference(value)):
         return True
     if isinstance(value, fx.Node):
         source = through_value_copies(value)
@@ -116,7 +116,7 @@ def shift_dropout(node, operand, dims):
 
 def zero_mean_add_sub(node, dim, group):
     a, b = node.args[0], _arg(node, 1, "other")
-    if _is_self_difference(node):
+    if is_self_difference(node):
         return Source("zero")
     cancelled = cancelling_sum(node)
     if cancelled is not None:  # x − (x + p) = −p: only the terms left need zero mean
@@ -213,7 +213,7 @@ def _broadcasts_to(s_in, s_out) -> bool:
         a in (1, b) for a, b in zip(reversed(s_in), reversed(s_out)))
 
 
-def _is_self_difference(node: fx.Node) -> bool:
+def is_self_difference(node: fx.Node) -> bool:
     """``a − a`` (alpha 1): zero whatever ``a`` holds, so zero-mean along every dim."""
     if getattr(node.target, "overloadpacket", None) not in (_aten.sub, _aten.sub_) or _arg(node, 2, "alpha", 1) != 1:
         return False

@@ -182,3 +182,52 @@ def shift_pad(node, operand, dims):
     r = rank(node)
     padded = {r - 1 - k for k in range(len(pad) // 2) if pad[2 * k] or pad[2 * k + 1]}
     return dims - padded if only_at(node, operand, 0) else None
+
+
+# --------------------------------------------------------------------------- where a shift is not zero
+#
+# The shift column says along which dims a centering shift is constant; these say where it can be
+# non-zero at all: per dim, a range [start, stop) of indices (a dim absent from the support: anywhere).
+# Joining a shifted tensor to others confines its shift to its own indices; a slice or a select that
+# leaves them out drops the shift (X-CLIP's message token: appended to the frame's tokens, run through
+# the block, sliced off again). Every other op forgets the support (anywhere), which asks more of the
+# closedness check and is therefore never wrong.
+
+Support = tuple  # sorted ((dim, start, stop), ...)
+
+
+def shift_support(node, operand, support: Support) -> Support | None:
+    """Where ``node``'s output shift can be non-zero when ``operand``'s is non-zero only in ``support``;
+    None when the op drops it entirely (nothing of the shifted indices is read)."""
+    packet = str(getattr(node.target, "overloadpacket", "")).removeprefix("aten.") if node.op == "call_function" else ""
+    ranges = {d: (a, b) for d, a, b in support}
+    shape = trace_shape(node)
+    if packet in ("cat", "concat", "concatenate") and trace_shape(operand) is not None and rank(operand) == rank(node):
+        dc, start = _arg(node, 1, "dim", 0) % rank(node), 0
+        for part in node.args[0]:
+            if part is operand:
+                a, b = ranges.get(dc, (0, trace_shape(part)[dc]))
+                ranges[dc] = (start + a, start + b)
+                return tuple(sorted((d, a, b) for d, (a, b) in ranges.items()))
+            start += trace_shape(part)[dc] if trace_shape(part) is not None and math.prod(trace_shape(part)) else 0
+        return ()
+    if packet == "slice" and only_at(node, operand, 0) and _arg(node, 4, "step", 1) == 1:
+        ds, total = _arg(node, 1, "dim", 0) % rank(operand), trace_shape(operand)[_arg(node, 1, "dim", 0) % rank(operand)]
+        start = _arg(node, 2, "start", 0) or 0
+        start = min(max(start + total if start < 0 else start, 0), total)
+        stop = start + shape[ds]
+        if ds in ranges:
+            a, b = max(ranges[ds][0], start), min(ranges[ds][1], stop)
+            if a >= b:
+                return None
+            ranges[ds] = (a - start, b - start)
+        return tuple(sorted((d, a, b) for d, (a, b) in ranges.items()))
+    if packet == "select" and only_at(node, operand, 0):
+        ds = node.args[1] % rank(operand)
+        index = node.args[2] % trace_shape(operand)[ds]
+        if ds in ranges and not ranges[ds][0] <= index < ranges[ds][1]:
+            return None
+        return tuple(sorted((d if d < ds else d - 1, a, b) for d, (a, b) in ranges.items() if d != ds))
+    if packet in ("add", "sub", "clone", "alias", "detach", "dropout") and trace_shape(operand) == shape:
+        return support  # element to element, same shape
+    return ()

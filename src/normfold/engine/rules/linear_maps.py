@@ -22,9 +22,21 @@ def zero_mean_linear(node, dim, group):
 
 
 def shift_linear(node, operand, dims):
-    """(x + δ)·Wᵀ + b = (x·Wᵀ + b) + δ·Wᵀ: constant along δ's dims except the features, which W mixes."""
+    """How a shift of one operand of x·Wᵀ + b comes out:
+
+    x + δ:  + δ·Wᵀ, constant along δ's dims except the features, which W mixes;
+    W + δ, δ[o, i] = c_i (constant along the output rows, what centering W adds): + x·δᵀ, whose entry o
+            is Σ_i x_i·c_i for every o, so constant along the output features only;
+    b + δ, δ = c·1: + c·1, constant along every output dim (b is broadcast over the leading dims).
+    """
     last = rank(operand) - 1
-    return {d + rank(node) - rank(operand) for d in dims if d != last} if only_at(node, operand, 0) else None
+    if only_at(node, operand, 0):
+        return {d + rank(node) - rank(operand) for d in dims if d != last}
+    if only_at(node, operand, 1) and rank(operand) == 2:
+        return {rank(node) - 1} if 0 in dims else None
+    if only_at(node, operand, 2) and rank(operand) == 1:
+        return set(range(rank(node))) if 0 in dims else None
+    return None
 
 
 def zero_mean_addmm(node, dim, group):

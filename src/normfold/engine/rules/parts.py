@@ -1,10 +1,12 @@
-"""Questions about a part of a tensor: only the rows of a fused projection that reach a norm.
+"""Questions about a part of a tensor: only the rows of a fused projection that reach a norm, or only
+the class-token row of a residual stream.
 
 A norm may read only a part of a tensor: q = qkv.view(B, T, H, 3, D)[..., 0, :] reads the q rows of
 a fused projection. The question is then asked of that part alone, so that only the output rows of
 the fused weight that reach a norm are centered, per group (head), and the v rows stay as they are.
 ``rules.classify_part`` answers such questions with the functions here for the ops that pick or move
-parts (selections, reshapes, copies) and for the Linear that makes them; every other op is asked
+parts (selections, reshapes, copies, joins), for sums (each operand at the same place) and for the
+Linear that makes them; every other op is asked
 about the whole tensor (``classify``), which requires more and is therefore never wrong. Which
 elements centering then changes, and that no other reader sees them, the analysis checks
 (``analysis._FoldingSet``).
@@ -18,6 +20,7 @@ from torch import fx
 from ..graph import node_arg as _arg  # the short name reads better below
 from ..graph import trace_shape
 from .answers import Requires, part_need, rank
+from .elementwise import cancelling_sum, is_self_difference
 from .indexing import SPLIT_DIM_ARG, split_sizes
 from .layout import view_groups
 
@@ -132,3 +135,43 @@ def _digits(flat: int, sizes: list[int]) -> list[int]:
         flat, digit = divmod(flat, size)
         out.append(digit)
     return out[::-1]
+
+
+def sum_part(node, dim, group, groups, where):
+    """a ± b read at a part: each output element is a's and b's at the same place (broadcast), so the
+    part of each operand that lands there (CvT's cls row of the residual stream, its patch rows left
+    alone). None where an operand is a number or is broadcast along the asked dim (the whole-node
+    rule decides those)."""
+    if is_self_difference(node) or cancelling_sum(node) is not None:  # the whole-node rule knows these
+        return None
+    needs = []
+    for operand in (node.args[0], _arg(node, 1, "other")):
+        if not isinstance(operand, fx.Node) or trace_shape(operand) is None:
+            return None
+        s_out, s_in = trace_shape(node), trace_shape(operand)
+        lead = len(s_out) - len(s_in)
+        if dim - lead < 0 or s_in[dim - lead] != s_out[dim]:
+            return None
+        moved = {d - lead: (frozenset({0}) if s_in[d - lead] == 1 else s) for d, s in where.items() if d >= lead}
+        needs.append(part_need(operand, dim - lead, group, groups, moved))
+    return Requires(tuple(needs))
+
+
+def cat_part(node, dim, group, groups, where):
+    """cat along a dim the part picks indices of: each index is one operand's, so only the operands the
+    part reaches are asked, about their own indices (torch.cat((cls, patches), 1)[:, 0] is cls)."""
+    dc = _arg(node, 1, "dim", 0) % rank(node)
+    if dc == dim or dc not in where:
+        return None
+    needs, start = [], 0
+    for operand in node.args[0]:
+        shape = trace_shape(operand)
+        if shape is None:
+            return None
+        if math.prod(shape) == 0:  # torch.cat skips empty tensors (legacy 1-D empties too)
+            continue
+        picked = frozenset(i - start for i in where[dc] if start <= i < start + shape[dc])
+        if picked:
+            needs.append(part_need(operand, dim, group, groups, {**where, dc: picked}))
+        start += shape[dc]
+    return Requires(tuple(needs))
