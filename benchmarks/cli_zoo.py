@@ -23,6 +23,12 @@ Each row's ``verdict``: "folded" (exit 0, a report written), "refused" (exit 1 o
 
 A row's ``model_type`` may name a head, ``TYPE:CLASS`` (``bert:BertForMultipleChoice``): its folder holds that
 class built from the type's shrunk config, as a fine-tuned checkpoint's does.
+
+    python benchmarks/cli_zoo.py --tests /tmp/transformers-tests --out benchmarks/results/cli_zoo_testers
+
+builds each folder from transformers' own tester config instead (a checkout of its test suite, read by
+benchmarks/hf_testers.py as hf_zoo.py --tests does): the main head class hf_zoo.py picks for the tester's
+inputs, else the bare model; a type without a tester is a "skipped" row saying so.
 """
 from __future__ import annotations
 
@@ -53,6 +59,7 @@ sys.path[:0] = [str(REPO / "tests" / "hf"), str(REPO / "tests"), str(REPO / "ben
 RESULTS = REPO / "benchmarks" / "results"
 SECONDS_PER_TYPE = 300  # build + fold of one type; past it the row is "skipped" with the time
 MAX_RSS_GB = 8.0        # a type whose child process holds more is stopped (BLT's shrunk config builds 23 GB)
+TESTS: Path | None = None  # --tests: a transformers checkout whose testers' configs build the folders
 COLUMNS = ["model_type", "verdict", "exit", "route", "processor", "line", "seconds"]
 
 
@@ -94,13 +101,19 @@ def build_folder(entry: str, folder: Path, helpers) -> tuple[str | None, str]:
     it does not build, else (None, processor)."""
     zoo, processors, hf_zoo = helpers
     model_type, _, head = entry.partition(":")
+    if TESTS is not None:
+        try:
+            config, model = _tester_model(model_type, head, helpers)
+        except Exception as err:  # noqa: BLE001  no tester in the checkout, or its config builds no model
+            return f"no tiny model from its tester ({type(err).__name__}: {_first_line(err)})", ""
     try:
-        config = zoo._config(model_type)
-        model_class = getattr(zoo.transformers, head) if head else zoo._folder_model_class(config)
-        config.architectures = [model_class.__name__]
-        torch.manual_seed(0)
-        model = model_class(config).eval()
-        hf_zoo.randomise_constant_parameters(model)
+        if TESTS is None:
+            config = zoo._config(model_type)
+            model_class = getattr(zoo.transformers, head) if head else zoo._folder_model_class(config)
+            config.architectures = [model_class.__name__]
+            torch.manual_seed(0)
+            model = model_class(config).eval()
+            hf_zoo.randomise_constant_parameters(model)
         model.save_pretrained(folder)  # the shrunk config is validated here
     except Exception as err:  # noqa: BLE001  a config the size rules cannot shrink consistently
         return f"no tiny model from its shrunk default config ({type(err).__name__}: {_first_line(err)})", ""
@@ -111,6 +124,21 @@ def build_folder(entry: str, folder: Path, helpers) -> tuple[str | None, str]:
         except Exception as err:  # noqa: BLE001
             name = f"none ({type(err).__name__} saving {name})"
     return None, name
+
+
+def _tester_model(model_type: str, head: str, helpers):
+    """(config, randomised model) from the type's tester in ``TESTS``: the head class ``head``, else the class
+    hf_zoo.py folds last for the tester's inputs (the main head, when one takes them)."""
+    import hf_testers
+
+    zoo, _, hf_zoo = helpers
+    config, example, _ = hf_testers.tester_inputs(model_type, TESTS, seed=0)
+    classes = [getattr(zoo.transformers, head)] if head else hf_zoo.model_classes(config, zoo, example)
+    if not classes:
+        raise LookupError(f"no model class takes {type(config).__name__}")
+    model = hf_zoo.tester_model(classes[-1], config)
+    model.config.architectures = [classes[-1].__name__]
+    return model.config, model
 
 
 def cli_row(model_type: str, root: Path, helpers) -> dict:
@@ -241,7 +269,7 @@ def read_rows(paths: list[str]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global SECONDS_PER_TYPE  # --seconds-per-type: read by each row's time box, in the children too
+    global SECONDS_PER_TYPE, TESTS  # --seconds-per-type, --tests: read by each row, in the children too
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--types", nargs="*", help="model types (default: every type of CONFIG_MAPPING)")
     parser.add_argument("--shard", default="1/1", help="K/N: only every N-th type from the K-th (parallel runs)")
@@ -254,12 +282,17 @@ def main(argv: list[str] | None = None) -> int:
                         "families of tests/hf/test_zoo_folders.py) instead of its bare model")
     parser.add_argument("--merge", nargs="+", metavar="CSV", help="write one table from shards' CSVs (a later "
                         "file's row of a type wins), run nothing")
+    parser.add_argument("--tests", type=Path, help="a transformers checkout: each folder from its type's tester "
+                        "config (benchmarks/hf_testers.py) instead of the shrunk default config")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # the child: JSON lines out
     parser.add_argument("--root", type=Path, help=argparse.SUPPRESS)  # the child's folder for the tiny folders
     args = parser.parse_args(argv)
     if args.seconds_per_type <= 0:
         parser.error(f"--seconds-per-type must be > 0, got {args.seconds_per_type}")
     SECONDS_PER_TYPE = args.seconds_per_type
+    if args.tests is not None and not (args.tests / "tests" / "models").is_dir():
+        parser.error(f"--tests must be a transformers checkout with tests/models/, got {args.tests}")
+    TESTS = args.tests
     if args.worker:
         return run_worker(args.types, args.root)
     stem = Path(args.out)
@@ -284,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     command += f" --shard {args.shard}" if n > 1 else ""
     if args.seconds_per_type != parser.get_default("seconds_per_type"):
         command += f" --seconds-per-type {args.seconds_per_type}"
+    command += f" --tests {args.tests}" if args.tests else ""
     rows = []
     for row in isolated_rows(types, args.max_rss_gb):
         rows.append(row)
@@ -348,8 +382,9 @@ def _rows_in_children(types: list[str], root: Path, max_rss_gb: float):
         for leftover in root.iterdir():  # a killed child's folders (BLT's: 5.6 GB)
             shutil.rmtree(leftover, ignore_errors=True)
         child = subprocess.Popen([sys.executable, __file__, "--worker", "--seconds-per-type", str(SECONDS_PER_TYPE),
-                                  "--root", str(root), "--types", *remaining],
-                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                                  "--root", str(root), *(["--tests", str(TESTS)] if TESTS else []), "--types", *remaining],
+                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})  # a tester's code may reach for the hub
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [lines.put(line) for line in child.stdout] and None, daemon=True).start()
         current, since, why = None, time.monotonic(), None

@@ -435,7 +435,7 @@ def tester_rows(model_type: str, root: Path, zoo, testers) -> list[dict]:
         rows.append({**row, "model_class": cls.__name__, "detail": tester})
         with _time_box(rows[-1]):
             try:
-                model = _tester_model(cls, config)
+                model = tester_model(cls, config)
             except _TimeBox:
                 raise
             except Exception as err:  # noqa: BLE001  the tester's config builds no such model: skipped, with why
@@ -446,7 +446,7 @@ def tester_rows(model_type: str, root: Path, zoo, testers) -> list[dict]:
     return rows
 
 
-def _tester_model(cls: type, config) -> nn.Module:
+def tester_model(cls: type, config) -> nn.Module:
     """``cls`` on a copy of a tester's config, eager attention and no cache (as normfold's own example
     inputs ask: a cache object is no output to compare), in eval mode, randomised."""
     config = copy.deepcopy(config)

@@ -101,3 +101,48 @@ def test_a_classifier_of_few_logits_is_judged_in_float32_by_the_larger_measure_o
     (6922b33). The bar now takes the larger of that and the logits' change under one rounding of every weight."""
     row = cli_zoo.cli_row(entry, tmp_path, cli_zoo._helpers())
     assert row["verdict"] == "folded", row
+
+
+VIT_TESTS = '''
+from transformers import ViTConfig
+
+from ...test_modeling_common import floats_tensor
+
+
+class ViTModelTester:
+    def __init__(self, parent):
+        self.parent = parent
+
+    def prepare_config_and_inputs_for_common(self):
+        config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=1,
+                           num_attention_heads=2, intermediate_size=32)
+        return config, {"pixel_values": floats_tensor([2, 3, 8, 8])}
+'''
+
+
+def test_with_tests_a_folder_is_built_from_the_types_own_tester_config(cli_zoo, tmp_path, monkeypatch):
+    checkout = tmp_path / "checkout"
+    (checkout / "tests" / "models" / "vit").mkdir(parents=True)
+    (checkout / "tests" / "models" / "vit" / "test_modeling_vit.py").write_text(VIT_TESTS)
+    monkeypatch.setattr(cli_zoo, "TESTS", checkout)
+    built = {}
+    helpers = cli_zoo._helpers()
+    real = cli_zoo._tester_model
+
+    def spy(model_type, head, helpers_):
+        config, model = real(model_type, head, helpers_)
+        built[model_type] = (config.hidden_size, type(model).__name__)
+        return config, model
+
+    monkeypatch.setattr(cli_zoo, "_tester_model", spy)
+    row = cli_zoo.cli_row("vit", tmp_path, helpers)
+    assert row["verdict"] == "folded" and row["exit"] == 0, row
+    assert built["vit"][0] == 16  # the tester's width, not the shrunk default config's
+    missing = cli_zoo.cli_row("bert", tmp_path, helpers)
+    assert missing["verdict"] == "skipped" and "no tiny model from its tester (TesterError" in missing["line"]
+
+
+def test_tests_must_be_a_checkout(cli_zoo, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli_zoo.main(["--tests", str(tmp_path), "--types", "vit"])
+    assert exit_.value.code == 2 and "--tests must be a transformers checkout with tests/models/" in capsys.readouterr().err
