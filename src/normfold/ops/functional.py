@@ -37,7 +37,7 @@ def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, res
     # Stage 1 (module docstring): ~2 µs instead of ~8 µs of Python around the kernel, what a batch-1
     # decode step is made of. None means "not plain": the stages below check, raise, trace or record.
     kernel = _cpu._module  # None until the first full-path call has built / loaded it
-    if kernel is not None and _eager_cpu_shortcut and not is_compiling():
+    if kernel is not None and _eager_cpu_shortcut and getattr(x, "is_cpu", False) and not is_compiling():
         result = kernel.norm_fwd_eager(x, weight, bias, residual, eps, offset, is_rms, out)
         if result is not None:
             return result
@@ -45,8 +45,9 @@ def _norm(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float, res
     if out is not None:
         check_out(out, x, (x, weight, bias, residual))
     shape, n = x.shape, x.shape[-1]
-    x2d = x.reshape(-1, n)  # (M, N)
-    r2d = None if residual is None else residual.reshape(-1, n)
+    flat = x.dim() == 2  # already (M, N): no reshape to pay for
+    x2d = x if flat else x.reshape(-1, n)  # (M, N)
+    r2d = None if residual is None else (residual if flat else residual.reshape(-1, n))
     eps, offset = float(eps), float(offset)
     s_out = None if out is None or residual is None else x.new_empty(shape)
     y, s = _library.norm(x2d, weight, bias, r2d, eps, offset, is_rms, out, s_out)
