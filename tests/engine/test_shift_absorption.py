@@ -361,9 +361,11 @@ class _MessageToken(nn.Module):
         m = self.fc(h[:, 0])                         # (B, C)
         m = m + self.mix(self.ln_m(m))
         x = torch.cat([h, m[:, None]], 1)            # (B, T + 1, C)
+        if self.keep == "joined twice":
+            x = torch.cat([x, x], 1)[:, T + 1:]  # one tensor joined twice: the second message row is kept
         a = self.ln1(x)
         x = x + self.attn(torch.softmax(a @ a.transpose(1, 2), -1) @ a)  # tokens mixed after LN1 only
-        return {"tokens": x[:, :T], "all": x, "last two": x[:, T - 1:]}[self.keep]
+        return {"tokens": x[:, :T], "all": x, "last two": x[:, T - 1:], "joined twice": x}[self.keep]
 
 
 def test_a_shift_confined_to_a_token_that_is_sliced_off_is_absorbed():
@@ -371,7 +373,7 @@ def test_a_shift_confined_to_a_token_that_is_sliced_off_is_absorbed():
     assert norms["ln_m"].foldable and norms["ln_m"].producers == ("fc.bias", "fc.weight"), norms["ln_m"]
 
 
-@pytest.mark.parametrize("keep", ["all", "last two"])
+@pytest.mark.parametrize("keep", ["all", "last two", "joined twice"])
 def test_a_shift_on_a_token_that_is_kept_reaches_the_output(keep):
     norms = _fold(_MessageToken(keep), (_x(),))
     assert not norms["ln_m"].foldable and "a model output" in norms["ln_m"].reason, norms["ln_m"].reason

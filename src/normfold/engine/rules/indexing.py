@@ -35,16 +35,34 @@ def _aligned_part(node, x, part_dim: int, dim: int, group, start: int, length: i
     return Break(f"{op_name(node)} takes a part of the normalized dim that is not a whole group")
 
 
+def slice_start(node) -> tuple[int, int]:
+    """(dim, first index) a slice node reads of its input, the start clamped as Python clamps it."""
+    x = node.args[0]
+    ds = _arg(node, 1, "dim", 0) % rank(x)
+    total = trace_shape(x)[ds]
+    start = _arg(node, 2, "start", 0) or 0
+    return ds, min(max(start + total if start < 0 else start, 0), total)
+
+
+def cat_offsets(node) -> list[tuple[fx.Node, int]]:
+    """(operand, index of its first entry along the joined dim) for each operand of a cat node that holds
+    entries (torch.cat skips empty tensors, legacy 1-D empties too)."""
+    dc, start, spans = _arg(node, 1, "dim", 0) % rank(node), 0, []
+    for part in node.args[0]:
+        shape = trace_shape(part)
+        if shape is None or math.prod(shape) == 0:
+            continue
+        spans.append((part, start))
+        start += shape[dc]
+    return spans
+
+
 def zero_mean_slice(node, dim, group):
     x = node.args[0]
-    r = rank(x)
-    ds = _arg(node, 1, "dim", 0) % r
+    ds, start = slice_start(node)
     step = _arg(node, 4, "step", 1)
     if ds == dim and step != 1:
         return Break(f"{op_name(node)} with step {step} along the normalized dim")
-    total = trace_shape(x)[ds]
-    start = _arg(node, 2, "start", 0) or 0
-    start = min(max(start + total if start < 0 else start, 0), total)
     return _aligned_part(node, x, ds, dim, group, start, trace_shape(node)[ds])
 
 
@@ -203,18 +221,15 @@ def shift_support(node, operand, support: Support) -> Support | None:
     ranges = {d: (a, b) for d, a, b in support}
     shape = trace_shape(node)
     if packet in ("cat", "concat", "concatenate") and trace_shape(operand) is not None and rank(operand) == rank(node):
-        dc, start = _arg(node, 1, "dim", 0) % rank(node), 0
-        for part in node.args[0]:
-            if part is operand:
-                a, b = ranges.get(dc, (0, trace_shape(part)[dc]))
-                ranges[dc] = (start + a, start + b)
-                return tuple(sorted((d, a, b) for d, (a, b) in ranges.items()))
-            start += trace_shape(part)[dc] if trace_shape(part) is not None and math.prod(trace_shape(part)) else 0
-        return ()
+        dc = _arg(node, 1, "dim", 0) % rank(node)
+        starts = [start for part, start in cat_offsets(node) if part is operand]
+        if len(starts) != 1:  # joined twice (or not at all): its indices are not one range
+            return ()
+        a, b = ranges.get(dc, (0, trace_shape(operand)[dc]))
+        ranges[dc] = (starts[0] + a, starts[0] + b)
+        return tuple(sorted((d, a, b) for d, (a, b) in ranges.items()))
     if packet == "slice" and only_at(node, operand, 0) and _arg(node, 4, "step", 1) == 1:
-        ds, total = _arg(node, 1, "dim", 0) % rank(operand), trace_shape(operand)[_arg(node, 1, "dim", 0) % rank(operand)]
-        start = _arg(node, 2, "start", 0) or 0
-        start = min(max(start + total if start < 0 else start, 0), total)
+        ds, start = slice_start(node)
         stop = start + shape[ds]
         if ds in ranges:
             a, b = max(ranges[ds][0], start), min(ranges[ds][1], stop)

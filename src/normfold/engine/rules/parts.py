@@ -21,7 +21,7 @@ from ..graph import node_arg as _arg  # the short name reads better below
 from ..graph import trace_shape
 from .answers import Requires, part_need, rank
 from .elementwise import cancelling_sum, is_self_difference
-from .indexing import SPLIT_DIM_ARG, split_sizes
+from .indexing import SPLIT_DIM_ARG, cat_offsets, split_sizes
 from .layout import view_groups
 
 
@@ -163,15 +163,11 @@ def cat_part(node, dim, group, groups, where):
     dc = _arg(node, 1, "dim", 0) % rank(node)
     if dc == dim or dc not in where:
         return None
-    needs, start = [], 0
-    for operand in node.args[0]:
-        shape = trace_shape(operand)
-        if shape is None:
-            return None
-        if math.prod(shape) == 0:  # torch.cat skips empty tensors (legacy 1-D empties too)
-            continue
-        picked = frozenset(i - start for i in where[dc] if start <= i < start + shape[dc])
+    if any(trace_shape(operand) is None for operand in node.args[0]):
+        return None
+    needs = []
+    for operand, start in cat_offsets(node):
+        picked = frozenset(i - start for i in where[dc] if start <= i < start + trace_shape(operand)[dc])
         if picked:
             needs.append(part_need(operand, dim, group, groups, {**where, dc: picked}))
-        start += shape[dc]
     return Requires(tuple(needs))
