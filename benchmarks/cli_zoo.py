@@ -298,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     stem = Path(args.out)
     if args.merge:
         rows = read_rows(args.merge)
-        _write(rows, stem, "python benchmarks/cli_zoo.py (shards: " + ", ".join(map(str, args.merge)) + ")")
+        from hf_zoo import merge_provenance
+
+        _write(rows, stem, merge_provenance("cli_zoo.py", args.merge))
         return _exit_code(rows)
     try:
         k, n = (int(part) for part in args.shard.split("/"))

@@ -646,15 +646,12 @@ def merge_tables(paths: list[Path], stem: Path, order: list[str]) -> list[dict]:
     """The rows of several tables (shards of one run, then reruns) as one table at ``stem`` (.csv and .md),
     ordered as ``order`` lists their types (a type not listed last); a type's rows are those of the last table
     that has it (a rerun replaces them); each table's command recorded from its .md."""
-    rows, commands = [], []
+    rows = []
     for path in paths:
         with open(path, newline="") as handle:
             new = list(csv.DictReader(handle))
         rerun = {r["model_type"] for r in new}
         rows = [r for r in rows if r["model_type"] not in rerun] + new
-        markdown = path.with_suffix(".md")
-        if markdown.is_file():
-            commands += [line.split("`")[1] for line in markdown.read_text().splitlines() if line.startswith("command: `")]
     if not rows:
         raise ValueError(f"expected rows in {', '.join(map(str, paths))}, got none")
     position = {t: i for i, t in enumerate(order)}
@@ -664,9 +661,25 @@ def merge_tables(paths: list[Path], stem: Path, order: list[str]) -> list[dict]:
         writer = csv.DictWriter(handle, columns)
         writer.writeheader()
         writer.writerows(rows)
-    merged = f"python benchmarks/hf_zoo.py --merge {' '.join(map(str, paths))}"
-    write_markdown(rows, stem.with_suffix(".md"), merged + ("`; shards: `" + "`; `".join(commands) if commands else ""))
+    write_markdown(rows, stem.with_suffix(".md"), merge_provenance("hf_zoo.py", paths))
     return rows
+
+
+def recorded_command(markdown: Path) -> str | None:
+    """The whole command text a table's .md recorded, the commands of its own inputs (backticked) kept."""
+    for line in markdown.read_text().splitlines():
+        if line.startswith("command: `"):
+            return line.removeprefix("command: `").rstrip().removesuffix("`")
+    return None
+
+
+def merge_provenance(script: str, paths: list) -> str:
+    """The command of a ``--merge`` of ``paths``, followed by each input's recorded command, so that a merge of
+    merges still names every run its rows came from."""
+    merged = f"python benchmarks/{script} --merge {' '.join(map(str, paths))}"
+    recorded = [recorded_command(Path(p).with_suffix(".md")) for p in paths if Path(p).with_suffix(".md").is_file()]
+    recorded = [c for c in recorded if c]
+    return merged + ("`; shards: `" + "`; `".join(recorded) if recorded else "")
 
 
 def _rss_gb(pid: int) -> float:

@@ -378,3 +378,21 @@ def test_a_rerun_merged_last_replaces_the_rows_of_its_types(hf_zoo, tmp_path):
     rows = hf_zoo.merge_tables([tmp_path / "first.csv", tmp_path / "rerun.csv"], tmp_path / "out", ["gpt2", "bert"])
     assert [(r["model_type"], r["model_class"], r["status"]) for r in rows] == [("gpt2", "GPT2Model", "proved"),
                                                                               ("bert", "BertModel", "proved")]
+
+
+def test_a_merge_of_merges_names_every_run_its_rows_came_from(hf_zoo, tmp_path):
+    """The provenance line keeps each input's whole recorded command, nested shards included (it kept only the
+    first backticked command of each input, so a merge of a merged table lost its shards)."""
+    for name, model_type in (("s0", "bert"), ("s1", "gpt2"), ("rerun", "xglm")):
+        row = {**dict.fromkeys(hf_zoo.COLUMNS, ""), "model_type": model_type, "model_class": "M", "status": "proved"}
+        with open(tmp_path / f"{name}.csv", "w", newline="") as handle:
+            writer = csv.DictWriter(handle, hf_zoo.COLUMNS)
+            writer.writeheader()
+            writer.writerow(row)
+        hf_zoo.write_markdown([row], tmp_path / f"{name}.md", f"python benchmarks/hf_zoo.py --types {model_type}")
+    hf_zoo.merge_tables([tmp_path / "s0.csv", tmp_path / "s1.csv"], tmp_path / "first", ["bert", "gpt2", "xglm"])
+    hf_zoo.merge_tables([tmp_path / "first.csv", tmp_path / "rerun.csv"], tmp_path / "final", ["bert", "gpt2", "xglm"])
+    provenance = (tmp_path / "final.md").read_text()
+    for command in ("--types bert", "--types gpt2", "--types xglm", f"--merge {tmp_path / 's0.csv'}"):
+        assert command in provenance
+    assert provenance.splitlines()[2].count("`") % 2 == 0  # the nested commands stay one balanced code span each
