@@ -7,9 +7,13 @@ norm_comparison experiment's width phase on CUDA (issue 18: training at RMSNorm'
 Runs ``experiments/norm_comparison.py --width-only --device cuda`` (5 paired seeds, variants in lockstep, each
 step timed between two CUDA synchronizations, 95% t-intervals over seeds) and writes
 ``norm_comparison_width_cuda.md`` / ``.csv`` to ``$OUT`` when set, else to ``experiments/results/``. The dry run
-routes every norm call whose dtypes the kernels take to normfold's Triton backend under Triton's interpreter, as a
-CUDA tensor would be, so every variant's training steps through the Triton kernels (forward, backward, the fused
-residual add; CBWC too) have run before a GPU session spends its minutes on them. Extra arguments go to
+routes every norm call whose dtypes the kernels take to normfold's Triton backend under Triton's interpreter, so
+every variant's training steps through the Triton kernels (forward, backward, the fused residual add; CBWC too)
+have run before a GPU session spends its minutes on them. On CUDA not every call gets there: a plain eager call of
+at most 8M elements that torch's fused norm computes to the contract runs ``F.rms_norm`` / ``F.layer_norm``
+(``normfold.ops._library._NATIVE_EAGER_MAX_ELEMENTS``), so the fp32 rows at width 384 time torch's kernels behind
+normfold's dispatch; bf16 (autocast, which never takes that route) and width 1024 × 32 × 512 tokens (16M elements)
+time the Triton kernels. Extra arguments go to
 ``norm_comparison.py`` (e.g. ``--widths 768``).
 """
 from __future__ import annotations
@@ -31,7 +35,7 @@ DRY_RUN_ARGS = ["--width-only", "--quick", "--device", "cpu", "--widths", "64,64
 
 def route_norms_to_triton() -> None:
     """Send every CPU norm call the Triton kernels take to ``normfold.ops._triton`` (interpreted), as CUDA calls
-    are sent; the eager C++ shortcut, which would answer first, is switched off."""
+    above the native route's size are sent; the eager C++ shortcut, which would answer first, is switched off."""
     import normfold.ops._triton as backend
     from normfold.ops import _library, functional
 
