@@ -210,3 +210,30 @@ def test_a_folder_whose_model_reads_none_of_the_main_inputs_folds_on_its_default
     assert main(["fold", str(folder), "-o", str(tmp_path / "out")]) == 0, capsys.readouterr().err
     names = json.loads((tmp_path / "out" / REPORT_JSON).read_text())["example_inputs"]["names"]
     assert names == ["encoder_hidden_states", "query_embeds"]  # the image states its cross-attention reads
+
+
+# BigBird with 4-token blocks and 1 random block: block-sparse attention needs more than (5 + 2) * 4 = 28 tokens
+TINY_BLOCK_SPARSE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                         attention_type="block_sparse", block_size=4, num_random_blocks=1,
+                         max_position_embeddings=128)
+
+
+def test_a_block_sparse_folder_folds_with_enough_tokens_to_stay_block_sparse(capsys, tmp_path):
+    """BigBird swaps its block-sparse attention for full attention, for good, on a call of at most
+    (5 + 2 r) b tokens; the samples' 16 tokens did that, and `normfold fold` then refused every BigBird and
+    BigBird-Pegasus folder with "cannot save BigBirdModel so that normfold.from_pretrained rebuilds it" (found by
+    benchmarks/cli_zoo.py). The tokenizer's samples are too short: the config route, with the reason."""
+    torch.manual_seed(0)
+    vocab = len(word_tokenizer().get_vocab())
+    model = transformers.BigBirdModel(transformers.BigBirdConfig(vocab_size=vocab, **TINY_BLOCK_SPARSE))
+    folder = _folder(tmp_path, "bigbird", model, word_tokenizer())
+    made = folder_example_inputs(load_model(folder), folder)
+    assert made.route == CONFIG and "block-sparse attention runs on more than" in made.why, made.why
+    assert made.inputs["input_ids"].shape[-1] > 28
+    code, out, err = _cli(capsys, "fold", folder, "-o", tmp_path / "out")
+    assert code == 0, out + err
+    reloaded = transformers.AutoModel.from_pretrained(tmp_path / "out")
+    assert reloaded.config.attention_type == "block_sparse"
+    assert type(reloaded.encoder.layer[0].attention.self).__name__ == "BigBirdBlockSparseAttention"
+    code, out, err = _cli(capsys, "verify", folder, tmp_path / "out")
+    assert code == 0, out + err

@@ -226,3 +226,18 @@ def test_token_ids_come_from_the_sub_config_naming_a_vocabulary_where_the_text_c
     config = transformers.FastSpeech2ConformerWithHifiGanConfig()
     assert _vocabulary_config(config) is config.model_config
     assert int(example_inputs_for(config)["input_ids"].max()) < config.model_config.vocab_size
+
+
+def test_a_block_sparse_model_gets_enough_tokens_to_keep_its_block_sparse_attention():
+    """BigBird-Pegasus switches its encoder to full attention, for good, on a call of at most
+    (5 + 2 * num_random_blocks) * block_size tokens: the example call must not change the model it folds."""
+    config = transformers.BigBirdPegasusConfig(vocab_size=99, d_model=32, encoder_layers=1, decoder_layers=1,
+                                               encoder_attention_heads=2, decoder_attention_heads=2,
+                                               encoder_ffn_dim=37, decoder_ffn_dim=37, block_size=4,
+                                               num_random_blocks=1, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.BigBirdPegasusModel(config).eval()
+    inputs = _model_runs_on_its_example_inputs(model)
+    assert inputs["input_ids"].shape[-1] == (6 + 2) * 4
+    assert model.config.attention_type == "block_sparse"
+    assert type(model.encoder.layers[0].self_attn.self).__name__ == "BigBirdPegasusBlockSparseAttention"

@@ -24,7 +24,8 @@ from torch import nn
 from .._deps import require
 from .._text import first_line
 from ..engine.graph import eval_mode
-from .inputs import MAIN_INPUTS, TOKENIZER_FILES, example_inputs_for, max_positions, with_call_options
+from .inputs import (MAIN_INPUTS, TOKENIZER_FILES, example_inputs_for, least_sequence_length, max_positions,
+                     with_call_options)
 from .load import check_model_dir
 from .samples import SAMPLE_TEXTS, sample_audio, sample_images
 
@@ -119,6 +120,9 @@ def _processor_inputs(model: nn.Module, processor, config_inputs: dict[str, Any]
     missing = [k for k in MAIN_INPUTS if k in config_inputs and k not in inputs]
     if missing:
         raise _NotFromProcessor(f"{name} makes no {', '.join(missing)} (it makes {', '.join(sorted(made)) or 'nothing'})")
+    least, why = least_sequence_length(model.config)
+    if "input_ids" in inputs and inputs["input_ids"].shape[-1] < least:
+        raise _NotFromProcessor(f"{name} makes {inputs['input_ids'].shape[-1]} tokens of the samples; {why}")
     inputs = with_call_options(inputs, model.config, params)
     try:
         with torch.no_grad(), eval_mode(model):

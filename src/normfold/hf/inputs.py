@@ -92,7 +92,7 @@ def _example_call(model_or_config, config, model_class: type, batch: int, seq: i
     """:func:`example_inputs_for` before the task head's fitting."""
     params = inspect.signature(model_class.forward).parameters
     gen = torch.Generator().manual_seed(seed)
-    seq = _poolable_length(config, seq)
+    seq = max(seq, least_sequence_length(config)[0])
     model = model_or_config if isinstance(model_or_config, nn.Module) else None
     vision_config = _vision_config(config)
     if "pixel_values" in params or "pixel_values_videos" in params:
@@ -332,12 +332,28 @@ def _vocabulary_config(config):
     return next((sub for sub in _sub_configs(config) if isinstance(getattr(sub, "vocab_size", None), int)), text)
 
 
-def _poolable_length(config, seq: int) -> int:
-    """``seq``, or more for a model that pools its sequence between blocks (Funnel: ``block_sizes``, each
-    block after the first halving it): 2 ** blocks tokens, so that every block still has 2 tokens beside
-    the CLS token it keeps apart."""
+def least_sequence_length(config) -> tuple[int, str]:
+    """The fewest tokens an example call needs to take the path the config asks for, and why (0, "" when
+    any length does):
+
+    - a model that pools its sequence between blocks (Funnel: ``block_sizes``, each block after the first
+      halving it): 2 ** blocks tokens, so that every block still has 2 tokens beside the CLS token it keeps;
+    - BigBird's block-sparse attention (BigBird, BigBird-Pegasus): on a sequence of at most (5 + 2 r) · b
+      tokens (b = ``block_size``, r = ``num_random_blocks``) the model swaps its attention modules for full
+      attention, for good, so the folded model would not be the one its config rebuilds: one block more.
+    """
     blocks = getattr(config, "block_sizes", None)
-    return max(seq, 2 ** len(blocks)) if isinstance(blocks, (list, tuple)) else seq
+    if isinstance(blocks, (list, tuple)):
+        return 2 ** len(blocks), f"{type(config).__name__} pools its sequence in {len(blocks)} blocks"
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "attention_type", None) == "block_sparse":
+        block, random_blocks = text.block_size, text.num_random_blocks
+        needed = (6 + 2 * random_blocks) * block
+        limit = max_positions(text)
+        return (min(needed, limit) if limit else needed), (
+            f"{type(config).__name__}'s block-sparse attention runs on more than (5 + 2 * num_random_blocks) * "
+            f"block_size = {needed - block} tokens only (shorter, the model switches itself to full attention)")
+    return 0, ""
 
 
 def _token_ids(text_config, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
