@@ -166,6 +166,24 @@ def _import_from_suite(statement: ast.ImportFrom, namespace: dict, path: Path, r
             namespace[alias.asname or alias.name] = loaded[alias.name]
 
 
+def tested_classes(model_type: str, root: Path) -> set[str]:
+    """The model classes the type's test file runs its testers' inputs on: the names in the
+    ``all_model_classes`` of its test cases (read from the source, not run); empty when it names none."""
+    path = tester_file(root, model_type)
+    if not path.is_file():
+        return set()
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not (isinstance(node, ast.ClassDef) and _is_test_case(node)):
+            continue
+        for statement in node.body:
+            if isinstance(statement, ast.Assign) and any(getattr(t, "id", None) == "all_model_classes"
+                                                         for t in statement.targets):
+                value = statement.value.body if isinstance(statement.value, ast.IfExp) else statement.value
+                names |= {n.id for n in ast.walk(value) if isinstance(n, ast.Name)}
+    return names
+
+
 def tester_classes(namespace: dict) -> list[type]:
     """The tester classes of a namespace, ``*ModelTester`` first."""
     found = [v for k, v in namespace.items() if isinstance(v, type) and k.endswith("Tester")
@@ -173,10 +191,11 @@ def tester_classes(namespace: dict) -> list[type]:
     return sorted(found, key=lambda cls: not cls.__name__.endswith("ModelTester"))
 
 
-def tester_inputs(model_type: str, root: Path, seed: int = 0):
+def tester_inputs(model_type: str, root: Path, seed: int = 0, model_class: type | None = None):
     """``(config, inputs, tester name)``: the first tester of the type's file whose config is of this model
-    type, its inputs drawn under ``torch.manual_seed(seed)`` with the label inputs left out; TesterError
-    naming why when there is none."""
+    type, its inputs drawn under ``torch.manual_seed(seed)`` with the label inputs left out (those it makes
+    for ``model_class`` where it makes inputs per class: Perceiver's ids for its masked LM, floats for its
+    bare model); TesterError naming why when there is none."""
     path = tester_file(root, model_type)
     if not path.is_file():
         raise TesterError(f"no file {path.relative_to(root)}")
@@ -188,7 +207,11 @@ def tester_inputs(model_type: str, root: Path, seed: int = 0):
     for cls in classes:
         try:
             torch.manual_seed(seed)
-            config, inputs = cls(_Parent()).prepare_config_and_inputs_for_common()
+            tester = cls(_Parent())
+            if model_class is not None and hasattr(tester, "prepare_config_and_inputs_for_model_class"):
+                config, inputs = tester.prepare_config_and_inputs_for_model_class(model_class)
+            else:
+                config, inputs = tester.prepare_config_and_inputs_for_common()
         except Exception as err:  # noqa: BLE001  the suite's own code on a partial checkout: reported
             tried.append(f"{cls.__name__}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:150]}")
             continue

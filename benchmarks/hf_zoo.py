@@ -418,8 +418,10 @@ def model_classes(config, zoo, inputs: dict | None = None) -> list[type]:
 
 def tester_rows(model_type: str, root: Path, zoo, testers) -> list[dict]:
     """The rows of ``model_type`` with transformers' own tester config and inputs (``hf_testers``): its
-    bare model and its main head class, each folded on the tester's inputs and proved again on the
-    tester's inputs of another seed; one "no tester" row (with why) when its tester cannot be loaded."""
+    bare model and its main head class, each folded on the tester's inputs (made for that class where the
+    tester makes them per class) and proved again on the tester's inputs of another seed; one "no tester" row
+    (with why) when its tester cannot be loaded; a class outside the test file's ``all_model_classes`` that
+    rejects the inputs is skipped (they were made for another class), not a FoldError."""
     row = dict.fromkeys(COLUMNS, "")
     row["model_type"] = model_type
     try:
@@ -430,16 +432,24 @@ def tester_rows(model_type: str, root: Path, zoo, testers) -> list[dict]:
     classes = model_classes(config, zoo, example)
     if not classes:
         return [{**row, "status": "skipped", "detail": f"{tester}; no model class takes {type(config).__name__}"}]
+    tested = testers.tested_classes(model_type, root)
     rows = []
     for cls in classes:
         rows.append({**row, "model_class": cls.__name__, "detail": tester})
         with _time_box(rows[-1]):
             try:
+                config, example = testers.tester_inputs(model_type, root, seed=0, model_class=cls)[:2]
+                other = testers.tester_inputs(model_type, root, seed=1, model_class=cls)[1]
                 model = tester_model(cls, config)
             except _TimeBox:
                 raise
             except Exception as err:  # noqa: BLE001  the tester's config builds no such model: skipped, with why
                 rows[-1].update(status="skipped", detail=f"no model: {type(err).__name__}: {_line(err)}")
+                continue
+            rejected = None if not tested or cls.__name__ in tested else eager_error(model, accepted_inputs(model, example))
+            if rejected is not None:  # inputs made for another class (PI0Model gets PI0ForConditionalGeneration's)
+                rows[-1].update(status="skipped", detail=f"{tester}; its inputs are for {', '.join(sorted(tested))} "
+                                f"(the test file's all_model_classes), and {cls.__name__} rejects them: {rejected}")
                 continue
             fold_and_prove(rows[-1], model, accepted_inputs(model, example), accepted_inputs(model, other))
             rows[-1]["detail"] = f"{tester}; {rows[-1]['detail']}".rstrip("; ")

@@ -396,3 +396,90 @@ def test_a_merge_of_merges_names_every_run_its_rows_came_from(hf_zoo, tmp_path):
     for command in ("--types bert", "--types gpt2", "--types xglm", f"--merge {tmp_path / 's0.csv'}"):
         assert command in provenance
     assert provenance.splitlines()[2].count("`") % 2 == 0  # the nested commands stay one balanced code span each
+
+
+# a tester whose inputs are for one head only (multiple choice: ids of shape (B, choices, T)), as the test file's
+# test case says in its all_model_classes (TimesFM's and PI0's testers feed their prediction heads only)
+MULTIPLE_CHOICE_TESTS = '''
+import unittest
+
+from transformers import BertConfig, is_torch_available
+
+from ...test_modeling_common import ModelTesterMixin, ids_tensor
+
+if is_torch_available():
+    from transformers import BertForMultipleChoice
+
+
+class BertChoiceModelTester:
+    def __init__(self, parent):
+        self.parent = parent
+
+    def prepare_config_and_inputs_for_common(self):
+        config = BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                            intermediate_size=32, max_position_embeddings=16)
+        return config, {"input_ids": ids_tensor([2, 3, 5], 50)}
+
+
+class BertChoiceModelTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = (BertForMultipleChoice,) if is_torch_available() else ()
+'''
+
+
+def test_a_class_the_test_file_does_not_run_its_inputs_on_is_skipped_not_a_fold_error(hf_zoo, zoo, tmp_path):
+    """Inputs made for another class are no FoldError of normfold's: TimesFmModel, PI0Model and
+    PerceiverForMaskedLM were "FoldError: missing input" rows, given inputs their test files run on other classes."""
+    path = tmp_path / "tests" / "models" / "bert" / "test_modeling_bert.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(textwrap.dedent(MULTIPLE_CHOICE_TESTS))
+    testers = hf_zoo._testers_module()
+    assert testers.tested_classes("bert", tmp_path) == {"BertForMultipleChoice"}
+    rows = hf_zoo.tester_rows("bert", tmp_path, zoo, testers)
+    assert rows and all(r["status"] == "skipped" for r in rows), rows
+    assert all("its inputs are for BertForMultipleChoice (the test file's all_model_classes)" in r["detail"]
+               and r["model_class"] + " rejects them: " in r["detail"] for r in rows)
+
+
+# a tester that makes inputs per model class (as Perceiver's does: floats for its bare model, ids for its masked LM)
+PER_CLASS_TESTS = '''
+import unittest
+
+from transformers import BertConfig, is_torch_available
+
+from ...test_modeling_common import ModelTesterMixin, ids_tensor
+
+if is_torch_available():
+    from transformers import BertLMHeadModel, BertModel
+
+
+class BertPerClassModelTester:
+    def __init__(self, parent):
+        self.parent = parent
+
+    def get_config(self):
+        return BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                          intermediate_size=32, max_position_embeddings=16)
+
+    def prepare_config_and_inputs_for_common(self):
+        return self.get_config(), {"input_ids": ids_tensor([2, 3, 5], 50)}  # right for none of the classes below
+
+    def prepare_config_and_inputs_for_model_class(self, model_class):
+        return self.get_config(), {"input_ids": ids_tensor([2, 5], 50), "model_class": model_class.__name__}
+
+
+class BertPerClassModelTest(ModelTesterMixin, unittest.TestCase):
+    all_model_classes = (BertModel, BertLMHeadModel) if is_torch_available() else ()
+'''
+
+
+def test_a_tester_that_makes_inputs_per_class_gives_each_class_its_own(hf_zoo, zoo, tmp_path):
+    """PerceiverForMaskedLM was a "FoldError: missing input" row: it got the float inputs the tester makes for
+    the bare model; a tester's per-class inputs are taken for each class."""
+    path = tmp_path / "tests" / "models" / "bert" / "test_modeling_bert.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(textwrap.dedent(PER_CLASS_TESTS))
+    testers = hf_zoo._testers_module()
+    _, inputs, _ = testers.tester_inputs("bert", tmp_path, seed=0, model_class=zoo.transformers.BertLMHeadModel)
+    assert inputs["model_class"] == "BertLMHeadModel" and inputs["input_ids"].shape == (2, 5)
+    rows = hf_zoo.tester_rows("bert", tmp_path, zoo, testers)
+    assert [(r["model_class"], r["status"]) for r in rows] == [("BertModel", "proved"), ("BertLMHeadModel", "proved")]
