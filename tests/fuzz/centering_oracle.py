@@ -64,6 +64,12 @@ def mean_ratio(x: Tensor, dim: int = -1) -> float:
     return (x.mean(dim).abs() / rms).max().item()
 
 
+def worst_mean_ratio(calls: list[Tensor], dim: int = -1) -> float:
+    """:func:`mean_ratio` of a module's input at the call where it is largest: a norm folds only where every
+    call's input is zero-mean."""
+    return max(mean_ratio(x, dim) for x in calls)
+
+
 def center(t: Tensor, dim: int, group: int | None) -> Tensor:
     """t minus its mean along dim (per contiguous group). Written here, not imported from the
     engine, so that the brute force shares no code with what it checks."""
@@ -93,15 +99,19 @@ def call_model(model: nn.Module, call, values: dict[str, Tensor] | None = None):
 
 
 class Recorder:
-    """Forward pre-hook that keeps a copy of the last input of one module (a copy: a later in-place op
-    may overwrite the tensor itself; clone() keeps the autograd link)."""
+    """Forward pre-hook that keeps a copy of every input of one module (a copy: a later in-place op may
+    overwrite the tensor itself; clone() keeps the autograd link); ``value`` is the last."""
 
     def __init__(self, module: nn.Module):
-        self.value = None
+        self.values: list[Tensor] = []
         self.handle = module.register_forward_pre_hook(self)
 
     def __call__(self, module, inputs):
-        self.value = inputs[0].clone()
+        self.values.append(inputs[0].clone())
+
+    @property
+    def value(self) -> Tensor | None:
+        return self.values[-1] if self.values else None
 
 
 class _Reached(BaseException):
@@ -110,26 +120,28 @@ class _Reached(BaseException):
 
 
 class Recorders:
-    """Forward pre-hooks on the modules at ``paths``: each keeps a copy of its module's last input in a run
-    (:meth:`run`), and a run can be cut short once each awaited module has run as often as it does in a
-    whole forward (a zero-mean check reads the norm's input, not the outputs)."""
+    """Forward pre-hooks on the modules at ``paths``: each keeps a copy of its module's input at every call
+    in a run (:meth:`run`; a module that runs twice, as PEGASUS-X's layer norms do on its local and global
+    streams, is folded for both calls, so both are judged), and a run can be cut short once each awaited
+    module has run as often as it does in a whole forward (a zero-mean check reads the norm's inputs, not
+    the outputs)."""
 
     def __init__(self, model: nn.Module, paths):
-        self.values: dict[str, Tensor] = {}
+        self.values: dict[str, list[Tensor]] = {}
         self.calls: dict[str, int] = {}
         self.stop_after: dict[str, int] | None = None
         self.handles = [model.get_submodule(p).register_forward_pre_hook(functools.partial(self._record, p))
                         for p in paths]
 
     def _record(self, path: str, module, inputs):
-        self.values[path] = inputs[0].clone()
-        self.calls[path] = self.calls.get(path, 0) + 1
+        self.values.setdefault(path, []).append(inputs[0].clone())
+        self.calls[path] = len(self.values[path])
         if self.stop_after and all(self.calls.get(p, 0) >= n for p, n in self.stop_after.items()):
             raise _Reached
 
     def run(self, model: nn.Module, call, values: dict[str, Tensor] | None = None,
             stop_after: dict[str, int] | None = None):
-        """(the outputs, or None for a run cut short; {path: last input}; {path: calls}) of ``model`` on
+        """(the outputs, or None for a run cut short; {path: its inputs, one per call}; {path: calls}) of ``model`` on
         ``call`` with ``values``, stopped once each module of ``stop_after`` ran that many times."""
         self.values, self.calls, self.stop_after = {}, {}, stop_after
         try:
@@ -179,7 +191,7 @@ def judge_norms(model: nn.Module, recipes: dict[str, tuple[int, int | None]], no
             stop = {p: counts[call_index][p] for p in paths}
             with torch.no_grad():
                 seen = recorders.run(model, inputs[call_index], values, stop)[1]
-            return {p: mean_ratio(seen[p], norm_dims[p]) for p in paths}
+            return {p: worst_mean_ratio(seen[p], norm_dims[p]) for p in paths}
 
         def zero_mean(values: dict[str, Tensor], paths) -> set[str]:
             """The norms of ``paths`` whose input is zero-mean on every input under ``values``."""
@@ -217,12 +229,12 @@ def judge_norms(model: nn.Module, recipes: dict[str, tuple[int, int | None]], no
         for path in norm_dims:
             if any(path not in c for c in counts):
                 yield NormVerdict(path, False, "not judged", "the module does not run on every input")
-            elif all(mean_ratio(values[path], norm_dims[path]) <= mean_tol for values, _ in first):
+            elif all(worst_mean_ratio(values[path], norm_dims[path]) <= mean_tol for values, _ in first):
                 yield NormVerdict(path, False, "missed", "its input is already zero-mean on random inputs")
             else:
                 pending.append(path)
         ancestors = _ancestors(model, names, inputs[0], recorders, pending, counts[0])
-        widths = {p: first[0][0][p].shape[norm_dims[p]] for p in pending}
+        widths = {p: first[0][0][p][0].shape[norm_dims[p]] for p in pending}
         # the modes worth a search for each norm: centering whole outputs, or per group of the norm's width
         # (a per-head LayerNorm over D reads a Linear's outputs in groups of D) where that differs
         modes = {p: ["whole"] + (["norm_width"] if any(_group_for(recipes[n], base[n], "norm_width", widths[p])
@@ -335,7 +347,7 @@ def _ancestors(model: nn.Module, names: dict[str, Tensor], call, recorders: Reco
     if run is None:
         return _ancestors_by_perturbation(model, names, call, recorders, paths, calls)
     _, seen, name_of = run
-    return {p: _leaves_reached([seen[p]], name_of) for p in paths}
+    return {p: _leaves_reached(seen[p], name_of) for p in paths}
 
 
 def _reaching_outputs(model: nn.Module, names: dict[str, Tensor], call, recorders: Recorders) -> set[str]:
@@ -389,6 +401,7 @@ def _ancestors_by_perturbation(model: nn.Module, names: dict[str, Tensor], call,
         for n, p in base.items():
             seen = recorders.run(model, call, {**base, n: p + torch.randn(p.shape, generator=gen, dtype=p.dtype)}, stop)[1]
             for path in paths:
-                if path not in seen or not torch.equal(seen[path], reference[path]):
+                if path not in seen or len(seen[path]) != len(reference[path]) or not all(
+                        torch.equal(a, b) for a, b in zip(seen[path], reference[path])):
                     found[path].append(n)
     return found

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from centering_oracle import MEAN_TOL, REL_TOL, NormVerdict, Recorder, brute_force, judge_norms, mean_ratio, rel_error
+from centering_oracle import (MEAN_TOL, REL_TOL, NormVerdict, Recorder, brute_force, judge_norms, rel_error,
+                              worst_mean_ratio)
 
 BATCH, TIME = 2, 4            # T = 4 lets a Conv2d see the sequence as a 2×2 image
 VOCAB = 10                    # token ids in [0, 10); also the width of a tied lm-head output
@@ -447,12 +448,11 @@ def _judge_claim(folded: nn.Module, path: str, inputs, outputs_equal: bool, rel:
     if not isinstance(module, RMSNorm):
         return NormVerdict(path, True, "wrong", f"claimed foldable but the folded model has {type(module).__name__} there")
     recorder = Recorder(module)
-    ratio = 0.0
     try:
         with torch.no_grad():
             for i in inputs:
                 folded(*i)
-                ratio = max(ratio, mean_ratio(recorder.value.double()))
+        ratio = worst_mean_ratio([x.double() for x in recorder.values])  # every call of the module, every input
     finally:
         recorder.handle.remove()
     if not outputs_equal:

@@ -194,3 +194,32 @@ def test_outputs_no_change_of_the_centered_parameters_moves_judge_nothing(dead):
         assert verdict.verdict == "not judged" and "jittered" in verdict.detail
     else:
         assert verdict.verdict == "confirmed"
+
+
+class OneNormTwoStreams(nn.Module):
+    """One LayerNorm module applied to two streams (PEGASUS-X's layer norms read its local and its global
+    tokens): a global stream that centering ``global_proj`` makes zero-mean, read last, and a local stream
+    plus a fixed position table no parameter shifts, read first. A fold replaces the module for both calls,
+    so no centering folds it."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.local_proj, self.global_proj = nn.Linear(width, width), nn.Linear(width, width)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):  # x (B, T, C)
+        positions = torch.arange(x.shape[-1], dtype=x.dtype).expand_as(x)  # (B, T, C), not zero-mean along C
+        local = self.norm(self.local_proj(x) + positions)
+        global_ = self.norm(self.global_proj(x[:, :1]))  # (B, 1, C)
+        return self.head(local), self.head(global_)
+
+
+def test_a_norm_module_run_twice_is_judged_on_every_call_not_the_last():
+    """The oracle kept only the last call's input: it reported this norm as a missed fold (the global call
+    zero-mean once global_proj is centered), while the local call can never be: PEGASUS-X's 6 'missed folds'."""
+    torch.manual_seed(0)
+    model = OneNormTwoStreams().double().eval()
+    recipes = {n: (0, None) for n, _ in model.named_parameters() if n.startswith(("local_proj", "global_proj"))}
+    verdict = brute_force(model, recipes, "norm", *_inputs_and_reference(model))
+    assert verdict.verdict == "confirmed", verdict
