@@ -406,3 +406,27 @@ def test_an_image_to_image_generator_gets_a_target_grid_after_each_source_and_a_
     assert (inputs["input_ids"] == 98).sum(dim=1).tolist() == sources.prod(-1).tolist()  # one id per source patch
     with torch.no_grad():
         assert model(**inputs).image_outputs is not None  # the vision tower ran
+
+
+def _vitpose_and_vitmatte():
+    pose = transformers.VitPoseConfig(backbone_config=transformers.VitPoseBackboneConfig(
+        image_size=[32, 24], patch_size=[8, 8], num_channels=3, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=64, out_indices=[2]))
+    matte = transformers.VitMatteConfig(backbone_config=transformers.VitDetConfig(
+        image_size=32, patch_size=16, num_channels=4, hidden_size=8, num_hidden_layers=2, num_attention_heads=2,
+        out_features=["stage1"]), hidden_size=8, fusion_hidden_sizes=[32, 16, 8, 8])
+    return [(transformers.VitPoseForPoseEstimation, pose, (3, 32, 24)),
+            (transformers.VitMatteForImageMatting, matte, (4, 32, 32))]
+
+
+@pytest.mark.parametrize("model_class, config, shape", _vitpose_and_vitmatte(), ids=["vitpose", "vitmatte"])
+def test_a_model_whose_backbone_sizes_its_images_gets_pixels_of_the_backbones_size(model_class, config, shape):
+    """ViTPose reads images of its ViT backbone's size (not square), ViTMatte an image plus its trimap (4
+    channels): both refused normfold's 224 x 224 RGB pixels ("Input image size (224*224) doesn't match model",
+    "Expected 4 but got 3"), found by benchmarks/cli_zoo.py over the testers' configs."""
+    torch.manual_seed(0)
+    model = model_class(config).eval()
+    inputs = example_inputs_for(model)
+    assert tuple(inputs["pixel_values"].shape[1:]) == shape
+    _, report = normfold.fold(model, inputs)  # raises unless proved
+    assert report.verification is not None

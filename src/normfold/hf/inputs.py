@@ -99,7 +99,7 @@ def _example_call(model_or_config, config, model_class: type, batch: int, seq: i
         media = (_clip_or_pair_inputs(config, vision_config, params, batch, gen)
                  or _image_inputs(vision_config, params, batch, gen, model_config=config))
         media.update(_companion_inputs(config, params, media, seq, gen))
-        layouts = _other_image_layouts(media, vision_config) if model is not None else []
+        layouts = _other_image_layouts(media, vision_config, config) if model is not None else []
         if layouts:
             call = _first_call_that_runs(model, config, params, [media, *layouts], batch, seq, gen)
             return _text_only_where_media_fails(model, config, params, call, batch, seq, seed)
@@ -534,7 +534,7 @@ def _image_inputs(vision_config, params, batch: int, gen: torch.Generator, *,
     return {"pixel_values": torch.randn(batch, channels, h, w, generator=gen)}
 
 
-def _other_image_layouts(media: dict[str, Any], vision_config) -> list[dict[str, Any]]:
+def _other_image_layouts(media: dict[str, Any], vision_config, model_config=None) -> list[dict[str, Any]]:
     """The same images (``media``: :func:`_image_inputs` and its companions) in the other layouts that
     models read under the same names, tried when the original rejects the usual one:
 
@@ -544,7 +544,10 @@ def _other_image_layouts(media: dict[str, Any], vision_config) -> list[dict[str,
     - a per-pixel ``pixel_attention_mask`` (B, 1, H, W): a per-tile one, (B, 1) (GraniteDocling: the real tiles);
     - (B, C, H, W) pixels with nothing else describing them: one-frame clips, (B, 1, C, H, W) (InstructBLIP-Video);
     - an ``image_token_pooling`` table indexing the patches of all crops: each image's rows indexing its own
-      crop's patches only (Molmo2 from transformers 5.25 adds each image's offset itself).
+      crop's patches only (Molmo2 from transformers 5.25 adds each image's offset itself);
+    - (B, C, H, W) pixels sized by the model's backbone (``backbone_config``: its image size and channels),
+      for a model whose backbone is the whole image tower (ViTPose's ViT at 256 x 192, ViTMatte's image plus
+      trimap: 4 channels); a detector windowing any size (RF-DETR) runs on the usual ones first.
     """
     pixels = media.get("pixel_values")
     if not isinstance(pixels, torch.Tensor):
@@ -558,9 +561,16 @@ def _other_image_layouts(media: dict[str, Any], vision_config) -> list[dict[str,
     mask = media.get("pixel_attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 4:
         return [{**media, "pixel_attention_mask": mask.flatten(2).any(-1)}]  # (B, 1, H, W) -> (B, tiles)
+    layouts = []
+    backbone = getattr(model_config, "backbone_config", None)
+    if pixels.dim() == 4 and backbone is not None:
+        shape = (_image_channels(backbone), *_image_side(backbone, default=pixels.shape[-1]))  # (C, H, W)
+        if tuple(pixels.shape[1:]) != shape:
+            gen = torch.Generator().manual_seed(0)
+            layouts.append({**media, "pixel_values": torch.randn(len(pixels), *shape, generator=gen, dtype=pixels.dtype)})
     if pixels.dim() == 4 and not set(media) & set(_IMAGE_INPUTS) - {"pixel_values"}:
-        return [{**media, "pixel_values": pixels.unsqueeze(1)}]  # (B, C, H, W) -> (B, frames = 1, C, H, W)
-    return []
+        layouts.append({**media, "pixel_values": pixels.unsqueeze(1)})  # (B, C, H, W) -> (B, frames = 1, C, H, W)
+    return layouts
 
 
 def _other_patch_layouts(media: dict[str, Any], grid_name: str, vision_config) -> list[dict[str, Any]]:
