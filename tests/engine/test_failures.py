@@ -120,8 +120,9 @@ def test_a_float64_model_that_raises_is_a_fold_error_not_a_fallback():
     with pytest.raises(ExampleInputsError, match=r"not valid for NoFloat64: the original model itself raises "
                        r"RuntimeError: value cannot be converted"):
         fold(model, inputs)  # it raises eagerly too: the inputs are at fault, not export
-    with pytest.raises(FoldError, match=r"NoFloat64: verifying \(running both models\) failed: RuntimeError"):
-        prove_fold(model, model, inputs, FoldPlan())
+    with pytest.raises(ExampleInputsError, match=r"not valid for NoFloat64: the original model itself raises "
+                       r"RuntimeError"):
+        prove_fold(model, model, inputs, FoldPlan())  # the proof says the same of an example the original rejects
 
 
 def test_a_model_that_runs_in_float64_is_still_compared_in_float64():
@@ -131,8 +132,15 @@ def test_a_model_that_runs_in_float64_is_still_compared_in_float64():
 
 def test_verify_called_directly_names_the_model_and_step_when_a_model_raises():
     model = NoFloat64().double()
-    with pytest.raises(FoldError, match=r"NoFloat64: verifying \(running both models\) failed: RuntimeError"):
+    with pytest.raises(ExampleInputsError, match=r"not valid for NoFloat64: the original model itself raises "
+                       r"RuntimeError"):
         verify(model, model, tuple(t.double() for t in _x()))  # before: the model's RuntimeError, raw
+    broken = NoFloat64()  # runs in float32; its folded stand-in raises on every input
+    folded = copy.deepcopy(broken)
+    folded.forward = lambda *args: (_ for _ in ()).throw(RuntimeError("the folded model broke"))
+    with pytest.raises(FoldError, match=r"NoFloat64: verifying \(running both models\) failed: RuntimeError: "
+                       r"the folded model broke"):
+        verify(broken, folded, _x())
 
 
 def test_fresh_inputs_permute_related_integer_inputs_together_and_keep_float_masks_as_masks():

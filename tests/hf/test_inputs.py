@@ -241,3 +241,15 @@ def test_a_block_sparse_model_gets_enough_tokens_to_keep_its_block_sparse_attent
     assert inputs["input_ids"].shape[-1] == (6 + 2) * 4
     assert model.config.attention_type == "block_sparse"
     assert type(model.encoder.layers[0].self_attn.self).__name__ == "BigBirdPegasusBlockSparseAttention"
+
+
+def test_a_model_that_reads_spans_at_question_tokens_gets_one_per_row_and_its_fold_proves():
+    """SplinterForPreTraining raises "All samples in the batch must have at least one question token"; the
+    question token was even taken out of the random ids as a control token (found by benchmarks/cli_zoo.py)."""
+    config = transformers.SplinterConfig(**TINY_BERT_LIKE, question_token_id=5)
+    torch.manual_seed(0)
+    model = transformers.SplinterForPreTraining(config).eval()
+    inputs = _model_runs_on_its_example_inputs(model)
+    assert ((inputs["input_ids"] == 5).sum(-1) >= 1).all()
+    _, report = normfold.fold(model, inputs)
+    assert report.verification is not None

@@ -27,6 +27,13 @@ class ExampleInputsError(FoldError, ValueError):
     a FoldError subclass so the pipeline passes it on as it is."""
 
 
+def invalid_example_inputs(model, err: BaseException) -> ExampleInputsError:
+    """The ExampleInputsError of ``model`` rejecting its example inputs with ``err`` (raise it ``from err``)."""
+    return ExampleInputsError(f"the example inputs are not valid for {model_name(model)}: the original model itself "
+                              f"raises {type(err).__name__}: {first_line(err, 300)} when run eagerly on them; pass "
+                              f"inputs the model accepts")
+
+
 class CheckpointError(ValueError):
     """A folder cannot be read as a model, or the output folder cannot be written: a user error."""
 

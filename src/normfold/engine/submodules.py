@@ -30,7 +30,7 @@ from torch.export.graph_signature import InputKind
 
 from .._text import first_line
 from ..nn.kinds import norm_kind, norm_modules
-from .errors import ExampleInputsError, FoldError, model_name
+from .errors import FoldError, invalid_example_inputs
 from .graph import (Captured, capture, eval_mode, export_call, parameter_aliases, path_in_root,
                     split_example_inputs, static_size)
 from .wiring import CallWiring, Follower, Followed, GlueOp, Key, Unknown
@@ -67,10 +67,7 @@ def capture_submodules(model: nn.Module, calls: list, whole_model_error: str) ->
     try:
         recording = _record(model, splits, frozenset())
     except Exception as err:  # noqa: BLE001  the model's own code, whatever it raises: the inputs are wrong
-        raise ExampleInputsError(
-            f"the example inputs are not valid for {model_name(model)}: the original model itself raises "
-            f"{type(err).__name__}: {first_line(err, 300)} when run eagerly on them; pass inputs the model "
-            f"accepts") from err
+        raise invalid_example_inputs(model, err) from err
     found: dict[str, list[list[tuple[int, torch.export.ExportedProgram]]]] = {}
     frontier = _candidates(model, "", recording)
     while frontier:

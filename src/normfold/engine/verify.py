@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from .._text import dtype_name, first_line
 from ..nn import PermutedRMSNorm, RMSNorm
-from .errors import FoldVerificationError, failures_as_fold_error, model_name
+from .errors import FoldVerificationError, failures_as_fold_error, invalid_example_inputs, model_name
 from .graph import eval_mode, split_example_calls
 from .math import mean_over_rms
 from .report import JUMP_MULTIPLE, ModelDtypeCheck, VerifyResult, WorstElement
@@ -273,7 +273,7 @@ def _inputs_the_original_runs(original: nn.Module, calls, num_random: int, gener
     one run on ``original`` in ``run_dtype`` (its own) first: a fresh input it rejects (permuted integers
     that are sizes or positions: Qwen2-VL's ``image_grid_thw``) is made again with the example's integers,
     its floats varied. Returns (inputs, the original's outputs on them, what was remade in words or None,
-    whether its forward drew random numbers); an example the original rejects raises its own error."""
+    whether its forward drew random numbers); an example the original rejects is an ExampleInputsError."""
     inputs, outputs, remade, draws = [], [], [], []
 
     def run(call):
@@ -283,7 +283,10 @@ def _inputs_the_original_runs(original: nn.Module, calls, num_random: int, gener
 
     for call in calls:
         inputs.append(call)
-        run(call)
+        try:
+            run(call)
+        except Exception as err:  # noqa: BLE001  the model's own code, whatever it raises: the inputs are wrong
+            raise invalid_example_inputs(original, err) from err
         for _ in range(num_random):
             fresh = fresh_inputs_like(call, generator)
             try:

@@ -140,6 +140,9 @@ def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, A
     if "input_ids" in params:
         ids = _token_ids(_vocabulary_config(config), batch, seq, gen)  # with pixels or audio: text and media (CLIP, Voxtral)
         ids = _without_media_control_tokens(ids, config, config.get_text_config())
+        question = getattr(config, "question_token_id", None)
+        if isinstance(question, int) and ids.shape[1] > 1:  # Splinter reads each row's spans at its question tokens
+            ids[:, 1] = question
         if model is not None:
             ids = _with_media_tokens(model, ids, inputs)
         if "pixel_values" in inputs:  # slots for the image given (Kosmos-2.5 reads flattened patches instead)
