@@ -231,16 +231,17 @@ def write_markdown(rows: list[dict], path: Path, command: str) -> None:
 
 
 def _skip_kind(line: str) -> str:
-    if line.startswith("no tiny model"):
-        return "no tiny folder from the shrunk default config"
+    if line.startswith("no tiny model"):  # "from its shrunk default config (...)", or "from its tester (...)"
+        return line.split(" (")[0].replace("no tiny model", "no tiny folder")
     return "past the memory limit" if "memory" in line else "past the time box" if "took more than" in line else line
 
 
 def _refusal_kind(line: str) -> str:
     """A refusal's kind: the words of its one line past ``normfold: error:``, up to where it names the model,
     the folder or the details ("cannot build example inputs for BarkConfig: ..." -> "cannot build example
-    inputs")."""
+    inputs"; "EncodecModel (encodec): planning (capture ...": "planning")."""
     body = line.removeprefix("normfold: error: ").removeprefix("normfold: ")
+    body = re.sub(r"^\w+ \([\w.-]+\): ", "", body)  # "EncodecModel (encodec): planning ...": the step, not the model
     return re.split(r" for | in /|: | \(", body, maxsplit=1)[0][:60]
 
 

@@ -77,6 +77,8 @@ def test_settings_that_cannot_run_are_refused_before_any_type(cli_zoo, argv, sai
     ("normfold: error: could not load the weights in /tmp/x/t5gemma: You set ...", "could not load the weights"),
     ("normfold: verification failed: folded model differs from the original: ...", "verification failed"),
     ("normfold: error: nothing to fold: BitModel has no LayerNorm ...", "nothing to fold"),
+    ("normfold: error: EncodecModel (encodec): planning (capture and analysis): torch.export could not ...",
+     "planning"),  # was counted as a kind "EncodecModel"
 ])
 def test_refusals_are_counted_by_kind_not_by_the_model_they_name(cli_zoo, line, kind):
     assert cli_zoo._refusal_kind(line) == kind
@@ -146,3 +148,12 @@ def test_tests_must_be_a_checkout(cli_zoo, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli_zoo.main(["--tests", str(tmp_path), "--types", "vit"])
     assert exit_.value.code == 2 and "--tests must be a transformers checkout with tests/models/" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("line", "kind"), [
+    ("no tiny model from its shrunk default config (ValueError: ...)", "no tiny folder from its shrunk default config"),
+    ("no tiny model from its tester (TesterError: no file tests/models/x/test_modeling_x.py)",
+     "no tiny folder from its tester"),  # was counted as "from the shrunk default config" too
+])
+def test_skips_are_counted_by_where_the_tiny_model_failed(cli_zoo, line, kind):
+    assert cli_zoo._skip_kind(line) == kind
