@@ -180,6 +180,10 @@ CONFIG_OVERRIDES = {"gpt_neo": {"attention_types": [[["global", "local"], 1]], "
                     "glm4v": {"text_config": _GLM_MROPE_TEXT}, "glm_ocr": {"text_config": _GLM_MROPE_TEXT},
                     "voxtral": {"audio_token_id": 24},  # its default is None (no audio token): its checkpoints' id
                     "align": {"projection_dim": 640},
+                    # block-sparse attention needs more than (5 + 2 r) b tokens, else the model swaps it for full
+                    # attention for good: 64-token blocks would need 704 of its 64 positions
+                    "big_bird": {"block_size": 4, "num_random_blocks": 1},
+                    "bigbird_pegasus": {"block_size": 4, "num_random_blocks": 1},
                     "efficientloftr": {"hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 8,
                                        "intermediate_size": 512},
                     "lightglue": {"hidden_size": 256, "intermediate_size": 512},
