@@ -206,6 +206,8 @@ def _clean(text: str) -> str:
 
 
 def write_markdown(rows: list[dict], path: Path, command: str) -> None:
+    from hf_zoo import command_line
+
     verdicts = collections.Counter(r["verdict"] for r in rows)
     routes = collections.Counter(r["route"] for r in rows if r["verdict"] == "folded")
     refusals = collections.Counter(_refusal_kind(r["line"]) for r in rows if r["verdict"] == "refused")
@@ -216,7 +218,7 @@ def write_markdown(rows: list[dict], path: Path, command: str) -> None:
         "# `normfold fold` over a tiny folder of every " + ("task head of the test families' transformers types"
                                                           if any(":" in r["model_type"] for r in rows)
                                                           else "transformers type"), "",
-        f"command: `{command}`  ",
+        command_line(command),
         f"torch {torch.__version__}, transformers {_version('transformers')}; commit {_commit()}  ",
         f"types: {len(rows)}; " + ", ".join(f"{n} {v}" for v, n in verdicts.most_common()), "",
         f"**Tracebacks or malformed exits: {bugs}.** Folded: {verdicts['folded']} (input route: "

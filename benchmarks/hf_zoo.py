@@ -561,7 +561,7 @@ def write_markdown(rows: list[dict], path: Path, command: str, not_reached: list
     tried = [r for r in rows if r["status"] in ("proved", "FoldError", "WRONG", "EXCEPTION")]
     lines = [
         "# The transformers zoo, folded", "",
-        f"command: `{command}`  ",
+        command_line(command),
         f"machine: {platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads; "
         f"torch {torch.__version__}, transformers {_version('transformers')}; commit {_commit()}  ",
         f"rows: {len(rows)}; " + ", ".join(f"{n} {s}" for s, n in statuses.most_common()) + "  ",
@@ -676,20 +676,27 @@ def merge_tables(paths: list[Path], stem: Path, order: list[str]) -> list[dict]:
 
 
 def recorded_command(markdown: Path) -> str | None:
-    """The whole command text a table's .md recorded, the commands of its own inputs (backticked) kept."""
+    """What a table's .md says made it, verbatim (its backticked commands and the words between them): the text
+    after the first ": " of its ``command: ...`` line (or a hand-written ``commands (...): ...`` one)."""
     for line in markdown.read_text().splitlines():
-        if line.startswith("command: `"):
-            return line.removeprefix("command: `").rstrip().removesuffix("`")
+        if line.startswith("command") and ": " in line:
+            return line.split(": ", 1)[1].rstrip()
     return None
 
 
 def merge_provenance(script: str, paths: list) -> str:
-    """The command of a ``--merge`` of ``paths``, followed by each input's recorded command, so that a merge of
-    merges still names every run its rows came from."""
-    merged = f"python benchmarks/{script} --merge {' '.join(map(str, paths))}"
+    """The provenance line of a ``--merge`` of ``paths`` (markdown, for :func:`command_line`): its command,
+    then what each input's .md recorded, so that a merge of merges still names every run its rows came from."""
+    merged = f"`python benchmarks/{script} --merge {' '.join(map(str, paths))}`"
     recorded = [recorded_command(Path(p).with_suffix(".md")) for p in paths if Path(p).with_suffix(".md").is_file()]
     recorded = [c for c in recorded if c]
-    return merged + ("`; shards: `" + "`; `".join(recorded) if recorded else "")
+    return merged + ("; from: " + "; ".join(recorded) if recorded else "")
+
+
+def command_line(command: str) -> str:
+    """A table's ``command:`` line: ``command`` in backticks, or as it is where it is already markdown (a merge's
+    provenance, :func:`merge_provenance`)."""
+    return f"command: {command}  " if command.startswith("`") else f"command: `{command}`  "
 
 
 def _rss_gb(pid: int) -> float:

@@ -395,7 +395,8 @@ def test_a_merge_of_merges_names_every_run_its_rows_came_from(hf_zoo, tmp_path):
     provenance = (tmp_path / "final.md").read_text()
     for command in ("--types bert", "--types gpt2", "--types xglm", f"--merge {tmp_path / 's0.csv'}"):
         assert command in provenance
-    assert provenance.splitlines()[2].count("`") % 2 == 0  # the nested commands stay one balanced code span each
+    line = provenance.splitlines()[2]
+    assert line.count("`") % 2 == 0 and line.count("from: ") == 2  # each command its own code span, nesting said
 
 
 # a tester whose inputs are for one head only (multiple choice: ids of shape (B, choices, T)), as the test file's
