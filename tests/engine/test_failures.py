@@ -327,3 +327,19 @@ def test_fresh_inputs_the_original_runs_are_not_reported_as_remade():
     grid = torch.ones(4, 3, dtype=torch.long)  # permuted: the same grid
     result = verify(model, copy.deepcopy(model), {"x": torch.randn(4, 4), "grid": grid}, num_random=2)
     assert result.ok and result.integers_kept is None and "kept" not in str(result)
+
+
+class AlsoOnNoRows(PreLN):
+    """PreLN whose norm also runs on a slice of no rows (HiggsAudio v2 normalizes an audio segment of no tokens)."""
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.head(self.ln(h)), self.ln(h[:0])
+
+
+def test_a_norm_called_on_no_rows_is_folded_and_proved_on_its_other_calls():
+    """The proof's watch of the RMSNorm inputs took the max of an empty tensor and the fold was refused with
+    "verifying (running both models) failed: RuntimeError: max(): Expected reduction dim" (found by cli_zoo)."""
+    folded, report = fold(AlsoOnNoRows(), _x())
+    assert [n.foldable for n in report.norms] == [True] and report.verification.ok
+    assert report.verification.max_input_mean_ratio is not None and report.verification.max_input_mean_ratio < 1e-9

@@ -806,12 +806,14 @@ def _argmax_agreement(ref: Tensor, out: Tensor) -> float | None:
 
 def watch_rms_inputs(model: nn.Module, paths):
     """Forward pre-hooks on normfold RMSNorms recording max |mean(x)| / rms(x) over the rows they
-    normalize (a ``PermutedRMSNorm``'s after its permute: a channels-first norm's rows are channels)."""
+    normalize (a ``PermutedRMSNorm``'s after its permute: a channels-first norm's rows are channels); a call
+    with no rows (an audio segment of no tokens: HiggsAudio v2) records nothing."""
     ratios: list[float] = []
 
     def hook(module, inputs):
         rows = inputs[0].permute(module.order) if isinstance(module, PermutedRMSNorm) else inputs[0]
-        ratios.append(mean_over_rms(rows).max().item())
+        if rows.numel():
+            ratios.append(mean_over_rms(rows).max().item())
 
     wanted = None if paths is None else set(paths)
     hooks = [m.register_forward_pre_hook(hook) for path, m in model.named_modules()
