@@ -430,3 +430,15 @@ def test_a_model_whose_backbone_sizes_its_images_gets_pixels_of_the_backbones_si
     assert tuple(inputs["pixel_values"].shape[1:]) == shape
     _, report = normfold.fold(model, inputs)  # raises unless proved
     assert report.verification is not None
+
+
+def test_a_vision_tower_that_reads_frames_gets_a_clip_as_its_frames():
+    """X-CLIP's vision tower alone reads (B·T, C, H, W) frames, not the (B, T, C, H, W) clips its config's
+    ``num_frames`` suggests ("too many values to unpack (expected 4)", found by benchmarks/cli_zoo.py)."""
+    config = transformers.XCLIPVisionConfig(**TINY_VISION, num_frames=2, mit_hidden_size=32, mit_intermediate_size=64)
+    torch.manual_seed(0)
+    model = transformers.XCLIPVisionModel(config).eval()
+    inputs = example_inputs_for(model)
+    assert inputs["pixel_values"].dim() == 4
+    _, report = normfold.fold(model, inputs)
+    assert report.verification is not None

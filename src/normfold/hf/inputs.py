@@ -546,6 +546,7 @@ def _other_image_layouts(media: dict[str, Any], vision_config, model_config=None
       token, (N / m², m·P, m·P, C) channels last with the grid counted in merged tokens (Inkling2);
     - a per-pixel ``pixel_attention_mask`` (B, 1, H, W): a per-tile one, (B, 1) (GraniteDocling: the real tiles);
     - (B, C, H, W) pixels with nothing else describing them: one-frame clips, (B, 1, C, H, W) (InstructBLIP-Video);
+      clips (B, T, C, H, W) as their frames, (B·T, C, H, W) (X-CLIP's vision tower alone reads frames);
     - an ``image_token_pooling`` table indexing the patches of all crops: each image's rows indexing its own
       crop's patches only (Molmo2 from transformers 5.25 adds each image's offset itself);
     - (B, C, H, W) pixels sized by the model's backbone (``backbone_config``: its image size and channels),
@@ -573,6 +574,8 @@ def _other_image_layouts(media: dict[str, Any], vision_config, model_config=None
             layouts.append({**media, "pixel_values": torch.randn(len(pixels), *shape, generator=gen, dtype=pixels.dtype)})
     if pixels.dim() == 4 and not set(media) & set(_IMAGE_INPUTS) - {"pixel_values"}:
         layouts.append({**media, "pixel_values": pixels.unsqueeze(1)})  # (B, C, H, W) -> (B, frames = 1, C, H, W)
+    if pixels.dim() == 5 and not set(media) & set(_IMAGE_INPUTS) - {"pixel_values"}:
+        layouts.append({**media, "pixel_values": pixels.flatten(0, 1)})  # (B, T, C, H, W) -> (B·T, C, H, W)
     return layouts
 
 
