@@ -484,3 +484,16 @@ def test_a_tester_that_makes_inputs_per_class_gives_each_class_its_own(hf_zoo, z
     assert inputs["model_class"] == "BertLMHeadModel" and inputs["input_ids"].shape == (2, 5)
     rows = hf_zoo.tester_rows("bert", tmp_path, zoo, testers)
     assert [(r["model_class"], r["status"]) for r in rows] == [("BertModel", "proved"), ("BertLMHeadModel", "proved")]
+
+
+def test_a_class_without_a_layer_norm_is_a_no_layer_norm_row_whatever_inputs_it_was_given(hf_zoo, zoo, tmp_path):
+    """The all_model_classes check runs the model only where there is a LayerNorm to fold: TimesFM 2.5's bare
+    model (RMSNorm only) stays "no LayerNorm", not "skipped"."""
+    text = MULTIPLE_CHOICE_TESTS.replace("BertConfig(", "LlamaConfig(").replace("from transformers import BertConfig",
+                                                                                "from transformers import LlamaConfig")
+    text = text.replace("intermediate_size=32, max_position_embeddings=16", "intermediate_size=32")
+    path = tmp_path / "tests" / "models" / "llama" / "test_modeling_llama.py"
+    path.parent.mkdir(parents=True)
+    path.write_text(textwrap.dedent(text))
+    rows = hf_zoo.tester_rows("llama", tmp_path, zoo, hf_zoo._testers_module())
+    assert rows and all(r["status"] == "no LayerNorm" for r in rows), rows
