@@ -253,3 +253,19 @@ def test_a_model_that_reads_spans_at_question_tokens_gets_one_per_row_and_its_fo
     assert ((inputs["input_ids"] == 5).sum(-1) >= 1).all()
     _, report = normfold.fold(model, inputs)
     assert report.verification is not None
+
+
+def test_a_speech_model_sized_by_features_per_channel_gets_features_of_that_width():
+    """Speech2Text reads input_feat_per_channel x input_channels features (not a ``num_mel_bins``): a config of 24
+    was given normfold's 80-wide features and refused ("expected input ... to have 24 channels"), found by
+    benchmarks/cli_zoo.py over the testers' configs."""
+    config = transformers.Speech2TextConfig(vocab_size=99, d_model=32, encoder_layers=1, decoder_layers=1,
+                                            encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                            decoder_ffn_dim=64, input_feat_per_channel=24, input_channels=1,
+                                            conv_channels=32, max_source_positions=64, max_target_positions=64)
+    torch.manual_seed(0)
+    model = transformers.Speech2TextModel(config).eval()
+    inputs = _model_runs_on_its_example_inputs(model)
+    assert inputs["input_features"].shape[-1] == 24
+    _, report = normfold.fold(model, inputs)
+    assert report.verification is not None

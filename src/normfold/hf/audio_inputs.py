@@ -186,10 +186,13 @@ def _with_masks(build: Candidate, masks, batch: int, length: int) -> Candidate:
 
 
 def _mel_widths(audio_config) -> list[int]:
-    """Candidate feature widths: the config's own (``num_mel_bins``, ``feature_size``, ...) first,
-    and that times ``num_stacked_frames`` where the config stacks frames, then the common filter-bank
+    """Candidate feature widths: the config's own (``num_mel_bins``, ``feature_size``, ...; Speech2Text's
+    ``input_feat_per_channel`` x ``input_channels``) first, and that times ``num_stacked_frames`` where the config stacks frames, then the common filter-bank
     widths, then those its sub-configs name; the first is 80 where the config names none (Whisper's)."""
     named = [v for f in MEL_FIELDS if isinstance(v := getattr(audio_config, f, None), int)]
+    per_channel = getattr(audio_config, "input_feat_per_channel", None)  # Speech2Text: features x input channels
+    if isinstance(per_channel, int):
+        named.append(per_channel * (getattr(audio_config, "input_channels", None) or 1))
     stacked = getattr(audio_config, "num_stacked_frames", None)  # low-frame-rate features (FunASR): frames side by side
     if named and isinstance(stacked, int):
         named.append(named[0] * stacked)
