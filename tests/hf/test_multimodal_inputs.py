@@ -442,3 +442,19 @@ def test_a_vision_tower_that_reads_frames_gets_a_clip_as_its_frames():
     assert inputs["pixel_values"].dim() == 4
     _, report = normfold.fold(model, inputs)
     assert report.verification is not None
+
+
+def test_a_robot_policy_gets_its_state_noise_and_timestep_and_its_fold_proves():
+    """PI0ForConditionalGeneration (a checkpoint's architecture) requires the robot's ``state``: every folder of it
+    was refused ("missing 1 required positional argument: 'state'"); noise and timestep are given too, so that
+    its forward draws no random numbers of its own."""
+    from test_zoo_folders import shrunk_config
+
+    torch.manual_seed(0)
+    model = transformers.PI0ForConditionalGeneration(shrunk_config("pi0")).eval()
+    inputs = example_inputs_for(model)
+    config = model.config
+    assert inputs["state"].shape == (2, config.max_state_dim)
+    assert inputs["noise"].shape == (2, config.chunk_size, config.max_action_dim) and inputs["timestep"].shape == (2,)
+    _, report = normfold.fold(model, inputs)
+    assert report.verification is not None and not report.verification.random_draws

@@ -163,12 +163,28 @@ def _completed_call(model: nn.Module | None, config, params, inputs: dict[str, A
         inputs["visual_pos"] = _boxes(batch, seq, _BOX_SCALE, gen) / _BOX_SCALE  # normalized to [0, 1]
     if "noise" in params and "pixel_values" in inputs:
         inputs["noise"] = _patch_masking_noise(_vision_config(config), inputs["pixel_values"], gen)
+    inputs.update(_robot_inputs(config, params, batch, gen))
     inputs = _with_required_embeddings(model, config, params, inputs, batch, seq, gen)
     inputs = _with_cross_attended_states(model, config, params, inputs, batch, seq, gen)
     if not inputs:
         raise CheckpointError(f"cannot build example inputs for {type(config).__name__}: its forward takes none of "
                               f"input_ids, pixel_values, input_values, input_features")
     return with_call_options(inputs, config, params, seq=seq, gen=gen)
+
+
+def _robot_inputs(config, params, batch: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A vision-language-action policy's robot inputs (PI0ForConditionalGeneration requires ``state``): the
+    robot's state (B, ``max_state_dim``), and the denoising step's noise (B, ``chunk_size``, ``max_action_dim``)
+    and timestep (B,) in (0, 1), given so that the forward draws no random numbers of its own."""
+    state, chunk, action = (getattr(config, name, None) for name in ("max_state_dim", "chunk_size", "max_action_dim"))
+    if "state" not in params or not isinstance(state, int):
+        return {}
+    found = {"state": torch.randn(batch, state, generator=gen)}  # (B, S)
+    if "noise" in params and isinstance(chunk, int) and isinstance(action, int):
+        found["noise"] = torch.randn(batch, chunk, action, generator=gen)  # (B, chunk, A)
+    if "timestep" in params:
+        found["timestep"] = torch.rand(batch, generator=gen) * 0.8 + 0.1  # (B,)
+    return found
 
 
 def _with_required_embeddings(model: nn.Module | None, config, params, inputs: dict[str, Any], batch: int, seq: int,
