@@ -444,10 +444,9 @@ def tester_rows(model_type: str, root: Path, zoo, testers) -> list[dict]:
             except Exception as err:  # noqa: BLE001  the tester's config builds no such model: skipped, with why
                 rows[-1].update(status="skipped", detail=f"no model: {type(err).__name__}: {_line(err)}")
                 continue
-            inputs, other_inputs = _class_inputs(model, model_type, root, testers, example, other)
-            rejected = (None if not tested or cls.__name__ in tested or not has_layer_norm(model)
-                        else eager_error(model, accepted_inputs(model, inputs)))
-            if rejected is not None:  # inputs made for another class (PI0Model gets PI0ForConditionalGeneration's)
+            inputs, other_inputs, rejected = _class_inputs(model, model_type, root, testers, example, other)
+            if rejected is not None and tested and cls.__name__ not in tested and has_layer_norm(model):
+                # inputs made for another class (PI0Model gets PI0ForConditionalGeneration's)
                 rows[-1].update(status="skipped", detail=f"{tester}; its inputs are for {', '.join(sorted(tested))} "
                                 f"(the test file's all_model_classes), and {cls.__name__} rejects them: {rejected}")
                 continue
@@ -457,14 +456,18 @@ def tester_rows(model_type: str, root: Path, zoo, testers) -> list[dict]:
 
 
 def _class_inputs(model: nn.Module, model_type: str, root: Path, testers, example: dict, other: dict) -> tuple:
-    """(example, other): the tester's common inputs, or, where ``model`` rejects them and the tester makes
-    inputs per class (Perceiver: ids for its masked LM, floats for its bare model), those it makes for this class."""
-    if eager_error(model, accepted_inputs(model, example)) is None:
-        return example, other
+    """(example, other, the model's error on that example or None): the tester's common inputs, or, where
+    ``model`` rejects them and the tester makes inputs per class (Perceiver: ids for its masked LM, floats for its
+    bare model), those it makes for this class (the common ones again, where it makes none)."""
+    error = eager_error(model, accepted_inputs(model, example))
+    if error is None:
+        return example, other, None
     try:
-        return tuple(testers.tester_inputs(model_type, root, seed=seed, model_class=type(model))[1] for seed in (0, 1))
+        mine, my_other = (testers.tester_inputs(model_type, root, seed=seed, model_class=type(model))[1]
+                          for seed in (0, 1))
     except Exception:  # noqa: BLE001  the suite's code on a partial checkout: the common inputs stand
-        return example, other
+        return example, other, error
+    return mine, my_other, eager_error(model, accepted_inputs(model, mine))
 
 
 def tester_model(cls: type, config) -> nn.Module:
